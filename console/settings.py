@@ -1,0 +1,177 @@
+"""Django settings for the FlexPipe console.
+
+Everything a deployment changes comes from the environment, with embedded defaults that make
+`make run` work on a bare machine: SQLite in the project folder, Redis at REDIS_URL.
+
+    DATABASE_URL       default sqlite:///<project>/db.sqlite3   (PostgreSQL in production and tests)
+    REDIS_URL          default redis://127.0.0.1:6379/0          (Celery broker, Channels layer)
+    SECRET_KEY         default a development key (refused when DEBUG is off)
+    DEBUG              default 1
+    ALLOWED_HOSTS      default *  (comma separated)
+    FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
+    FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+DEBUG = _env_bool("DEBUG", True)
+SECRET_KEY = os.environ.get("SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise RuntimeError("SECRET_KEY must be set when DEBUG is off")
+    SECRET_KEY = "dev-only-insecure-key-flexpipe"  # noqa: S105 - development default, refused above in production
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "*").split(",") if h.strip()]
+CSRF_TRUSTED_ORIGINS = [
+    o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
+]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "console.fleet",
+    "console.dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "console.urls"
+WSGI_APPLICATION = "console.wsgi.application"
+ASGI_APPLICATION = "console.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
+        conn_max_age=0,
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several processes (web, worker, beat) share the file under `make run`: wait instead of failing.
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    DATABASES["default"].setdefault("TEST", {})["NAME"] = str(BASE_DIR / ".run" / "test.sqlite3")
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+# Serve from the app folders directly, so a `make run` needs no collectstatic step.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": os.environ.get("FLEXPIPE_CHANNEL_PREFIX", "flexpipe")},
+    }
+}
+
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
+CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", REDIS_URL)
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("FLEXPIPE_QUEUE", "flexpipe")
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+FLEXPIPE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("FLEXPIPE_HEARTBEAT_TIMEOUT_S", "45"))
+FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
+# How many reports per GPU the bounded history keeps (at 15 s per report: ~1 hour).
+FLEXPIPE_GPU_HISTORY = int(os.environ.get("FLEXPIPE_GPU_HISTORY", "240"))
+
+CELERY_BEAT_SCHEDULE = {
+    "fleet-heartbeat-sweep": {
+        "task": "fleet.sweep_heartbeats",
+        "schedule": max(1.0, FLEXPIPE_HEARTBEAT_TIMEOUT_S / 3),
+    },
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "FlexPipe API",
+    "DESCRIPTION": "Control plane for LLM inference on fragmented GPU clusters",
+    "VERSION": "1",
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {"django.channels.server": {"level": "WARNING"}},
+}
