@@ -1,0 +1,88 @@
+"""HTTP client side of agent protocol v1 (see agents/protocol.py), used by every agent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from agents.protocol import (
+    Ack,
+    Command,
+    RegisterRequest,
+    RegisterResponse,
+    Report,
+    parse_command,
+    parse_register_response,
+)
+
+
+class ControllerError(RuntimeError):
+    """The controller refused a request. `errors` maps a field path to the reason."""
+
+    def __init__(self, status: int, errors: dict[str, str], detail: str = "") -> None:
+        self.status = status
+        self.errors = errors
+        self.detail = detail
+        where = "; ".join(f"{k}: {v}" for k, v in errors.items()) or detail
+        super().__init__(f"controller answered {status}: {where}")
+
+
+class AgentClient:
+    """One agent's connection to the controller. Not thread-safe: one per agent thread."""
+
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+              timeout_s: float | None = None) -> Any:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        kwargs: dict[str, Any] = {"headers": headers, "json": json, "params": params}
+        if timeout_s is not None:
+            kwargs["timeout"] = timeout_s
+        resp = self._http.request(method, path, **kwargs)
+        if resp.status_code >= 400:
+            try:
+                body = resp.json()
+            except ValueError:
+                body = {}
+            errors = body.get("errors", {}) if isinstance(body, dict) else {}
+            detail = body.get("detail", resp.text[:200]) if isinstance(body, dict) else resp.text[:200]
+            raise ControllerError(resp.status_code, errors, detail)
+        return resp.json()
+
+    def register(self, request: RegisterRequest) -> RegisterResponse:
+        resp = parse_register_response(self._call("POST", "/agent/v1/register", json=request.to_dict()))
+        if resp.agent_token:
+            # Enrollment hands out the agent's own token: from now on use it, never the join token.
+            self.token = resp.agent_token
+        return resp
+
+    def report(self, report: Report) -> int:
+        body = self._call("POST", "/agent/v1/report", json=report.to_dict())
+        return int(body["accepted"])
+
+    def pull_commands(self, after: int = 0, wait_s: float = 0.0) -> list[Command]:
+        body = self._call(
+            "GET",
+            "/agent/v1/commands",
+            params={"after": after, "wait": wait_s},
+            timeout_s=wait_s + 10.0,
+        )
+        return [parse_command(c) for c in body.get("commands", [])]
+
+    def ack(self, command_id: int, ack: Ack) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/agent/v1/commands/{command_id}/ack", json=ack.to_dict())
+        return result
