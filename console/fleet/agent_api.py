@@ -1,0 +1,169 @@
+"""HTTP endpoints of agent protocol v1 (agents/protocol.py has the messages and the rules).
+
+Agent tokens are accepted here and nowhere else; user sessions are not accepted here. Every
+refusal is JSON: {"errors": {field path: reason}} with a 4xx status, and stores nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from agents.protocol import Command, RegisterResponse, SchemaError, parse_ack, parse_register, parse_report
+from console.fleet import actions, live
+from console.fleet.models import AgentCommand, Node
+
+MAX_WAIT_S = 30.0
+
+
+def _error(status: int, errors: dict[str, str]) -> JsonResponse:
+    return JsonResponse({"errors": errors}, status=status)
+
+
+def _bearer(request: HttpRequest) -> str:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _json_body(request: HttpRequest) -> Any:
+    try:
+        return json.loads(request.body or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise actions.Rejected(400, {"(body)": f"not valid JSON: {exc}"}) from exc
+
+
+def _authenticated_node(request: HttpRequest) -> Node:
+    token = _bearer(request)
+    if not token:
+        raise actions.Rejected(401, {"Authorization": "missing; send 'Authorization: Bearer <agent token>'"})
+    node = actions.node_for_token(token)
+    if node is None:
+        raise actions.Rejected(401, {"Authorization": "unknown agent token"})
+    return node
+
+
+@csrf_exempt
+@require_POST
+def register(request: HttpRequest) -> JsonResponse:
+    try:
+        req = parse_register(_json_body(request))
+        token = _bearer(request)
+        if not token:
+            raise actions.Rejected(401, {"Authorization": "missing; send the join token or the agent's own token"})
+        reg = actions.do_register_node(req, token=token, now=timezone.now())
+    except SchemaError as exc:
+        return _error(400, exc.errors)
+    except actions.Rejected as exc:
+        return _error(exc.status, exc.errors)
+    resp = RegisterResponse(
+        node_id=reg.node.node_id,
+        epoch=reg.node.epoch,
+        report_interval_s=settings.FLEXPIPE_REPORT_INTERVAL_S,
+        agent_token=reg.agent_token,
+    )
+    return JsonResponse(resp.to_dict(), status=201 if reg.agent_token else 200)
+
+
+@csrf_exempt
+@require_POST
+def report(request: HttpRequest) -> JsonResponse:
+    try:
+        node = _authenticated_node(request)
+        rep = parse_report(_json_body(request))
+        seq = actions.do_ingest_report(node, rep, now=timezone.now())
+    except SchemaError as exc:
+        return _error(400, exc.errors)
+    except actions.Rejected as exc:
+        return _error(exc.status, exc.errors)
+    return JsonResponse({"accepted": seq})
+
+
+def _command_payload(cmd: AgentCommand) -> dict[str, Any]:
+    return Command(
+        id=cmd.id,
+        kind=cmd.kind,
+        payload=cmd.payload,
+        deployment=cmd.deployment or None,
+        transition_seq=cmd.transition_seq,
+        step=cmd.step or None,
+    ).to_dict()
+
+
+def _deliver(node: Node, after: int) -> list[dict[str, Any]]:
+    cmds = actions.open_commands(node, after)
+    if cmds:
+        actions.mark_delivered(cmds, now=timezone.now())
+    return [_command_payload(c) for c in cmds]
+
+
+@csrf_exempt
+@require_GET
+async def commands(request: HttpRequest) -> JsonResponse:
+    """Long poll: answer at once when commands are open, else wait for the doorbell or `wait`."""
+    try:
+        node = await sync_to_async(_authenticated_node)(request)
+        errors: dict[str, str] = {}
+        try:
+            after = int(request.GET.get("after", "0"))
+            if after < 0:
+                raise ValueError
+        except ValueError:
+            errors["after"] = "must be an integer >= 0 (the last command id the agent saw)"
+            after = 0
+        try:
+            wait_s = float(request.GET.get("wait", "0"))
+            if not 0 <= wait_s <= MAX_WAIT_S:
+                raise ValueError
+        except ValueError:
+            errors["wait"] = f"must be a number of seconds between 0 and {MAX_WAIT_S:g}"
+            wait_s = 0.0
+        if errors:
+            return _error(400, errors)
+    except actions.Rejected as exc:
+        return _error(exc.status, exc.errors)
+
+    deadline = time.monotonic() + wait_s
+    found = await sync_to_async(_deliver)(node, after)
+    if found or wait_s == 0:
+        return JsonResponse({"commands": found})
+    client = aioredis.Redis.from_url(settings.REDIS_URL)
+    try:
+        while not found:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                # BLPOP's timeout has a 1 s grain in older servers; never block past the deadline.
+                await client.blpop([live.doorbell_key(node.node_id)], timeout=max(0.1, min(remaining, 5.0)))
+            except (aioredis.RedisError, OSError):
+                await asyncio.sleep(min(remaining, 1.0))  # no doorbell: fall back to polling
+            found = await sync_to_async(_deliver)(node, after)
+    finally:
+        await client.aclose()
+    return JsonResponse({"commands": found})
+
+
+@csrf_exempt
+@require_POST
+def ack(request: HttpRequest, command_id: int) -> JsonResponse:
+    try:
+        node = _authenticated_node(request)
+        body = parse_ack(_json_body(request))
+        cmd = actions.do_ack_command(node, command_id, status=body.status, detail=body.detail,
+                                     result=body.result, now=timezone.now())
+    except SchemaError as exc:
+        return _error(400, exc.errors)
+    except actions.Rejected as exc:
+        return _error(exc.status, exc.errors)
+    return JsonResponse({"command": cmd.id, "status": cmd.state})

@@ -1,0 +1,124 @@
+"""What the agents last told us: nodes, their GPUs, a bounded history, measured links, commands.
+
+State only: the rules that change it live in actions.py (one transaction each, conditional
+updates where two writers may race), and the scheduling logic in scheduler/.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Node(models.Model):
+    """A host with GPUs and one agent."""
+
+    node_id = models.CharField(max_length=64, unique=True)
+    hostname = models.CharField(max_length=255)
+    agent_version = models.CharField(max_length=64)
+    rack = models.CharField(max_length=64, blank=True, default="")
+    backends = models.JSONField(default=list)  # engine backends the agent can run
+    data_addr = models.CharField(max_length=255, blank=True, default="")  # where peers send it KV cache
+    # sha256 of the agent's own token: the token itself is shown once, at enrollment, and never stored.
+    token_hash = models.CharField(max_length=64, db_index=True)
+    epoch = models.PositiveIntegerField(default=0)  # bumped by each registration
+    last_seq = models.PositiveBigIntegerField(default=0)  # last accepted report seq in this epoch
+    registered_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    schedulable = models.BooleanField(default=True)
+    unschedulable_reason = models.CharField(max_length=200, blank=True, default="")
+    engines = models.JSONField(default=list)  # latest EngineReports, as sent
+
+    class Meta:
+        ordering = ["node_id"]
+
+    def __str__(self) -> str:
+        return self.node_id
+
+
+class Gpu(models.Model):
+    """One GPU: its static facts from registration and its latest reported state."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    uuid = models.CharField(max_length=128, unique=True)
+    index = models.PositiveSmallIntegerField()
+    model = models.CharField(max_length=64)
+    mem_total_bytes = models.PositiveBigIntegerField()
+    nvlink_group = models.CharField(max_length=64, blank=True, default="")
+    custom_spec = models.JSONField(null=True, blank=True)
+    present = models.BooleanField(default=True)  # False once a registration no longer lists it
+    # Latest report; null until the first one arrives.
+    mem_used_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    sm_util = models.FloatField(null=True, blank=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    healthy = models.BooleanField(default=True)
+    allocatable = models.BooleanField(default=True)
+    xid_errors = models.PositiveIntegerField(default=0)
+    ecc_errors = models.PositiveIntegerField(default=0)
+    updated_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["node__node_id", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "index"], condition=models.Q(present=True),
+                                    name="fleet_gpu_unique_present_index"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node_id}:{self.index} {self.model}"
+
+
+class GpuSample(models.Model):
+    """One reported state of one GPU; the newest FLEXPIPE_GPU_HISTORY per GPU are kept."""
+
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField()
+    mem_used_bytes = models.PositiveBigIntegerField()
+    sm_util = models.FloatField()
+    temperature_c = models.FloatField()
+    healthy = models.BooleanField()
+    allocatable = models.BooleanField()
+
+    class Meta:
+        indexes = [models.Index(fields=["gpu", "-id"], name="fleet_sample_gpu_newest")]
+
+
+class NodeLink(models.Model):
+    """Bandwidth a node measured to a peer."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="links")
+    peer = models.CharField(max_length=64)
+    bw_gbps = models.FloatField()
+    measured_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["node", "peer"], name="fleet_link_unique_pair")]
+
+
+class AgentCommand(models.Model):
+    """A control message for one agent, delivered by long poll and acknowledged by the agent.
+
+    `key` makes issuing idempotent: a transition step that is re-run after a crash issues the
+    same key and gets the existing command back instead of a duplicate.
+    """
+
+    PENDING, DELIVERED, RUNNING, OK, FAILED = "pending", "delivered", "running", "ok", "failed"
+    STATES = [(s, s) for s in (PENDING, DELIVERED, RUNNING, OK, FAILED)]
+    OPEN_STATES = (PENDING, DELIVERED, RUNNING)
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="commands")
+    key = models.CharField(max_length=200, unique=True)
+    kind = models.CharField(max_length=64)
+    payload = models.JSONField(default=dict)
+    deployment = models.CharField(max_length=64, blank=True, default="")
+    transition_seq = models.PositiveBigIntegerField(null=True, blank=True)
+    step = models.CharField(max_length=64, blank=True, default="")
+    state = models.CharField(max_length=16, choices=STATES, default=PENDING)
+    created_at = models.DateTimeField()
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    acked_at = models.DateTimeField(null=True, blank=True)
+    detail = models.TextField(blank=True, default="")
+    result = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["node", "state", "id"], name="fleet_cmd_node_open")]

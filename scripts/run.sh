@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Start the whole system in the foreground: web (daphne), Celery worker and beat, the fleet.
+# Ctrl-C stops every process it started (honcho forwards the signal to all of them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+mkdir -p .run
+
+export REDIS_URL="$($PY scripts/services.py redis)"
+export DJANGO_SETTINGS_MODULE=console.settings
+PORT="${FLEXPIPE_PORT:-$($PY scripts/services.py free-port 8000)}"
+export FLEXPIPE_PORT="$PORT"
+# The join token the simulated agents enroll with: made once, kept under .run/.
+if [ -z "${FLEXPIPE_ENROLL_TOKEN:-}" ]; then
+  [ -s .run/enroll-token ] || $PY -c "import secrets; print('fpj_' + secrets.token_urlsafe(24))" > .run/enroll-token
+  export FLEXPIPE_ENROLL_TOKEN="$(cat .run/enroll-token)"
+fi
+export SCENARIO="${SCENARIO:-scenarios/demo.yaml}"
+export ENGINE="${ENGINE:-sim}"
+
+$PY manage.py migrate --noinput -v 0
+$PY manage.py ensure_demo_operator
+
+echo
+echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"
+echo "  Redis:             ${REDIS_URL}"
+echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
+echo
+exec .venv/bin/honcho -f Procfile start

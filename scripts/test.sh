@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Run the test suite against this machine's PostgreSQL and Redis when they answer (CI has both);
+# SQLite and a private Redis otherwise. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+mkdir -p .run artifacts
+
+export REDIS_URL="$($PY scripts/services.py redis --prefer-standard)"
+PG="$($PY scripts/services.py postgres)"
+if [ -n "$PG" ]; then export DATABASE_URL="$PG"; else unset DATABASE_URL; fi
+echo "tests: database ${DATABASE_URL:-sqlite (no PostgreSQL answered)}, redis ${REDIS_URL}"
+exec $PY -m pytest "$@"

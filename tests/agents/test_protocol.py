@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import pytest
+
+from agents.protocol import (
+    Ack,
+    Command,
+    EngineReport,
+    GpuInfo,
+    GpuReport,
+    LinkReport,
+    RegisterRequest,
+    RegisterResponse,
+    Report,
+    SchemaError,
+    parse_ack,
+    parse_command,
+    parse_register,
+    parse_register_response,
+    parse_report,
+)
+from tests.builders import register_body, report_body
+
+
+def test_every_message_survives_a_round_trip() -> None:
+    reg = RegisterRequest("a1", "a1.example", "1.0",
+                          (GpuInfo("GPU-1", 0, "H100-SXM", 80 * 2**30, "nvl0"),
+                           GpuInfo("GPU-2", 1, "custom", 24 * 2**30, None, {"dense_tflops": 100})),
+                          rack="A", backends=("sim", "torch"), data_addr="10.0.0.1:7070")
+    assert parse_register(reg.to_dict()) == reg
+    resp = RegisterResponse("a1", 3, 15.0, "fpa_x")
+    assert parse_register_response(resp.to_dict()) == resp
+    rep = Report("a1", 3, 7, (GpuReport("GPU-1", 1, 2, 0.5, 40.0, True, False, 1, 0),),
+                 (LinkReport("b1", 100.0),), (EngineReport("p1", 2, 1, 50.0, 0.3, ttft_p95_ms=120.0),))
+    assert parse_report(rep.to_dict()) == rep
+    cmd = Command(5, "prepare_plan", {"plan": {"id": "x"}}, "chat", 2, "prepare")
+    assert parse_command(cmd.to_dict()) == cmd
+    ack = Ack("ok", "done", {"kv_bytes": 10})
+    assert parse_ack(ack.to_dict()) == ack
+
+
+def test_it_names_every_bad_field_at_once() -> None:
+    body = report_body(seq=0)
+    body["gpus"][1]["sm_util"] = 1.5
+    body["gpus"][2]["mem_used_bytes"] = "lots"
+    body["surprise"] = True
+    with pytest.raises(SchemaError) as err:
+        parse_report(body)
+    assert set(err.value.errors) == {"seq", "gpus[1].sm_util", "gpus[2].mem_used_bytes", "surprise"}
+    assert err.value.errors["surprise"] == "unknown key"
+
+
+def test_it_rejects_another_protocol_version() -> None:
+    body = register_body()
+    body["protocol"] = 2
+    with pytest.raises(SchemaError) as err:
+        parse_register(body)
+    assert "unsupported version 2" in err.value.errors["protocol"]
+
+
+@pytest.mark.parametrize("mutate,path", [
+    (lambda b: b.pop("gpus"), "gpus"),
+    (lambda b: b.update(gpus=[]), "gpus"),
+    (lambda b: b["gpus"][1].update(uuid=b["gpus"][0]["uuid"]), "gpus[1].uuid"),
+    (lambda b: b["gpus"][1].update(index=0), "gpus[1].index"),
+    (lambda b: b.update(node_id="has space"), "node_id"),
+    (lambda b: b.update(node_id=None), "node_id"),
+    (lambda b: b.update(backends=["cuda-magic"]), "backends[0]"),
+    (lambda b: b["gpus"][0].update(mem_total_bytes=-1), "gpus[0].mem_total_bytes"),
+])
+def test_register_rejections_name_the_field(mutate, path) -> None:  # type: ignore[no-untyped-def]
+    body = register_body()
+    mutate(body)
+    with pytest.raises(SchemaError) as err:
+        parse_register(body)
+    assert path in err.value.errors
+
+
+def test_a_report_cannot_claim_more_memory_used_than_the_gpu_has() -> None:
+    body = report_body()
+    body["gpus"][0]["mem_used_bytes"] = body["gpus"][0]["mem_total_bytes"] + 1
+    with pytest.raises(SchemaError) as err:
+        parse_report(body)
+    assert "must not exceed mem_total_bytes" in err.value.errors["gpus[0].mem_used_bytes"]
+
+
+def test_a_node_cannot_report_a_link_to_itself() -> None:
+    body = report_body()
+    body["links"] = [{"peer": "a1", "bw_gbps": 10}]
+    with pytest.raises(SchemaError) as err:
+        parse_report(body)
+    assert "links[0].peer" in err.value.errors
+
+
+def test_ack_status_must_be_known() -> None:
+    with pytest.raises(SchemaError) as err:
+        parse_ack({"protocol": 1, "status": "maybe"})
+    assert "status" in err.value.errors

@@ -1,0 +1,58 @@
+"""Shared test setup: real Redis and (where it answers) real PostgreSQL, isolated per test worker.
+
+scripts/test.sh finds the services and exports REDIS_URL and DATABASE_URL. Here each pytest-xdist
+worker gets its own Redis database number and channel-layer prefix, so websocket groups, Celery
+queues and doorbells of parallel workers never see each other.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import redis as redis_lib
+
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+_WORKER_NUM = int(_WORKER[2:]) if _WORKER[2:].isdigit() else 0
+
+
+def _test_redis_url() -> str:
+    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    head = base.rsplit("/", 1)[0] if base.count("/") >= 3 else base
+    return f"{head}/{8 + _WORKER_NUM % 8}"
+
+
+TEST_REDIS_URL = _test_redis_url()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_services(django_test_environment: None) -> None:
+    from django.conf import settings
+
+    try:
+        redis_lib.Redis.from_url(TEST_REDIS_URL, socket_timeout=2).ping()
+    except (redis_lib.RedisError, OSError) as exc:
+        pytest.exit(f"Redis at {TEST_REDIS_URL} does not answer ({exc}); run the tests with `make test`, "
+                    "which finds or starts one", returncode=3)
+    settings.REDIS_URL = TEST_REDIS_URL
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [TEST_REDIS_URL], "prefix": f"fptest{_WORKER_NUM}"},
+        }
+    }
+    settings.CELERY_BROKER_URL = TEST_REDIS_URL
+    settings.CELERY_RESULT_BACKEND = TEST_REDIS_URL
+    settings.CELERY_TASK_DEFAULT_QUEUE = f"fptest{_WORKER_NUM}"
+    from console.celery import app
+
+    app.conf.update(broker_url=TEST_REDIS_URL, result_backend=TEST_REDIS_URL,
+                    task_default_queue=f"fptest{_WORKER_NUM}")
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+
+
+@pytest.fixture
+def redis_client() -> redis_lib.Redis:
+    return redis_lib.Redis.from_url(TEST_REDIS_URL)

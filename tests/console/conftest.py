@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from tests.builders import JOIN_TOKEN, register_body
+
+
+@pytest.fixture(autouse=True)
+def _join_token(settings: Any) -> None:
+    settings.FLEXPIPE_ENROLL_TOKEN = JOIN_TOKEN
+
+
+class AgentHTTP:
+    """A registered agent talking to the console through Django's test client."""
+
+    def __init__(self, client: Client, node_id: str, token: str, epoch: int) -> None:
+        self.client, self.node_id, self.token, self.epoch = client, node_id, token, epoch
+
+    def post(self, path: str, body: Any, token: str | None = None) -> Any:
+        return self.client.post(path, body, content_type="application/json",
+                                headers={"Authorization": f"Bearer {token or self.token}"})
+
+    def get(self, path: str, token: str | None = None, **params: Any) -> Any:
+        return self.client.get(path, params, headers={"Authorization": f"Bearer {token or self.token}"})
+
+
+def enroll(client: Client, node_id: str = "a1", **kw: Any) -> AgentHTTP:
+    resp = client.post("/agent/v1/register", register_body(node_id, **kw), content_type="application/json",
+                       headers={"Authorization": f"Bearer {JOIN_TOKEN}"})
+    assert resp.status_code == 201, resp.content
+    body = resp.json()
+    return AgentHTTP(client, node_id, body["agent_token"], body["epoch"])
+
+
+@pytest.fixture
+def agent(db: None, client: Client) -> AgentHTTP:
+    return enroll(client, "a1")

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+
+from console.asgi import application
+from tests.builders import GIB, report_body
+from tests.console.conftest import enroll
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def _connect(user: Any | None) -> WebsocketCommunicator:
+    comm = WebsocketCommunicator(application, "/ws/cluster/", headers=[(b"origin", b"http://testserver"),
+                                                                     (b"host", b"testserver")])
+    if user is not None:
+        comm.scope["user"] = user
+    return comm
+
+
+async def test_an_anonymous_browser_is_turned_away() -> None:
+    comm = await _connect(None)
+    connected, code = await comm.connect()
+    try:
+        assert not connected and code == 4401
+    finally:
+        await comm.disconnect()
+
+
+async def test_a_logged_in_operator_gets_a_snapshot_then_a_delta_for_each_report(django_user_model: Any) -> None:
+    user = await sync_to_async(django_user_model.objects.create_user)("ops", password="pw-long-enough")
+    client = Client()
+    agent = await sync_to_async(enroll)(client, "a1", gpus=2)
+    comm = await _connect(user)
+    connected, _ = await comm.connect()
+    assert connected
+    try:
+        snap = await comm.receive_json_from(timeout=5)
+        assert snap["type"] == "snapshot"
+        assert sorted(g["uuid"] for g in snap["gpus"]) == ["GPU-a1-0", "GPU-a1-1"]
+
+        resp = await sync_to_async(agent.post)("/agent/v1/report", report_body(gpus=2, used_gib=33))
+        assert resp.status_code == 200
+        delta = await comm.receive_json_from(timeout=5)
+        assert delta["type"] == "delta"
+        assert [n["node_id"] for n in delta["nodes"]] == ["a1"]
+        assert {g["mem_used_bytes"] for g in delta["gpus"]} == {33 * GIB}
+    finally:
+        await comm.disconnect()
+
+
+async def test_a_refused_report_pushes_nothing(django_user_model: Any) -> None:
+    user = await sync_to_async(django_user_model.objects.create_user)("ops", password="pw-long-enough")
+    agent = await sync_to_async(enroll)(Client(), "a1", gpus=2)
+    comm = await _connect(user)
+    await comm.connect()
+    try:
+        await comm.receive_json_from(timeout=5)  # the snapshot
+        bad = report_body(gpus=2)
+        bad["gpus"][0]["sm_util"] = 7
+        assert (await sync_to_async(agent.post)("/agent/v1/report", bad)).status_code == 400
+        assert await comm.receive_nothing(timeout=0.5)
+    finally:
+        await comm.disconnect()
