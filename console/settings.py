@@ -55,6 +55,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
+    "console.accounts",
+    "console.audit",
     "console.fleet",
     "console.dashboard",
 ]
@@ -100,6 +102,9 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes (web, worker, beat) share the file under `make run`: wait instead of failing.
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # Take the write lock when a transaction begins: a read-then-write transaction would otherwise
+    # fail at once with "database is locked" instead of waiting for the other writer.
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
     DATABASES["default"].setdefault("TEST", {})["NAME"] = str(BASE_DIR / ".run" / "test.sqlite3")
 else:
     DATABASES["default"].setdefault("TEST", {})["NAME"] = f"test_{DATABASES['default']['NAME']}"
@@ -166,9 +171,10 @@ CELERY_BEAT_SCHEDULE = {
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.SessionAuthentication",
+        "console.accounts.auth.ApiTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",  # the browser: CSRF enforced on writes
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PERMISSION_CLASSES": ["console.accounts.auth.IsViewer"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
 

@@ -4,6 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
+from console.accounts import api as accounts_api
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
 
@@ -14,6 +15,7 @@ urlpatterns = [
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
+    path("api/v1/me", accounts_api.me, name="api-me"),
     # agent protocol v1 (agents/protocol.py)
     path("agent/v1/register", agent_api.register, name="agent-register"),
     path("agent/v1/report", agent_api.report, name="agent-report"),

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import transaction
 
 from agents.protocol import RegisterRequest, Report
+from console.audit.chain import actor_of, record
 from console.fleet import live
 from console.fleet.models import AgentCommand, Gpu, GpuSample, Node, NodeLink
 
@@ -107,6 +108,11 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
                 "present": True,
             },
         )
+    record("fleet.node_registered", actor=actor_of(agent=node.node_id), at=now,
+           summary=f"{node.node_id} {'enrolled' if issued else 'registered'} with {len(req.gpus)} GPU(s), "
+                   f"epoch {node.epoch}",
+           data={"epoch": node.epoch, "enrolled": bool(issued), "hostname": req.hostname,
+                 "agent_version": req.agent_version, "gpus": [g.uuid for g in req.gpus]})
     transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=True))
     return Registration(node, issued)
 
@@ -171,7 +177,10 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
     # A node that speaks again after a heartbeat timeout is back in the pool.
     if not was_schedulable:
         back = Node.objects.filter(pk=node.pk, schedulable=False).update(schedulable=True, unschedulable_reason="")
-        topology_changed = topology_changed or back == 1
+        if back:
+            topology_changed = True
+            record("fleet.node_schedulable", actor=actor_of(agent=node.node_id), at=now,
+                   summary=f"{node.node_id} reports again: schedulable")
     transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=topology_changed))
     return report.seq
 
@@ -198,6 +207,9 @@ def do_sweep_heartbeats(*, now: datetime, timeout_s: float | None = None) -> lis
     Node.objects.filter(pk__in=ids, schedulable=True, last_seen_at__lt=limit).update(
         schedulable=False, unschedulable_reason=f"no report for more than {timeout_s:g} s")
     marked = list(Node.objects.filter(pk__in=ids, schedulable=False).values_list("pk", "node_id"))
+    for _, node_id in marked:
+        record("fleet.node_unschedulable", actor=actor_of(system="heartbeat"), at=now,
+               summary=f"{node_id}: no report for more than {timeout_s:g} s", data={"timeout_s": timeout_s})
     transaction.on_commit(lambda: live.push_nodes([pk for pk, _ in marked], topology_changed=True))
     return [node_id for _, node_id in marked]
 

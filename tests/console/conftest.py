@@ -38,3 +38,6 @@ def enroll(client: Client, node_id: str = "a1", **kw: Any) -> AgentHTTP:
 @pytest.fixture
 def agent(db: None, client: Client) -> AgentHTTP:
     return enroll(client, "a1")
+
+
+from tests.console.people import admin, operator, outsider, viewer  # noqa: E402,F401 - fixtures

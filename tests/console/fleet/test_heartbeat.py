@@ -43,3 +43,17 @@ def test_sweeping_twice_marks_nothing_more(agent: AgentHTTP) -> None:
     later = timezone.now() + timedelta(minutes=5)
     assert actions.do_sweep_heartbeats(now=later, timeout_s=45) == ["a1"]
     assert actions.do_sweep_heartbeats(now=later, timeout_s=45) == []
+
+
+def test_losing_and_regaining_a_node_is_audited(agent: AgentHTTP) -> None:
+    from console.audit.chain import verify_chain
+    from console.audit.models import AuditEntry
+
+    actions.do_sweep_heartbeats(now=timezone.now() + timedelta(minutes=5), timeout_s=45)
+    agent.post("/agent/v1/report", report_body())
+    assert list(AuditEntry.objects.values_list("event_type", "actor")) == [
+        ("fleet.node_registered", "agent:a1"),
+        ("fleet.node_unschedulable", "system:heartbeat"),
+        ("fleet.node_schedulable", "agent:a1"),
+    ]
+    assert verify_chain().ok
