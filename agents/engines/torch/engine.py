@@ -245,8 +245,14 @@ class TorchEngine:
             raise ValueError("prompt_ids: must hold at least one token")
         for name, ids in (("prompt_ids", prompt), ("generated_ids", generated)):
             for i, t in enumerate(ids):
-                if not isinstance(t, int | np.integer) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size:
-                    raise ValueError(f"{name}[{i}]: must be a token id in [0, {self.cfg.vocab_size}), got {t!r}")
+                if (
+                    not isinstance(t, int | np.integer)
+                    or isinstance(t, bool)
+                    or not 0 <= t < self.cfg.vocab_size
+                ):
+                    raise ValueError(
+                        f"{name}[{i}]: must be a token id in [0, {self.cfg.vocab_size}), got {t!r}"
+                    )
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
         if len(generated) >= max_new_tokens:
@@ -285,7 +291,9 @@ class TorchEngine:
         if isinstance(sampling, dict):
             return SamplingParams.from_dict(sampling)
         if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling: must be SamplingParams, a dict or None, got {type(sampling).__name__}")
+            raise ValueError(
+                f"sampling: must be SamplingParams, a dict or None, got {type(sampling).__name__}"
+            )
         return sampling
 
     def _check_seq_id(self, seq_id: str) -> None:
@@ -369,7 +377,11 @@ class TorchEngine:
                 if not (seq.decoding and seq.group == name):
                     continue
                 while not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
-                    victims = [s for s in mine if s.group == name and alloc.has(s.seq_id) and s.seq_id not in chosen_ids]
+                    victims = [
+                        s
+                        for s in mine
+                        if s.group == name and alloc.has(s.seq_id) and s.seq_id not in chosen_ids
+                    ]
                     if not victims:
                         break
                     victim = max(victims, key=lambda s: s.arrival)
@@ -499,10 +511,14 @@ class TorchEngine:
         for name in ("keys", "values"):
             t = getattr(state, name)
             if tuple(t.shape) != expected or t.dtype != torch.float32:
-                raise ValueError(f"state.{name}: expected float32 {list(expected)}, got {t.dtype} {list(t.shape)}")
+                raise ValueError(
+                    f"state.{name}: expected float32 {list(expected)}, got {t.dtype} {list(t.shape)}"
+                )
         generated = n_tokens - state.num_prompt_tokens
         if generated >= state.max_new_tokens:
-            raise ValueError(f"state.max_new_tokens: the sequence already generated {generated}: it is finished")
+            raise ValueError(
+                f"state.max_new_tokens: the sequence already generated {generated}: it is finished"
+            )
         if state.sampler_draws != draws_after(state.sampling, generated):
             raise ValueError(
                 f"state.sampler_draws: {state.sampler_draws} draws do not match {generated} generated tokens "

@@ -180,7 +180,9 @@ class WorkerGroup:
                     status, value = obj.recv()
                 except (EOFError, OSError) as exc:
                     code = self.procs[rank].exitcode
-                    raise self._fail(f"{what}: rank {rank} ({self.procs[rank].name}) died (exit code {code})") from exc
+                    raise self._fail(
+                        f"{what}: rank {rank} ({self.procs[rank].name}) died (exit code {code})"
+                    ) from exc
                 if status != expect:
                     raise self._fail(f"{what}: rank {rank} ({self.procs[rank].name}) failed:\n{value}")
                 results[rank] = value
@@ -241,8 +243,14 @@ class WorkerGroup:
                 asked.append((rank, stage, shard))
         ranks = [a[0] for a in asked]
         self._send(ranks, "export", [(table, length)] * len(ranks))
-        for (_, stage, shard), (k_part, v_part) in zip(asked, self._gather(ranks, what="export"), strict=True):
-            sl = (slice(stage.layer_start, stage.layer_end), slice(None), slice(shard.kv_head_start, shard.kv_head_end))
+        for (_, stage, shard), (k_part, v_part) in zip(
+            asked, self._gather(ranks, what="export"), strict=True
+        ):
+            sl = (
+                slice(stage.layer_start, stage.layer_end),
+                slice(None),
+                slice(shard.kv_head_start, shard.kv_head_end),
+            )
             k[sl] = k_part
             v[sl] = v_part
         return k, v
@@ -256,7 +264,11 @@ class WorkerGroup:
         owners = self._kv_owners()
         payloads = []
         for _, stage, shard in owners:
-            sl = (slice(stage.layer_start, stage.layer_end), slice(None), slice(shard.kv_head_start, shard.kv_head_end))
+            sl = (
+                slice(stage.layer_start, stage.layer_end),
+                slice(None),
+                slice(shard.kv_head_start, shard.kv_head_end),
+            )
             payloads.append((table, np.ascontiguousarray(k[sl]), np.ascontiguousarray(v[sl])))
         ranks = [o[0] for o in owners]
         self._send(ranks, "import", payloads)

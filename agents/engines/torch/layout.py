@@ -58,7 +58,13 @@ class Layout:
 
     @classmethod
     def disaggregated(
-        cls, num_layers: int, *, prefill_pp: int = 1, prefill_tp: int = 1, decode_pp: int = 1, decode_tp: int = 1
+        cls,
+        num_layers: int,
+        *,
+        prefill_pp: int = 1,
+        prefill_tp: int = 1,
+        decode_pp: int = 1,
+        decode_tp: int = 1,
     ) -> Layout:
         return cls(
             stages=_split(num_layers, decode_pp, decode_tp),
@@ -179,7 +185,9 @@ def _stage_problems(name: str, stages: tuple[StageSpec, ...], cfg: ModelConfig |
                 "(stages must cover every layer exactly once, in order)"
             )
         if s.layer_end <= s.layer_start:
-            reasons.append(f"{where}.layer_end: {s.layer_end} must be greater than layer_start {s.layer_start}")
+            reasons.append(
+                f"{where}.layer_end: {s.layer_end} must be greater than layer_start {s.layer_start}"
+            )
         if not isinstance(s.tp, int) or s.tp < 1:
             reasons.append(f"{where}.tp: must be a positive integer, got {s.tp!r}")
         elif cfg is not None:

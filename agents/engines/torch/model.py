@@ -26,8 +26,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -76,9 +76,13 @@ class ModelConfig:
 
         archs = need("architectures", ["LlamaForCausalLM"])
         if not isinstance(archs, list) or "LlamaForCausalLM" not in archs:
-            raise ModelConfigError(f"config.json: architectures: only LlamaForCausalLM is implemented, got {archs!r}")
+            raise ModelConfigError(
+                f"config.json: architectures: only LlamaForCausalLM is implemented, got {archs!r}"
+            )
         if need("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"config.json: hidden_act: only silu is implemented, got {cfg['hidden_act']!r}")
+            raise ModelConfigError(
+                f"config.json: hidden_act: only silu is implemented, got {cfg['hidden_act']!r}"
+            )
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key, False):
                 raise ModelConfigError(f"config.json: {key}: biases are not implemented")
@@ -288,12 +292,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, head_dim] for integer positions [T], computed as HF's LlamaRotaryEmbedding does."""
     device = positions.device
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -335,7 +339,9 @@ class PagedKV(Protocol):
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def gather(
+        self, layer: int, block_table: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -388,7 +394,9 @@ class StageModel:
         tables = [torch.tensor(c.block_table, dtype=torch.long, device=dev) for c in chunks]
         bs = cache.block_size
         per_seq = positions.split([c.num_tokens for c in chunks])
-        slots = torch.cat([table[pos // bs] * bs + pos % bs for table, pos in zip(tables, per_seq, strict=True)])
+        slots = torch.cat(
+            [table[pos // bs] * bs + pos % bs for table, pos in zip(tables, per_seq, strict=True)]
+        )
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         n_tok = hidden.shape[0]
         hd = cfg.head_dim
@@ -434,7 +442,9 @@ class StageModel:
 # --- the reference: one process, no shards, no cache -------------------------------------------
 
 
-def reference_logits(weights: dict[str, torch.Tensor], cfg: ModelConfig, token_ids: Sequence[int]) -> torch.Tensor:
+def reference_logits(
+    weights: dict[str, torch.Tensor], cfg: ModelConfig, token_ids: Sequence[int]
+) -> torch.Tensor:
     """Logits [T, vocab] of a whole sequence, recomputed from scratch: the yardstick for the engine."""
     x = weights["model.embed_tokens.weight"][torch.tensor(list(token_ids), dtype=torch.long)]
     n = x.shape[0]

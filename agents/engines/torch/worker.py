@@ -80,9 +80,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.cfg = ModelConfig.from_dir(spec.model_dir)
         timeout = timedelta(seconds=spec.timeout_s)
-        store = dist.TCPStore(
-            spec.store_host, spec.store_port, None, is_master=False, timeout=timeout
-        )
+        store = dist.TCPStore(spec.store_host, spec.store_port, None, is_master=False, timeout=timeout)
         dist.init_process_group(
             spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
         )
@@ -196,7 +194,9 @@ class Worker:
     @torch.inference_mode()
     def import_(self, block_table: tuple[int, ...], k: np.ndarray, v: np.ndarray) -> None:
         table = torch.tensor(block_table, dtype=torch.long, device=self.device)
-        self.cache.write_sequence(table, torch.from_numpy(k).to(self.device), torch.from_numpy(v).to(self.device))
+        self.cache.write_sequence(
+            table, torch.from_numpy(k).to(self.device), torch.from_numpy(v).to(self.device)
+        )
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
