@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from agents.engines.torch.sampling import SamplingParams, make_generator, sample
 from agents.engines.torch.weights import WEIGHTS_FILE
 
 
@@ -468,3 +469,24 @@ def reference_logits(
         x = x + (gate * (h @ weights[p + "mlp.up_proj.weight"].T)) @ weights[p + "mlp.down_proj.weight"].T
     head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     return rms_norm(x, weights["model.norm.weight"], cfg.rms_norm_eps) @ head.T
+
+
+def reference_generate(
+    weights: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+) -> list[int]:
+    """Generate with `reference_logits` (full recompute per token) and the engine's sampler."""
+    params = sampling or SamplingParams()
+    gen = None if params.greedy else make_generator(params, 0)
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = sample(reference_logits(weights, cfg, ids)[-1], params, gen)
+        out.append(token)
+        ids.append(token)
+        if token in cfg.eos_token_ids and not params.ignore_eos:
+            break
+    return out
