@@ -100,7 +100,7 @@ class WorkerGroup:
         ctx = _context(start_method)
         # The store lives here, in the engine's process, on a port the OS picks: no port races
         # between groups. Workers only rendezvous through it.
-        self._store = dist.TCPStore(
+        self._store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
         self.procs: list[Any] = []
@@ -177,7 +177,7 @@ class WorkerGroup:
                     continue
                 rank = waiting.pop(obj)
                 try:
-                    status, value = obj.recv()
+                    status, value = self.conns[rank].recv()
                 except (EOFError, OSError) as exc:
                     code = self.procs[rank].exitcode
                     raise self._fail(
@@ -213,7 +213,8 @@ class WorkerGroup:
         assert ranks is not None, "submit_step() first"
         results = self._gather(ranks, what="step")
         # The last stage's TP rank 0 samples; everyone else answers None.
-        return results[len(self.procs) - self.stages[-1].tp]
+        tokens: dict[str, int] = results[len(self.procs) - self.stages[-1].tp]
+        return tokens
 
     def _kv_owners(self) -> list[tuple[int, StageSpec, Any]]:
         """(rank, stage, shard) of every worker, in rank order."""

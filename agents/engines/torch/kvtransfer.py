@@ -84,7 +84,10 @@ def frame_parts(state: KVState) -> list[bytes | memoryview]:
             f"state.values: shape {list(values.shape)} differs from keys {list(keys.shape)}"
         )
     # Flat byte views: memoryview.cast refuses shapes with a zero (a replay-only state).
-    payload = [memoryview(keys.reshape(-1).view(np.uint8)), memoryview(values.reshape(-1).view(np.uint8))]
+    payload: list[bytes | memoryview] = [
+        memoryview(keys.reshape(-1).view(np.uint8).data),
+        memoryview(values.reshape(-1).view(np.uint8).data),
+    ]
     meta: dict[str, object] = {
         "seq_id": state.seq_id,
         "model_sha256": state.model_sha256,
@@ -134,7 +137,7 @@ def _decode(
     missing, unknown = _META_KEYS - set(meta), set(meta) - _META_KEYS
     if missing or unknown:
         raise KVTransferError(f"frame.meta: missing {sorted(missing)}, unknown {sorted(unknown)}")
-    if _checksum(meta, [payload]) != meta["checksum_sha256"]:
+    if _checksum(meta, [memoryview(payload)]) != meta["checksum_sha256"]:
         raise KVTransferError("frame.checksum_sha256: mismatch, the frame was corrupted on the way")
     if expect_model_sha256 is not None and meta["model_sha256"] != expect_model_sha256:
         raise KVTransferError(

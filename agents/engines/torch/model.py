@@ -244,13 +244,16 @@ def load_stage_weights(
     with safe_open(str(Path(model_dir) / WEIGHTS_FILE), framework="pt", device="cpu") as fh:
 
         def rows(name: str, start: int, end: int) -> torch.Tensor:
-            return fh.get_slice(name)[start:end].to(device).contiguous()
+            t: torch.Tensor = fh.get_slice(name)[start:end]
+            return t.to(device).contiguous()
 
         def cols(name: str, start: int, end: int) -> torch.Tensor:
-            return fh.get_slice(name)[:, start:end].to(device).contiguous()
+            t: torch.Tensor = fh.get_slice(name)[:, start:end]
+            return t.to(device).contiguous()
 
         def whole(name: str) -> torch.Tensor:
-            return fh.get_tensor(name).to(device).contiguous()
+            t: torch.Tensor = fh.get_tensor(name)
+            return t.to(device).contiguous()
 
         layers = []
         for i in range(layer_start, layer_end):
@@ -394,7 +397,7 @@ class StageModel:
         positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens, device=dev) for c in chunks])
         tables = [torch.tensor(c.block_table, dtype=torch.long, device=dev) for c in chunks]
         bs = cache.block_size
-        per_seq = positions.split([c.num_tokens for c in chunks])
+        per_seq = torch.split(positions, [c.num_tokens for c in chunks])
         slots = torch.cat(
             [table[pos // bs] * bs + pos % bs for table, pos in zip(tables, per_seq, strict=True)]
         )

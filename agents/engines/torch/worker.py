@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,7 +82,9 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.cfg = ModelConfig.from_dir(spec.model_dir)
         timeout = timedelta(seconds=spec.timeout_s)
-        store = dist.TCPStore(spec.store_host, spec.store_port, None, is_master=False, timeout=timeout)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            spec.store_host, spec.store_port, None, is_master=False, timeout=timeout
+        )
         dist.init_process_group(
             spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
         )
@@ -209,10 +213,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         conn.close()
         return
     conn.send(("ready", worker.info()))
-    handlers = {
+    handlers: dict[str, Callable[[Any], object]] = {
         "step": worker.step,
-        "export": lambda payload: worker.export(*payload),
-        "import": lambda payload: worker.import_(*payload),
+        "export": lambda payload: worker.export(payload[0], payload[1]),
+        "import": lambda payload: worker.import_(payload[0], payload[1], payload[2]),
     }
     try:
         while True:

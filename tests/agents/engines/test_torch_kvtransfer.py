@@ -125,11 +125,15 @@ def test_the_receiver_refuses_a_corrupted_frame_and_keeps_serving() -> None:
     frame = bytearray(encode_kv_state(make_state()))
     frame[-1] ^= 0xFF
     with KVReceiver(expect_model_sha256=SHA) as receiver:
-        with pytest.raises(KVTransferError, match="receiver refused the frame: frame.checksum_sha256: mismatch"):
+        with pytest.raises(
+            KVTransferError, match="receiver refused the frame: frame.checksum_sha256: mismatch"
+        ):
             send_frames(receiver.address, [[bytes(frame)]])
         assert receiver.errors and "checksum" in receiver.errors[0]
         with pytest.raises(KVTransferError, match="receiver refused the frame: frame.model_sha256"):
-            send_kv_states(receiver.address, [KVState(**{**make_state().__dict__, "model_sha256": "ff" * 32})])
+            send_kv_states(
+                receiver.address, [KVState(**{**make_state().__dict__, "model_sha256": "ff" * 32})]
+            )
         # a later, intact frame on a new connection still arrives
         send_kv_states(receiver.address, [make_state(3)])
         assert receiver.get(timeout_s=10).state.num_cached_tokens == 3
@@ -143,7 +147,9 @@ def test_garbage_on_the_socket_is_refused() -> None:
         assert reply == b"ER" and b"frame.magic" in sock.recv(n, socket.MSG_WAITALL)
 
 
-def test_one_engines_export_reaches_another_engines_import_over_tcp(engines: EnginePool, tiny_model: TinyModel) -> None:
+def test_one_engines_export_reaches_another_engines_import_over_tcp(
+    engines: EnginePool, tiny_model: TinyModel
+) -> None:
     """TP2 on one side, TP1 x PP2 on the other: the KV is re-sharded on import, tokens unchanged."""
     old, new = engines.get("tp2"), engines.get("pp2")
     old.add_request("g", [3, 1, 4, 1, 5], 10, GREEDY)

@@ -271,3 +271,23 @@ def test_sampling_params_round_trip_and_refuse_unknown_keys() -> None:
     assert SamplingParams.from_dict(params.to_dict()) == params
     with pytest.raises(ValueError, match="unknown key"):
         SamplingParams.from_dict({"temprature": 1.0})
+
+
+# --- device and backend selection ------------------------------------------------------------------
+
+
+def test_the_backend_is_nccl_only_when_every_rank_of_the_group_has_a_gpu() -> None:
+    from agents.engines.torch.comm import select_backend
+
+    assert select_backend("cpu", 4) == "gloo"
+    assert select_backend("cuda", 1, num_gpus=1) == "nccl"
+    assert select_backend("cuda", 2, num_gpus=2) == "nccl"
+    # NCCL refuses two ranks of one communicator on one GPU: fall back to gloo through host memory
+    assert select_backend("cuda", 2, num_gpus=1) == "gloo"
+    assert select_backend("cuda", 2, backend="gloo", num_gpus=8) == "gloo"
+    with pytest.raises(ValueError, match="backend: nccl needs one GPU per rank; the group has 4 ranks and 2"):
+        select_backend("cuda", 4, backend="nccl", num_gpus=2)
+    with pytest.raises(ValueError, match="backend: nccl needs device 'cuda'"):
+        select_backend("cpu", 1, backend="nccl")
+    with pytest.raises(ValueError, match="backend: must be one of"):
+        select_backend("cpu", 1, backend="mpi")

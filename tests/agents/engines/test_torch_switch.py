@@ -67,7 +67,11 @@ def generate(
             if join == step:
                 engines[current].add_request(seq_id, prompt, n, params)
         if current < len(switch_at) and step == switch_at[current]:
-            link = TcpLink(expect_model_sha256=engines[current].model_sha256) if path == "migrate" else InProcessLink()
+            link = (
+                TcpLink(expect_model_sha256=engines[current].model_sha256)
+                if path == "migrate"
+                else InProcessLink()
+            )
             try:
                 result = switch_sequences(engines[current], engines[current + 1], path=path, link=link)  # type: ignore[arg-type]
             finally:
@@ -108,7 +112,9 @@ def test_a_switch_there_and_back_changes_no_token(
                 assert record.bytes_moved < 1000
 
 
-def test_migrated_bytes_are_the_kv_of_the_cached_tokens_plus_a_header(engines: EnginePool, tiny_model: TinyModel) -> None:
+def test_migrated_bytes_are_the_kv_of_the_cached_tokens_plus_a_header(
+    engines: EnginePool, tiny_model: TinyModel
+) -> None:
     _, results = generate([engines.get("tp2"), engines.get("pp2")], [5], "migrate")
     records = results[0].records
     # After 5 steps "greedy" (joined at step 0) has 5 generated tokens, the last not yet fed:
@@ -151,7 +157,9 @@ def test_a_switch_right_after_prefill_or_before_the_last_token_changes_nothing(
     assert len(results[0].outputs) == 1 and results[0].outputs[0].finished == (k == N - 1)
 
 
-def test_a_failed_import_leaves_the_sequences_on_the_old_engine(engines: EnginePool, tiny_model: TinyModel) -> None:
+def test_a_failed_import_leaves_the_sequences_on_the_old_engine(
+    engines: EnginePool, tiny_model: TinyModel
+) -> None:
     """The rollback: the new engine has no room, the old one keeps every sequence and goes on."""
     old = engines.get("tp2")
     tiny = TorchEngine(tiny_model.path, Layout.pipeline(4), device=DEVICE, num_kv_blocks=2, block_size=4)
