@@ -2,16 +2,17 @@
 
 Rules (one worker group = one torch.distributed world):
 - device "cpu": gloo.
-- device "cuda": group rank r runs on cuda:(r % visible GPUs). nccl when every rank of the group
-  has a GPU of its own; NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU
-  detected"), so a group larger than the GPU count falls back to gloo, staging tensors through
-  host memory. `backend=` forces a choice (and a forced nccl that cannot work is rejected here,
-  with the reason, instead of failing inside NCCL).
-The agent narrows the visible GPUs with CUDA_VISIBLE_DEVICES to the ones its plan owns.
+- device "cuda": the engine hands out its GPUs (`gpus`, default every visible one) to its
+  workers round-robin, prefill group first; nccl when every rank of a group got a GPU of its
+  own. NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), so a
+  group with more ranks than distinct GPUs falls back to gloo, staging tensors through host
+  memory. `backend=` forces a choice (and a forced nccl that cannot work is rejected here, with
+  the reason, instead of failing inside NCCL).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +48,30 @@ def select_backend(device: str, group_size: int, backend: str = "auto", num_gpus
     return backend
 
 
-def worker_device(device: str, rank: int) -> torch.device:
+def check_gpus(device: str, gpus: Sequence[int] | None) -> tuple[int, ...]:
+    """The GPU indices an engine may use: `gpus` checked, or every visible one; () on the CPU."""
     if device == "cpu":
+        if gpus:
+            raise ValueError("gpus: only meaningful with device 'cuda'")
+        return ()
+    visible = torch.cuda.device_count()
+    if gpus is None:
+        return tuple(range(visible))
+    out = tuple(gpus)
+    if not out:
+        raise ValueError("gpus: must name at least one GPU")
+    for i, g in enumerate(out):
+        if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < visible:
+            raise ValueError(f"gpus[{i}]: must be a visible GPU index in [0, {visible}), got {g!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"gpus: lists a GPU twice: {list(out)}")
+    return out
+
+
+def worker_device(device: str, gpu: int | None) -> torch.device:
+    if device == "cpu" or gpu is None:
         return torch.device("cpu")
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cuda", gpu)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from agents.engines.torch.comm import check_device
+from agents.engines.torch.comm import check_device, check_gpus
 from agents.engines.torch.group import EngineError, WorkerGroup
 from agents.engines.torch.kvcache import KVCacheFullError
 from agents.engines.torch.layout import Layout
@@ -123,6 +123,7 @@ class TorchEngine:
         layout: Layout | dict[str, object],
         device: str = "cpu",
         *,
+        gpus: Sequence[int] | None = None,
         backend: str = "auto",
         num_kv_blocks: int = 256,
         block_size: int = 16,
@@ -137,6 +138,7 @@ class TorchEngine:
         self.layout = layout if isinstance(layout, Layout) else Layout.from_dict(layout)
         self.layout.validate(self.cfg)
         self.device = check_device(device)
+        self.gpus = check_gpus(self.device, gpus)
         if not isinstance(max_tokens_per_step, int) or max_tokens_per_step < 1:
             raise ValueError(f"max_tokens_per_step: must be a positive integer, got {max_tokens_per_step!r}")
         if not isinstance(timeout_s, int | float) or timeout_s <= 0:
@@ -156,14 +158,24 @@ class TorchEngine:
         self._arrivals = itertools.count()
         self._groups: dict[str, WorkerGroup] = {}
         self._forget: dict[str, list[str]] = {}
+        # GPUs go round-robin over every worker of the engine, prefill group first, so a
+        # disaggregated engine with enough GPUs keeps its two groups apart.
+        placement = itertools.count()
         try:
             for name, stages in self.layout.groups.items():
+                world = sum(s.tp for s in stages)
+                rank_gpus = (
+                    tuple(self.gpus[next(placement) % len(self.gpus)] for _ in range(world))
+                    if self.gpus
+                    else ()
+                )
                 self._groups[name] = WorkerGroup(
                     name,
                     self.model_dir,
                     self.cfg,
                     stages,
                     device=self.device,
+                    rank_gpus=rank_gpus,
                     backend=backend,
                     num_blocks=num_kv_blocks,
                     block_size=block_size,

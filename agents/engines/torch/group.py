@@ -83,6 +83,7 @@ class WorkerGroup:
         stages: tuple[StageSpec, ...],
         *,
         device: str,
+        rank_gpus: tuple[int, ...],
         backend: str,
         num_blocks: int,
         block_size: int,
@@ -96,7 +97,11 @@ class WorkerGroup:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.timeout_s = timeout_s
         world = sum(s.tp for s in stages)
-        self.backend = select_backend(device, world, backend)
+        if device == "cuda" and len(rank_gpus) != world:
+            raise ValueError(f"rank_gpus: {len(rank_gpus)} GPUs for {world} ranks")
+        # nccl only when the ranks' GPUs are all different (select_backend's rule)
+        self.backend = select_backend(device, world, backend, num_gpus=len(set(rank_gpus)))
+        self.rank_gpus = rank_gpus
         ctx = _context(start_method)
         # The store lives here, in the engine's process, on a port the OS picks: no port races
         # between groups. Workers only rendezvous through it.
@@ -119,6 +124,7 @@ class WorkerGroup:
                     store_host="127.0.0.1",
                     store_port=self._store.port,
                     device=device,
+                    rank_gpus=rank_gpus,
                     backend=self.backend,
                     num_blocks=num_blocks,
                     block_size=block_size,

@@ -41,6 +41,7 @@ class WorkerSpec:
     store_host: str
     store_port: int
     device: str  # "cpu" | "cuda"
+    rank_gpus: tuple[int, ...]  # the GPU of each rank of the group (empty on the CPU)
     backend: str  # resolved: "gloo" | "nccl"
     num_blocks: int
     block_size: int
@@ -77,7 +78,7 @@ class _GenSlot:
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.device = worker_device(spec.device, spec.rank)
+        self.device = worker_device(spec.device, spec.rank_gpus[spec.rank] if spec.rank_gpus else None)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.cfg = ModelConfig.from_dir(spec.model_dir)

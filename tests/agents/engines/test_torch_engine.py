@@ -288,6 +288,12 @@ def test_a_wrong_weights_hash_or_device_is_refused_before_any_process_starts(tin
         TorchEngine(tiny_model.path, Layout.pipeline(4), expected_sha256="ab" * 32)
     with pytest.raises(ValueError, match="device: must be 'cpu' or 'cuda'"):
         TorchEngine(tiny_model.path, Layout.pipeline(4), device="tpu")
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="gpus: only meaningful with device 'cuda'"):
+            TorchEngine(tiny_model.path, Layout.pipeline(4), gpus=[0])
+    else:
+        with pytest.raises(ValueError, match=r"gpus\[0\]: must be a visible GPU index"):
+            TorchEngine(tiny_model.path, Layout.pipeline(4), device="cuda", gpus=[99])
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device: 'cuda' requested but"):
             TorchEngine(tiny_model.path, Layout.pipeline(4), device="cuda")
