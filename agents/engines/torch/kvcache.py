@@ -133,6 +133,10 @@ class PagedKVCache:
         v = self.v[layer][idx].reshape(-1, self.v.shape[-2], self.v.shape[-1])[:length]
         return k, v
 
+    def gather_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at flat slots of any shape S -> [*S, kv_heads, head_dim] (batched decode attention)."""
+        return self._flat(self.k, layer)[slots], self._flat(self.v, layer)[slots]
+
     def read_sequence(self, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [layers, length, kv_heads, head_dim] of one sequence, for export."""
         n_blocks = -(-length // self.block_size)

@@ -343,6 +343,8 @@ class PagedKV(Protocol):
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
+    def gather_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def gather(
         self, layer: int, block_table: torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -377,6 +379,9 @@ class StageModel:
         q_heads = torch.arange(shard.q_head_start, shard.q_head_end)
         device = weights.layers[0].wq.device if weights.layers else torch.device("cpu")
         self.kv_of_q = (q_heads // group - shard.kv_head_start).to(device)
+        # _attend_decodes relies on it: local query head j belongs to local KV head j // per_kv
+        per_kv = shard.num_q_heads // shard.num_kv_heads
+        assert torch.equal(self.kv_of_q.cpu(), torch.arange(shard.num_q_heads) // per_kv)
         self.device = device
 
     @property
@@ -404,25 +409,68 @@ class StageModel:
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         n_tok = hidden.shape[0]
         hd = cfg.head_dim
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + c.num_tokens)
+        # Single-token chunks (decodes) attend in one padded batch; longer chunks one by one.
+        decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+        batched = len(decodes) > 1
+        others = [i for i, c in enumerate(chunks) if c.num_tokens > 1 or not batched]
+        batch = self._decode_batch([chunks[i] for i in decodes], bs, dev) if batched else None
+        rows = torch.tensor([offsets[i] for i in decodes], dtype=torch.long, device=dev)
         for local, lw in enumerate(self.w.layers):
             h = rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps)
             q = apply_rope((h @ lw.wq.T).view(n_tok, -1, hd), cos, sin)
             k = apply_rope((h @ lw.wk.T).view(n_tok, -1, hd), cos, sin)
             v = (h @ lw.wv.T).view(n_tok, -1, hd)
             cache.write(local, slots, k, v)
-            outs = []
-            offset = 0
-            for c, table in zip(chunks, tables, strict=True):
-                ctx = c.start + c.num_tokens
-                k_ctx, v_ctx = cache.gather(local, table, ctx)
-                q_c = q[offset : offset + c.num_tokens]
-                offset += c.num_tokens
-                outs.append(self._attend(q_c, k_ctx, v_ctx, c.start))
-            attn = torch.cat(outs).reshape(n_tok, -1)
-            hidden = hidden + self.all_reduce(attn @ lw.wo.T)
+            attn = torch.empty_like(q)
+            for i in others:
+                c = chunks[i]
+                k_ctx, v_ctx = cache.gather(local, tables[i], c.start + c.num_tokens)
+                attn[offsets[i] : offsets[i + 1]] = self._attend(
+                    q[offsets[i] : offsets[i + 1]], k_ctx, v_ctx, c.start
+                )
+            if batch is not None:
+                attn[rows] = self._attend_decodes(q[rows], cache, local, *batch)
+            hidden = hidden + self.all_reduce(attn.reshape(n_tok, -1) @ lw.wo.T)
             h = rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps)
             hidden = hidden + self.all_reduce(gated_mlp(h, lw))
         return hidden
+
+    def _decode_batch(
+        self, chunks: Sequence[SeqChunk], block_size: int, dev: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [B, max_ctx] of every decode's context (padded with slot 0) and a validity mask."""
+        ctx = torch.tensor([c.start + 1 for c in chunks], device=dev)
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor(
+            [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks], device=dev
+        )
+        pos = torch.arange(int(ctx.max()), device=dev)
+        slots = tables[:, pos // block_size] * block_size + pos % block_size
+        return slots, pos[None, :] < ctx[:, None]
+
+    def _attend_decodes(
+        self, q: torch.Tensor, cache: PagedKV, layer: int, slots: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """q [B, Hq, D], one query per sequence at its last position -> [B, Hq, D].
+
+        GQA without copying KV: the local query heads of one KV head are neighbours, so q is
+        viewed as [B, Hkv, heads per KV head, D] and each KV head serves its group as a short
+        query sequence (one query per head, all at the same position: no causal mask needed).
+        """
+        b, hq, d = q.shape
+        k, v = cache.gather_slots(layer, slots)  # [B, max_ctx, Hkv, D]; padding masked below
+        hkv = k.shape[2]
+        out = F.scaled_dot_product_attention(
+            q.view(b, hkv, hq // hkv, d),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=self.cfg.head_dim**-0.5,
+        )
+        return out.reshape(b, hq, d)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """q [t, Hq, D] at positions start..start+t-1 against k/v [ctx, Hkv, D] -> [t, Hq, D]."""
