@@ -89,6 +89,7 @@ class _Seq:
     arrival: int  # admission order: FCFS for prefill, latest-first for preemption
     group: str  # the worker group holding (or about to hold) its KV
     num_computed: int = 0  # tokens whose KV is cached in `group`
+    paused: bool = False  # held still (KV kept, never scheduled) while it is being moved away
 
     @property
     def pending(self) -> int:
@@ -210,7 +211,8 @@ class TorchEngine:
         return list(self._seqs)
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs)
+        """Any sequence here that steps would advance (paused ones do not count)."""
+        return any(not s.paused for s in self._seqs.values())
 
     def num_free_blocks(self) -> dict[str, int]:
         return {name: g.allocator.num_free_blocks for name, g in self._groups.items()}
@@ -379,7 +381,9 @@ class TorchEngine:
         """
         group = self._groups[name]
         alloc = group.allocator
-        mine = sorted((s for s in self._seqs.values() if s.group == name), key=lambda s: s.arrival)
+        mine = sorted(
+            (s for s in self._seqs.values() if s.group == name and not s.paused), key=lambda s: s.arrival
+        )
         chosen: list[tuple[_Seq, int, bool]] = []
         chosen_ids: set[str] = set()
         budget = self.max_tokens_per_step
@@ -447,7 +451,8 @@ class TorchEngine:
         """
         prefill, decode = self._groups["prefill"], self._groups["decode"]
         ready = sorted(
-            (s for s in self._seqs.values() if s.group == "prefill" and s.decoding), key=lambda s: s.arrival
+            (s for s in self._seqs.values() if s.group == "prefill" and s.decoding and not s.paused),
+            key=lambda s: s.arrival,
         )
         for seq in ready:
             if not decode.allocator.can_ensure(seq.seq_id, seq.num_computed + 1):
@@ -558,6 +563,18 @@ class TorchEngine:
             group=group_name,
             num_computed=state.num_cached_tokens,
         )
+
+    def pause(self, seq_id: str) -> None:
+        """Hold a sequence still: it keeps its KV but takes no part in steps until `resume`.
+
+        For a move to another agent: export, pause, send; drop once the other side imported it,
+        resume if it could not (the rollback). The other sequences keep decoding meanwhile, and
+        the paused one is never preempted (its KV is what is being moved).
+        """
+        self._seq(seq_id).paused = True
+
+    def resume(self, seq_id: str) -> None:
+        self._seq(seq_id).paused = False
 
     def drop(self, seq_id: str) -> bool:
         """Forget a sequence and free its KV; False when it is not here (idempotent)."""

@@ -211,3 +211,58 @@ def test_any_prompt_switched_at_any_token_matches_the_unswitched_run(
     switched, _ = generate([old, new], [k], path, requests, n)
     assert switched == baseline
     engines.tidy()
+
+
+def test_a_paused_sequence_waits_while_the_others_decode_then_moves_or_resumes(
+    engines: EnginePool, tiny_model: TinyModel
+) -> None:
+    """The cross-agent protocol: export + pause, send, then drop (moved) or resume (rolled back)."""
+    old, new = engines.get("tp2"), engines.get("pp2")
+    prompts = {"moves": [1, 2, 3], "stays": [4, 5, 6, 7], "rolls-back": [8, 9]}
+    for seq_id, prompt in prompts.items():
+        old.add_request(seq_id, prompt, 9, SEEDED)
+    out: dict[str, list[int]] = {}
+    for _ in range(3):
+        for o in old.step():
+            out.setdefault(o.seq_id, []).append(o.token_id)
+    states = {s: old.export_kv(s) for s in ("moves", "rolls-back")}
+    for seq_id in states:
+        old.pause(seq_id)
+    for _ in range(2):  # the transfer takes a while; "stays" keeps decoding, the paused do not
+        emitted = old.step()
+        assert [o.seq_id for o in emitted] == ["stays"]
+        out["stays"].append(emitted[0].token_id)
+    link = TcpLink(expect_model_sha256=new.model_sha256)
+    try:
+        moved, _ = link.move(states["moves"])
+    finally:
+        link.close()
+    new.import_kv("moves", moved)
+    old.drop("moves")
+    old.resume("rolls-back")  # say its target refused it: it simply goes on here
+    run_to_end(old, out)
+    run_to_end(new, out)
+    for seq_id, prompt in prompts.items():
+        assert out[seq_id] == tiny_model.reference(prompt, 9, SEEDED), seq_id
+
+
+def test_a_replay_only_state_imported_elsewhere_is_re_prefilled(
+    engines: EnginePool, tiny_model: TinyModel
+) -> None:
+    """Over the wire the replay path is the same frame without KV: import_kv re-prefills it."""
+    old, new = engines.get("tp1"), engines.get("disagg")
+    old.add_request("r", [6, 5, 4, 3], 8, SEEDED_TOPK)
+    out = run_to_end_after(old, 4)
+    state = InProcessLink().move(old.export_kv("r", include_kv=False))[0]
+    new.import_kv("r", state)
+    old.drop("r")
+    run_to_end(new, out)
+    assert out["r"] == tiny_model.reference([6, 5, 4, 3], 8, SEEDED_TOPK)
+
+
+def run_to_end_after(engine: TorchEngine, steps: int) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _ in range(steps):
+        for o in engine.step():
+            out.setdefault(o.seq_id, []).append(o.token_id)
+    return out
