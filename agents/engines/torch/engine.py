@@ -1,0 +1,604 @@
+"""TorchEngine: the in-process facade the agent daemon drives.
+
+    engine = TorchEngine(model_dir, Layout.pipeline(4, pp=2, tp=1), device="cpu")
+    engine.add_request("r1", prompt_ids, max_new_tokens=32, sampling=SamplingParams())
+    while engine.has_unfinished():
+        for seq_id, token_id, finished in engine.step(): ...
+    state = engine.export_kv("r1")        # between two steps = at a safe boundary
+    other.import_kv("r1", state); engine.drop("r1")
+    engine.shutdown()
+
+The engine is a continuous-batching scheduler over one worker group (colocated) or two
+(disaggregated: a prefill group hands each sequence's KV to a decode group after its first
+token). Not thread-safe: drive it from one thread. Every public method runs between two steps,
+which is exactly the safe boundary a gear switch needs (the end of a decode iteration).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from agents.engines.torch.comm import check_device, check_gpus
+from agents.engines.torch.group import EngineError, WorkerGroup
+from agents.engines.torch.kvcache import KVCacheFullError
+from agents.engines.torch.layout import Layout
+from agents.engines.torch.model import ModelConfig, SeqChunk
+from agents.engines.torch.sampling import SamplingParams, draws_after
+from agents.engines.torch.weights import WEIGHTS_FILE, sha256_file
+from agents.engines.torch.worker import StepPlan
+
+__all__ = ["EngineError", "KVCacheFullError", "KVState", "StepOutput", "TorchEngine"]
+
+
+class StepOutput(NamedTuple):
+    seq_id: str
+    token_id: int
+    finished: bool
+
+
+@dataclass(frozen=True)
+class KVState:
+    """One sequence, layout-independent: everything another engine needs to continue it.
+
+    keys/values hold the unsharded K/V of every layer for token_ids[:num_cached_tokens]
+    ([num_layers, num_cached_tokens, num_kv_heads, head_dim], float32, CPU). At a safe boundary
+    the last token is sampled but not yet fed, so num_cached_tokens == len(token_ids) - 1 for a
+    decoding sequence; fewer for one still in prefill, 0 for a replay-only export.
+    """
+
+    seq_id: str
+    model_sha256: str  # the weights the KV was computed with; import refuses any other
+    token_ids: tuple[int, ...]  # prompt + generated so far
+    num_prompt_tokens: int
+    max_new_tokens: int  # the cap on generated tokens, counted from the original prompt
+    sampling: SamplingParams
+    sampler_draws: int  # random draws made so far (the whole sampler state besides the seed)
+    num_cached_tokens: int
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def generated_ids(self) -> tuple[int, ...]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+@dataclass
+class _Seq:
+    seq_id: str
+    token_ids: list[int]
+    num_prompt: int
+    max_new_tokens: int
+    sampling: SamplingParams
+    draws: int
+    arrival: int  # admission order: FCFS for prefill, latest-first for preemption
+    group: str  # the worker group holding (or about to hold) its KV
+    num_computed: int = 0  # tokens whose KV is cached in `group`
+    paused: bool = False  # held still (KV kept, never scheduled) while it is being moved away
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to feed; 1 = decoding (only the last sampled token)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled: only the last sampled token is left to feed."""
+        return self.pending == 1 and self.num_computed > 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_generated: int = 0
+    tokens_prefilled: int = 0  # tokens fed in chunks of more than one (prefill and re-prefill)
+    preemptions: int = 0
+    handoffs: int = 0  # disaggregated prefill -> decode hand-overs
+    handoff_bytes: int = 0
+    groups: dict[str, int] = field(default_factory=dict)  # steps run per group
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        layout: Layout | dict[str, object],
+        device: str = "cpu",
+        *,
+        gpus: Sequence[int] | None = None,
+        backend: str = "auto",
+        num_kv_blocks: int = 256,
+        block_size: int = 16,
+        max_tokens_per_step: int = 256,
+        expected_sha256: str | None = None,
+        timeout_s: float = 120.0,
+        num_threads: int = 1,
+        start_method: str = "forkserver",
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.cfg = ModelConfig.from_dir(model_dir)
+        self.layout = layout if isinstance(layout, Layout) else Layout.from_dict(layout)
+        self.layout.validate(self.cfg)
+        self.device = check_device(device)
+        self.gpus = check_gpus(self.device, gpus)
+        if not isinstance(max_tokens_per_step, int) or max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step: must be a positive integer, got {max_tokens_per_step!r}")
+        if not isinstance(timeout_s, int | float) or timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be positive, got {timeout_s!r}")
+        weights = Path(model_dir) / WEIGHTS_FILE
+        if not weights.is_file():
+            raise ValueError(f"model_dir: {model_dir} has no {WEIGHTS_FILE}")
+        self.model_sha256 = sha256_file(weights)
+        if expected_sha256 is not None and expected_sha256 != self.model_sha256:
+            raise ValueError(
+                f"expected_sha256: the weights in {model_dir} hash to {self.model_sha256}, not {expected_sha256}"
+            )
+        self.max_tokens_per_step = max_tokens_per_step
+        self.stats = EngineStats()
+        self.last_step_end_s = time.perf_counter()  # when the latest step returned (stall clock)
+        self._seqs: dict[str, _Seq] = {}
+        self._arrivals = itertools.count()
+        self._groups: dict[str, WorkerGroup] = {}
+        self._forget: dict[str, list[str]] = {}
+        # GPUs go round-robin over every worker of the engine, prefill group first, so a
+        # disaggregated engine with enough GPUs keeps its two groups apart.
+        placement = itertools.count()
+        try:
+            for name, stages in self.layout.groups.items():
+                world = sum(s.tp for s in stages)
+                rank_gpus = (
+                    tuple(self.gpus[next(placement) % len(self.gpus)] for _ in range(world))
+                    if self.gpus
+                    else ()
+                )
+                self._groups[name] = WorkerGroup(
+                    name,
+                    self.model_dir,
+                    self.cfg,
+                    stages,
+                    device=self.device,
+                    rank_gpus=rank_gpus,
+                    backend=backend,
+                    num_blocks=num_kv_blocks,
+                    block_size=block_size,
+                    timeout_s=float(timeout_s),
+                    num_threads=num_threads,
+                    start_method=start_method,
+                )
+                self._forget[name] = []
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.layout.mode == "disaggregated"
+
+    @property
+    def _entry_group(self) -> str:
+        return "prefill" if self.disaggregated else "main"
+
+    @property
+    def backends(self) -> dict[str, str]:
+        return {name: g.backend for name, g in self._groups.items()}
+
+    @property
+    def pids(self) -> list[int]:
+        return [pid for g in self._groups.values() for pid in g.pids]
+
+    def sequence_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def has_unfinished(self) -> bool:
+        """Any sequence here that steps would advance (paused ones do not count)."""
+        return any(not s.paused for s in self._seqs.values())
+
+    def num_free_blocks(self) -> dict[str, int]:
+        return {name: g.allocator.num_free_blocks for name, g in self._groups.items()}
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        seq_id: str,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | dict[str, object] | None = None,
+    ) -> None:
+        """Queue a new sequence; it joins the batch at the next step with room for it."""
+        self._admit(seq_id, list(prompt_ids), [], max_new_tokens, sampling)
+
+    def replay(
+        self,
+        seq_id: str,
+        prompt_ids: Sequence[int],
+        generated_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | dict[str, object] | None = None,
+    ) -> None:
+        """Continue a sequence from its tokens alone: re-prefill prompt + generated, then decode on.
+
+        The sampler is rebuilt from the seed and the count of generated tokens, so the tokens
+        that follow are the ones the original engine would have produced.
+        """
+        self._admit(seq_id, list(prompt_ids), list(generated_ids), max_new_tokens, sampling)
+
+    def _admit(
+        self,
+        seq_id: str,
+        prompt: list[int],
+        generated: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | dict[str, object] | None,
+    ) -> _Seq:
+        self._check_open()
+        params = self._sampling(sampling)
+        self._check_seq_id(seq_id)
+        if not prompt:
+            raise ValueError("prompt_ids: must hold at least one token")
+        for name, ids in (("prompt_ids", prompt), ("generated_ids", generated)):
+            for i, t in enumerate(ids):
+                if (
+                    not isinstance(t, int | np.integer)
+                    or isinstance(t, bool)
+                    or not 0 <= t < self.cfg.vocab_size
+                ):
+                    raise ValueError(
+                        f"{name}[{i}]: must be a token id in [0, {self.cfg.vocab_size}), got {t!r}"
+                    )
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+        if len(generated) >= max_new_tokens:
+            raise ValueError(
+                f"generated_ids: {len(generated)} tokens already reach max_new_tokens {max_new_tokens}: nothing to do"
+            )
+        total = len(prompt) + max_new_tokens
+        if total > self.cfg.max_positions:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+                f"max_position_embeddings {self.cfg.max_positions}"
+            )
+        for name, group in self._groups.items():
+            alloc = group.allocator
+            if alloc.blocks_for(total) > alloc.num_blocks:
+                raise ValueError(
+                    f"max_new_tokens: a sequence of {total} tokens needs {alloc.blocks_for(total)} KV blocks, "
+                    f"group {name!r} has {alloc.num_blocks} in all (raise num_kv_blocks or shorten it)"
+                )
+        seq = _Seq(
+            seq_id=seq_id,
+            token_ids=[int(t) for t in prompt + generated],
+            num_prompt=len(prompt),
+            max_new_tokens=max_new_tokens,
+            sampling=params,
+            draws=draws_after(params, len(generated)),
+            arrival=next(self._arrivals),
+            group=self._entry_group,
+        )
+        self._seqs[seq_id] = seq
+        return seq
+
+    def _sampling(self, sampling: SamplingParams | dict[str, object] | None) -> SamplingParams:
+        if sampling is None:
+            return SamplingParams()
+        if isinstance(sampling, dict):
+            return SamplingParams.from_dict(sampling)
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(
+                f"sampling: must be SamplingParams, a dict or None, got {type(sampling).__name__}"
+            )
+        return sampling
+
+    def _check_seq_id(self, seq_id: str) -> None:
+        if not isinstance(seq_id, str) or not seq_id:
+            raise ValueError(f"seq_id: must be a non-empty string, got {seq_id!r}")
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id: {seq_id!r} is already in this engine")
+
+    def _check_open(self) -> None:
+        dead = [name for name, g in self._groups.items() if not g.alive]
+        if dead or not self._groups:
+            raise EngineError(f"engine is shut down (groups {dead or 'none'}); build a new one")
+
+    # -- the iteration ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one iteration over every group that has work; return the tokens it produced.
+
+        Invariants: a sequence is in exactly one group; every chunk scheduled has its blocks
+        allocated before any worker sees it; groups run concurrently (submit all, then collect);
+        a finished sequence's blocks are freed before this returns.
+        """
+        self._check_open()
+        if self.disaggregated:
+            self._hand_over()  # anything that could not move last time for lack of blocks
+        scheduled: dict[str, list[tuple[_Seq, int, bool]]] = {}
+        for name in self._groups:
+            scheduled[name] = self._schedule(name)
+        submitted = []
+        try:
+            for name, work in scheduled.items():
+                if not work:
+                    continue
+                self._groups[name].submit_step(self._plan(name, work))
+                submitted.append(name)
+            results = {name: self._groups[name].collect_step() for name in submitted}
+        except EngineError:
+            self.shutdown()
+            raise
+        outputs: list[StepOutput] = []
+        for name in submitted:
+            self.stats.groups[name] = self.stats.groups.get(name, 0) + 1
+            for seq, n, sample in scheduled[name]:
+                seq.num_computed += n
+                if n > 1:
+                    self.stats.tokens_prefilled += n
+                if not sample:
+                    continue
+                token = int(results[name][seq.seq_id])
+                seq.token_ids.append(token)
+                seq.draws = draws_after(seq.sampling, seq.num_generated)
+                self.stats.tokens_generated += 1
+                finished = seq.num_generated >= seq.max_new_tokens or (
+                    token in self.cfg.eos_token_ids and not seq.sampling.ignore_eos
+                )
+                if finished:
+                    self._remove(seq)
+                outputs.append(StepOutput(seq.seq_id, token, finished))
+        if self.disaggregated:
+            self._hand_over()
+        self.stats.steps += 1
+        self.last_step_end_s = time.perf_counter()
+        return outputs
+
+    def _schedule(self, name: str) -> list[tuple[_Seq, int, bool]]:
+        """Pick this group's chunks: every decode first, then prefill chunks FCFS within the budget.
+
+        A decode that cannot get a block preempts the latest-arrived sequence of the group that is
+        not already scheduled (possibly itself): its blocks are freed and it re-prefills later
+        (recompute preemption; its sampler state survives, so its tokens do not change).
+        """
+        group = self._groups[name]
+        alloc = group.allocator
+        mine = sorted(
+            (s for s in self._seqs.values() if s.group == name and not s.paused), key=lambda s: s.arrival
+        )
+        chosen: list[tuple[_Seq, int, bool]] = []
+        chosen_ids: set[str] = set()
+        budget = self.max_tokens_per_step
+        # A prefill group never decodes: its prefilled sequences wait for the hand-over.
+        if name != "prefill":
+            for seq in mine:
+                if not (seq.decoding and seq.group == name):
+                    continue
+                while not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
+                    victims = [
+                        s
+                        for s in mine
+                        if s.group == name and alloc.has(s.seq_id) and s.seq_id not in chosen_ids
+                    ]
+                    if not victims:
+                        break
+                    victim = max(victims, key=lambda s: s.arrival)
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.group != name or not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
+                    continue  # preempted itself, or everything else is already in this step
+                alloc.ensure(seq.seq_id, seq.num_computed + 1)
+                chosen.append((seq, 1, True))
+                chosen_ids.add(seq.seq_id)
+                budget -= 1
+        for seq in mine:
+            if seq.decoding or seq.group != name or seq.seq_id in chosen_ids:
+                continue
+            if budget <= 0:
+                break
+            n = min(seq.pending, budget)
+            if not alloc.can_ensure(seq.seq_id, seq.num_computed + n):
+                break  # FCFS: a later prompt does not overtake one that waits for blocks
+            alloc.ensure(seq.seq_id, seq.num_computed + n)
+            chosen.append((seq, n, n == seq.pending))
+            chosen_ids.add(seq.seq_id)
+            budget -= n
+        return chosen
+
+    def _preempt(self, seq: _Seq) -> None:
+        self._groups[seq.group].allocator.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.group = self._entry_group
+        self.stats.preemptions += 1
+
+    def _plan(self, name: str, work: list[tuple[_Seq, int, bool]]) -> StepPlan:
+        alloc = self._groups[name].allocator
+        chunks, token_ids, sampling = [], [], {}
+        for seq, n, sample in work:
+            start = seq.num_computed
+            chunks.append(SeqChunk(seq.seq_id, start, n, alloc.block_table(seq.seq_id), sample))
+            token_ids.extend(seq.token_ids[start : start + n])
+            if sample:
+                sampling[seq.seq_id] = (seq.sampling, seq.draws)
+        forget, self._forget[name] = tuple(self._forget[name]), []
+        return StepPlan(tuple(chunks), tuple(token_ids), sampling, forget)
+
+    def _hand_over(self) -> None:
+        """Disaggregated: move every prefilled sequence's KV from the prefill to the decode group.
+
+        Goes through this process (the agent), worker to engine to worker: both groups belong to
+        the same agent. In arrival order; stops at the first that does not fit (tried again next
+        step), leaving it in the prefill group with its KV intact.
+        """
+        prefill, decode = self._groups["prefill"], self._groups["decode"]
+        ready = sorted(
+            (s for s in self._seqs.values() if s.group == "prefill" and s.decoding and not s.paused),
+            key=lambda s: s.arrival,
+        )
+        for seq in ready:
+            if not decode.allocator.can_ensure(seq.seq_id, seq.num_computed + 1):
+                break
+            try:
+                k, v = prefill.export_kv(seq.seq_id, seq.num_computed)
+                decode.allocator.ensure(seq.seq_id, seq.num_computed + 1)
+                decode.import_kv(seq.seq_id, k, v)
+            except EngineError:
+                self.shutdown()
+                raise
+            prefill.allocator.free(seq.seq_id)
+            self._forget["prefill"].append(seq.seq_id)
+            seq.group = "decode"
+            self.stats.handoffs += 1
+            self.stats.handoff_bytes += k.nbytes + v.nbytes
+
+    def _remove(self, seq: _Seq) -> None:
+        self._groups[seq.group].allocator.free(seq.seq_id)
+        self._forget[seq.group].append(seq.seq_id)
+        del self._seqs[seq.seq_id]
+
+    # -- moving sequences ------------------------------------------------------------------------
+
+    def export_kv(self, seq_id: str, *, include_kv: bool = True) -> KVState:
+        """Snapshot one sequence at this safe boundary; the engine keeps it (drop it once moved).
+
+        include_kv=False gives the replay-only state: tokens and sampler, no KV (a few bytes).
+        """
+        self._check_open()
+        seq = self._seq(seq_id)
+        n = seq.num_computed if include_kv else 0
+        try:
+            k, v = self._groups[seq.group].export_kv(seq_id, n)
+        except EngineError:
+            self.shutdown()
+            raise
+        return KVState(
+            seq_id=seq_id,
+            model_sha256=self.model_sha256,
+            token_ids=tuple(seq.token_ids),
+            num_prompt_tokens=seq.num_prompt,
+            max_new_tokens=seq.max_new_tokens,
+            sampling=seq.sampling,
+            sampler_draws=seq.draws,
+            num_cached_tokens=n,
+            keys=torch.from_numpy(k),
+            values=torch.from_numpy(v),
+        )
+
+    def import_kv(self, seq_id: str, state: KVState) -> None:
+        """Adopt a sequence exported by any engine of the same weights, re-sharding its KV here.
+
+        All-or-nothing: a bad state or a full cache raises before anything changes.
+        """
+        self._check_open()
+        self._check_seq_id(seq_id)
+        cfg = self.cfg
+        if state.model_sha256 != self.model_sha256:
+            raise ValueError(
+                f"state.model_sha256: KV computed with weights {state.model_sha256[:12]}..., "
+                f"this engine runs {self.model_sha256[:12]}..."
+            )
+        n_tokens = len(state.token_ids)
+        if not 1 <= state.num_prompt_tokens <= n_tokens:
+            raise ValueError(f"state.num_prompt_tokens: {state.num_prompt_tokens} not in [1, {n_tokens}]")
+        if not 0 <= state.num_cached_tokens < n_tokens:
+            raise ValueError(
+                f"state.num_cached_tokens: {state.num_cached_tokens} not in [0, {n_tokens}) "
+                "(the last token is never cached at a safe boundary)"
+            )
+        expected = (cfg.num_layers, state.num_cached_tokens, cfg.num_kv_heads, cfg.head_dim)
+        for name in ("keys", "values"):
+            t = getattr(state, name)
+            if tuple(t.shape) != expected or t.dtype != torch.float32:
+                raise ValueError(
+                    f"state.{name}: expected float32 {list(expected)}, got {t.dtype} {list(t.shape)}"
+                )
+        generated = n_tokens - state.num_prompt_tokens
+        if generated >= state.max_new_tokens:
+            raise ValueError(
+                f"state.max_new_tokens: the sequence already generated {generated}: it is finished"
+            )
+        if state.sampler_draws != draws_after(state.sampling, generated):
+            raise ValueError(
+                f"state.sampler_draws: {state.sampler_draws} draws do not match {generated} generated tokens "
+                f"with {'greedy' if state.sampling.greedy else 'seeded'} sampling"
+            )
+        decoding = 0 < state.num_cached_tokens == n_tokens - 1
+        group_name = "decode" if self.disaggregated and decoding else self._entry_group
+        group = self._groups[group_name]
+        # Room for the cached tokens and the one the next step feeds.
+        need = state.num_cached_tokens + 1
+        group.allocator.ensure(seq_id, need)  # raises KVCacheFullError, allocating nothing
+        try:
+            group.import_kv(seq_id, state.keys.numpy(), state.values.numpy())
+        except EngineError:
+            self.shutdown()
+            raise
+        self._seqs[seq_id] = _Seq(
+            seq_id=seq_id,
+            token_ids=list(state.token_ids),
+            num_prompt=state.num_prompt_tokens,
+            max_new_tokens=state.max_new_tokens,
+            sampling=state.sampling,
+            draws=state.sampler_draws,
+            arrival=next(self._arrivals),
+            group=group_name,
+            num_computed=state.num_cached_tokens,
+        )
+
+    def pause(self, seq_id: str) -> None:
+        """Hold a sequence still: it keeps its KV but takes no part in steps until `resume`.
+
+        For a move to another agent: export, pause, send; drop once the other side imported it,
+        resume if it could not (the rollback). The other sequences keep decoding meanwhile, and
+        the paused one is never preempted (its KV is what is being moved).
+        """
+        self._seq(seq_id).paused = True
+
+    def resume(self, seq_id: str) -> None:
+        self._seq(seq_id).paused = False
+
+    def drop(self, seq_id: str) -> bool:
+        """Forget a sequence and free its KV; False when it is not here (idempotent)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._remove(seq)
+        return True
+
+    def _seq(self, seq_id: str) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"seq_id: {seq_id!r} is not in this engine") from None
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every worker process; idempotent. The engine cannot be used afterwards."""
+        for group in self._groups.values():
+            group.shutdown()
+
+    def __enter__(self) -> TorchEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
