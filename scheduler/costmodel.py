@@ -34,10 +34,13 @@ same iteration function, and add an M/G/1-style queueing tail for P50/P99.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
+from scheduler._lazy import Key
 from scheduler.hardware import GpuSpec
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu, usable_bytes
@@ -217,7 +220,11 @@ class StageProfile:
 
 
 class PipelineProfile:
-    """A pipeline (list of stages) with everything resolved; `iteration` is pure arithmetic."""
+    """A pipeline (list of stages) with everything resolved; `iteration` is pure arithmetic.
+
+    Per-stage constants (GEMM shapes, reciprocal peak rates, link terms) are computed once
+    here, because a simulator calls `iteration` for every batch it runs.
+    """
 
     def __init__(self, model: ModelSpec, stages: Sequence[StageProfile], eff: Efficiency) -> None:
         self.model = model
@@ -225,45 +232,94 @@ class PipelineProfile:
         self.eff = eff
         self.pp = len(self.stages)
         self.max_stage_layer_share = max(s.layers for s in self.stages) / model.num_layers
+        self.signature = Key((model, eff, self.stages))
+        self._consts = [self._stage_consts(st) for st in self.stages]
 
-    def stage_time_parts(self, st: StageProfile, b: Batch) -> tuple[float, float, float, float]:
-        """(gemm, attention, elementwise, allreduce) seconds of one stage for batch `b`."""
+    def _stage_consts(self, st: StageProfile) -> tuple[float, ...]:
+        """Per-stage constants. Each GEMM [T x k] @ [k x n] becomes three coefficients of its
+        token count T: t_compute = a T and t_memory = b + c T (weights once, activations per
+        token), so a kernel costs a few multiply-adds."""
         m, eff, spec = self.model, self.eff, st.spec
-        tokens = b.tokens
-        if tokens == 0:
-            return 0.0, 0.0, 0.0, 0.0
-        t, d, h = st.tp, m.dtype_bytes, m.hidden_size
+        t = st.tp
+        d = m.dtype_bytes
+        fd = 1.0 / (eff.mfu * spec.bf16_flops)
+        md = 1.0 / (eff.mbu * spec.hbm_bytes_per_s)
         q = m.q_dim // t
         kv = m.kv_dim // m.kv_shards(t)
         inter = m.intermediate_size // t
         up = (2 if m.gated_mlp else 1) * inter
-        gemm = (
-            gemm_time_s(tokens, h, q + 2 * kv, d, spec, eff)
-            + gemm_time_s(tokens, q, h, d, spec, eff)
-            + gemm_time_s(tokens, h, up, d, spec, eff)
-            + gemm_time_s(tokens, inter, h, d, spec, eff)
-        ) * st.layers
+        h = m.hidden_size
+        coeffs: list[float] = []
+        for k, n in ((h, q + 2 * kv), (q, h), (h, up), (inter, h)):
+            coeffs += [2.0 * k * n * fd, d * k * n * md, d * (k + n) * md]
+        vocab = m.vocab_size // t
+        ar_bw = st.tp_path.effective_bytes_per_s(eff) if t > 1 else math.inf
+        return (
+            fd,  # 0 seconds per FLOP
+            md,  # 1 seconds per HBM byte
+            float(q),  # 2
+            float(kv),  # 3
+            float(inter),  # 4
+            *coeffs,  # 5..16: (a, b, c) of QKV, O, MLP up, MLP down
+            2.0 * h * vocab * fd, d * h * vocab * md, d * (h + vocab) * md,  # 17..19 LM head
+            st.tp_path.latency(eff) if t > 1 else 0.0,  # 20 all-reduce step latency
+            ar_bw,  # 21 all-reduce link bytes/s
+        )
+
+    def stage_time_parts(self, st: StageProfile, b: Batch) -> tuple[float, float, float, float]:
+        """(gemm, attention, elementwise, allreduce) seconds of one stage for batch `b`."""
+        return self._parts(st, self._consts[self.stages.index(st)], b.prefill_tokens, b.prefill_seqs,
+                           b.prefill_context_tokens, b.decode_seqs, b.decode_context_tokens)
+
+    def _parts(self, st: StageProfile, c: Sequence[float], prefill_tokens: int, prefill_seqs: int,
+               prefill_context_tokens: int, decode_seqs: int, decode_context_tokens: int
+               ) -> tuple[float, float, float, float]:
+        tokens = prefill_tokens + decode_seqs
+        if tokens == 0:
+            return 0.0, 0.0, 0.0, 0.0
+        m, eff = self.model, self.eff
+        d = m.dtype_bytes
+        fd, md, q, kv, inter = c[0], c[1], c[2], c[3], c[4]
+        o = eff.kernel_overhead_s
+        p = eff.roofline_norm
+        h = float(m.hidden_size)
+        square = p == 2.0
+
+        def kernel(tc: float, tm: float) -> float:
+            if square:
+                return o + math.sqrt(tc * tc + tm * tm)
+            return o + float((tc**p + tm**p) ** (1.0 / p))
+
+        # the four GEMMs of a layer, from their coefficients (the simulator's hot path)
+        gemm = 0.0
+        for i in (5, 8, 11, 14):
+            tc = c[i] * tokens
+            tm = c[i + 1] + c[i + 2] * tokens
+            gemm += kernel(tc, tm)
+        gemm *= st.layers
         # attention: decode reads every context token's K and V; prefill chunks attend their
         # cached prefix plus (causally) themselves.
-        attn_flops = 4.0 * q * b.decode_context_tokens
-        attn_bytes = 2.0 * kv * d * b.decode_context_tokens
-        if b.prefill_tokens:
-            seqs = max(1, b.prefill_seqs)
-            chunk = b.prefill_tokens / seqs
-            attn_flops += 4.0 * q * (b.prefill_context_tokens * chunk + b.prefill_tokens * (chunk + 1) / 2)
-            attn_bytes += 2.0 * kv * d * (b.prefill_context_tokens + b.prefill_tokens)
+        attn_flops = 4.0 * q * decode_context_tokens
+        attn_bytes = 2.0 * kv * d * decode_context_tokens
+        if prefill_tokens:
+            chunk = prefill_tokens / max(1, prefill_seqs)
+            attn_flops += 4.0 * q * (prefill_context_tokens * chunk + prefill_tokens * (chunk + 1) / 2)
+            attn_bytes += 2.0 * kv * d * (prefill_context_tokens + prefill_tokens)
         attn_bytes += 2.0 * q * d * tokens  # read Q, write the output
-        attention = kernel_time_s(attn_flops, attn_bytes, spec, eff) * st.layers
+        attention = kernel(attn_flops * fd, attn_bytes * md) * st.layers
         # element-wise: two residual-add+RMSNorm (read 2, write 2 vectors of h), rotary on
         # Q and K, SiLU-and-mul (read 2 x inter, write inter); memory traffic only
-        ew_bytes = d * tokens * (8 * h + 2 * (q + kv) + 3 * inter)
-        elementwise = ew_bytes / (eff.mbu * spec.hbm_bytes_per_s) * st.layers
-        allreduce = 2 * st.layers * allreduce_time_s(t, tokens * h * d, st.tp_path, eff, spec.hbm_bytes_per_s)
+        elementwise = d * tokens * (8 * h + 2 * (q + kv) + 3 * inter) * md * st.layers
+        allreduce = 0.0
+        if st.tp > 1:
+            share = (st.tp - 1) / st.tp * tokens * h * d
+            one = 2.0 * c[20] + 2.0 * share / c[21] + REDUCE_HBM_TOUCHES * share * md
+            allreduce = 2 * st.layers * one
         if st.first:
-            elementwise += tokens * h * d / (eff.mbu * spec.hbm_bytes_per_s)
+            elementwise += tokens * h * d * md
         if st.last:
-            sampled = b.decode_seqs + (max(1, b.prefill_seqs) if b.prefill_tokens else 0)
-            gemm += gemm_time_s(sampled, h, m.vocab_size // t, d, spec, eff)
+            sampled = decode_seqs + (max(1, prefill_seqs) if prefill_tokens else 0)
+            gemm += kernel(c[17] * sampled, c[18] + c[19] * sampled)
         return gemm, attention, elementwise, allreduce
 
     def iteration(self, b: Batch) -> IterationCost:
@@ -272,8 +328,9 @@ class PipelineProfile:
         handoff_s: list[float] = []
         totals = [0.0, 0.0, 0.0, 0.0]
         act_bytes = b.tokens * self.model.activation_bytes_per_token
-        for st in self.stages:
-            parts = self.stage_time_parts(st, b)
+        for st, consts in zip(self.stages, self._consts, strict=True):
+            parts = self._parts(st, consts, b.prefill_tokens, b.prefill_seqs, b.prefill_context_tokens,
+                                b.decode_seqs, b.decode_context_tokens)
             for i in range(4):
                 totals[i] += parts[i]
             stage_s.append(sum(parts))
@@ -292,13 +349,40 @@ class PipelineProfile:
             allreduce_s=totals[3],
         )
 
+    def latency_interval(self, prefill_tokens: int = 0, prefill_seqs: int = 0, prefill_context_tokens: int = 0,
+                         decode_seqs: int = 0, decode_context_tokens: int = 0) -> tuple[float, float]:
+        """(latency_s, interval_s) of `iteration`, without building the breakdown (hot path)."""
+        tokens = prefill_tokens + decode_seqs
+        if tokens == 0:
+            return 0.0, 0.0
+        act_bytes = tokens * self.model.activation_bytes_per_token
+        latency = interval = 0.0
+        for st, consts in zip(self.stages, self._consts, strict=True):
+            g, a, e, r = self._parts(st, consts, prefill_tokens, prefill_seqs, prefill_context_tokens,
+                                     decode_seqs, decode_context_tokens)
+            stage = g + a + e + r
+            if st.next_path is not None:
+                stage_out = stage + transfer_time_s(act_bytes, st.next_path, self.eff)
+            else:
+                stage_out = stage
+            latency += stage_out
+            interval = max(interval, stage_out)
+        return latency, interval
+
     def prefill_time_s(self, prompt_tokens: int, chunk_tokens: int = MAX_BATCHED_TOKENS) -> float:
         """One prompt alone, in chunks of at most `chunk_tokens`, until its first token."""
+        key = (self.signature, prompt_tokens, chunk_tokens)
+        hit = _PREFILL_MEMO.get(key)
+        if hit is not None:
+            return hit
         done, total = 0, 0.0
         while done < prompt_tokens:
             chunk = min(chunk_tokens, prompt_tokens - done)
-            total += self.iteration(Batch(prefill_tokens=chunk, prefill_seqs=1, prefill_context_tokens=done)).latency_s
+            total += self.latency_interval(chunk, 1, done)[0]
             done += chunk
+        if len(_PREFILL_MEMO) >= _STEADY_CACHE_SIZE:
+            _PREFILL_MEMO.clear()
+        _PREFILL_MEMO[key] = total
         return total
 
     def decode_step_s(self, seqs: int, context_tokens_per_seq: int) -> float:
@@ -330,6 +414,14 @@ class PlanProfile:
         self._pipelines = dict(pipelines)
         self.handoff = handoff
         self.eff = eff
+        # what its estimates depend on: equal signatures, equal estimates (memoisation key)
+        self.signature = Key((
+            plan.mode,
+            self._pipelines["prefill"].signature,
+            self._pipelines["decode"].signature if plan.mode == "disaggregated" else None,
+            handoff,
+            plan.kv_reserve_tokens,
+        ))
 
     @classmethod
     def build(cls, plan: Plan, model: ModelSpec, snapshot: Snapshot, eff: Efficiency = DEFAULT_EFFICIENCY) -> PlanProfile:
@@ -339,6 +431,36 @@ class PlanProfile:
             handoff = kv_route(plan.stages, plan.decode_stages, model, snapshot, eff)
             return cls(plan, model, {"prefill": first, "decode": second}, handoff, eff)
         return cls(plan, model, {"prefill": first, "decode": first}, None, eff)
+
+    @classmethod
+    def single_block(cls, plan: Plan, model: ModelSpec, spec: GpuSpec, tp_link_bytes_per_s: float,
+                     eff: Efficiency = DEFAULT_EFFICIENCY) -> PlanProfile:
+        """A one-stage colocated plan inside one atomic block, resolved from the block's figures
+        (its GPU spec and its TP link) without walking the snapshot: what `build` gives for it.
+        Memoised, so units of one shape on different blocks share one profile (they differ only
+        in which GPUs they use; `plan` is the first one seen)."""
+        if plan.mode != "colocated" or len(plan.stages) != 1:
+            raise ValueError("single_block: needs a colocated one-stage plan")
+        tp = plan.stages[0].tp
+        key = (model, eff, spec, tp, tp_link_bytes_per_s, plan.kv_reserve_tokens)
+        hit = _SINGLE_BLOCK.get(key)
+        if hit is not None:
+            return hit
+        stage = StageProfile(
+            layers=model.num_layers,
+            tp=tp,
+            spec=spec,
+            tp_path=Path(bytes_per_s=tp_link_bytes_per_s if tp > 1 else math.inf),
+            first=True,
+            last=True,
+            next_path=None,
+        )
+        pipe = PipelineProfile(model, [stage], eff)
+        profile = cls(plan, model, {"prefill": pipe, "decode": pipe}, None, eff)
+        if len(_SINGLE_BLOCK) >= _STEADY_CACHE_SIZE:
+            _SINGLE_BLOCK.clear()
+        _SINGLE_BLOCK[key] = profile
+        return profile
 
     def pipeline(self, role: Role) -> PipelineProfile:
         """The pipeline doing `role`; colocated plans return the same one for both."""
@@ -584,6 +706,9 @@ def _finite_or_none(v: object) -> object:
     return v
 
 
+_Z99 = 2.3263478740408408  # standard normal 0.99 quantile
+
+
 def _lognormal_quantile(mean: float, cv: float, q: float) -> float:
     if cv <= 0:
         return mean
@@ -616,167 +741,230 @@ def _norm_ppf(q: float) -> float:
         ((((b[0] * s + b[1]) * s + b[2]) * s + b[3]) * s + b[4]) * s + 1)
 
 
-@dataclass(frozen=True)
-class _Round:
-    """Steady-state operating point of a pipeline."""
+class SteadyState:
+    """Steady-state model of one plan under one workload *shape* (lengths and spread, not
+    rate): small tables computed once, so `estimate(rate_rps)` is interpolation.
 
-    seqs: float  # running decode sequences
-    round_s: float  # time for every running sequence to advance one token
-
-
-class _SteadyModel:
-    """Round time of a pipeline as a function of running sequences, for one workload.
-
-    A round is the time in which every running sequence makes one token; in it the pipeline
-    also prefills `P/O` prompt tokens per running sequence (the arrivals that keep the
+    A *round* is the time in which every running sequence makes one token; in it the plan
+    also prefills prompt/output tokens per running sequence (the arrivals that keep the
     population steady). With S stages the sequences split into S micro-batches, so a round is
     max(latency, S x interval) of one micro-batch: fewer sequences than stages leave bubbles.
+
+    Colocated: decode and chunked prefill share each iteration; capacity is the rate at the
+    largest running population that KV memory, the sequence cap and the token budget allow.
+    Disaggregated: the prefill pipeline and the decode pipeline each bound it. TTFT = an
+    M/G/1-style queueing wait (exponential tail, the token-length spread as the service
+    spread) + the prompt's own prefill; TPOT P99 is a round that also carries a full prefill
+    chunk.
     """
 
-    def __init__(self, pipe: PipelineProfile, prompt_tokens: float, output_tokens: float,
-                 prefill: bool, decode: bool) -> None:
-        self.pipe = pipe
-        self.prompt = prompt_tokens
-        self.output = output_tokens
-        self.prefill = prefill
-        self.decode = decode
-        self._cache: dict[int, float] = {}
+    def __init__(self, profile: PlanProfile, workload: Workload, slo: Slo | None = None, *,
+                 max_batched_tokens: int = MAX_BATCHED_TOKENS, max_running_seqs: int = MAX_RUNNING_SEQS) -> None:
+        self.profile = profile
+        self.slo = slo
+        self.shape = workload
+        self.max_batched_tokens = max_batched_tokens
+        prompt, output = workload.prompt_tokens_mean, workload.output_tokens_mean
+        self.prompt, self.output = prompt, output
+        self.context = prompt + output / 2
+        self.colocated = profile.plan.mode == "colocated"
+        self.decode_pipe = profile.pipeline("decode")
+        self.prefill_pipe = profile.pipeline("prefill")
+        self.gpus = len(profile.plan.gpu_uuids)
+        self.kv_tokens = profile.kv_capacity_tokens
+        pp = self.decode_pipe.pp
+        seq_cap = max_running_seqs * pp
+        kv_seqs = int(self.kv_tokens // self.context)
+        budget_seqs = int(max_batched_tokens * pp / (1 + prompt / output)) if self.colocated else seq_cap
+        self.running_cap = max(0, min(kv_seqs, seq_cap, budget_seqs))
+        self.limit = "kv" if self.running_cap == kv_seqs else ("seqs" if self.running_cap == seq_cap else "compute")
+        self.work_cv2 = (prompt / (prompt + output) * workload.prompt_tokens_cv) ** 2 + (
+            output / (prompt + output) * workload.output_tokens_cv) ** 2
+        if self.running_cap < 1:
+            self.capacity_rps = 0.0
+            self.limit = "kv"
+            return
+        # population -> round time, on a grid of factors of 4 up to the cap (the round time is
+        # smooth and monotone in the population; between grid points we interpolate)
+        grid = [1]
+        while grid[-1] * 4 < self.running_cap:
+            grid.append(grid[-1] * 4)
+        if grid[-1] != self.running_cap:
+            grid.append(self.running_cap)
+        self.grid = grid
+        self.rounds = [self._round(n) for n in grid]
+        self.capacity_rps = self.running_cap / (output * self.rounds[-1])
+        if not self.colocated:
+            chunk = max_batched_tokens
+            per_chunk = self.prefill_pipe.latency_interval(chunk, max(1, int(chunk // prompt)))[1]
+            prefill_cap = chunk / prompt / per_chunk
+            if prefill_cap < self.capacity_rps:
+                self.capacity_rps, self.limit = prefill_cap, "prefill"
+        p50, p99 = workload.prompt_quantile(0.5), workload.prompt_quantile(0.99)
+        self.prefill50_s = self.prefill_pipe.prefill_time_s(max(1, int(p50)), max_batched_tokens)
+        self.prefill99_s = self.prefill_pipe.prefill_time_s(max(1, int(p99)), max_batched_tokens)
+        self.chunks50 = math.ceil(p50 / max_batched_tokens)
+        self.chunks99 = math.ceil(p99 / max_batched_tokens)
+        self.handoff50_s = profile.kv_handoff_s(int(p50))
+        self.handoff99_s = profile.kv_handoff_s(int(p99))
+        # a round that also carries a prompt's chunk: the chunk's extra time
+        chunk_tokens = max(1, min(max_batched_tokens, int(prompt)))
+        alone = self.decode_pipe.latency_interval(chunk_tokens, 1)[0]
+        one = self.decode_pipe.latency_interval(0, 0, 0, 1, int(self.context))[0]
+        self.chunk_extra_s = max(0.0, alone - one) if self.colocated else 0.0
+        self.chunks_per_prompt = math.ceil(prompt / max_batched_tokens)
+
+    def _round(self, seqs: int) -> float:
+        pipe = self.decode_pipe
+        pp = pipe.pp
+        per_mb = max(1.0, seqs / pp)
+        decode_seqs = int(round(per_mb))
+        prefill_tokens = int(round(per_mb * self.prompt / self.output)) if self.colocated else 0
+        prefill_seqs = max(1, int(round(per_mb / self.output))) if prefill_tokens else 0
+        latency, interval = pipe.latency_interval(prefill_tokens, prefill_seqs, 0, decode_seqs,
+                                                  int(decode_seqs * self.context))
+        return max(latency, min(pp, max(1, seqs)) * interval)
 
     def round_s(self, seqs: float) -> float:
-        key = max(1, int(round(seqs)))
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        pp = self.pipe.pp
-        per_mb = max(1.0, key / pp)
-        decode_seqs = int(round(per_mb)) if self.decode else 0
-        context = self.prompt + self.output / 2
-        prefill_tokens = int(round(per_mb * self.prompt / self.output)) if self.prefill else 0
-        prefill_seqs = max(1, int(round(per_mb / self.output))) if prefill_tokens else 0
-        cost = self.pipe.iteration(
-            Batch(
-                prefill_tokens=prefill_tokens,
-                prefill_seqs=prefill_seqs,
-                prefill_context_tokens=0,
-                decode_seqs=decode_seqs,
-                decode_context_tokens=int(decode_seqs * context),
-            )
+        """Round time at `seqs` running sequences (linear between grid points)."""
+        grid, rounds = self.grid, self.rounds
+        if seqs <= grid[0]:
+            return rounds[0]
+        for i in range(1, len(grid)):
+            if seqs <= grid[i]:
+                a, b = grid[i - 1], grid[i]
+                return rounds[i - 1] + (seqs - a) * (rounds[i] - rounds[i - 1]) / (b - a)
+        return rounds[-1]
+
+    def population(self, rate_rps: float) -> float:
+        """Running sequences n with n / (output x round(n)) == rate (capped at the cap)."""
+        if rate_rps <= 0:
+            return 0.0
+        grid, rounds, out = self.grid, self.rounds, self.output
+        if grid[0] / (out * rounds[0]) >= rate_rps:
+            return grid[0] * rate_rps * out * rounds[0] / grid[0]  # below one sequence: a fraction
+        for i in range(1, len(grid)):
+            if grid[i] / (out * rounds[i]) >= rate_rps:
+                a, ra, b, rb = grid[i - 1], rounds[i - 1], grid[i], rounds[i]
+                slope = (rb - ra) / (b - a)
+                lo = rate_rps * out
+                denom = 1.0 - lo * slope
+                n = lo * (ra - a * slope) / denom if denom > 0 else float(b)
+                return min(max(n, float(a)), float(b))
+        return float(grid[-1])
+
+    def estimate(self, rate_rps: float) -> Estimate:
+        """The plan under this workload shape at `rate_rps`."""
+        if self.running_cap < 1 or self.capacity_rps <= 0:
+            return _dead_estimate(rate_rps, self.kv_tokens, self.gpus, "kv")
+        capacity = self.capacity_rps
+        served = min(rate_rps, capacity)
+        util = rate_rps / capacity
+        seqs = self.population(served)
+        round_s = self.round_s(max(1.0, seqs))
+        # TPOT is a request's mean time per output token. round_s spreads the average prefill
+        # work over every round; a request's own rounds carry whole chunks with probability
+        # `frac`, so over its `output` rounds the chunk count is binomial: P99 adds 2.33 sigma.
+        tpot50 = round_s
+        frac = min(1.0, served * self.chunks_per_prompt * round_s)
+        spread = math.sqrt(frac * (1.0 - frac) / self.output)
+        tpot99 = round_s + self.chunk_extra_s * _Z99 * spread
+        rho = min(util, 0.999)
+        theta = (1.0 / capacity) * (1 + self.work_cv2) / (2 * (1 - rho))
+
+        def wait(q: float) -> float:
+            return theta * math.log(rho / (1 - q)) if rho > 1 - q else 0.0
+
+        if util >= 1.0:
+            ttft50 = ttft99 = math.inf
+        else:
+            base50, base99 = self.prefill50_s, self.prefill99_s
+            if self.colocated and seqs >= 1:
+                # the prompt's chunks ride in rounds that also carry the running decodes
+                base50 = max(base50, self.chunks50 * round_s)
+                base99 = max(base99, self.chunks99 * tpot99)
+            ttft50 = base50 + self.handoff50_s + wait(0.5)
+            ttft99 = base99 + self.handoff99_s + wait(0.99)
+        throughput = served * self.output
+        goodput = throughput
+        if self.slo is not None:
+            goodput = throughput * _slo_attainment(self.slo, ttft50, ttft99, tpot50, tpot99, rho)
+        return Estimate(
+            capacity_rps=capacity,
+            served_rps=served,
+            utilization=util,
+            throughput_tokens_s=throughput,
+            goodput_tokens_s=goodput,
+            ttft_p50_s=ttft50,
+            ttft_p99_s=ttft99,
+            tpot_p50_s=tpot50,
+            tpot_p99_s=tpot99,
+            kv_capacity_tokens=self.kv_tokens,
+            max_running_seqs=self.running_cap,
+            gpus=self.gpus,
+            limit=self.limit,
         )
-        micro_batches = min(pp, max(1, key))
-        value = max(cost.latency_s, micro_batches * cost.interval_s)
-        self._cache[key] = value
-        return value
+
+
+_STEADY_CACHE: OrderedDict[tuple[object, ...], SteadyState] = OrderedDict()
+_PREFILL_MEMO: dict[tuple[object, ...], float] = {}  # (pipeline signature, tokens, chunk) -> seconds
+_SINGLE_BLOCK: dict[tuple[object, ...], PlanProfile] = {}  # see PlanProfile.single_block
+_STEADY_CACHE_SIZE = 4096
+
+
+def steady_state(profile: PlanProfile, workload: Workload, slo: Slo | None = None, *,
+                 max_batched_tokens: int = MAX_BATCHED_TOKENS, max_running_seqs: int = MAX_RUNNING_SEQS) -> SteadyState:
+    """The `SteadyState` of a plan under a workload shape, memoised by content.
+
+    The key is the plan's physical signature (model, factors, resolved stages, KV reserve,
+    hand-off route) and the workload's shape (not its rate) rounded by `workload_shape`, so
+    equal plans on equal blocks share one entry, and successive ticks whose window means
+    drift by a percent or two hit it too. The tables are built from the rounded shape, so
+    the result is a function of the inputs alone: memoising keeps it deterministic.
+    """
+    shape = workload_shape(workload)
+    key = (profile.signature, shape, slo, max_batched_tokens, max_running_seqs)
+    hit = _STEADY_CACHE.get(key)
+    if hit is not None:
+        _STEADY_CACHE.move_to_end(key)
+        return hit
+    state = SteadyState(profile, shape, slo, max_batched_tokens=max_batched_tokens,
+                        max_running_seqs=max_running_seqs)
+    _STEADY_CACHE[key] = state
+    if len(_STEADY_CACHE) > _STEADY_CACHE_SIZE:
+        _STEADY_CACHE.popitem(last=False)
+    return state
+
+
+def _round_log(value: float, steps_per_doubling: int = 16) -> float:
+    return float(2.0 ** (round(math.log2(value) * steps_per_doubling) / steps_per_doubling))
+
+
+@lru_cache(maxsize=1024)
+def workload_shape(workload: Workload) -> Workload:
+    """The workload's lengths and spread at rate 0, rounded: means to 1/16 of a doubling
+    (about 4%), coefficients of variation to 0.05."""
+    return Workload(
+        rate_rps=0.0,
+        prompt_tokens_mean=max(1.0, _round_log(workload.prompt_tokens_mean)),
+        output_tokens_mean=max(1.0, _round_log(workload.output_tokens_mean)),
+        prompt_tokens_cv=round(workload.prompt_tokens_cv * 20) / 20,
+        output_tokens_cv=round(workload.output_tokens_cv * 20) / 20,
+    )
+
+
+def clear_caches() -> None:
+    """Forget memoised steady states and prefill times (benchmarks measure cold runs with it)."""
+    _STEADY_CACHE.clear()
+    _PREFILL_MEMO.clear()
+    _SINGLE_BLOCK.clear()
 
 
 def estimate_plan(profile: PlanProfile, workload: Workload, slo: Slo | None = None, *,
                   max_batched_tokens: int = MAX_BATCHED_TOKENS, max_running_seqs: int = MAX_RUNNING_SEQS) -> Estimate:
-    """Steady-state throughput and P50/P99 latency of one plan (module docstring).
-
-    Colocated: decode and chunked prefill share each iteration; the capacity is the arrival
-    rate at the largest running population that KV memory, the sequence cap and the token
-    budget allow. Disaggregated: the prefill pipeline and the decode pipeline each bound it.
-    TTFT = queueing wait (M/G/1 tail with the token-length spread) + prefill time of the
-    prompt; TPOT P99 is a decode iteration that also carries a full prefill chunk.
-    """
-    prompt, output = workload.prompt_tokens_mean, workload.output_tokens_mean
-    context = prompt + output / 2
-    kv_tokens = profile.kv_capacity_tokens
-    gpus = len(profile.plan.gpu_uuids)
-    colocated = profile.plan.mode == "colocated"
-    decode_pipe = profile.pipeline("decode")
-    seq_cap = max_running_seqs * decode_pipe.pp
-    kv_seqs = int(kv_tokens // context) if context > 0 else 0
-    budget_seqs = int(max_batched_tokens * decode_pipe.pp / (1 + prompt / output)) if colocated else seq_cap
-    running_cap = max(0, min(kv_seqs, seq_cap, budget_seqs))
-    limit = "kv" if running_cap == kv_seqs else ("seqs" if running_cap == seq_cap else "compute")
-    if running_cap < 1:
-        return _dead_estimate(workload, kv_tokens, gpus, "kv")
-    steady = _SteadyModel(decode_pipe, prompt, output, prefill=colocated, decode=True)
-    capacity = running_cap / (output * steady.round_s(running_cap))
-    prefill_pipe = profile.pipeline("prefill")
-    prefill_cap = math.inf
-    if not colocated:
-        chunk = max_batched_tokens
-        prefill_cap = chunk / prompt / prefill_pipe.iteration(Batch(prefill_tokens=chunk, prefill_seqs=max(1, int(chunk // prompt)))).interval_s
-        if prefill_cap < capacity:
-            capacity, limit = prefill_cap, "prefill"
-    lam = workload.rate_rps
-    served = min(lam, capacity)
-    util = lam / capacity if capacity > 0 else math.inf
-    # operating point: the population whose throughput matches the served rate
-    seqs = _solve_population(steady, served, output, running_cap)
-    round_s = steady.round_s(seqs) if seqs >= 1 else steady.round_s(1)
-    tpot_p50 = round_s
-    if colocated:
-        chunk_tokens = max(1, min(max_batched_tokens, int(workload.prompt_quantile(0.99))))
-        per_mb = max(1, int(round(seqs / decode_pipe.pp)))
-        busy = decode_pipe.iteration(
-            Batch(prefill_tokens=chunk_tokens, prefill_seqs=1, decode_seqs=per_mb,
-                  decode_context_tokens=int(per_mb * context))
-        )
-        tpot_p99 = max(tpot_p50, busy.latency_s, min(decode_pipe.pp, per_mb) * busy.interval_s)
-    else:
-        tpot_p99 = tpot_p50
-    # TTFT: queueing + the prompt's own prefill (chunked, sharing iterations when colocated)
-    work_cv2 = (prompt / (prompt + output) * workload.prompt_tokens_cv) ** 2 + (output / (prompt + output) * workload.output_tokens_cv) ** 2
-    service_s = 1.0 / capacity
-    rho = min(util, 0.999)
-
-    def wait_q(q: float) -> float:
-        theta = service_s * (1 + work_cv2) / (2 * (1 - rho))
-        return theta * math.log(rho / (1 - q)) if rho > 1 - q else 0.0
-
-    def ttft(prompt: float) -> float:
-        base = prefill_pipe.prefill_time_s(max(1, int(prompt)), max_batched_tokens)
-        if colocated and seqs >= 1:
-            # the prompt's chunks ride in iterations that also carry the running decodes
-            chunks = math.ceil(prompt / max_batched_tokens)
-            base = max(base, chunks * round_s)
-        return base + profile.kv_handoff_s(int(prompt))
-
-    if util >= 1.0:
-        ttft50 = ttft99 = math.inf
-    else:
-        ttft50 = ttft(workload.prompt_quantile(0.5)) + wait_q(0.5)
-        ttft99 = ttft(workload.prompt_quantile(0.99)) + wait_q(0.99)
-    throughput = served * output
-    goodput = throughput
-    if slo is not None:
-        goodput = throughput * _slo_attainment(slo, ttft50, ttft99, tpot_p50, tpot_p99, rho)
-    return Estimate(
-        capacity_rps=capacity,
-        served_rps=served,
-        utilization=util,
-        throughput_tokens_s=throughput,
-        goodput_tokens_s=goodput,
-        ttft_p50_s=ttft50,
-        ttft_p99_s=ttft99,
-        tpot_p50_s=tpot_p50,
-        tpot_p99_s=tpot_p99,
-        kv_capacity_tokens=kv_tokens,
-        max_running_seqs=running_cap,
-        gpus=gpus,
-        limit=limit,
-    )
-
-
-def _solve_population(steady: _SteadyModel, rate_rps: float, output_tokens: float, cap: int) -> float:
-    """Running sequences n with n / (O x round(n)) == rate (throughput grows with n)."""
-    if rate_rps <= 0:
-        return 0.0
-    lo, hi = 0.0, float(cap)
-    for _ in range(24):
-        mid = (lo + hi) / 2
-        if mid < 1:
-            lo = mid
-            continue
-        if mid / (output_tokens * steady.round_s(mid)) < rate_rps:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 0.5:
-            break
-    return hi
+    """Steady-state throughput and P50/P99 latency of one plan (see `SteadyState`)."""
+    return steady_state(profile, workload, slo, max_batched_tokens=max_batched_tokens,
+                        max_running_seqs=max_running_seqs).estimate(workload.rate_rps)
 
 
 def _attainment(slo_s: float, p50: float, p99: float) -> float:
@@ -795,9 +983,9 @@ def _slo_attainment(slo: Slo, ttft50: float, ttft99: float, tpot50: float, tpot9
     return _attainment(slo.ttft_ms / 1e3, ttft50, ttft99) * _attainment(slo.tpot_ms / 1e3, tpot50, tpot99)
 
 
-def _dead_estimate(workload: Workload, kv_tokens: int, gpus: int, limit: str) -> Estimate:
+def _dead_estimate(rate_rps: float, kv_tokens: int, gpus: int, limit: str) -> Estimate:
     return Estimate(
-        capacity_rps=0.0, served_rps=0.0, utilization=math.inf if workload.rate_rps > 0 else 0.0,
+        capacity_rps=0.0, served_rps=0.0, utilization=math.inf if rate_rps > 0 else 0.0,
         throughput_tokens_s=0.0, goodput_tokens_s=0.0, ttft_p50_s=math.inf, ttft_p99_s=math.inf,
         tpot_p50_s=math.inf, tpot_p99_s=math.inf, kv_capacity_tokens=kv_tokens, max_running_seqs=0,
         gpus=gpus, limit=limit,
@@ -819,7 +1007,7 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
     """Aggregate per-plan estimates (each computed at its share of the traffic)."""
     active = [(e, w) for e, w in zip(ests, weights, strict=True) if w > 0]
     if not active:
-        return _dead_estimate(workload, sum(e.kv_capacity_tokens for e in ests), sum(e.gpus for e in ests), "kv")
+        return _dead_estimate(workload.rate_rps, sum(e.kv_capacity_tokens for e in ests), sum(e.gpus for e in ests), "kv")
     capacity = min(e.capacity_rps / w for e, w in active)
     limit = min(active, key=lambda ew: ew[0].capacity_rps / ew[1])[0].limit
     lam = workload.rate_rps
@@ -958,7 +1146,7 @@ def switch_cost(
     disk_bytes_per_s: float = DISK_BYTES_PER_S,
     cold_start_s: float = COLD_START_S,
     eff: Efficiency = DEFAULT_EFFICIENCY,
-    profiles: Mapping[str, PlanProfile] | None = None,
+    profiles: Mapping[Plan, PlanProfile] | None = None,
 ) -> SwitchCost:
     """Cost of moving a deployment from `current` to `target` (seed 000 sections 3.1 and 3.4).
 
@@ -974,26 +1162,26 @@ def switch_cost(
       (lost = served tokens/s x pause), which is conservative.
     * Contention: copies into GPUs that keep serving steal their HBM time.
     * Cold start: each new plan loses `cold_start_s` of its share of the service.
-    Plans present in both gears (same plan_id) cost nothing.
+    Plans present in both gears (equal plans, hence the same plan_id) cost nothing.
     """
-    cache = dict(profiles or {})
+    cache: dict[Plan, PlanProfile] = dict(profiles or {})
 
     def profile(plan: Plan) -> PlanProfile:
-        pid = plan.plan_id
-        if pid not in cache:
-            cache[pid] = PlanProfile.build(plan, model, snapshot, eff)
-        return cache[pid]
+        if plan not in cache:
+            cache[plan] = PlanProfile.build(plan, model, snapshot, eff)
+        return cache[plan]
 
-    old_plans = {p.plan_id: p for p in (current.plans if current else ())}
-    target_ids = {p.plan_id for p in target.plans}
-    new_plans = [p for p in target.plans if p.plan_id not in old_plans]
+    # plans are values: equal plans are the same plan (cheaper than comparing plan_ids)
+    old_plans = set(current.plans if current else ())
+    new_plans = [p for p in target.plans if p not in old_plans]
+    target_set = set(target.plans)
     served_tokens_s = current_estimate.throughput_tokens_s if current_estimate else 0.0
     new_tokens_s = target_estimate.throughput_tokens_s if target_estimate else served_tokens_s
 
     # which GPU holds which weight shard now
     held: set[tuple[str, int, int, int, int]] = set()
     serving: set[str] = set()
-    for plan in old_plans.values():
+    for plan in old_plans:
         for st in plan.all_stages:
             for rank, u in enumerate(st.gpu_uuids):
                 held.add((u, st.layer_start, st.layer_end, st.tp, rank))
@@ -1026,15 +1214,15 @@ def switch_cost(
     migrate_bytes = 0
     migrate_s = 0.0
     migrate_seqs = replay_seqs = replay_tokens = 0
-    gone = [p for pid, p in old_plans.items() if pid not in target_ids]
+    gone = [p for p in (current.plans if current else ()) if p not in target_set]
     replay_s = 0.0
     if gone and new_plans and current is not None and current_estimate is not None:
-        shares = {p.plan_id: w for p, w in zip(current.plans, current.weights, strict=False)}
-        dest = max(new_plans, key=lambda p: (len(p.gpu_uuids), p.plan_id))
+        shares = dict(zip(current.plans, current.weights, strict=False))
+        dest = max(new_plans, key=lambda p: (len(p.gpu_uuids), p.gpu_uuids))
         dest_pipe = profile(dest).pipeline("prefill")
         dest_stages = dest.decode_stages if dest.mode == "disaggregated" else dest.stages
         for plan in gone:
-            seqs = running_seqs(current_estimate, shares.get(plan.plan_id, 0.0), workload)
+            seqs = running_seqs(current_estimate, shares.get(plan, 0.0), workload)
             if seqs <= 0:
                 continue
             src_stages = plan.decode_stages if plan.mode == "disaggregated" else plan.stages
@@ -1084,7 +1272,7 @@ def switch_cost(
 
 def _share(gear: Gear, plan: Plan) -> float:
     for p, w in zip(gear.plans, gear.weights, strict=False):
-        if p.plan_id == plan.plan_id:
+        if p == plan:
             return w
     return 0.0
 
@@ -1098,10 +1286,11 @@ def _context_buckets(workload: Workload) -> Iterable[tuple[float, float]]:
 
 __all__ = [
     "Batch", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "IterationCost", "KvRoute", "Path",
-    "PipelineProfile", "PlanProfile", "SequenceMove", "Slo", "StageProfile", "SwitchCost", "Workload",
+    "PipelineProfile", "PlanProfile", "SequenceMove", "Slo", "StageProfile", "SteadyState", "SwitchCost", "Workload",
     "allreduce_time_s", "capacity_weights", "combine_estimates", "decode_step_s", "estimate_gear",
     "estimate_plan", "gemm_time_s", "gpu_path", "group_path", "iteration_time_s", "kernel_time_s",
-    "kv_capacity_tokens", "kv_route", "max_kv_tokens", "migrate_or_replay", "prefill_time_s",
+    "clear_caches", "kv_capacity_tokens", "kv_route", "max_kv_tokens", "migrate_or_replay", "prefill_time_s",
+    "steady_state", "workload_shape",
     "running_seqs", "switch_cost", "transfer_time_s",
 ]
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from scheduler._lazy import lazy
+
 _DTYPE_BYTES: Mapping[str, int] = {
     "bfloat16": 2,
     "float16": 2,
@@ -65,39 +67,39 @@ class ModelSpec:
             )
 
     # --- widths -------------------------------------------------------------------------
-    @property
+    @lazy
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
+    @lazy
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
     # --- parameters and bytes -----------------------------------------------------------
-    @property
+    @lazy
     def attn_params_per_layer(self) -> int:
         qkv = self.hidden_size * (self.q_dim + 2 * self.kv_dim)
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         return qkv + bias + self.q_dim * self.hidden_size
 
-    @property
+    @lazy
     def mlp_params_per_layer(self) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
 
-    @property
+    @lazy
     def params_per_layer(self) -> int:
         # two RMSNorm weight vectors per block
         return self.attn_params_per_layer + self.mlp_params_per_layer + 2 * self.hidden_size
 
-    @property
+    @lazy
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    @property
+    @lazy
     def lm_head_params(self) -> int:
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
-    @property
+    @lazy
     def num_params(self) -> int:
         return (
             self.num_layers * self.params_per_layer
@@ -106,20 +108,20 @@ class ModelSpec:
             + self.hidden_size  # final norm
         )
 
-    @property
+    @lazy
     def weight_bytes_per_layer(self) -> int:
         return self.params_per_layer * self.dtype_bytes
 
-    @property
+    @lazy
     def embedding_bytes(self) -> int:
         return self.embedding_params * self.dtype_bytes
 
-    @property
+    @lazy
     def lm_head_bytes(self) -> int:
         """Bytes of the output projection; with tied embeddings it is the embedding itself."""
         return self.vocab_size * self.hidden_size * self.dtype_bytes
 
-    @property
+    @lazy
     def weight_bytes(self) -> int:
         return self.num_params * self.dtype_bytes
 
@@ -138,11 +140,11 @@ class ModelSpec:
         return total
 
     # --- KV cache -----------------------------------------------------------------------
-    @property
+    @lazy
     def kv_bytes_per_token_per_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
-    @property
+    @lazy
     def kv_bytes_per_token(self) -> int:
         """2 x layers x kv_heads x head_dim x dtype_bytes (GQA-aware)."""
         return self.num_layers * self.kv_bytes_per_token_per_layer
@@ -165,7 +167,7 @@ class ModelSpec:
         return tuple(t for t in range(1, max_tp + 1) if self.tp_error(t) is None)
 
     # --- FLOPs and activations ------------------------------------------------------------
-    @property
+    @lazy
     def linear_flops_per_token(self) -> int:
         """2 FLOPs per weight per token for every matrix a token passes (layers and LM head)."""
         layer = 2 * (self.attn_params_per_layer + self.mlp_params_per_layer)
@@ -175,7 +177,7 @@ class ModelSpec:
         """QK^T and AV over all layers for `query_tokens` that each attend `context_tokens`."""
         return 4 * self.num_layers * self.q_dim * query_tokens * context_tokens
 
-    @property
+    @lazy
     def activation_bytes_per_token(self) -> int:
         """Hidden state of one token: what a PP hand-off or a TP all-reduce moves."""
         return self.hidden_size * self.dtype_bytes

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduler._lazy import lazy
 from scheduler.modelspec import ModelSpec
 from scheduler.topology import DEFAULT_POLICY, AtomicBlock, BlockPolicy, Snapshot, partition
 
@@ -82,11 +83,11 @@ class Plan:
     def pipelines(self) -> tuple[tuple[Stage, ...], ...]:
         return (self.stages, self.decode_stages) if self.mode == "disaggregated" else (self.stages,)
 
-    @property
+    @lazy
     def all_stages(self) -> tuple[Stage, ...]:
         return self.stages + self.decode_stages
 
-    @property
+    @lazy
     def gpu_uuids(self) -> tuple[str, ...]:
         return tuple(u for s in self.all_stages for u in s.gpu_uuids)
 
@@ -94,7 +95,7 @@ class Plan:
     def pp(self) -> int:
         return len(self.stages)
 
-    @property
+    @lazy
     def plan_id(self) -> str:
         """Stable id from the content: equal plans have equal ids, in any process."""
         return "p-" + _digest(self.to_dict())
@@ -156,11 +157,11 @@ class Gear:
     plans: tuple[Plan, ...]  # one or more plans side by side
     weights: tuple[float, ...]  # routing weight per plan, same order; they sum to 1
 
-    @property
+    @lazy
     def gear_id(self) -> str:
         return "g-" + _digest(self.to_dict())
 
-    @property
+    @lazy
     def gpu_uuids(self) -> tuple[str, ...]:
         return tuple(u for p in self.plans for u in p.gpu_uuids)
 

@@ -513,13 +513,22 @@ def partition(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> Parti
     pcie: dict[tuple[str, str], list[GpuState]] = {}
     nodes = snapshot.node_by_id
     now_s = snapshot.now_s
+    timeout = policy.heartbeat_timeout_s
+    max_failed = policy.max_failed_checks
+    has_nvlink = {m: snapshot.spec(m).intra_link_bytes_per_s > 0 for m in {g.model for g in snapshot.gpus}}
     for gpu in snapshot.gpus:
-        reason = exclusion_reason(gpu, nodes.get(gpu.node_id), now_s, policy)
-        if reason is not None:
-            excluded[gpu.uuid] = reason
-            continue
-        spec = snapshot.spec(gpu.model)
-        if gpu.nvlink_group is not None and spec.intra_link_bytes_per_s > 0:
+        node = nodes.get(gpu.node_id)
+        # the common case (all fine) is decided without building a reason
+        if (
+            node is None or not node.schedulable or not gpu.healthy or not gpu.schedulable
+            or gpu.failed_checks >= max_failed or now_s - node.last_seen_s > timeout
+            or now_s - gpu.last_seen_s > timeout
+        ):
+            reason = exclusion_reason(gpu, node, now_s, policy)
+            if reason is not None:
+                excluded[gpu.uuid] = reason
+                continue
+        if gpu.nvlink_group is not None and has_nvlink[gpu.model]:
             domains.setdefault((gpu.node_id, gpu.nvlink_group), []).append(gpu)
         else:
             pcie.setdefault((gpu.node_id, gpu.model), []).append(gpu)
