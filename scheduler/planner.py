@@ -30,6 +30,7 @@ from typing import Literal
 
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
+    MAX_RUNNING_SEQS,
     Efficiency,
     Estimate,
     PlanProfile,
@@ -180,8 +181,6 @@ def _min_kv_tokens(model: ModelSpec, workload: Workload, options: PlannerOptions
 @lru_cache(maxsize=256)
 def _kv_cap_tokens(model: ModelSpec, workload: Workload, pp: int) -> int:
     """No point reserving more KV than the running-sequence cap can use."""
-    from scheduler.costmodel import MAX_RUNNING_SEQS
-
     per_seq = workload.prompt_quantile(0.9) + workload.output_quantile(0.9)
     return int(max(per_seq * MAX_RUNNING_SEQS * pp, model.max_context_tokens))
 
@@ -275,6 +274,8 @@ def plan_candidates(
     # 1. filter and order blocks
     rooms: list[_BlockRoom] = []
     unstable: list[str] = []
+    sort_keys: dict[str, tuple[object, ...]] = {}
+    preferred_blocks = {b.id for b in blocks if preferred.intersection(b.gpu_uuids)} if preferred else set()
     for b in blocks:
         score = stability.get(b.id, 1.0)
         if options.latency_critical and score < options.min_stability:
@@ -286,14 +287,20 @@ def plan_candidates(
             int(frac * total) - max(0, used - reclaim.get(u, 0)) if reclaim else int(frac * total) - used
             for u, total, used in zip(b.gpu_uuids, b.mem_total_bytes, _used(snapshot, b), strict=True)
         ]
-        if preferred:
+        has_preferred = bool(preferred) and b.id in preferred_blocks
+        if has_preferred:
             order = sorted(range(b.size), key=lambda i: (-room[i], b.gpu_uuids[i] not in preferred, i))
+            uuids = [b.gpu_uuids[i] for i in order]
+            sorted_room = [room[i] for i in order]
+        elif all(x == room[0] for x in room):
+            uuids, sorted_room = list(b.gpu_uuids), room  # already in order
         else:
-            order = sorted(range(b.size), key=lambda i: (-room[i], i))
-        uuids = [b.gpu_uuids[i] for i in order]
-        sorted_room = [room[i] for i in order]
+            pairs = sorted(zip((-x for x in room), range(b.size), strict=True))
+            uuids = [b.gpu_uuids[i] for _, i in pairs]
+            sorted_room = [-x for x, _ in pairs]
         rooms.append(_BlockRoom(b, uuids, sorted_room, score, _shape(b, sorted_room)))
-    rooms.sort(key=lambda r: (-r.stability, not any(u in preferred for u in r.uuids), -sum(r.room), r.block.id))
+        sort_keys[b.id] = (-score, not has_preferred, -sum(sorted_room), b.id)
+    rooms.sort(key=lambda r: sort_keys[r.block.id])
     if unstable:
         reasons.append(
             f"{len(unstable)} block(s) left out as unstable (stability < {options.min_stability}): "
@@ -310,6 +317,8 @@ def plan_candidates(
         t = types.get(unit.type_key)
         if t is None:
             t = types[unit.type_key] = _UnitType(unit.type_key, label)
+        if len(t.units) >= options.max_plans_per_gear:
+            return  # no gear uses more instances of one type than that
         if not check:
             t.units.append(unit)
             return
@@ -324,6 +333,9 @@ def plan_candidates(
     # 2a. single-block TP units (groups of one block, and blocks, are disjoint by construction)
     layers = model.num_layers
     cap1 = _kv_cap_tokens(model, workload, 1)
+    # KV beyond what the running-sequence cap can fill changes no estimate: units that reserve
+    # at least that much share a type (each still reserves its own amount)
+    useful = MAX_RUNNING_SEQS * (workload.prompt_tokens_mean + workload.output_tokens_mean / 2)
     terms = {tp: _stage_terms(model, 0, layers, tp) for tp in valid_tps}
     for r in rooms:
         size = len(r.uuids)
@@ -339,7 +351,7 @@ def plan_candidates(
                 most = min(cap1, (group_room - weights) * shards // kv_per_token)
                 kv = max(_bucket(most), min(min_kv, most))
                 group = tuple(r.uuids[g * tp:(g + 1) * tp])
-                key = ("tp", r.block.gpu_model, r.block.link_kind, r.shape[3], tp, kv)
+                key = ("tp", r.block.gpu_model, r.block.link_kind, r.shape[3], tp, kv if kv < useful else "ample")
                 add_unit(_Unit(key, group, (r.block.id,), r.stability, "tp", colocated(group, kv)),
                          f"TP{tp} on {r.block.gpu_model}", check=False)
 
@@ -599,12 +611,14 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
             # across shapes: the prefill side brings the compute, the decode side the bandwidth
             if ps != ds and (p_spec.bf16_flops < d_spec.bf16_flops or d_spec.hbm_bytes_per_s < p_spec.hbm_bytes_per_s):
                 continue
-            ptp = smallest_tp(p0, max(1, int(workload.prompt_quantile(0.99))))
+            ptp = smallest_tp(p0, min_kv)
             dtp = smallest_tp(d0, min_kv)
             if ptp is None or dtp is None:
                 continue
-            kv = _best_kv(model, [(0, model.num_layers, dtp, min(d0.room[:dtp]))], _kv_cap_tokens(model, workload, 1),
-                          min_kv)
+            # kv_reserve_tokens holds for both pipelines (plan.py), so both sides bound it
+            kv = _best_kv(model, [(0, model.num_layers, dtp, min(d0.room[:dtp])),
+                                  (0, model.num_layers, ptp, min(p0.room[:ptp]))],
+                          _kv_cap_tokens(model, workload, 1), min_kv)
             key = ("pd", ps, ptp, ds, dtp, kv)
             label = f"P:TP{ptp} {p0.block.gpu_model} / D:TP{dtp} {d0.block.gpu_model}"
             # pair blocks of the two shapes one to one (distinct blocks), while links allow
@@ -616,7 +630,7 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
                 d_pool.remove(d)
                 if ps == ds and p in d_pool:
                     d_pool.remove(p)
-                if not (_stage_fits(model, 0, model.num_layers, ptp, min(p.room[:ptp]), 1)
+                if not (_stage_fits(model, 0, model.num_layers, ptp, min(p.room[:ptp]), kv)
                         and _stage_fits(model, 0, model.num_layers, dtp, min(d.room[:dtp]), kv)):
                     continue
                 plan = Plan(
