@@ -37,8 +37,8 @@ import numpy as np
 
 from scheduler import costmodel
 from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, Path
-from scheduler.hardware import CATALOG, GpuSpec
-from scheduler.modelspec import ModelSpec, model_spec
+from scheduler.hardware import CATALOG
+from scheduler.modelspec import model_spec
 
 # Vidur's GPU folder names -> our catalog (calibration/README.md)
 GPU_FOLDERS = {"a100": "A100-80G", "h100": "H100-SXM", "h200": "H200", "l40s": "L40S", "a10g": "A10G"}
@@ -246,6 +246,17 @@ def report(rows: Sequence[Row], eff: Efficiency) -> dict[str, object]:
                 entry[scope] = summary(errors[m])
         groups[group] = entry
     out["groups"] = groups
+    scopes: dict[str, object] = {}
+    for scope, test in (
+        ("operators (QKV, O, MLP up, MLP down)", lambda r: not r.collective),
+        ("collectives inside a node", lambda r: bool(r.collective) and r.link is not None and not r.link.measured),
+        ("collectives across nodes", lambda r: bool(r.collective) and r.link is not None and r.link.measured),
+        ("all but cross-node all-reduce (which no plan runs: TP stays in a block)",
+         lambda r: not (r.collective == "all_reduce" and r.link is not None and r.link.measured)),
+    ):
+        m = np.array([test(r) for r in rows], dtype=bool)
+        scopes[scope] = summary(errors[m])
+    out["scopes"] = scopes
     sources: dict[str, object] = {}
     for src in sorted({r.source for r in rows}):
         m = np.array([r.source == src for r in rows], dtype=bool)
@@ -282,11 +293,8 @@ def decode_anchors(eff: Efficiency) -> list[dict[str, object]]:
 
 
 # --- the fit -----------------------------------------------------------------------------------
-def fit(rows: Sequence[Row]) -> Efficiency:
-    """Least (median + p90) relative error over the in-sample rows, by grid search: compute
-    factors on the operator rows, link factors on the intra-node collective rows."""
-    comp = [r for r in rows if r.in_sample and not r.collective]
-    net = [r for r in rows if r.in_sample and r.collective and r.link is not None and not r.link.measured]
+def fit_compute(comp: Sequence[Row]) -> tuple[float, float, float]:
+    """(mfu, mbu, kernel_overhead_s) with the least median + p90 relative error on `comp`."""
     flops = np.array([r.flops for r in comp])
     nbytes = np.array([r.bytes_moved for r in comp])
     peak = np.array([CATALOG[r.spec_name].bf16_flops for r in comp])
@@ -304,6 +312,16 @@ def fit(rows: Sequence[Row]) -> Efficiency:
                 if best is None or score < best[0]:
                     best = (score, float(mfu), float(mbu), float(overhead))
     assert best is not None
+    return best[1], best[2], best[3]
+
+
+def fit(rows: Sequence[Row]) -> Efficiency:
+    """Least (median + p90) relative error over the in-sample rows, by grid search: compute
+    factors on the operator rows, link factors on the intra-node collective rows."""
+    comp = [r for r in rows if r.in_sample and not r.collective]
+    net = [r for r in rows if r.in_sample and r.collective and r.link is not None and not r.link.measured]
+    mfu_fit, mbu_fit, overhead_fit = fit_compute(comp)
+    best = (0.0, mfu_fit, mbu_fit, overhead_fit)
     size = np.array([r.x for r in net], dtype=float)
     workers = np.array([r.workers for r in net], dtype=float)
     is_ar = np.array([r.collective == "all_reduce" for r in net])
@@ -335,11 +353,37 @@ def fit(rows: Sequence[Row]) -> Efficiency:
 
 
 # --- printing ----------------------------------------------------------------------------------
+def leave_one_model_out(rows: Sequence[Row]) -> list[dict[str, object]]:
+    """Fit the compute factors on one in-sample model, predict the other(s): a check that the
+    factors carry to a model they were not fitted on."""
+    comp = [r for r in rows if r.in_sample and not r.collective]
+    models = sorted({r.source for r in comp})
+    out: list[dict[str, object]] = []
+    if len(models) < 2:
+        return out
+    print("\nleave one model out (compute factors fitted on one model, errors on the other):")
+    for held in models:
+        train = [r for r in comp if r.source != held]
+        test = [r for r in comp if r.source == held]
+        mfu, mbu, overhead = fit_compute(train)
+        eff = replace(DEFAULT_EFFICIENCY, mfu=mfu, mbu=mbu, kernel_overhead_s=overhead)
+        s = summary(rel_errors(test, eff))
+        print(f"  held out {held:<36} fit mfu {mfu:.3f} mbu {mbu:.3f} overhead {overhead * 1e6:.1f} us"
+              f" -> median {s['median']:.1%}  p90 {s['p90']:.1%}")
+        out.append({"held_out": held, "mfu": mfu, "mbu": mbu, "kernel_overhead_s": overhead, **s})
+    return out
+
+
 def _print_report(title: str, rep: dict[str, object]) -> None:
     print(f"\n{title}")
     overall = rep["overall"]
     assert isinstance(overall, dict)
     print(f"  all rows: n={overall['n']:>6}  median {overall['median']:6.1%}  p90 {overall['p90']:6.1%}")
+    scopes = rep.get("scopes", {})
+    assert isinstance(scopes, dict)
+    for scope, sm in scopes.items():
+        if sm["n"]:
+            print(f"  {scope:<72} n={sm['n']:>6}  median {sm['median']:6.1%}  p90 {sm['p90']:6.1%}")
     groups = rep["groups"]
     assert isinstance(groups, dict)
     print(f"  {'group':<11}{'range':<22}{'n':>7}{'median':>9}{'p90':>9}")
@@ -377,6 +421,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         result["fitted"] = fitted.__dict__.copy()
         print("fitted on the in-sample rows:", fitted)
         print("in use (costmodel.DEFAULT_EFFICIENCY):", eff)
+        result["leave_one_model_out"] = leave_one_model_out(rows)
     print("efficiency factors:", eff)
     for note in skipped:
         print("skipped:", note)
@@ -399,8 +444,6 @@ def main(argv: Iterable[str] | None = None) -> int:
         FsPath(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0
 
-
-_ = (GpuSpec, ModelSpec)
 
 if __name__ == "__main__":
     raise SystemExit(main())

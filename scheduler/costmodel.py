@@ -8,8 +8,10 @@ Physics, and only a handful of fitted factors (`Efficiency`):
       t_compute = FLOPs / (mfu x peak FLOP/s),  t_memory = bytes / (mbu x peak HBM B/s)
   With p = 2 the kernel is compute-bound for prefill-sized batches and memory-bound for
   decode-sized ones, and the two overlap imperfectly near the ridge point, as real GEMMs do.
-  Element-wise kernels (fused residual-add+RMSNorm, rotary, SiLU-and-mul) are memory traffic.
-* TP all-reduce (two per layer): 2 x latency + 2(t-1)/t x bytes / (link_efficiency x link B/s).
+  Element-wise kernels (fused residual-add+RMSNorm, rotary, SiLU-and-mul) are memory traffic
+  only (vLLM fuses them; their launch cost hides under CUDA graphs).
+* TP all-reduce (two per layer): 2 x latency + 2(t-1)/t x bytes / (link_efficiency x link B/s)
+  + the reduction's own HBM traffic (3 x (t-1)/t x bytes at the MBU).
   Point-to-point (PP hand-off, KV hand-off and migration): latency + bytes / (efficiency x B/s).
   Links measured by the agents' probes are used as measured (their efficiency is already in
   the number); datasheet links (NVLink, PCIe) are derated by `link_efficiency`.
@@ -28,7 +30,11 @@ How a discrete-event simulator uses this, per plan:
     profile.kv_handoff_s(prompt_tokens)                     # disaggregated: prefill -> decode
 
 Steady-state estimates (`estimate_plan`, `estimate_gear`) solve Little's law on top of the
-same iteration function, and add an M/G/1-style queueing tail for P50/P99.
+same iteration function, and add an M/G/1-style queueing tail for P50/P99 (`SteadyState`).
+`switch_cost` prices a gear change in output tokens of service lost, with its parts;
+`migrate_or_replay` is the per-sequence choice the transition executor makes.
+
+Units: seconds (`_s`), bytes (`_bytes`), bytes per second (`_bytes_per_s`), FLOP/s.
 """
 
 from __future__ import annotations
@@ -76,8 +82,6 @@ class Efficiency:
 
 DEFAULT_EFFICIENCY = Efficiency()
 
-# vLLM fuses the element-wise work of a decoder layer into four kernels.
-ELEMENTWISE_KERNELS_PER_LAYER = 4
 # Chunked-prefill token budget per iteration and the running-sequence cap (vLLM defaults).
 MAX_BATCHED_TOKENS = 2048
 MAX_RUNNING_SEQS = 256
@@ -231,7 +235,6 @@ class PipelineProfile:
         self.stages = tuple(stages)
         self.eff = eff
         self.pp = len(self.stages)
-        self.max_stage_layer_share = max(s.layers for s in self.stages) / model.num_layers
         self.signature = Key((model, eff, self.stages))
         self._consts = [self._stage_consts(st) for st in self.stages]
 

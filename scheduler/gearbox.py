@@ -18,6 +18,7 @@ Rules, in the order they apply:
    - never while a transition runs: DEFERRED;
    - current gear invalid on the snapshot (GPUs lost): move now to the best feasible
      candidate; hysteresis and cooldown do not apply to an infeasible gear;
+   - no load samples in the windows and a valid gear: STAY (silence is not zero load);
    - within the cooldown after a switch: STAY (the cooldown is longer after two switches
      within `flap_window_s`: anti-flapping, seed 000 section 5.3);
    - otherwise switch to the best candidate only if gain > cost x hysteresis.
@@ -500,8 +501,6 @@ def decide(
     # 3. automatic
     if not cur.valid and current_gear is not None:
         reasons.append("current gear is not valid on this snapshot: " + "; ".join(cur.reasons[:3]))
-    if window_load is None:
-        reasons.append("no load samples in the windows; planning for zero load")
     if deployment.mode is Mode.PINNED:
         if not cur.valid:
             return finish(Outcome.BLOCKED, None, [], reasons + ["pinned: never switched automatically; an operator "
@@ -520,6 +519,12 @@ def decide(
                 trigger = Trigger.LOAD
                 reasons.append(f"load: utilisation {us:.0%} (short window) and {ul:.0%} (long window)")
     in_cooldown = cur.valid and cool_until is not None and now_s < cool_until
+    if window_load is None:
+        if cur.valid:
+            # missing telemetry is not zero load: never shed GPUs on silence
+            return finish(Outcome.STAY, None, [], reasons + ["no load samples in the windows; keeping the gear"
+                                                             " until load is known"])
+        reasons.append("no load samples in the windows; placing for zero load")
 
     stability = history.stabilities(now_s) if history is not None else {}
     options = planner_options or DEFAULT_OPTIONS
@@ -530,6 +535,11 @@ def decide(
         reclaimable_bytes=reclaim, prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy,
         eff=eff,
     )
+    if cap_per_gpu == 0.0 and cands.feasible:
+        # nothing runs now: charge the rent against the most GPU-efficient candidate
+        cap_per_gpu = max(c.estimate.capacity_rps * workload.output_tokens_mean / max(1, c.estimate.gpus)
+                          for c in cands.feasible)
+        rent = config.gpu_rent * cap_per_gpu
     evals = [evaluate(c.gear, c.estimate, c.kind, c.profiles) for c in cands.feasible if c.gear != current_gear]
     evals.sort(key=lambda e: (-(e.gain_tokens - e.threshold_tokens), e.estimate.gpus, _gear_order(e.gear)))
     act = Outcome.SWITCH if deployment.mode is Mode.AUTO else Outcome.ADVISE

@@ -254,3 +254,17 @@ def test_load_windows_average_and_forget_old_samples() -> None:
     last_two = w.over(540.0, 90.0)
     assert last_two is not None and last_two.rate_rps == pytest.approx((480 + 540) / 2)
     assert w.over(10_000.0, 60.0) is None
+
+
+def test_missing_load_samples_never_shed_gpus() -> None:
+    d = decide(deployment(), tp8("a1"), fleet(), LoadWindow(), NOW)
+    assert d.outcome is Outcome.STAY and d.workload is None
+    assert "no load samples" in d.reasons[-1]
+
+
+def test_with_no_gear_yet_it_places_one_sized_for_the_load() -> None:
+    d = decide(deployment(), None, fleet(), window(3.0), NOW)
+    assert d.outcome is Outcome.SWITCH and d.target is not None
+    assert d.current_gear_id is None and d.current_value_tokens_s == 0.0
+    chosen = next(c for c in d.candidates if c.gear == d.target)
+    assert chosen.estimate.capacity_rps >= 3.0
