@@ -223,7 +223,7 @@ def _split_layers(num_layers: int, weights: Sequence[float]) -> list[tuple[int, 
 
 
 def _bucket(value: int) -> int:
-    """Round down to two significant binary digits (at most four steps per doubling), so that
+    """Round down to three significant binary digits (four steps per doubling), so that
     nearly equal blocks get equal plans and share one estimate."""
     if value < 16:
         return max(0, value)
