@@ -1,0 +1,449 @@
+"""How well scheduler.costmodel predicts measured operator and collective times.
+
+    python -m bench.fidelity --calibration ../shared/calibration [--json PATH] [--fit]
+
+Reads every folder of Vidur's profiling shape under the calibration directory:
+
+* `compute/<gpu>/<org>/<model>/mlp.csv`: per (num_tokens, TP) the time of each token-parallel
+  operator of one layer. We predict QKV (attn_pre_proj), O (attn_post_proj), MLP up
+  (mlp_up_proj, gate+up) and MLP down (mlp_down_proj) with `costmodel.gemm_time_s`; the
+  model's shape comes from the CSV's own columns.
+* `network/<setup>/{all_reduce,send_recv}.csv`: per (size, workers, devices per node) the
+  collective's time. Inside a node we use the catalog's link (NVLink / PCIe) with the
+  model's link efficiency; across nodes, the measured node-to-node path, as an agent's probe
+  would report it: bandwidth from the largest 2-node send/recv message, latency from the
+  smallest (so cross-node send/recv is not an independent test; cross-node all-reduce is).
+
+Prints median and 90th-percentile relative error per operator group and per token (or
+message-size) range, for the rows of the A100 set the factors were fitted on ("in sample")
+and separately for any other GPU or model found ("out of sample"), plus the two single-stream
+decode anchors measured with vLLM. `--fit` re-runs the least-error grid search that produced
+`costmodel.DEFAULT_EFFICIENCY` and prints the factors it finds. Folder names that map to no
+catalog GPU are reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path as FsPath
+
+import numpy as np
+
+from scheduler import costmodel
+from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, Path
+from scheduler.hardware import CATALOG
+from scheduler.modelspec import model_spec
+
+# Vidur's GPU folder names -> our catalog (calibration/README.md)
+GPU_FOLDERS = {"a100": "A100-80G", "h100": "H100-SXM", "h200": "H200", "l40s": "L40S", "a10g": "A10G"}
+# network setups: (catalog GPU, GPUs per NVLink domain, NVLink inside the domain)
+NETWORK_SETUPS = {
+    "a100_dgx": ("A100-80G", 8),
+    "a100_pairwise_nvlink": ("A100-80G", 2),
+    "a100_pair_nvlink": ("A100-80G", 2),
+    "h100_dgx": ("H100-SXM", 8),
+    "h100_pair_nvlink": ("H100-SXM", 2),
+}
+# the set the factors were fitted on
+IN_SAMPLE_GPUS = {"A100-80G"}
+IN_SAMPLE_MODELS = {"Meta-Llama-3-8B", "Meta-Llama-3-70B"}
+IN_SAMPLE_SETUPS = {"a100_dgx", "a100_pairwise_nvlink"}
+
+OPS = {
+    "attn_pre_proj": "QKV",
+    "attn_post_proj": "O",
+    "mlp_up_proj": "MLP up",
+    "mlp_down_proj": "MLP down",
+}
+TOKEN_RANGES = ((1, 64), (64, 512), (512, 4096), (4096, 1 << 30))
+SIZE_RANGES = ((0, 1 << 20), (1 << 20, 16 << 20), (16 << 20, 1 << 40))
+
+# Single-stream decode, Llama-3-8B BF16, measured with vLLM (issue 3): seconds per token.
+DECODE_ANCHORS = (("H100-SXM", 6.5e-3), ("A100-40G", 13.0e-3))
+ANCHOR_CONTEXT_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Row:
+    group: str  # QKV, O, MLP up, MLP down, all_reduce, send_recv
+    source: str  # gpu/model or setup
+    in_sample: bool
+    x: int  # tokens or bytes
+    tp: int  # TP degree or number of workers
+    measured_s: float
+    # compute rows
+    flops: float = 0.0
+    bytes_moved: float = 0.0
+    spec_name: str = ""
+    # network rows
+    workers: int = 0
+    link: Path | None = None
+    collective: str = ""
+
+
+def _gemm_shapes(h: int, heads: int, kv_heads: int, inter: int, gated: bool, tp: int) -> dict[str, tuple[int, int]]:
+    hd = h // heads
+    kv = kv_heads * hd // min(tp, kv_heads)
+    return {
+        "attn_pre_proj": (h, heads * hd // tp + 2 * kv),
+        "attn_post_proj": (heads * hd // tp, h),
+        "mlp_up_proj": (h, (2 if gated else 1) * inter // tp),
+        "mlp_down_proj": (inter // tp, h),
+    }
+
+
+def read_compute(root: FsPath, skipped: list[str]) -> list[Row]:
+    rows: list[Row] = []
+    for path in sorted(root.glob("**/compute/*/*/*/mlp.csv")):
+        gpu_folder = path.parts[-4]
+        model_name = path.parts[-2]
+        spec_name = GPU_FOLDERS.get(gpu_folder)
+        if spec_name is None:
+            skipped.append(f"{path}: GPU folder {gpu_folder!r} maps to no catalog GPU")
+            continue
+        in_sample = spec_name in IN_SAMPLE_GPUS and model_name in IN_SAMPLE_MODELS
+        with path.open() as f:
+            for rec in csv.DictReader(f):
+                tokens = int(rec["num_tokens"])
+                tp = int(rec["num_tensor_parallel_workers"])
+                h, heads = int(rec["n_embd"]), int(rec["n_head"])
+                kv_heads, inter = int(rec["n_kv_head"]), int(rec["n_expanded_embd"])
+                gated = rec["use_gated_mlp"].strip().lower() == "true"
+                for op, (k, n) in _gemm_shapes(h, heads, kv_heads, inter, gated, tp).items():
+                    key = f"time_stats.{op}.median"
+                    if key not in rec or not rec[key]:
+                        continue
+                    rows.append(
+                        Row(
+                            group=OPS[op],
+                            source=f"{spec_name}/{model_name}",
+                            in_sample=in_sample,
+                            x=tokens,
+                            tp=tp,
+                            measured_s=float(rec[key]) * 1e-3,
+                            flops=2.0 * tokens * k * n,
+                            bytes_moved=2.0 * (k * n + tokens * k + tokens * n),
+                            spec_name=spec_name,
+                        )
+                    )
+    return rows
+
+
+def _probe(path: FsPath) -> Path | None:
+    """Emulate the agents' link probe from the 2-node send/recv: large-message bandwidth,
+    small-message latency."""
+    f = path.parent / "send_recv.csv"
+    if not f.exists():
+        return None
+    pts = []
+    with f.open() as fh:
+        for rec in csv.DictReader(fh):
+            if int(rec["num_workers"]) == 2 and int(rec["devices_per_node"]) == 1:
+                pts.append((int(rec["size"]), float(rec["time_stats.send_recv.median"]) * 1e-3))
+    if len(pts) < 2:
+        return None
+    pts.sort()
+    small_size, small_s = pts[0]
+    big_size, big_s = pts[-1]
+    return Path(bytes_per_s=big_size / big_s, latency_s=small_s, measured=True)
+
+
+def read_network(root: FsPath, skipped: list[str]) -> list[Row]:
+    rows: list[Row] = []
+    for path in sorted(root.glob("**/network/*/*.csv")):
+        setup = path.parts[-2]
+        collective = path.stem
+        if collective not in ("all_reduce", "send_recv"):
+            continue
+        if setup not in NETWORK_SETUPS:
+            skipped.append(f"{path}: setup {setup!r} maps to no catalog GPU")
+            continue
+        spec_name, domain = NETWORK_SETUPS[setup]
+        spec = CATALOG[spec_name]
+        probe = _probe(path)
+        with path.open() as f:
+            for rec in csv.DictReader(f):
+                n = int(rec["num_workers"])
+                per_node = int(rec["devices_per_node"])
+                if n > per_node:
+                    if probe is None:
+                        continue
+                    # the probe latency is the whole small-message time; the model adds its own
+                    link = Path(probe.bytes_per_s, max(0.0, (probe.latency_s or 0.0) - DEFAULT_EFFICIENCY.link_latency_s), True)
+                elif n <= domain:
+                    link = Path(spec.intra_link_bytes_per_s)
+                else:
+                    link = Path(spec.host_link_bytes_per_s)
+                rows.append(
+                    Row(
+                        group=collective,
+                        source=setup,
+                        in_sample=setup in IN_SAMPLE_SETUPS,
+                        x=int(rec["size"]),
+                        tp=n,
+                        measured_s=float(rec[f"time_stats.{collective}.median"]) * 1e-3,
+                        workers=n,
+                        link=link,
+                        collective=collective,
+                    )
+                )
+    return rows
+
+
+def predict(row: Row, eff: Efficiency) -> float:
+    if row.collective == "all_reduce":
+        assert row.link is not None
+        spec = CATALOG[NETWORK_SETUPS[row.source][0]]
+        return costmodel.allreduce_time_s(row.workers, row.x, row.link, eff, spec.hbm_bytes_per_s)
+    if row.collective == "send_recv":
+        assert row.link is not None
+        return costmodel.transfer_time_s(row.x, row.link, eff)
+    return costmodel.kernel_time_s(row.flops, row.bytes_moved, CATALOG[row.spec_name], eff)
+
+
+def rel_errors(rows: Sequence[Row], eff: Efficiency) -> np.ndarray:
+    return np.array([abs(predict(r, eff) - r.measured_s) / r.measured_s for r in rows])
+
+
+def summary(errors: np.ndarray) -> dict[str, float]:
+    if errors.size == 0:
+        return {"n": 0, "median": math.nan, "p90": math.nan}
+    return {"n": int(errors.size), "median": float(np.median(errors)), "p90": float(np.percentile(errors, 90))}
+
+
+def _range_label(lo: int, hi: int, unit: str) -> str:
+    def fmt(v: int) -> str:
+        if unit == "B":
+            return f"{v >> 20}MiB" if v >= 1 << 20 else f"{v >> 10}KiB" if v else "0"
+        return str(v)
+
+    return f"[{fmt(lo)}, {fmt(hi)})" if hi < (1 << 30) else f">= {fmt(lo)}"
+
+
+def report(rows: Sequence[Row], eff: Efficiency) -> dict[str, object]:
+    errors = rel_errors(rows, eff)
+    out: dict[str, object] = {"overall": summary(errors)}
+    groups: dict[str, object] = {}
+    for group in list(OPS.values()) + ["all_reduce", "send_recv"]:
+        mask = np.array([r.group == group for r in rows], dtype=bool)
+        if not mask.any():
+            continue
+        entry: dict[str, object] = {"all": summary(errors[mask])}
+        ranges = SIZE_RANGES if group in ("all_reduce", "send_recv") else TOKEN_RANGES
+        unit = "B" if group in ("all_reduce", "send_recv") else "tok"
+        for lo, hi in ranges:
+            m = mask & np.array([lo <= r.x < hi for r in rows], dtype=bool)
+            entry[_range_label(lo, hi, unit)] = summary(errors[m])
+        if group in ("all_reduce", "send_recv"):
+            for scope, test in (("intra-node", lambda r: not r.link.measured), ("cross-node", lambda r: r.link.measured)):
+                m = mask & np.array([r.link is not None and test(r) for r in rows], dtype=bool)
+                entry[scope] = summary(errors[m])
+        groups[group] = entry
+    out["groups"] = groups
+    scopes: dict[str, object] = {}
+    for scope, test in (
+        ("operators (QKV, O, MLP up, MLP down)", lambda r: not r.collective),
+        ("collectives inside a node", lambda r: bool(r.collective) and r.link is not None and not r.link.measured),
+        ("collectives across nodes", lambda r: bool(r.collective) and r.link is not None and r.link.measured),
+        ("all but cross-node all-reduce (which no plan runs: TP stays in a block)",
+         lambda r: not (r.collective == "all_reduce" and r.link is not None and r.link.measured)),
+    ):
+        m = np.array([test(r) for r in rows], dtype=bool)
+        scopes[scope] = summary(errors[m])
+    out["scopes"] = scopes
+    sources: dict[str, object] = {}
+    for src in sorted({r.source for r in rows}):
+        m = np.array([r.source == src for r in rows], dtype=bool)
+        sources[src] = summary(errors[m])
+    out["sources"] = sources
+    return out
+
+
+def decode_anchors(eff: Efficiency) -> list[dict[str, object]]:
+    from scheduler.plan import Plan, Stage
+    from scheduler.topology import GpuState, NodeState, Snapshot
+
+    model = model_spec("Llama-3-8B")
+    out = []
+    for gpu_name, measured_s in DECODE_ANCHORS:
+        spec = CATALOG[gpu_name]
+        snap = Snapshot(
+            now_s=0.0,
+            nodes=(NodeState(id="n", rack="r"),),
+            gpus=(GpuState(uuid="g0", node_id="n", index=0, model=gpu_name, mem_total_bytes=spec.mem_bytes,
+                           mem_used_bytes=0),),
+        )
+        plan = Plan(model=model.name, mode="colocated", stages=(Stage(0, model.num_layers, ("g0",)),),
+                    kv_reserve_tokens=4096)
+        predicted = costmodel.decode_step_s(plan, model, snap, 1, ANCHOR_CONTEXT_TOKENS, eff)
+        out.append({
+            "gpu": gpu_name,
+            "model": model.name,
+            "measured_ms": measured_s * 1e3,
+            "predicted_ms": predicted * 1e3,
+            "error": (predicted - measured_s) / measured_s,
+        })
+    return out
+
+
+# --- the fit -----------------------------------------------------------------------------------
+def fit_compute(comp: Sequence[Row]) -> tuple[float, float, float]:
+    """(mfu, mbu, kernel_overhead_s) with the least median + p90 relative error on `comp`."""
+    flops = np.array([r.flops for r in comp])
+    nbytes = np.array([r.bytes_moved for r in comp])
+    peak = np.array([CATALOG[r.spec_name].bf16_flops for r in comp])
+    hbm = np.array([CATALOG[r.spec_name].hbm_bytes_per_s for r in comp])
+    meas = np.array([r.measured_s for r in comp])
+    best: tuple[float, float, float, float] | None = None
+    for mfu in np.arange(0.60, 0.85, 0.005):
+        tc = flops / (mfu * peak)
+        for mbu in np.arange(0.60, 0.95, 0.01):
+            tm = nbytes / (mbu * hbm)
+            base = np.sqrt(tc * tc + tm * tm)
+            for overhead in np.arange(0.0, 10.5e-6, 0.5e-6):
+                e = np.abs(base + overhead - meas) / meas
+                score = float(np.median(e) + np.percentile(e, 90))
+                if best is None or score < best[0]:
+                    best = (score, float(mfu), float(mbu), float(overhead))
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def fit(rows: Sequence[Row]) -> Efficiency:
+    """Least (median + p90) relative error over the in-sample rows, by grid search: compute
+    factors on the operator rows, link factors on the intra-node collective rows."""
+    comp = [r for r in rows if r.in_sample and not r.collective]
+    net = [r for r in rows if r.in_sample and r.collective and r.link is not None and not r.link.measured]
+    mfu_fit, mbu_fit, overhead_fit = fit_compute(comp)
+    best = (0.0, mfu_fit, mbu_fit, overhead_fit)
+    size = np.array([r.x for r in net], dtype=float)
+    workers = np.array([r.workers for r in net], dtype=float)
+    is_ar = np.array([r.collective == "all_reduce" for r in net])
+    bw = np.array([r.link.bytes_per_s for r in net if r.link is not None])
+    meas_n = np.array([r.measured_s for r in net])
+    hbm_net = np.array([CATALOG[NETWORK_SETUPS[r.source][0]].hbm_bytes_per_s for r in net])
+    factor = np.where(is_ar, 2 * (workers - 1) / workers, 1.0)
+    steps = np.where(is_ar, 2.0, 1.0)
+    reduce_s = np.where(
+        is_ar, costmodel.REDUCE_HBM_TOUCHES * (workers - 1) / workers * size / (best[2] * hbm_net), 0.0
+    )
+    best_net: tuple[float, float, float] | None = None
+    for link_eff in np.arange(0.40, 1.0, 0.01):
+        for alpha in np.arange(0.0, 60.5e-6, 1e-6):
+            pred = steps * alpha + factor * size / (link_eff * bw) + reduce_s
+            e = np.abs(pred - meas_n) / meas_n
+            score = float(np.median(e) + np.percentile(e, 90))
+            if best_net is None or score < best_net[0]:
+                best_net = (score, float(link_eff), float(alpha))
+    assert best_net is not None
+    return replace(
+        DEFAULT_EFFICIENCY,
+        mfu=round(best[1], 3),
+        mbu=round(best[2], 3),
+        kernel_overhead_s=round(best[3], 7),
+        link_efficiency=round(best_net[1], 3),
+        link_latency_s=round(best_net[2], 7),
+    )
+
+
+# --- printing ----------------------------------------------------------------------------------
+def leave_one_model_out(rows: Sequence[Row]) -> list[dict[str, object]]:
+    """Fit the compute factors on one in-sample model, predict the other(s): a check that the
+    factors carry to a model they were not fitted on."""
+    comp = [r for r in rows if r.in_sample and not r.collective]
+    models = sorted({r.source for r in comp})
+    out: list[dict[str, object]] = []
+    if len(models) < 2:
+        return out
+    print("\nleave one model out (compute factors fitted on one model, errors on the other):")
+    for held in models:
+        train = [r for r in comp if r.source != held]
+        test = [r for r in comp if r.source == held]
+        mfu, mbu, overhead = fit_compute(train)
+        eff = replace(DEFAULT_EFFICIENCY, mfu=mfu, mbu=mbu, kernel_overhead_s=overhead)
+        s = summary(rel_errors(test, eff))
+        print(f"  held out {held:<36} fit mfu {mfu:.3f} mbu {mbu:.3f} overhead {overhead * 1e6:.1f} us"
+              f" -> median {s['median']:.1%}  p90 {s['p90']:.1%}")
+        out.append({"held_out": held, "mfu": mfu, "mbu": mbu, "kernel_overhead_s": overhead, **s})
+    return out
+
+
+def _print_report(title: str, rep: dict[str, object]) -> None:
+    print(f"\n{title}")
+    overall = rep["overall"]
+    assert isinstance(overall, dict)
+    print(f"  all rows: n={overall['n']:>6}  median {overall['median']:6.1%}  p90 {overall['p90']:6.1%}")
+    scopes = rep.get("scopes", {})
+    assert isinstance(scopes, dict)
+    for scope, sm in scopes.items():
+        if sm["n"]:
+            print(f"  {scope:<72} n={sm['n']:>6}  median {sm['median']:6.1%}  p90 {sm['p90']:6.1%}")
+    groups = rep["groups"]
+    assert isinstance(groups, dict)
+    print(f"  {'group':<11}{'range':<22}{'n':>7}{'median':>9}{'p90':>9}")
+    for group, entry in groups.items():
+        for label, s in entry.items():
+            if s["n"] == 0:
+                continue
+            print(f"  {group:<11}{label:<22}{s['n']:>7}{s['median']:>9.1%}{s['p90']:>9.1%}")
+    sources = rep["sources"]
+    assert isinstance(sources, dict)
+    print(f"  {'source':<40}{'n':>7}{'median':>9}{'p90':>9}")
+    for src, s in sources.items():
+        print(f"  {src:<40}{s['n']:>7}{s['median']:>9.1%}{s['p90']:>9.1%}")
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calibration", required=True, help="folder with vidur/compute and vidur/network")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--fit", action="store_true", help="re-fit the efficiency factors on the in-sample rows")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    root = FsPath(args.calibration)
+    if not root.is_dir():
+        print(f"--calibration: {root} is not a directory", file=sys.stderr)
+        return 2
+    skipped: list[str] = []
+    rows = read_compute(root, skipped) + read_network(root, skipped)
+    if not rows:
+        print(f"--calibration: no compute/ or network/ CSVs under {root}", file=sys.stderr)
+        return 2
+    eff = DEFAULT_EFFICIENCY
+    result: dict[str, object] = {"efficiency": eff.__dict__.copy(), "skipped": skipped}
+    if args.fit:
+        fitted = fit(rows)
+        result["fitted"] = fitted.__dict__.copy()
+        print("fitted on the in-sample rows:", fitted)
+        print("in use (costmodel.DEFAULT_EFFICIENCY):", eff)
+        result["leave_one_model_out"] = leave_one_model_out(rows)
+    print("efficiency factors:", eff)
+    for note in skipped:
+        print("skipped:", note)
+    ins = [r for r in rows if r.in_sample]
+    outs = [r for r in rows if not r.in_sample]
+    rep_in = report(ins, eff)
+    _print_report("IN SAMPLE (A100-80GB, Llama-3-8B/70B, a100 network setups): relative error", rep_in)
+    result["in_sample"] = rep_in
+    if outs:
+        rep_out = report(outs, eff)
+        _print_report("OUT OF SAMPLE (other GPUs / models, same factors): relative error", rep_out)
+        result["out_of_sample"] = rep_out
+    anchors = decode_anchors(eff)
+    print(f"\nsingle-stream decode anchors (Llama-3-8B BF16, vLLM, context {ANCHOR_CONTEXT_TOKENS}):")
+    for a in anchors:
+        print(f"  {a['gpu']:<10} measured {a['measured_ms']:6.2f} ms  predicted {a['predicted_ms']:6.2f} ms"
+              f"  error {a['error']:+6.1%}")
+    result["decode_anchors"] = anchors
+    if args.json:
+        FsPath(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Small helpers for immutable values computed once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, overload
+
+T = TypeVar("T")
+
+
+class lazy(Generic[T]):  # noqa: N801 - used like `property`
+    """Like functools.cached_property without the lock that Python 3.11 takes on every first
+    access: the first read stores the value in the instance's __dict__, where later reads
+    find it directly. Safe for frozen dataclasses (it bypasses __setattr__), and the value
+    never takes part in equality or hashing."""
+
+    def __init__(self, fn: Callable[[Any], T]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> lazy[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: object | None, owner: type | None = None) -> T | lazy[T]:
+        if obj is None:
+            return self
+        value = self.fn(obj)
+        obj.__dict__[self.name] = value
+        return value
+
+
+class Key:
+    """A tuple key that hashes once: nested frozen dataclasses re-hash every field on every
+    lookup, which dominates a memo keyed by them."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple[object, ...]) -> None:
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Key) and self._hash == other._hash and self.value == other.value
+
+    def __repr__(self) -> str:
+        return f"Key({self.value!r})"

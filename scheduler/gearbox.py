@@ -1,0 +1,586 @@
+"""The gear decision: gain against switch cost x hysteresis, cooldowns, triggers, overrides.
+
+`decide(deployment, current_gear, snapshot, load_window, now_s)` is pure: the same inputs
+give the same `Decision`, which records everything the console shows and audits (DESIGN.md
+invariant 5): the trigger, every candidate with its estimated gain and cost, the hysteresis
+factor, the outcome and the reasons.
+
+Rules, in the order they apply:
+
+1. EMERGENCY (operator): go to the baseline gear now - in any mode, cooldown or not; a
+   running transition is superseded (the executor rolls it back first). Already on the
+   baseline: STAY (idempotent). Baseline invalid on this snapshot: BLOCKED, with why.
+2. MANUAL (operator, with a requested gear): switch to it if it is valid; no hysteresis or
+   cooldown. Not while a transition runs (DEFERRED).
+3. Automatic triggers (PERIODIC, LOAD, TOPOLOGY):
+   - PINNED deployments never switch automatically: STAY (or BLOCKED when the pinned gear is
+     no longer valid - an operator must act);
+   - never while a transition runs: DEFERRED;
+   - current gear invalid on the snapshot (GPUs lost): move now to the best feasible
+     candidate; hysteresis and cooldown do not apply to an infeasible gear;
+   - no load samples in the windows and a valid gear: STAY (silence is not zero load);
+   - within the cooldown after a switch: STAY (the cooldown is longer after two switches
+     within `flap_window_s`: anti-flapping, seed 000 section 5.3);
+   - otherwise switch to the best candidate only if gain > cost x hysteresis.
+   ADVISORY deployments get ADVISE where an AUTO one would SWITCH.
+
+Gain and cost are in output tokens. The value of a gear per second is its goodput (output
+tokens/s within the SLO) minus a rental charge per GPU it holds (a share of the current
+gear's capacity per GPU - so a gear that serves the same load with fewer GPUs is worth
+more). Gain = (value_new - value_old) x (horizon - time until the new gear carries the
+load). Cost = `costmodel.switch_cost(...).tokens`.
+
+Load: `LoadWindow` holds samples; the offered load is the larger of the short- and
+long-window means (never plan below a dip), and the LOAD trigger is reported only when both
+windows agree that the current gear is over its high watermark or under its low one, so one
+spike does not move the gear.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scheduler.costmodel import (
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    Estimate,
+    PlanProfile,
+    Slo,
+    SwitchCost,
+    Workload,
+    combine_estimates,
+    estimate_plan,
+    switch_cost,
+)
+from scheduler.modelspec import ModelSpec, model_spec
+from scheduler.plan import Gear, Plan, stage_bytes_per_gpu, validate_gear, validate_plan
+from scheduler.planner import DEFAULT_OPTIONS, PlannerOptions, plan_candidates
+from scheduler.topology import DEFAULT_POLICY, AtomicBlock, BlockPolicy, FragmentHistory, Snapshot, partition
+
+
+class Mode(enum.StrEnum):
+    AUTO = "auto"  # the gearbox switches by itself
+    ADVISORY = "advisory"  # it only advises; an operator applies
+    PINNED = "pinned"  # never switched automatically
+
+
+class Trigger(enum.StrEnum):
+    PERIODIC = "periodic"  # the regular tick
+    TOPOLOGY = "topology"  # GPUs lost or returned, a block shrank
+    LOAD = "load"  # both load windows crossed a watermark
+    EMERGENCY = "emergency"  # operator: downshift to the baseline
+    MANUAL = "manual"  # operator: go to this gear
+
+
+class Outcome(enum.StrEnum):
+    SWITCH = "switch"  # start a transition to `target`
+    STAY = "stay"  # keep the current gear
+    ADVISE = "advise"  # advisory mode: an AUTO deployment would switch to `target`
+    DEFERRED = "deferred"  # a transition runs; decide again when it ends
+    BLOCKED = "blocked"  # something must change first (reasons say what)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One model served by the cluster, as the gearbox needs it."""
+
+    id: str  # deployment id
+    model: str  # model name (modelspec catalog, unless a spec is passed to decide)
+    slo: Slo  # latency objectives
+    baseline: Gear  # the static plan; the emergency target
+    priority: int = 0  # higher is served first (used by the console across deployments)
+    mode: Mode = Mode.AUTO  # auto | advisory | pinned
+    last_switch_times_s: tuple[float, ...] = ()  # recent switch times, oldest first
+    latency_critical: bool = False  # keep its plans off blocks that keep shrinking
+
+
+@dataclass(frozen=True)
+class GearboxConfig:
+    """Knobs of the decision; defaults from seed 000."""
+
+    hysteresis: float = 1.4  # switch only if gain > cost x this (allowed 1.3-1.5)
+    cooldown_s: float = 300.0  # no automatic switch this long after the last one
+    long_cooldown_s: float = 1800.0  # ... this long after two switches within flap_window_s
+    flap_window_s: float = 1800.0  # see long_cooldown_s
+    horizon_s: float = 600.0  # how long a gain is counted for
+    gpu_rent: float = 0.2  # per GPU held: this share of the current gear's capacity per GPU, in tokens/s
+    short_window_s: float = 60.0  # load windows
+    long_window_s: float = 300.0
+    high_watermark: float = 0.85  # utilisation above which both windows mean "more load"
+    low_watermark: float = 0.30  # ... below which they mean "less load"
+
+    def __post_init__(self) -> None:
+        if not 1.3 <= self.hysteresis <= 1.5:
+            raise ValueError(f"hysteresis: must be within [1.3, 1.5], got {self.hysteresis}")
+        for name in ("cooldown_s", "long_cooldown_s", "flap_window_s", "horizon_s", "short_window_s", "long_window_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0")
+        if self.long_cooldown_s < self.cooldown_s:
+            raise ValueError("long_cooldown_s: must be >= cooldown_s")
+        if not 0 <= self.low_watermark < self.high_watermark:
+            raise ValueError("low_watermark/high_watermark: need 0 <= low < high")
+
+
+DEFAULT_CONFIG = GearboxConfig()
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """Load of one deployment over one reporting interval."""
+
+    t_s: float  # end of the interval
+    rate_rps: float  # arrivals per second in it
+    prompt_tokens_mean: float  # mean prompt length of those arrivals
+    output_tokens_mean: float  # mean output length (of the requests that finished)
+    prompt_tokens_cv: float = 1.0  # spread (std / mean)
+    output_tokens_cv: float = 0.6
+
+
+@dataclass(frozen=True)
+class LoadWindow:
+    """Recent load samples of one deployment (oldest first); the gearbox reads windows of it."""
+
+    samples: tuple[LoadSample, ...] = ()
+
+    def add(self, sample: LoadSample, keep_s: float = 3600.0) -> LoadWindow:
+        kept = tuple(s for s in self.samples if s.t_s > sample.t_s - keep_s)
+        return LoadWindow(kept + (sample,))
+
+    def over(self, now_s: float, window_s: float) -> Workload | None:
+        """The mean workload of the samples in (now - window, now]; None if there are none."""
+        chosen = [s for s in self.samples if now_s - window_s < s.t_s <= now_s]
+        if not chosen:
+            return None
+        n = len(chosen)
+        rate = sum(s.rate_rps for s in chosen) / n
+        weight = [max(s.rate_rps, 1e-9) for s in chosen]
+        total = sum(weight)
+
+        def mean(attr: str) -> float:
+            return float(sum(getattr(s, attr) * w for s, w in zip(chosen, weight, strict=True))) / total
+
+        return Workload(
+            rate_rps=rate,
+            prompt_tokens_mean=max(1.0, mean("prompt_tokens_mean")),
+            output_tokens_mean=max(1.0, mean("output_tokens_mean")),
+            prompt_tokens_cv=mean("prompt_tokens_cv"),
+            output_tokens_cv=mean("output_tokens_cv"),
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {"samples": [
+            [s.t_s, s.rate_rps, s.prompt_tokens_mean, s.output_tokens_mean, s.prompt_tokens_cv, s.output_tokens_cv]
+            for s in self.samples
+        ]}
+
+
+@dataclass(frozen=True)
+class CandidateEval:
+    """One candidate as the decision weighed it."""
+
+    gear: Gear  # the candidate gear
+    estimate: Estimate  # its steady-state estimate under the offered load
+    value_tokens_s: float  # goodput minus GPU rent, tokens/s
+    gain_tokens: float  # (value - current value) x remaining horizon
+    cost: SwitchCost  # the switch cost, in parts
+    threshold_tokens: float  # cost x hysteresis: what the gain must beat
+    passes: bool  # gain > threshold
+    note: str = ""  # how the planner built it, or why it is not eligible
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "gear_id": self.gear.gear_id,
+            "shape": self.gear.shape(),
+            "gear": self.gear.to_dict(),
+            "estimate": self.estimate.to_dict(),
+            "value_tokens_s": self.value_tokens_s,
+            "gain_tokens": self.gain_tokens,
+            "cost": self.cost.to_dict(),
+            "threshold_tokens": self.threshold_tokens,
+            "passes": self.passes,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> CandidateEval:
+        return cls(
+            gear=Gear.from_dict(d["gear"]),
+            estimate=Estimate.from_dict(_obj(d["estimate"])),
+            value_tokens_s=_num(d["value_tokens_s"]),
+            gain_tokens=_num(d["gain_tokens"]),
+            cost=SwitchCost.from_dict(_obj(d["cost"])),
+            threshold_tokens=_num(d["threshold_tokens"]),
+            passes=bool(d["passes"]),
+            note=str(d.get("note", "")),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the gearbox decided and why (audited, shown in the console)."""
+
+    deployment_id: str  # whose decision
+    now_s: float  # when (injected clock)
+    trigger: Trigger  # what started it
+    outcome: Outcome  # switch | stay | advise | deferred | blocked
+    factor: float  # the hysteresis factor applied
+    current_gear_id: str | None  # the gear it started from
+    current_valid: bool  # whether that gear is still valid on the snapshot
+    current_value_tokens_s: float  # its value (goodput - rent) under the offered load
+    current_estimate: Estimate | None  # its estimate (None if nothing of it is left)
+    target: Gear | None  # the gear to switch to (SWITCH/ADVISE), else None
+    workload: Workload | None  # the offered load used
+    candidates: tuple[CandidateEval, ...]  # every candidate weighed, best first
+    reasons: tuple[str, ...]  # why this outcome, in words
+    cooldown_until_s: float | None = None  # when automatic switching is allowed again
+
+    @property
+    def target_gear_id(self) -> str | None:
+        return self.target.gear_id if self.target is not None else None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "deployment_id": self.deployment_id,
+            "now_s": self.now_s,
+            "trigger": self.trigger.value,
+            "outcome": self.outcome.value,
+            "factor": self.factor,
+            "current_gear_id": self.current_gear_id,
+            "current_valid": self.current_valid,
+            "current_value_tokens_s": self.current_value_tokens_s,
+            "current_estimate": self.current_estimate.to_dict() if self.current_estimate else None,
+            "target_gear_id": self.target_gear_id,
+            "target": self.target.to_dict() if self.target else None,
+            "workload": self.workload.to_dict() if self.workload else None,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "reasons": list(self.reasons),
+            "cooldown_until_s": self.cooldown_until_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> Decision:
+        try:
+            current_est = d["current_estimate"]
+            target = d["target"]
+            workload = d["workload"]
+            candidates = d["candidates"]
+            reasons = d["reasons"]
+            if not isinstance(candidates, list) or not isinstance(reasons, list):
+                raise ValueError("decision.candidates/reasons: must be lists")
+            cooldown = d.get("cooldown_until_s")
+            return cls(
+                deployment_id=str(d["deployment_id"]),
+                now_s=_num(d["now_s"]),
+                trigger=Trigger(str(d["trigger"])),
+                outcome=Outcome(str(d["outcome"])),
+                factor=_num(d["factor"]),
+                current_gear_id=None if d["current_gear_id"] is None else str(d["current_gear_id"]),
+                current_valid=bool(d["current_valid"]),
+                current_value_tokens_s=_num(d["current_value_tokens_s"]),
+                current_estimate=None if current_est is None else Estimate.from_dict(_obj(current_est)),
+                target=None if target is None else Gear.from_dict(target),
+                workload=None if workload is None else Workload.from_dict(_obj(workload)),
+                candidates=tuple(CandidateEval.from_dict(_obj(c)) for c in candidates),
+                reasons=tuple(str(r) for r in reasons),
+                cooldown_until_s=None if cooldown is None else _num(cooldown),
+            )
+        except KeyError as exc:
+            raise ValueError(f"decision.{exc.args[0]}: required") from None
+
+
+def _obj(v: object) -> Mapping[str, object]:
+    if not isinstance(v, Mapping):
+        raise ValueError(f"decision: expected an object, got {type(v).__name__}")
+    return v
+
+
+def _num(v: object) -> float:
+    if v is None:
+        return math.inf
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"decision: expected a number, got {v!r}")
+    return float(v)
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+def offered_load(window: LoadWindow, now_s: float, config: GearboxConfig = DEFAULT_CONFIG) -> Workload | None:
+    """The load to plan for: the larger of the short- and long-window means."""
+    short = window.over(now_s, config.short_window_s)
+    long = window.over(now_s, config.long_window_s)
+    if short is None:
+        return long
+    if long is None:
+        return short
+    return short if short.rate_rps >= long.rate_rps else long
+
+
+def cooldown_until(deployment: Deployment, config: GearboxConfig = DEFAULT_CONFIG) -> float | None:
+    """When automatic switching is allowed again (None: never switched)."""
+    times = sorted(deployment.last_switch_times_s)
+    if not times:
+        return None
+    last = times[-1]
+    flapping = len(times) >= 2 and last - times[-2] <= config.flap_window_s
+    return last + (config.long_cooldown_s if flapping else config.cooldown_s)
+
+
+def gear_footprint(gear: Gear, model: ModelSpec, snapshot: Snapshot) -> dict[str, int]:
+    """Memory the gear holds per GPU (weights + KV reserve), capped at what is reported used:
+    what the deployment would give back when it leaves those GPUs."""
+    out: dict[str, int] = {}
+    for plan in gear.plans:
+        for st in plan.all_stages:
+            if st.layer_start < 0 or st.layer_end > model.num_layers or st.layer_end <= st.layer_start:
+                continue
+            need = stage_bytes_per_gpu(st, model, plan.kv_reserve_tokens)
+            for u in st.gpu_uuids:
+                g = snapshot.gpu_by_uuid.get(u)
+                if g is not None:
+                    out[u] = out.get(u, 0) + min(need, g.mem_used_bytes)
+    return out
+
+
+@dataclass
+class _Current:
+    gear: Gear | None
+    valid: bool
+    reasons: list[str]
+    estimate: Estimate | None
+    profiles: dict[Plan, PlanProfile] = field(default_factory=dict)
+
+
+def _evaluate_current(gear: Gear | None, model: ModelSpec, snapshot: Snapshot, workload: Workload, slo: Slo,
+                      blocks: Sequence[AtomicBlock], reclaim: Mapping[str, int], policy: BlockPolicy,
+                      eff: Efficiency) -> _Current:
+    if gear is None:
+        return _Current(None, False, ["no current gear"], None)
+    reasons = validate_gear(gear, snapshot, model, blocks=blocks, reclaimable_bytes=reclaim, policy=policy)
+    valid = not reasons
+    # estimate the plans that still work; traffic of the broken ones is lost
+    ok_plans = []
+    ok_weights = []
+    profiles: dict[Plan, PlanProfile] = {}
+    for plan, w in zip(gear.plans, gear.weights, strict=False):
+        if validate_plan(plan, snapshot, model, blocks=blocks, reclaimable_bytes=reclaim, policy=policy):
+            continue
+        prof = PlanProfile.build(plan, model, snapshot, eff)
+        profiles[plan] = prof
+        ok_plans.append(prof)
+        ok_weights.append(w)
+    if not ok_plans:
+        return _Current(gear, valid, reasons, None, profiles)
+    total = sum(ok_weights)
+    weights = [w / total for w in ok_weights] if total > 0 else [1.0 / len(ok_weights)] * len(ok_weights)
+    ests = [estimate_plan(p, workload.scaled(w), slo) for p, w in zip(ok_plans, weights, strict=True)]
+    est = combine_estimates(ests, weights, workload)
+    if not valid:
+        # the survivors only carry their own share; the rest of the traffic is not served
+        kept = total if total > 0 else 0.0
+        est = combine_estimates(
+            [estimate_plan(p, workload.scaled(w * kept), slo) for p, w in zip(ok_plans, weights, strict=True)],
+            weights, workload.scaled(kept))
+    return _Current(gear, valid, reasons, est, profiles)
+
+
+def _value(est: Estimate | None, rent_tokens_s_per_gpu: float) -> float:
+    if est is None:
+        return 0.0
+    return est.goodput_tokens_s - rent_tokens_s_per_gpu * est.gpus
+
+
+# --- the decision ----------------------------------------------------------------------------------
+def decide(
+    deployment: Deployment,
+    current_gear: Gear | None,
+    snapshot: Snapshot,
+    load_window: LoadWindow,
+    now_s: float,
+    *,
+    trigger: Trigger = Trigger.PERIODIC,
+    requested_gear: Gear | None = None,
+    transition_running: bool = False,
+    history: FragmentHistory | None = None,
+    model: ModelSpec | None = None,
+    config: GearboxConfig = DEFAULT_CONFIG,
+    planner_options: PlannerOptions | None = None,
+    policy: BlockPolicy = DEFAULT_POLICY,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> Decision:
+    """Decide whether `deployment` should change gear now (module docstring: the rules).
+
+    `trigger` is what the caller saw (tick, topology event, operator); `requested_gear` is
+    the operator's choice for MANUAL. `history` supplies block stability. Pure and
+    deterministic: no I/O, no clock but `now_s`.
+    """
+    spec = model if model is not None else model_spec(deployment.model)
+    factor = config.hysteresis
+    part = partition(snapshot, policy)
+    blocks = part.blocks
+    window_load = offered_load(load_window, now_s, config)
+    workload = window_load or Workload(0.0, 512.0, 128.0)
+    reclaim = gear_footprint(current_gear, spec, snapshot) if current_gear is not None else {}
+    cur = _evaluate_current(current_gear, spec, snapshot, workload, deployment.slo, blocks, reclaim, policy, eff)
+    cur_id = current_gear.gear_id if current_gear is not None else None
+    cap_per_gpu = 0.0
+    if cur.estimate is not None and cur.estimate.gpus > 0:
+        cap_per_gpu = cur.estimate.capacity_rps * workload.output_tokens_mean / cur.estimate.gpus
+    rent = config.gpu_rent * cap_per_gpu
+    cool_until = cooldown_until(deployment, config)
+    reasons: list[str] = []
+
+    def finish(outcome: Outcome, target: Gear | None, evals: Sequence[CandidateEval], why: Sequence[str],
+               value: float | None = None) -> Decision:
+        return Decision(
+            deployment_id=deployment.id,
+            now_s=now_s,
+            trigger=trigger,
+            outcome=outcome,
+            factor=factor,
+            current_gear_id=cur_id,
+            current_valid=cur.valid,
+            current_value_tokens_s=value if value is not None else _value(cur.estimate, rent),
+            current_estimate=cur.estimate,
+            target=target,
+            workload=window_load,
+            candidates=tuple(evals),
+            reasons=tuple(why),
+            cooldown_until_s=cool_until,
+        )
+
+    def evaluate(gear: Gear, est: Estimate, note: str,
+                 profiles: Mapping[Plan, PlanProfile] | None = None) -> CandidateEval:
+        known = {**cur.profiles, **(profiles or {})}
+        cost = switch_cost(current_gear, gear, spec, snapshot, workload, current_estimate=cur.estimate,
+                           target_estimate=est, eff=eff, profiles=known)
+        value = _value(est, rent)
+        gain = (value - _value(cur.estimate, rent)) * max(0.0, config.horizon_s - cost.time_to_effect_s)
+        threshold = cost.tokens * factor
+        return CandidateEval(gear, est, value, gain, cost, threshold, gain > threshold, note)
+
+    def estimate_of(gear: Gear) -> Estimate:
+        profiles = [cur.profiles.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]
+        return combine_estimates(
+            [estimate_plan(p, workload.scaled(w), deployment.slo) for p, w in zip(profiles, gear.weights, strict=True)],
+            gear.weights, workload)
+
+    # 1. emergency: the baseline, now, whatever the mode
+    if trigger is Trigger.EMERGENCY:
+        base = deployment.baseline
+        if current_gear is not None and base.gear_id == cur_id:
+            return finish(Outcome.STAY, None, [], ["emergency: already on the baseline gear (nothing to do)"])
+        problems = validate_gear(base, snapshot, spec, blocks=blocks, reclaimable_bytes=reclaim, policy=policy)
+        if problems:
+            return finish(Outcome.BLOCKED, None, [], ["emergency: the baseline gear is not valid on this snapshot: "
+                                                     + "; ".join(problems[:5]) + "; to fix: restore its GPUs or "
+                                                     "set a new baseline"])
+        ev = evaluate(base, estimate_of(base), "baseline")
+        why = ["emergency downshift to the baseline gear (operator)"]
+        if transition_running:
+            why.append("supersedes the running transition (the executor rolls it back first)")
+        return finish(Outcome.SWITCH, base, [ev], why)
+
+    # 2. manual: the operator's gear, if valid
+    if trigger is Trigger.MANUAL:
+        if requested_gear is None:
+            return finish(Outcome.BLOCKED, None, [], ["manual: no gear requested"])
+        if transition_running:
+            return finish(Outcome.DEFERRED, None, [], ["manual: a transition is running; retry when it ends"])
+        if requested_gear.gear_id == cur_id:
+            return finish(Outcome.STAY, None, [], ["manual: already on the requested gear"])
+        problems = validate_gear(requested_gear, snapshot, spec, blocks=blocks, reclaimable_bytes=reclaim,
+                                 policy=policy)
+        if problems:
+            return finish(Outcome.BLOCKED, None, [], ["manual: the requested gear is not valid: "
+                                                     + "; ".join(problems[:5])])
+        ev = evaluate(requested_gear, estimate_of(requested_gear), "requested by an operator")
+        return finish(Outcome.SWITCH, requested_gear, [ev], ["manual switch requested by an operator"])
+
+    # 3. automatic
+    if not cur.valid and current_gear is not None:
+        reasons.append("current gear is not valid on this snapshot: " + "; ".join(cur.reasons[:3]))
+    if deployment.mode is Mode.PINNED:
+        if not cur.valid:
+            return finish(Outcome.BLOCKED, None, [], reasons + ["pinned: never switched automatically; an operator "
+                                                                "must act (emergency or manual)"])
+        return finish(Outcome.STAY, None, [], ["pinned: never switched automatically"])
+    if transition_running:
+        return finish(Outcome.DEFERRED, None, [], reasons + ["a transition is running; decide again when it ends"])
+    # load trigger: both windows agree that the current gear is over/under its watermarks
+    if trigger is Trigger.PERIODIC and cur.estimate is not None and cur.estimate.capacity_rps > 0:
+        short = load_window.over(now_s, config.short_window_s)
+        long = load_window.over(now_s, config.long_window_s)
+        if short is not None and long is not None:
+            cap = cur.estimate.capacity_rps
+            us, ul = short.rate_rps / cap, long.rate_rps / cap
+            if min(us, ul) > config.high_watermark or max(us, ul) < config.low_watermark:
+                trigger = Trigger.LOAD
+                reasons.append(f"load: utilisation {us:.0%} (short window) and {ul:.0%} (long window)")
+    in_cooldown = cur.valid and cool_until is not None and now_s < cool_until
+    if window_load is None:
+        if cur.valid:
+            # missing telemetry is not zero load: never shed GPUs on silence
+            return finish(Outcome.STAY, None, [], reasons + ["no load samples in the windows; keeping the gear"
+                                                             " until load is known"])
+        reasons.append("no load samples in the windows; placing for zero load")
+
+    stability = history.stabilities(now_s) if history is not None else {}
+    options = planner_options or DEFAULT_OPTIONS
+    if deployment.latency_critical and not options.latency_critical:
+        options = PlannerOptions(**{**options.__dict__, "latency_critical": True})
+    cands = plan_candidates(
+        spec, snapshot, workload, slo=deployment.slo, options=options, blocks=blocks, stability=stability,
+        reclaimable_bytes=reclaim, prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy,
+        eff=eff,
+    )
+    if cap_per_gpu == 0.0 and cands.feasible:
+        # nothing runs now: charge the rent against the most GPU-efficient candidate
+        cap_per_gpu = max(c.estimate.capacity_rps * workload.output_tokens_mean / max(1, c.estimate.gpus)
+                          for c in cands.feasible)
+        rent = config.gpu_rent * cap_per_gpu
+    evals = [evaluate(c.gear, c.estimate, c.kind, c.profiles) for c in cands.feasible if c.gear != current_gear]
+    evals.sort(key=lambda e: (-(e.gain_tokens - e.threshold_tokens), e.estimate.gpus, _gear_order(e.gear)))
+    act = Outcome.SWITCH if deployment.mode is Mode.AUTO else Outcome.ADVISE
+
+    if not cur.valid:
+        if not evals:
+            return finish(Outcome.BLOCKED, None, evals, reasons + ["no feasible gear to move to"] + list(cands.infeasible))
+        best = max(evals, key=lambda e: (e.value_tokens_s - e.cost.tokens / max(1.0, config.horizon_s),
+                                         -e.estimate.gpus, _gear_order(e.gear)))
+        return finish(act, best.gear, evals, reasons + [
+            f"moving at once to {best.gear.shape()} (hysteresis and cooldown do not apply to an invalid gear)"])
+    if in_cooldown:
+        assert cool_until is not None
+        return finish(Outcome.STAY, None, evals, reasons + [
+            f"cooldown: no automatic switch until t={cool_until:.0f} s"
+            + (" (long cooldown: two switches within the flap window)" if _flapping(deployment, config) else "")])
+    passing = [e for e in evals if e.passes]
+    if not passing:
+        why = reasons + ["no candidate's gain beats its cost x hysteresis"]
+        if evals:
+            top = evals[0]
+            why.append(f"best: {top.gear.shape()} gain {top.gain_tokens:.0f} tokens vs threshold"
+                       f" {top.threshold_tokens:.0f} (cost {top.cost.tokens:.0f} x {factor})")
+        why.extend(cands.infeasible)
+        return finish(Outcome.STAY, None, evals, why)
+    best = passing[0]
+    return finish(act, best.gear, evals, reasons + [
+        f"{best.gear.shape()}: gain {best.gain_tokens:.0f} tokens > cost {best.cost.tokens:.0f} x {factor}"])
+
+
+def _gear_order(gear: Gear) -> tuple[tuple[str, ...], ...]:
+    """A deterministic tie-break that needs no content digest."""
+    return tuple(p.gpu_uuids for p in gear.plans)
+
+
+def _flapping(deployment: Deployment, config: GearboxConfig) -> bool:
+    times = sorted(deployment.last_switch_times_s)
+    return len(times) >= 2 and times[-1] - times[-2] <= config.flap_window_s
+
+
+__all__ = [
+    "CandidateEval", "DEFAULT_CONFIG", "Decision", "Deployment", "GearboxConfig", "LoadSample", "LoadWindow",
+    "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "offered_load",
+]

@@ -1,0 +1,708 @@
+"""Candidate gears for one deployment on one snapshot, each with its estimates.
+
+Filter -> build -> score, pruned so that the work grows with the number of atomic blocks
+(in fact with the number of distinct block *shapes*), not with the number of GPUs:
+
+1. Filter blocks: usable memory per GPU (92% rule, others' use, what this deployment would
+   give back), and - for latency-critical deployments - stability (blocks that keep
+   shrinking are left out, seed 000 section 4.1).
+2. Units (single plans): TP groups only inside one block, sized from the memory floor up
+   (the minimum TP is the smallest that holds weights plus the minimum KV reserve); a block
+   hosts as many disjoint groups as fit. PP chains of whole groups across blocks whose
+   links pass `min_pp_link_gbps`; prefill/decode splits across two blocks whose link passes
+   `min_kv_link_gbps`. Blocks of the same shape are interchangeable, so each unit *type* is
+   estimated once.
+3. Gears: for each unit type, as many replicas on distinct blocks as the load needs
+   (`headroom` x offered rate), plus one mixed gear that fills the load greedily with the
+   most efficient units of any type - several plans side by side on different blocks.
+   Routing weights follow capacity.
+4. Score: goodput (output tokens/s within the SLO), then fewer GPUs, then stability.
+
+No fit -> `Candidates.infeasible` says why and what to relax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Literal
+
+from scheduler.costmodel import (
+    DEFAULT_EFFICIENCY,
+    MAX_RUNNING_SEQS,
+    Efficiency,
+    Estimate,
+    PlanProfile,
+    Slo,
+    Workload,
+    combine_estimates,
+    estimate_plan,
+)
+from scheduler.modelspec import ModelSpec
+from scheduler.plan import MEM_FRACTION, Gear, Plan, Stage
+from scheduler.topology import (
+    DEFAULT_POLICY,
+    GBPS_TO_BYTES_PER_S,
+    AtomicBlock,
+    BlockPolicy,
+    Snapshot,
+    partition,
+)
+
+UnitKind = Literal["tp", "pp", "pd"]
+MAX_CHAINS_PER_LENGTH = 8  # PP chains built per pipeline length (keeps the work O(blocks))
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of the enumeration; defaults suit a mixed cluster."""
+
+    max_pp: int = 4  # longest pipeline across blocks
+    min_pp_link_gbps: float = 100.0  # PP hand-off only over node links at least this fast
+    min_kv_link_gbps: float = 100.0  # prefill/decode split only over links at least this fast
+    allow_pp: bool = True  # consider pipelines across blocks
+    allow_disaggregated: bool = True  # consider prefill/decode splits
+    max_plans_per_gear: int = 16  # most plans side by side in one gear
+    max_candidates: int = 12  # candidates returned (best first)
+    headroom: float = 1.25  # a gear aims at capacity >= offered rate x headroom
+    min_kv_tokens: int | None = None  # KV each pipeline must reserve at least; None: from the workload
+    latency_critical: bool = False  # keep off blocks whose stability is below min_stability
+    min_stability: float = 0.5  # see latency_critical
+    mem_fraction: float = MEM_FRACTION  # invariant 4
+
+
+DEFAULT_OPTIONS = PlannerOptions()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate gear with its estimates."""
+
+    gear: Gear  # the plans and routing weights
+    estimate: Estimate  # the gear under the workload
+    kind: str  # how it was built: "replicas of <unit>", "mixed"
+    blocks: tuple[str, ...]  # atomic blocks it uses
+    stability: float  # the least stable of those blocks, 0..1
+    notes: tuple[str, ...] = ()  # e.g. "capacity below the offered load"
+    profiles: Mapping[Plan, PlanProfile] = field(default_factory=dict, compare=False, repr=False)  # already built
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "gear_id": self.gear.gear_id,
+            "shape": self.gear.shape(),
+            "gear": self.gear.to_dict(),
+            "estimate": self.estimate.to_dict(),
+            "kind": self.kind,
+            "blocks": list(self.blocks),
+            "stability": self.stability,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The planner's answer: feasible gears (best first) and, if none or none enough, why."""
+
+    feasible: tuple[Candidate, ...]  # best first
+    infeasible: tuple[str, ...]  # reasons, each saying what to relax
+    blocks_considered: int  # blocks after filtering
+    block_shapes: int  # distinct block shapes (what the enumeration scales with)
+    unit_types: int  # distinct unit plans estimated
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.feasible)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "feasible": [c.to_dict() for c in self.feasible],
+            "infeasible": list(self.infeasible),
+            "blocks_considered": self.blocks_considered,
+            "block_shapes": self.block_shapes,
+            "unit_types": self.unit_types,
+        }
+
+
+# --- internal building blocks ------------------------------------------------------------------
+@dataclass
+class _BlockRoom:
+    """A block with its GPUs ordered by usable memory (most first)."""
+
+    block: AtomicBlock
+    uuids: list[str]  # most room first
+    room: list[int]  # usable bytes, same order
+    stability: float
+    shape: tuple[object, ...]  # interchangeable blocks share it
+
+
+class _Unit:
+    """A plan on concrete GPUs, with the type key its estimate is cached under. The Plan
+    object itself is built only if a gear uses the unit (most are never used)."""
+
+    __slots__ = ("type_key", "uuids", "blocks", "stability", "kind", "gpus", "_factory", "_plan")
+
+    def __init__(self, type_key: tuple[object, ...], uuids: tuple[str, ...], blocks: tuple[str, ...],
+                 stability: float, kind: UnitKind, factory: Callable[[], Plan]) -> None:
+        self.type_key = type_key
+        self.uuids = uuids
+        self.blocks = blocks
+        self.stability = stability
+        self.kind = kind
+        self.gpus = len(uuids)
+        self._factory = factory
+        self._plan: Plan | None = None
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            self._plan = self._factory()
+        return self._plan
+
+
+@dataclass
+class _UnitType:
+    key: tuple[object, ...]
+    label: str
+    units: list[_Unit] = field(default_factory=list)  # disjoint instances, best first
+    profile: PlanProfile | None = None
+    capacity: Estimate | None = None  # at the offered rate, as a single plan
+
+
+def _min_kv_tokens(model: ModelSpec, workload: Workload, options: PlannerOptions) -> int:
+    if options.min_kv_tokens is not None:
+        return options.min_kv_tokens
+    # one long request (P99 prompt + P99 output) must fit, and a handful of average ones
+    long_one = workload.prompt_quantile(0.99) + workload.output_quantile(0.99)
+    few = 4 * (workload.prompt_tokens_mean + workload.output_tokens_mean)
+    return int(min(model.max_context_tokens, max(long_one, few, 256)))
+
+
+@lru_cache(maxsize=256)
+def _kv_cap_tokens(model: ModelSpec, workload: Workload, pp: int) -> int:
+    """No point reserving more KV than the running-sequence cap can use."""
+    per_seq = workload.prompt_quantile(0.9) + workload.output_quantile(0.9)
+    return int(max(per_seq * MAX_RUNNING_SEQS * pp, model.max_context_tokens))
+
+
+@lru_cache(maxsize=4096)
+def _stage_terms(model: ModelSpec, start: int, end: int, tp: int) -> tuple[int, int, int]:
+    """(weight bytes per GPU, KV bytes per token over all ranks, KV shards) of a stage."""
+    weights = -(-model.stage_weight_bytes(start, end) // tp)
+    return weights, (end - start) * model.kv_bytes_per_token_per_layer, model.kv_shards(tp)
+
+
+def _stage_fits(model: ModelSpec, start: int, end: int, tp: int, room: int, kv_tokens: int) -> bool:
+    """Same arithmetic as plan.stage_bytes_per_gpu, memoised per stage shape."""
+    weights, kv_per_token, shards = _stage_terms(model, start, end, tp)
+    return weights + -(-(kv_tokens * kv_per_token) // shards) <= room
+
+
+def _best_kv(model: ModelSpec, stages: Sequence[tuple[int, int, int, int]], cap: int, floor: int = 0) -> int:
+    """KV tokens every stage can reserve - stages are (start, end, tp, min room per GPU) -
+    rounded down to a bucket so that nearly equal blocks share a plan shape."""
+    best = cap
+    for start, end, tp, room in stages:
+        weights, kv_per_token, shards = _stage_terms(model, start, end, tp)
+        best = min(best, max(0, room - weights) * shards // kv_per_token)
+    return max(_bucket(best), min(floor, best))
+
+
+def _split_layers(num_layers: int, weights: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous layer ranges proportional to `weights` (each at least one layer)."""
+    total = sum(weights)
+    bounds = [0]
+    acc = 0.0
+    for i, w in enumerate(weights[:-1]):
+        acc += w
+        cut = int(round(num_layers * acc / total))
+        cut = max(bounds[-1] + 1, min(cut, num_layers - (len(weights) - 1 - i)))
+        bounds.append(cut)
+    bounds.append(num_layers)
+    return [(bounds[i], bounds[i + 1]) for i in range(len(weights))]
+
+
+def _bucket(value: int) -> int:
+    """Round down to three significant binary digits (four steps per doubling), so that
+    nearly equal blocks get equal plans and share one estimate."""
+    if value < 16:
+        return max(0, value)
+    step = 1 << (value.bit_length() - 3)
+    return (value // step) * step
+
+
+def _shape(block: AtomicBlock, room: Sequence[int]) -> tuple[object, ...]:
+    """Blocks with equal shapes are interchangeable for planning."""
+    gib = 2**30
+    return (block.gpu_model, block.size, block.link_kind, round(block.tp_link_bytes_per_s / 1e9),
+            _bucket(max(0, min(room)) // gib))
+
+
+# --- the planner -----------------------------------------------------------------------------------
+def plan_candidates(
+    model: ModelSpec,
+    snapshot: Snapshot,
+    workload: Workload,
+    *,
+    slo: Slo | None = None,
+    options: PlannerOptions = DEFAULT_OPTIONS,
+    blocks: Sequence[AtomicBlock] | None = None,
+    stability: Mapping[str, float] | None = None,
+    reclaimable_bytes: Mapping[str, int] | None = None,
+    prefer_gpus: Iterable[str] = (),
+    policy: BlockPolicy = DEFAULT_POLICY,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> Candidates:
+    """Feasible candidate gears for `model` under `workload` on `snapshot` (module docstring).
+
+    `reclaimable_bytes`: memory the deployment holds now per GPU and would give back (so its
+    current GPUs count as free). `prefer_gpus`: GPUs to pick first among equals (the current
+    gear's), so candidates keep weights in place where they can. Deterministic.
+    """
+    if blocks is None:
+        part = partition(snapshot, policy)
+        blocks, excluded = part.blocks, dict(part.excluded)
+    else:
+        excluded = {}
+    stability = stability or {}
+    reclaim = reclaimable_bytes or {}
+    preferred = set(prefer_gpus)
+    reasons: list[str] = []
+    min_kv = _min_kv_tokens(model, workload, options)
+    valid_tps = model.valid_tps(max((b.size for b in blocks), default=1))
+
+    # 1. filter and order blocks
+    rooms: list[_BlockRoom] = []
+    unstable: list[str] = []
+    sort_keys: dict[str, tuple[object, ...]] = {}
+    preferred_blocks = {b.id for b in blocks if preferred.intersection(b.gpu_uuids)} if preferred else set()
+    for b in blocks:
+        score = stability.get(b.id, 1.0)
+        if options.latency_critical and score < options.min_stability:
+            unstable.append(b.id)
+            continue
+        frac = options.mem_fraction
+        # usable bytes per GPU (plan.usable_bytes, inlined: this loop runs over every GPU)
+        room = [
+            int(frac * total) - max(0, used - reclaim.get(u, 0)) if reclaim else int(frac * total) - used
+            for u, total, used in zip(b.gpu_uuids, b.mem_total_bytes, _used(snapshot, b), strict=True)
+        ]
+        has_preferred = bool(preferred) and b.id in preferred_blocks
+        if has_preferred:
+            order = sorted(range(b.size), key=lambda i: (-room[i], b.gpu_uuids[i] not in preferred, i))
+            uuids = [b.gpu_uuids[i] for i in order]
+            sorted_room = [room[i] for i in order]
+        elif all(x == room[0] for x in room):
+            uuids, sorted_room = list(b.gpu_uuids), room  # already in order
+        else:
+            pairs = sorted(zip((-x for x in room), range(b.size), strict=True))
+            uuids = [b.gpu_uuids[i] for _, i in pairs]
+            sorted_room = [-x for x, _ in pairs]
+        rooms.append(_BlockRoom(b, uuids, sorted_room, score, _shape(b, sorted_room)))
+        sort_keys[b.id] = (-score, not has_preferred, -sum(sorted_room), b.id)
+    rooms.sort(key=lambda r: sort_keys[r.block.id])
+    if unstable:
+        reasons.append(
+            f"{len(unstable)} block(s) left out as unstable (stability < {options.min_stability}): "
+            f"{', '.join(sorted(unstable)[:5])}; to use them, lower min_stability or mark the deployment "
+            "not latency-critical"
+        )
+    if not rooms:
+        return Candidates((), tuple(reasons + [_no_gpus_reason(snapshot, excluded)]), 0, 0, 0)
+
+    types: dict[tuple[object, ...], _UnitType] = {}
+    used_in_type: dict[tuple[object, ...], set[str]] = {}
+
+    def add_unit(unit: _Unit, label: str, check: bool = True) -> None:
+        t = types.get(unit.type_key)
+        if t is None:
+            t = types[unit.type_key] = _UnitType(unit.type_key, label)
+        if len(t.units) >= options.max_plans_per_gear:
+            return  # no gear uses more instances of one type than that
+        if not check:
+            t.units.append(unit)
+            return
+        used = used_in_type.setdefault(unit.type_key, set())
+        if used.isdisjoint(unit.uuids):
+            t.units.append(unit)
+            used.update(unit.uuids)
+
+    def colocated(uuids: tuple[str, ...], kv: int) -> Callable[[], Plan]:
+        return lambda: Plan(model.name, "colocated", (Stage(0, model.num_layers, uuids),), kv_reserve_tokens=kv)
+
+    # 2a. single-block TP units (groups of one block, and blocks, are disjoint by construction)
+    layers = model.num_layers
+    cap1 = _kv_cap_tokens(model, workload, 1)
+    # KV beyond what the running-sequence cap can fill changes no estimate: units that reserve
+    # at least that much share a type (each still reserves its own amount)
+    useful = MAX_RUNNING_SEQS * (workload.prompt_tokens_mean + workload.output_tokens_mean / 2)
+    terms = {tp: _stage_terms(model, 0, layers, tp) for tp in valid_tps}
+    for r in rooms:
+        size = len(r.uuids)
+        for tp in valid_tps:
+            if tp > size:
+                break
+            weights, kv_per_token, shards = terms[tp]
+            floor_bytes = weights + -(-(min_kv * kv_per_token) // shards)
+            for g in range(size // tp):
+                group_room = r.room[(g + 1) * tp - 1]  # rooms are sorted, most first
+                if group_room < floor_bytes:
+                    break  # later groups of this block have less room
+                most = min(cap1, (group_room - weights) * shards // kv_per_token)
+                kv = max(_bucket(most), min(min_kv, most))
+                group = tuple(r.uuids[g * tp:(g + 1) * tp])
+                key = ("tp", r.block.gpu_model, r.block.link_kind, r.shape[3], tp, kv if kv < useful else "ample")
+                add_unit(_Unit(key, group, (r.block.id,), r.stability, "tp", colocated(group, kv)),
+                         f"TP{tp} on {r.block.gpu_model}", check=False)
+
+    # 2b. prefill/decode splits across two blocks (bounded by the few best shapes)
+    if options.allow_disaggregated and len(rooms) >= 2:
+        for unit, label in _pd_units(model, snapshot, rooms, valid_tps, min_kv, workload, options):
+            add_unit(unit, label)
+
+    target_rps = workload.rate_rps * options.headroom
+    estimated: dict[tuple[object, ...], _UnitType] = {}
+    block_by_id = {r.block.id: r.block for r in rooms}
+
+    def estimate_types() -> list[_UnitType]:
+        """Estimate each new unit type once (its capacity as a single plan)."""
+        for key, t in types.items():
+            if key in estimated:
+                continue
+            first = t.units[0]
+            if first.kind == "tp":
+                block = block_by_id[first.blocks[0]]
+                t.profile = PlanProfile.single_block(first.plan, model, snapshot.spec(block.gpu_model),
+                                                     block.tp_link_bytes_per_s, eff)
+            else:
+                t.profile = PlanProfile.build(first.plan, model, snapshot, eff)
+            t.capacity = estimate_plan(t.profile, workload.scaled(0.0), slo)
+            estimated[key] = t
+        return [t for t in types.values() if t.capacity is not None and t.capacity.capacity_rps > 0]
+
+    def fill(live: Sequence[_UnitType]) -> tuple[list[_Unit], float]:
+        """Greedy mixed fill: the most capacity per GPU first, disjoint GPUs, until the target."""
+        order = {t.key: i for i, t in enumerate(live)}
+        pool = sorted(
+            ((u, i) for t in live for i, u in enumerate(t.units)),
+            key=lambda ui: (
+                -_capacity(types, ui[0]) / ui[0].gpus, -ui[0].stability, order[ui[0].type_key], ui[1]
+            ),
+        )
+        taken: set[str] = set()
+        chosen: list[_Unit] = []
+        cap = 0.0
+        for u, _ in pool:
+            if len(chosen) >= options.max_plans_per_gear or cap >= target_rps:
+                break
+            if taken.isdisjoint(u.uuids):
+                chosen.append(u)
+                taken.update(u.uuids)
+                cap += _capacity(types, u)
+        return chosen, cap
+
+    live = estimate_types()
+    mixed, mixed_cap = fill(live)
+    # 2c. PP chains across blocks, only when single-block units cannot hold the model or
+    # cannot reach the load (PP costs hand-offs and bubbles), and only where links allow
+    if options.allow_pp and options.max_pp >= 2 and (not live or mixed_cap < target_rps):
+        for unit, label in _pp_units(model, snapshot, rooms, valid_tps, min_kv, workload, options):
+            add_unit(unit, label)
+        live = estimate_types()
+        mixed, mixed_cap = fill(live)
+
+    if not types:
+        reasons.extend(_no_fit_reasons(model, snapshot, rooms, min_kv, options))
+        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), 0)
+    if not live:
+        reasons.append("every plan that fits has zero capacity for this workload (KV reserve too small for one"
+                       " request); to fix: free memory or lower the prompt/output lengths")
+        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
+
+    # 3. gears: replicas of each unit type, the single unit, and the mixed fill
+    estimator = _GearEstimator(workload, slo, {t.key: t for t in live})
+    gears: dict[tuple[object, ...], Candidate] = {}
+
+    def consider(units: Sequence[_Unit], kind: str) -> None:
+        if not units:
+            return
+        dedupe = tuple(u.uuids for u in units) + tuple(u.type_key for u in units)
+        if dedupe in gears:
+            return
+        caps = [_capacity(types, u) for u in units]
+        total = sum(caps)
+        weights = _weights(caps)
+        gear = Gear(model.name, tuple(u.plan for u in units), weights)
+        est = estimator.gear_estimate(units, weights)
+        notes: list[str] = []
+        if total < workload.rate_rps:
+            notes.append(f"capacity {total:.2f} rps is below the offered {workload.rate_rps:.2f} rps")
+        blocks_used = tuple(sorted({b for u in units for b in u.blocks}))
+        profiles: dict[Plan, PlanProfile] = {}
+        for u in units:
+            prof = types[u.type_key].profile
+            if prof is not None and u is types[u.type_key].units[0]:
+                profiles[u.plan] = prof  # the type's profile was built from this unit
+        gears[dedupe] = Candidate(gear, est, kind, blocks_used, min(u.stability for u in units), tuple(notes),
+                                  profiles)
+
+    for t in sorted(live, key=lambda t: repr(t.key)):
+        chosen: list[_Unit] = []
+        cap = 0.0
+        for u in t.units[: options.max_plans_per_gear]:
+            chosen.append(u)
+            cap += _capacity(types, u)
+            if cap >= target_rps:
+                break
+        consider(chosen, f"replicas of {t.label}")
+        if len(chosen) > 1 and _capacity(types, chosen[0]) >= workload.rate_rps:
+            consider(chosen[:1], f"one {t.label}")  # fewer GPUs that still carry the load
+    consider(mixed, "mixed")
+
+    ranked = sorted(
+        gears.values(),
+        key=lambda c: (-round(c.estimate.goodput_tokens_s, 6), c.estimate.gpus, -c.stability,
+                       tuple(p.gpu_uuids for p in c.gear.plans)),
+    )
+    feasible = tuple(ranked[: options.max_candidates])
+    if feasible and all(c.estimate.capacity_rps < workload.rate_rps for c in feasible):
+        best = max(feasible, key=lambda c: c.estimate.capacity_rps)
+        reasons.append(
+            f"no gear reaches the offered {workload.rate_rps:.2f} rps (best: {best.estimate.capacity_rps:.2f} rps"
+            f" on {best.estimate.gpus} GPUs); to fix: free more GPUs, raise max_plans_per_gear, or shed load"
+        )
+    return Candidates(feasible, tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
+
+
+def _capacity(types: Mapping[tuple[object, ...], _UnitType], unit: _Unit) -> float:
+    cap = types[unit.type_key].capacity
+    return cap.capacity_rps if cap is not None else 0.0
+
+
+class _GearEstimator:
+    """Gear estimates from the unit types' steady states (memoised in the cost model), so
+    replicas of one type cost one estimate per traffic share."""
+
+    def __init__(self, workload: Workload, slo: Slo | None, types: Mapping[tuple[object, ...], _UnitType]) -> None:
+        self.workload, self.slo, self.types = workload, slo, types
+        self._memo: dict[tuple[object, ...], Estimate] = {}
+
+    def gear_estimate(self, units: Sequence[_Unit], weights: Sequence[float]) -> Estimate:
+        ests = []
+        for u, w in zip(units, weights, strict=True):
+            key = (u.type_key, w)
+            est = self._memo.get(key)
+            if est is None:
+                profile = self.types[u.type_key].profile
+                assert profile is not None
+                est = estimate_plan(profile, self.workload.scaled(w), self.slo)
+                self._memo[key] = est
+            ests.append(est)
+        return combine_estimates(ests, weights, self.workload)
+
+
+def _weights(caps: Sequence[float]) -> tuple[float, ...]:
+    total = sum(caps)
+    if total <= 0:
+        return tuple(round(1.0 / len(caps), 6) for _ in caps)
+    raw = [round(c / total, 6) for c in caps]
+    raw[-1] = round(1.0 - sum(raw[:-1]), 6)
+    return tuple(raw)
+
+
+def _node_bw(snapshot: Snapshot, a: AtomicBlock, b: AtomicBlock) -> float:
+    """Bandwidth between two blocks (bytes/s): host link inside a node, node link across."""
+    if a.node_id == b.node_id:
+        return min(snapshot.spec(a.gpu_model).host_link_bytes_per_s, snapshot.spec(b.gpu_model).host_link_bytes_per_s)
+    return snapshot.node_link_bytes_per_s(a.node_id, b.node_id)
+
+
+def _pp_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom], valid_tps: Sequence[int],
+              min_kv: int, workload: Workload, options: PlannerOptions) -> Iterable[tuple[_Unit, str]]:
+    """Pipelines across blocks: greedy chains of the roomiest blocks whose links pass the bar.
+
+    Each stage takes its block's largest valid TP group; layers split in proportion to the
+    stage's memory (tp x room). Chains are built for each length 2..max_pp, each from blocks
+    not used by earlier chains of that length, so the work is O(blocks x max_pp).
+    """
+    min_bw = options.min_pp_link_gbps * GBPS_TO_BYTES_PER_S
+    order = sorted(rooms, key=lambda r: (-(len(r.uuids) * min(r.room)), r.block.id))
+    for pp in range(2, options.max_pp + 1):
+        free = list(order)
+        chains = 0
+        while len(free) >= pp and chains < MAX_CHAINS_PER_LENGTH:
+            head = free[0]
+            chain = [head]
+            for r in free[1:]:
+                if len(chain) == pp:
+                    break
+                if _node_bw(snapshot, chain[-1].block, r.block) >= min_bw:
+                    chain.append(r)
+            if len(chain) < pp:
+                free.pop(0)
+                continue
+            stages_spec = []
+            for r in chain:
+                tp = max(t for t in valid_tps if t <= len(r.uuids))
+                stages_spec.append((r, tp, min(r.room[:tp])))
+            ranges = _split_layers(model.num_layers, [tp * room for _, tp, room in stages_spec])
+            fits = all(
+                _stage_fits(model, s, e, tp, room, min_kv)
+                for (s, e), (_, tp, room) in zip(ranges, stages_spec, strict=True)
+            )
+            for r in chain:
+                free.remove(r)
+            if not fits:
+                continue
+            chains += 1
+            kv = _best_kv(
+                model,
+                [(s, e, tp, room) for (s, e), (_, tp, room) in zip(ranges, stages_spec, strict=True)],
+                _kv_cap_tokens(model, workload, pp),
+                min_kv,
+            )
+            stages = tuple(
+                Stage(s, e, tuple(r.uuids[:tp])) for (s, e), (r, tp, _) in zip(ranges, stages_spec, strict=True)
+            )
+            plan = Plan(model.name, "colocated", stages, kv_reserve_tokens=kv)
+            uuids = tuple(u for st in stages for u in st.gpu_uuids)
+            links = tuple(
+                round(_node_bw(snapshot, a.block, b.block) / GBPS_TO_BYTES_PER_S) for a, b in zip(chain, chain[1:], strict=False)
+            )
+            key = ("pp", tuple((r.shape, tp) for r, tp, _ in stages_spec), tuple(ranges), links, kv)
+            label = f"PP{pp} over " + "+".join(f"TP{tp} {r.block.gpu_model}" for r, tp, _ in stages_spec)
+            yield (
+                _Unit(key, uuids, tuple(r.block.id for r in chain), min(r.stability for r in chain), "pp",
+                      _const(plan)),
+                label,
+            )
+
+
+def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom], valid_tps: Sequence[int],
+              min_kv: int, workload: Workload, options: PlannerOptions) -> Iterable[tuple[_Unit, str]]:
+    """Prefill on the block shape with the most compute, decode on the one with the most
+    memory bandwidth x room; one pair per pair of distinct shapes (bounded by shapes^2)."""
+    min_bw = options.min_kv_link_gbps * GBPS_TO_BYTES_PER_S
+    by_shape: dict[tuple[object, ...], list[_BlockRoom]] = {}
+    for r in rooms:
+        by_shape.setdefault(r.shape, []).append(r)
+
+    def smallest_tp(r: _BlockRoom, kv: int) -> int | None:
+        for tp in valid_tps:
+            if tp <= len(r.uuids) and _stage_fits(model, 0, model.num_layers, tp, min(r.room[:tp]), kv):
+                return tp
+        return None
+
+    def spec_of(shape: tuple[object, ...]) -> tuple[float, float]:
+        spec = snapshot.spec(by_shape[shape][0].block.gpu_model)
+        return spec.bf16_flops, spec.hbm_bytes_per_s
+
+    # the few shapes with the most compute (prefill) and the most bandwidth and room (decode)
+    prefill_shapes = sorted(by_shape, key=lambda sh: (-spec_of(sh)[0], -len(by_shape[sh][0].uuids), repr(sh)))[:2]
+    decode_shapes = sorted(
+        by_shape, key=lambda sh: (-spec_of(sh)[1], -sum(by_shape[sh][0].room), repr(sh)))[:2]
+    for ps in prefill_shapes:
+        for ds in decode_shapes:
+            p0 = by_shape[ps][0]
+            d0 = next((r for r in by_shape[ds] if r is not p0), None)
+            if d0 is None:
+                continue
+            p_spec, d_spec = snapshot.spec(p0.block.gpu_model), snapshot.spec(d0.block.gpu_model)
+            # across shapes: the prefill side brings the compute, the decode side the bandwidth
+            if ps != ds and (p_spec.bf16_flops < d_spec.bf16_flops or d_spec.hbm_bytes_per_s < p_spec.hbm_bytes_per_s):
+                continue
+            ptp = smallest_tp(p0, min_kv)
+            dtp = smallest_tp(d0, min_kv)
+            if ptp is None or dtp is None:
+                continue
+            # kv_reserve_tokens holds for both pipelines (plan.py), so both sides bound it
+            kv = _best_kv(model, [(0, model.num_layers, dtp, min(d0.room[:dtp])),
+                                  (0, model.num_layers, ptp, min(p0.room[:ptp]))],
+                          _kv_cap_tokens(model, workload, 1), min_kv)
+            key = ("pd", ps, ptp, ds, dtp, kv)
+            label = f"P:TP{ptp} {p0.block.gpu_model} / D:TP{dtp} {d0.block.gpu_model}"
+            # pair blocks of the two shapes one to one (distinct blocks), while links allow
+            d_pool = [r for r in by_shape[ds]]
+            for p in by_shape[ps]:
+                d = next((r for r in d_pool if r is not p and _node_bw(snapshot, p.block, r.block) >= min_bw), None)
+                if d is None:
+                    continue
+                d_pool.remove(d)
+                if ps == ds and p in d_pool:
+                    d_pool.remove(p)
+                if not (_stage_fits(model, 0, model.num_layers, ptp, min(p.room[:ptp]), kv)
+                        and _stage_fits(model, 0, model.num_layers, dtp, min(d.room[:dtp]), kv)):
+                    continue
+                plan = Plan(
+                    model.name,
+                    "disaggregated",
+                    (Stage(0, model.num_layers, tuple(p.uuids[:ptp])),),
+                    (Stage(0, model.num_layers, tuple(d.uuids[:dtp])),),
+                    kv_reserve_tokens=kv,
+                )
+                yield (
+                    _Unit(key, plan.gpu_uuids, (p.block.id, d.block.id), min(p.stability, d.stability), "pd",
+                          _const(plan)),
+                    label,
+                )
+
+
+def _used(snapshot: Snapshot, block: AtomicBlock) -> list[int]:
+    """Memory in use per GPU of the block (total - free, as the block recorded it)."""
+    return [t - f for t, f in zip(block.mem_total_bytes, block.mem_free_bytes, strict=True)]
+
+
+def _const(plan: Plan) -> Callable[[], Plan]:
+    return lambda: plan
+
+
+def _no_gpus_reason(snapshot: Snapshot, excluded: Mapping[str, str]) -> str:
+    if not snapshot.gpus:
+        return "the snapshot has no GPUs; to fix: wait for agents to report"
+    counts: dict[str, int] = {}
+    for why in excluded.values():
+        kind = why.split(" ")[0] if not why.startswith("node") else "node " + why.split(" ")[-1]
+        counts[kind] = counts.get(kind, 0) + 1
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    return (f"no usable GPU: all {len(snapshot.gpus)} are left out ({summary}); to fix: restore or uncordon"
+            " GPUs, or raise the heartbeat timeout")
+
+
+def _no_fit_reasons(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom], min_kv: int,
+                    options: PlannerOptions) -> list[str]:
+    gib = 2**30
+    need_w = model.weight_bytes
+    need_kv = min_kv * model.kv_bytes_per_token
+    best = max(rooms, key=lambda r: sum(max(0, x) for x in r.room))
+    have = sum(max(0, x) for x in best.room)
+    out = [
+        f"{model.name} needs {need_w / gib:.1f} GiB of weights plus {need_kv / gib:.1f} GiB of KV reserve"
+        f" ({min_kv} tokens); the roomiest block ({best.block.id}: {best.block.size}x {best.block.gpu_model})"
+        f" has {have / gib:.1f} GiB usable under {options.mem_fraction:.0%} after others' use"
+    ]
+    fixes = ["free memory on the GPUs of one block"]
+    if not options.allow_pp:
+        fixes.append("allow PP across blocks")
+    elif len(rooms) >= 2:
+        links = [
+            _node_bw(snapshot, a.block, b.block) / GBPS_TO_BYTES_PER_S
+            for i, a in enumerate(rooms[:16]) for b in rooms[i + 1:16]
+        ]
+        best_link = max(links, default=0.0)
+        total = sum(max(0, x) for r in rooms for x in r.room)
+        if best_link < options.min_pp_link_gbps:
+            fixes.append(
+                f"lower min_pp_link_gbps (best link between usable blocks is {best_link:.0f} Gb/s,"
+                f" PP needs {options.min_pp_link_gbps:.0f})"
+            )
+        elif total < need_w + need_kv:
+            fixes.append(f"add GPUs: all usable blocks together hold {total / gib:.1f} GiB")
+        else:
+            fixes.append(f"raise max_pp above {options.max_pp}")
+    fixes.append(f"lower the KV reserve (min_kv_tokens, now {min_kv})")
+    fixes.append("use a smaller model or a lower-precision checkpoint")
+    out.append("to fix: " + "; or ".join(fixes))
+    return out
+
+
+__all__ = ["Candidate", "Candidates", "DEFAULT_OPTIONS", "PlannerOptions", "plan_candidates"]

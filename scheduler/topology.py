@@ -1,0 +1,691 @@
+"""The cluster as the agents last reported it, its atomic blocks, and how blocks change over time.
+
+A `Snapshot` is built by the console (from agents' reports) and by the simulator (from a
+scenario); both go through the same plain-JSON shape (`Snapshot.from_dict` / `to_dict`):
+
+    {
+      "now_s": 1200.0,                      # when the snapshot was taken (injected clock)
+      "nodes": [{"id": "a1", "rack": "A", "schedulable": true, "last_seen_s": 1195.0}],
+      "gpus": [{
+          "uuid": "GPU-a1-0", "node_id": "a1", "index": 0,
+          "model": "H100-SXM",              # catalog name, or the name of a custom spec below
+          "mem_total_bytes": 80000000000, "mem_used_bytes": 1200000000,
+          "sm_util": 0.0, "temperature_c": 41.0,
+          "healthy": true, "schedulable": true,
+          "nvlink_group": "0",              # GPUs of one node with the same group share an
+                                            # NVLink/NVSwitch domain; null = PCIe only
+          "xid_errors": 0, "ecc_errors": 0, "failed_checks": 0,
+          "last_seen_s": 1195.0}],
+      "links": [{"a": "a1", "b": "b1", "bw_gbps": 200.0, "latency_us": 8.0}],   # measured
+      "network": {"intra_rack_gbps": 400.0, "inter_rack_gbps": 100.0},        # defaults
+      "custom_specs": [{"name": "X1", "bf16_flops": ..., ...}]                 # hardware.GpuSpec
+    }
+
+Optional keys and their defaults: node `rack` (its own id), `schedulable` (true),
+`last_seen_s` (now_s); GPU `sm_util` (0), `temperature_c` (0), `healthy` and `schedulable`
+(true), `nvlink_group` (null), the three error counters (0), `last_seen_s` (its node's);
+`links`, `custom_specs` ([]); `network` ({} = no default path between nodes); link
+`latency_us` (null: the cost model's own latency). Unknown keys are an error; every error
+names the path of the offending key (`gpus[3].mem_used_bytes: ...`).
+
+Link bandwidths between nodes are in gigabits per second (`*_gbps`, as measured by the
+agents' probes and as scenarios state them); everything inside the scheduler uses bytes per
+second (`*_bytes_per_s`).
+
+Atomic blocks: GPUs of one node that share an NVLink group form one block; a node's PCIe-only
+GPUs form one block when their host link is fast enough for tensor parallelism, else each is
+a block of its own. Only healthy, schedulable GPUs of schedulable nodes with a fresh
+heartbeat and fewer than `max_failed_checks` failed checks are in a block. Block ids derive
+from the node and the domain (`a1/nvl0`, `a1/pcie`, `a1/gpu3`), so they are stable across
+snapshots and `FragmentHistory` can follow a block as it shrinks and grows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Literal
+
+from scheduler.hardware import CATALOG as GPU_CATALOG
+from scheduler.hardware import GpuSpec, gpu_spec
+
+GBPS_TO_BYTES_PER_S = 1e9 / 8  # 1 Gb/s in bytes per second
+
+LinkKind = Literal["nvlink", "pcie", "single"]
+
+
+# --- snapshot types ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeState:
+    """One host with GPUs and one agent."""
+
+    id: str  # unique node id
+    rack: str  # rack (or any locality group); links inside a rack default to intra_rack_gbps
+    schedulable: bool = True  # false: cordoned by an operator or the platform
+    last_seen_s: float = 0.0  # when its agent last reported (snapshot clock)
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """One accelerator as its node's agent last reported it."""
+
+    uuid: str  # stable id (NVML UUID or the simulator's)
+    node_id: str  # the node it sits in
+    index: int  # its index inside the node
+    model: str  # hardware catalog name, or the name of a custom spec in the snapshot
+    mem_total_bytes: int  # device memory capacity
+    mem_used_bytes: int  # in use by anyone (other tenants and our own plans)
+    sm_util: float = 0.0  # compute utilisation 0..1
+    temperature_c: float = 0.0  # degrees Celsius
+    healthy: bool = True  # false after the agent's health checks failed (XID, ECC, probe)
+    schedulable: bool = True  # false: reserved by another tenant or cordoned
+    nvlink_group: str | None = None  # same group on one node = one NVLink/NVSwitch domain
+    xid_errors: int = 0  # XID events since the agent started
+    ecc_errors: int = 0  # uncorrectable ECC errors
+    failed_checks: int = 0  # consecutive failed health checks
+    last_seen_s: float = 0.0  # when this GPU was last reported
+
+    @property
+    def mem_free_bytes(self) -> int:
+        return max(0, self.mem_total_bytes - self.mem_used_bytes)
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """A measured node-to-node path (both directions)."""
+
+    a: str  # node id
+    b: str  # node id
+    bw_gbps: float  # measured bandwidth, gigabits per second
+    latency_us: float | None = None  # measured one-way latency, microseconds; None = unknown
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The cluster at `now_s`. Build with `from_dict`, or directly (then call `validate`)."""
+
+    now_s: float  # when it was taken (injected clock, seconds)
+    nodes: tuple[NodeState, ...]  # every known node
+    gpus: tuple[GpuState, ...]  # every known GPU
+    links: tuple[LinkState, ...] = ()  # measured node-to-node links (override the defaults)
+    intra_rack_gbps: float = 0.0  # default node-to-node bandwidth inside a rack; 0 = no path
+    inter_rack_gbps: float = 0.0  # default across racks; 0 = no path
+    custom_specs: tuple[GpuSpec, ...] = ()  # specs of GPUs not in the hardware catalog
+
+    # --- lookups (cached; a snapshot never changes) ---
+    @cached_property
+    def gpu_by_uuid(self) -> Mapping[str, GpuState]:
+        return MappingProxyType({g.uuid: g for g in self.gpus})
+
+    @cached_property
+    def node_by_id(self) -> Mapping[str, NodeState]:
+        return MappingProxyType({n.id: n for n in self.nodes})
+
+    @cached_property
+    def _specs(self) -> Mapping[str, GpuSpec]:
+        custom = {s.name: s for s in self.custom_specs}
+        return MappingProxyType({m: gpu_spec(m, custom) for m in {g.model for g in self.gpus}})
+
+    @cached_property
+    def _link_index(self) -> Mapping[tuple[str, str], LinkState]:
+        index: dict[tuple[str, str], LinkState] = {}
+        for link in self.links:
+            index[(link.a, link.b)] = link
+            index[(link.b, link.a)] = link
+        return MappingProxyType(index)
+
+    def spec(self, gpu_model: str) -> GpuSpec:
+        """The spec of a GPU model named in this snapshot (custom specs first)."""
+        try:
+            return self._specs[gpu_model]
+        except KeyError:
+            return gpu_spec(gpu_model, {s.name: s for s in self.custom_specs})
+
+    def spec_of(self, uuid: str) -> GpuSpec:
+        return self.spec(self.gpu_by_uuid[uuid].model)
+
+    def node_link_bytes_per_s(self, a: str, b: str) -> float:
+        """Bandwidth between two nodes: measured if known, else the rack defaults; inf for a==b."""
+        if a == b:
+            return math.inf
+        link = self._link_index.get((a, b))
+        if link is not None:
+            return link.bw_gbps * GBPS_TO_BYTES_PER_S
+        na, nb = self.node_by_id.get(a), self.node_by_id.get(b)
+        if na is None or nb is None:
+            return 0.0
+        gbps = self.intra_rack_gbps if na.rack == nb.rack else self.inter_rack_gbps
+        return gbps * GBPS_TO_BYTES_PER_S
+
+    def node_link_latency_s(self, a: str, b: str) -> float | None:
+        link = self._link_index.get((a, b))
+        if link is None or link.latency_us is None:
+            return None
+        return link.latency_us * 1e-6
+
+    def gpu_link_bytes_per_s(self, u: str, v: str) -> float:
+        """Bandwidth one GPU can send to another, per direction.
+
+        Same NVLink group: the slower of the two NVLink figures. Same node otherwise: the
+        host link (PCIe). Different nodes: the node link, capped by both host links.
+        """
+        gu, gv = self.gpu_by_uuid[u], self.gpu_by_uuid[v]
+        su, sv = self.spec(gu.model), self.spec(gv.model)
+        host = min(su.host_link_bytes_per_s, sv.host_link_bytes_per_s)
+        if gu.node_id == gv.node_id:
+            if gu.nvlink_group is not None and gu.nvlink_group == gv.nvlink_group:
+                nvl = min(su.intra_link_bytes_per_s, sv.intra_link_bytes_per_s)
+                if nvl > 0:
+                    return nvl
+            return host
+        return min(host, self.node_link_bytes_per_s(gu.node_id, gv.node_id))
+
+    def gpu_link_latency_s(self, u: str, v: str) -> float | None:
+        gu, gv = self.gpu_by_uuid[u], self.gpu_by_uuid[v]
+        if gu.node_id == gv.node_id:
+            return None
+        return self.node_link_latency_s(gu.node_id, gv.node_id)
+
+    # --- validation and JSON ---
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field (path-style)."""
+        custom_names = set()
+        for i, spec in enumerate(self.custom_specs):
+            if spec.name in GPU_CATALOG:
+                raise ValueError(f"custom_specs[{i}].name: {spec.name!r} shadows a catalog entry")
+            if spec.name in custom_names:
+                raise ValueError(f"custom_specs[{i}].name: duplicate {spec.name!r}")
+            custom_names.add(spec.name)
+        node_ids: set[str] = set()
+        for i, node in enumerate(self.nodes):
+            if not node.id:
+                raise ValueError(f"nodes[{i}].id: must be a non-empty string")
+            if node.id in node_ids:
+                raise ValueError(f"nodes[{i}].id: duplicate {node.id!r}")
+            node_ids.add(node.id)
+        uuids: set[str] = set()
+        slots: set[tuple[str, int]] = set()
+        group_model: dict[tuple[str, str], str] = {}
+        custom = {s.name: s for s in self.custom_specs}
+        for i, gpu in enumerate(self.gpus):
+            p = f"gpus[{i}]"
+            if not gpu.uuid:
+                raise ValueError(f"{p}.uuid: must be a non-empty string")
+            if gpu.uuid in uuids:
+                raise ValueError(f"{p}.uuid: duplicate {gpu.uuid!r}")
+            uuids.add(gpu.uuid)
+            if gpu.node_id not in node_ids:
+                raise ValueError(f"{p}.node_id: unknown node {gpu.node_id!r}")
+            if gpu.index < 0:
+                raise ValueError(f"{p}.index: must be >= 0, got {gpu.index}")
+            if (gpu.node_id, gpu.index) in slots:
+                raise ValueError(f"{p}.index: node {gpu.node_id!r} already has a GPU {gpu.index}")
+            slots.add((gpu.node_id, gpu.index))
+            try:
+                gpu_spec(gpu.model, custom)
+            except ValueError as exc:
+                raise ValueError(f"{p}.model: {exc}") from None
+            if gpu.mem_total_bytes <= 0:
+                raise ValueError(f"{p}.mem_total_bytes: must be > 0, got {gpu.mem_total_bytes}")
+            if not 0 <= gpu.mem_used_bytes <= gpu.mem_total_bytes:
+                raise ValueError(
+                    f"{p}.mem_used_bytes: must be within [0, mem_total_bytes={gpu.mem_total_bytes}],"
+                    f" got {gpu.mem_used_bytes}"
+                )
+            if not 0.0 <= gpu.sm_util <= 1.0:
+                raise ValueError(f"{p}.sm_util: must be within [0, 1], got {gpu.sm_util}")
+            for counter in ("xid_errors", "ecc_errors", "failed_checks"):
+                if getattr(gpu, counter) < 0:
+                    raise ValueError(f"{p}.{counter}: must be >= 0")
+            if gpu.nvlink_group is not None:
+                key = (gpu.node_id, gpu.nvlink_group)
+                if group_model.setdefault(key, gpu.model) != gpu.model:
+                    raise ValueError(
+                        f"{p}.nvlink_group: group {gpu.nvlink_group!r} of node {gpu.node_id!r}"
+                        f" mixes {group_model[key]!r} and {gpu.model!r}"
+                    )
+        for i, link in enumerate(self.links):
+            for end in ("a", "b"):
+                if getattr(link, end) not in node_ids:
+                    raise ValueError(f"links[{i}].{end}: unknown node {getattr(link, end)!r}")
+            if link.a == link.b:
+                raise ValueError(f"links[{i}].b: a link needs two different nodes")
+            if link.bw_gbps < 0:
+                raise ValueError(f"links[{i}].bw_gbps: must be >= 0, got {link.bw_gbps}")
+            if link.latency_us is not None and link.latency_us < 0:
+                raise ValueError(f"links[{i}].latency_us: must be >= 0, got {link.latency_us}")
+        for name in ("intra_rack_gbps", "inter_rack_gbps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"network.{name}: must be >= 0")
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "now_s": self.now_s,
+            "nodes": [
+                {"id": n.id, "rack": n.rack, "schedulable": n.schedulable, "last_seen_s": n.last_seen_s}
+                for n in self.nodes
+            ],
+            "gpus": [
+                {
+                    "uuid": g.uuid,
+                    "node_id": g.node_id,
+                    "index": g.index,
+                    "model": g.model,
+                    "mem_total_bytes": g.mem_total_bytes,
+                    "mem_used_bytes": g.mem_used_bytes,
+                    "sm_util": g.sm_util,
+                    "temperature_c": g.temperature_c,
+                    "healthy": g.healthy,
+                    "schedulable": g.schedulable,
+                    "nvlink_group": g.nvlink_group,
+                    "xid_errors": g.xid_errors,
+                    "ecc_errors": g.ecc_errors,
+                    "failed_checks": g.failed_checks,
+                    "last_seen_s": g.last_seen_s,
+                }
+                for g in self.gpus
+            ],
+            "links": [
+                {"a": link.a, "b": link.b, "bw_gbps": link.bw_gbps, "latency_us": link.latency_us}
+                for link in self.links
+            ],
+            "network": {"intra_rack_gbps": self.intra_rack_gbps, "inter_rack_gbps": self.inter_rack_gbps},
+            "custom_specs": [s.to_dict() for s in self.custom_specs],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> Snapshot:
+        """Parse and validate the JSON shape in the module docstring."""
+        r = _Reader(d, "snapshot", required=("now_s", "nodes", "gpus"),
+                    optional=("links", "network", "custom_specs"))
+        now_s = r.number("now_s")
+        nodes = []
+        for i, item in enumerate(r.items("nodes")):
+            n = _Reader(item, f"nodes[{i}]", required=("id",), optional=("rack", "schedulable", "last_seen_s"))
+            node_id = n.string("id")
+            nodes.append(
+                NodeState(
+                    id=node_id,
+                    rack=n.string("rack", node_id),
+                    schedulable=n.boolean("schedulable", True),
+                    last_seen_s=n.number("last_seen_s", now_s),
+                )
+            )
+        node_seen = {n.id: n.last_seen_s for n in nodes}
+        gpus = []
+        for i, item in enumerate(r.items("gpus")):
+            g = _Reader(
+                item,
+                f"gpus[{i}]",
+                required=("uuid", "node_id", "index", "model", "mem_total_bytes", "mem_used_bytes"),
+                optional=(
+                    "sm_util", "temperature_c", "healthy", "schedulable", "nvlink_group",
+                    "xid_errors", "ecc_errors", "failed_checks", "last_seen_s",
+                ),
+            )
+            node_id = g.string("node_id")
+            gpus.append(
+                GpuState(
+                    uuid=g.string("uuid"),
+                    node_id=node_id,
+                    index=g.integer("index"),
+                    model=g.string("model"),
+                    mem_total_bytes=g.integer("mem_total_bytes"),
+                    mem_used_bytes=g.integer("mem_used_bytes"),
+                    sm_util=g.number("sm_util", 0.0),
+                    temperature_c=g.number("temperature_c", 0.0),
+                    healthy=g.boolean("healthy", True),
+                    schedulable=g.boolean("schedulable", True),
+                    nvlink_group=g.optional_string("nvlink_group"),
+                    xid_errors=g.integer("xid_errors", 0),
+                    ecc_errors=g.integer("ecc_errors", 0),
+                    failed_checks=g.integer("failed_checks", 0),
+                    last_seen_s=g.number("last_seen_s", node_seen.get(node_id, now_s)),
+                )
+            )
+        links = []
+        for i, item in enumerate(r.items("links", [])):
+            lr = _Reader(item, f"links[{i}]", required=("a", "b", "bw_gbps"), optional=("latency_us",))
+            latency = lr.raw("latency_us")
+            links.append(
+                LinkState(
+                    a=lr.string("a"),
+                    b=lr.string("b"),
+                    bw_gbps=lr.number("bw_gbps"),
+                    latency_us=None if latency is None else lr.number("latency_us"),
+                )
+            )
+        intra = inter = 0.0
+        if r.raw("network") is not None:
+            net = _Reader(r.raw("network"), "network", required=(), optional=("intra_rack_gbps", "inter_rack_gbps"))
+            intra = net.number("intra_rack_gbps", 0.0)
+            inter = net.number("inter_rack_gbps", 0.0)
+        specs = []
+        for i, item in enumerate(r.items("custom_specs", [])):
+            if not isinstance(item, Mapping):
+                raise ValueError(f"custom_specs[{i}]: must be an object")
+            specs.append(GpuSpec.from_dict(item, f"custom_specs[{i}]"))
+        snap = cls(
+            now_s=now_s,
+            nodes=tuple(nodes),
+            gpus=tuple(gpus),
+            links=tuple(links),
+            intra_rack_gbps=intra,
+            inter_rack_gbps=inter,
+            custom_specs=tuple(specs),
+        )
+        snap.validate()
+        return snap
+
+
+class _Reader:
+    """Typed access to one JSON object with path-naming errors."""
+
+    def __init__(self, d: object, path: str, required: Sequence[str], optional: Sequence[str]) -> None:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{path}: must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(required) - set(optional))
+        if unknown:
+            raise ValueError(f"{path}.{unknown[0]}: unknown key")
+        for key in required:
+            if key not in d:
+                raise ValueError(f"{path}.{key}: required")
+        self.d: Mapping[str, object] = d
+        self.path = path
+
+    def raw(self, key: str) -> object:
+        return self.d.get(key)
+
+    def _get(self, key: str, default: object) -> object:
+        value = self.d.get(key, default)
+        if value is None and default is None:
+            raise ValueError(f"{self.path}.{key}: required")
+        return value
+
+    def number(self, key: str, default: float | None = None) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"{self.path}.{key}: must be a finite number, got {value!r}")
+        return float(value)
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{self.path}.{key}: must be an integer, got {value!r}")
+        return value
+
+    def string(self, key: str, default: str | None = None) -> str:
+        value = self._get(key, default)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{self.path}.{key}: must be a non-empty string, got {value!r}")
+        return value
+
+    def optional_string(self, key: str) -> str | None:
+        value = self.d.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ValueError(f"{self.path}.{key}: must be a string or null, got {value!r}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.d.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.path}.{key}: must be true or false, got {value!r}")
+        return value
+
+    def items(self, key: str, default: list[object] | None = None) -> list[object]:
+        value = self.d.get(key, default)
+        if not isinstance(value, list):
+            raise ValueError(f"{self.path}.{key}: must be a list, got {type(value).__name__}")
+        return value
+
+
+# --- atomic blocks -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockPolicy:
+    """Which GPUs may enter a block, and when PCIe peers are good enough for TP."""
+
+    heartbeat_timeout_s: float = 60.0  # a GPU or node not heard from for longer is out
+    max_failed_checks: int = 3  # this many consecutive failed checks puts a GPU out
+    min_pcie_tp_bytes_per_s: float = 20e9  # PCIe peers of one node form one block at or above this
+
+
+DEFAULT_POLICY = BlockPolicy()
+
+
+@dataclass(frozen=True)
+class AtomicBlock:
+    """GPUs good enough for tensor parallelism among themselves (one NVLink domain, or PCIe peers)."""
+
+    id: str  # stable across snapshots: node id + domain ("a1/nvl0", "a1/pcie", "a1/gpu3")
+    node_id: str  # the node it lies in
+    rack: str  # that node's rack
+    gpu_model: str  # every GPU of a block is the same model
+    gpu_uuids: tuple[str, ...]  # its GPUs, by index
+    mem_total_bytes: tuple[int, ...]  # capacity per GPU, same order
+    mem_free_bytes: tuple[int, ...]  # total - used per GPU, same order
+    link_kind: LinkKind  # what connects its GPUs
+    tp_link_bytes_per_s: float  # slowest GPU-to-GPU path inside it, per direction (0 if single)
+
+    @property
+    def size(self) -> int:
+        return len(self.gpu_uuids)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The blocks of a snapshot, and why each left-out GPU is out."""
+
+    blocks: tuple[AtomicBlock, ...]  # sorted by id
+    excluded: Mapping[str, str]  # uuid -> reason
+
+
+def exclusion_reason(gpu: GpuState, node: NodeState | None, now_s: float, policy: BlockPolicy) -> str | None:
+    """Why this GPU may not be planned on, or None when it may."""
+    if node is None:
+        return f"node {gpu.node_id!r} unknown"
+    if not node.schedulable:
+        return f"node {node.id} is not schedulable"
+    if now_s - node.last_seen_s > policy.heartbeat_timeout_s:
+        return f"node {node.id} heartbeat is {now_s - node.last_seen_s:.0f} s old"
+    if now_s - gpu.last_seen_s > policy.heartbeat_timeout_s:
+        return f"heartbeat is {now_s - gpu.last_seen_s:.0f} s old"
+    if not gpu.healthy:
+        return "unhealthy"
+    if gpu.failed_checks >= policy.max_failed_checks:
+        return f"{gpu.failed_checks} failed checks in a row"
+    if not gpu.schedulable:
+        return "not schedulable"
+    return None
+
+
+def partition(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> Partition:
+    """Split the usable GPUs of a snapshot into atomic blocks (see the module docstring).
+
+    Cost: one pass over the GPUs plus a sort per node.
+    """
+    excluded: dict[str, str] = {}
+    domains: dict[tuple[str, str], list[GpuState]] = {}
+    pcie: dict[tuple[str, str], list[GpuState]] = {}
+    nodes = snapshot.node_by_id
+    now_s = snapshot.now_s
+    timeout = policy.heartbeat_timeout_s
+    max_failed = policy.max_failed_checks
+    has_nvlink = {m: snapshot.spec(m).intra_link_bytes_per_s > 0 for m in {g.model for g in snapshot.gpus}}
+    for gpu in snapshot.gpus:
+        node = nodes.get(gpu.node_id)
+        # the common case (all fine) is decided without building a reason
+        if (
+            node is None or not node.schedulable or not gpu.healthy or not gpu.schedulable
+            or gpu.failed_checks >= max_failed or now_s - node.last_seen_s > timeout
+            or now_s - gpu.last_seen_s > timeout
+        ):
+            reason = exclusion_reason(gpu, node, now_s, policy)
+            if reason is not None:
+                excluded[gpu.uuid] = reason
+                continue
+        if gpu.nvlink_group is not None and has_nvlink[gpu.model]:
+            domains.setdefault((gpu.node_id, gpu.nvlink_group), []).append(gpu)
+        else:
+            pcie.setdefault((gpu.node_id, gpu.model), []).append(gpu)
+
+    blocks: list[AtomicBlock] = []
+    for (node_id, group), members in domains.items():
+        members.sort(key=lambda g: g.index)
+        spec = snapshot.spec(members[0].model)
+        kind: LinkKind = "nvlink" if len(members) > 1 else "single"
+        bw = spec.intra_link_bytes_per_s if len(members) > 1 else 0.0
+        blocks.append(_block(f"{node_id}/nvl{group}", nodes[node_id], members, kind, bw))
+    pcie_models_per_node: dict[str, int] = {}
+    for node_id, _model in pcie:
+        pcie_models_per_node[node_id] = pcie_models_per_node.get(node_id, 0) + 1
+    for (node_id, model), members in pcie.items():
+        members.sort(key=lambda g: g.index)
+        spec = snapshot.spec(model)
+        suffix = "" if pcie_models_per_node[node_id] == 1 else f"-{model}"
+        if len(members) > 1 and spec.host_link_bytes_per_s >= policy.min_pcie_tp_bytes_per_s:
+            blocks.append(
+                _block(f"{node_id}/pcie{suffix}", nodes[node_id], members, "pcie", spec.host_link_bytes_per_s)
+            )
+        else:
+            for g in members:
+                blocks.append(_block(f"{node_id}/gpu{g.index}", nodes[node_id], [g], "single", 0.0))
+    blocks.sort(key=lambda b: b.id)
+    return Partition(blocks=tuple(blocks), excluded=MappingProxyType(excluded))
+
+
+def _block(block_id: str, node: NodeState, members: Sequence[GpuState], kind: LinkKind, bw: float) -> AtomicBlock:
+    return AtomicBlock(
+        id=block_id,
+        node_id=node.id,
+        rack=node.rack,
+        gpu_model=members[0].model,
+        gpu_uuids=tuple(g.uuid for g in members),
+        mem_total_bytes=tuple(g.mem_total_bytes for g in members),
+        mem_free_bytes=tuple(g.mem_free_bytes for g in members),
+        link_kind=kind,
+        tp_link_bytes_per_s=bw,
+    )
+
+
+def atomic_blocks(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> list[AtomicBlock]:
+    """The atomic blocks of a snapshot, sorted by id (see `partition` for the left-out GPUs)."""
+    return list(partition(snapshot, policy).blocks)
+
+
+def block_of(blocks: Iterable[AtomicBlock]) -> dict[str, str]:
+    """uuid -> block id, for the GPUs in `blocks`."""
+    return {u: b.id for b in blocks for u in b.gpu_uuids}
+
+
+# --- fragment history ----------------------------------------------------------------------
+Trajectory = tuple[tuple[float, int], ...]  # ((t_s, size), ...), increasing t_s
+
+
+@dataclass(frozen=True)
+class FragmentHistory:
+    """Per block, a bounded record of its size over time, and a stability score.
+
+    Only changes are stored (a point when the size differs from the last one), so a block
+    that never changes costs one point. Points older than `horizon_s` are dropped, except the
+    last one before the cutoff (it is the block's size at the start of the horizon), and at
+    most `max_points` are kept per block. A block that disappears is recorded at size 0;
+    blocks unseen for longer than the horizon are forgotten. Pure: `observe` returns a new
+    history.
+    """
+
+    horizon_s: float = 4 * 3600.0  # how far back trajectories reach
+    max_points: int = 256  # per block
+    trajectories: Mapping[str, Trajectory] = field(default_factory=dict)  # block id -> points
+
+    def observe(self, blocks: Iterable[AtomicBlock], now_s: float) -> FragmentHistory:
+        """The history after seeing `blocks` at `now_s` (older than every stored point)."""
+        current = {b.id: b.size for b in blocks}
+        cutoff = now_s - self.horizon_s
+        out: dict[str, Trajectory] = {}
+        for block_id in sorted(set(self.trajectories) | set(current)):
+            points = list(self.trajectories.get(block_id, ()))
+            if points and now_s < points[-1][0]:
+                raise ValueError(f"now_s: {now_s} is older than the last observation {points[-1][0]}")
+            size = current.get(block_id, 0)
+            if not points or points[-1][1] != size:
+                points.append((now_s, size))
+            # keep the last point at or before the cutoff: it is the size at the window start
+            first = 0
+            while first + 1 < len(points) and points[first + 1][0] <= cutoff:
+                first += 1
+            points = points[first:][-self.max_points :]
+            if size == 0 and points[-1][0] <= cutoff:
+                continue  # gone for longer than the horizon: forget it
+            out[block_id] = tuple(points)
+        return FragmentHistory(self.horizon_s, self.max_points, MappingProxyType(out))
+
+    def sizes(self, block_id: str) -> Trajectory:
+        return self.trajectories.get(block_id, ())
+
+    def stability(self, block_id: str, now_s: float, window_s: float = 3600.0) -> float:
+        """1.0 for a block that has not shrunk within `window_s`; lower the more, the larger and
+        the more recent its shrinks were; 0.0 when it is gone now.
+
+        score = 1 / (1 + sum over shrinks of (lost / previous size) x (1 - age / window))
+
+        A block never seen has no evidence against it and scores 1.0.
+        """
+        points = self.trajectories.get(block_id, ())
+        if not points:
+            return 1.0
+        if points[-1][1] == 0:
+            return 0.0
+        penalty = 0.0
+        for (_, before), (t_s, after) in zip(points, points[1:], strict=False):
+            age = now_s - t_s
+            if after < before and age < window_s:
+                penalty += (before - after) / before * (1.0 - max(0.0, age) / window_s)
+        return 1.0 / (1.0 + penalty)
+
+    def stabilities(self, now_s: float, window_s: float = 3600.0) -> dict[str, float]:
+        return {b: self.stability(b, now_s, window_s) for b in self.trajectories}
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "horizon_s": self.horizon_s,
+            "max_points": self.max_points,
+            "trajectories": {b: [[t, s] for t, s in pts] for b, pts in sorted(self.trajectories.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> FragmentHistory:
+        r = _Reader(d, "history", required=("trajectories",), optional=("horizon_s", "max_points"))
+        raw = r.raw("trajectories")
+        if not isinstance(raw, Mapping):
+            raise ValueError("history.trajectories: must be an object of block id -> [[t_s, size], ...]")
+        out: dict[str, Trajectory] = {}
+        for block_id, points in raw.items():
+            path = f"history.trajectories[{block_id!r}]"
+            if not isinstance(points, list):
+                raise ValueError(f"{path}: must be a list of [t_s, size]")
+            parsed: list[tuple[float, int]] = []
+            for j, point in enumerate(points):
+                ok = (
+                    isinstance(point, list | tuple)
+                    and len(point) == 2
+                    and isinstance(point[0], int | float)
+                    and isinstance(point[1], int)
+                    and not isinstance(point[1], bool)
+                    and point[1] >= 0
+                )
+                if not ok:
+                    raise ValueError(f"{path}[{j}]: must be [t_s, size >= 0], got {point!r}")
+                if parsed and point[0] < parsed[-1][0]:
+                    raise ValueError(f"{path}[{j}]: times must not decrease")
+                parsed.append((float(point[0]), int(point[1])))
+            out[str(block_id)] = tuple(parsed)
+        return cls(
+            horizon_s=r.number("horizon_s", 4 * 3600.0),
+            max_points=r.integer("max_points", 256),
+            trajectories=MappingProxyType(out),
+        )

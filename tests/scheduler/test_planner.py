@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.costmodel import Workload
+from scheduler.hardware import CATALOG
+from scheduler.modelspec import model_spec
+from scheduler.plan import validate_gear
+from scheduler.planner import PlannerOptions, plan_candidates
+from scheduler.topology import GpuState, NodeState, Snapshot, atomic_blocks
+from tests.scheduler.builders import CHAT_SLO, NodeSpec, chat_workload, make_fleet, with_gpus
+
+M8 = model_spec("Llama-3-8B")
+M70 = model_spec("Llama-3-70B")
+
+
+@st.composite
+def fragmented_clusters(draw: st.DrawFn) -> Snapshot:
+    """Random clusters: mixed GPUs, NVLink or PCIe nodes, other tenants' GPUs and memory,
+    failed GPUs, stale heartbeats, several racks."""
+    nodes, gpus = [], []
+    for n in range(draw(st.integers(1, 6))):
+        node_id = f"n{n}"
+        model = draw(st.sampled_from(["H100-SXM", "A100-80G", "A100-40G", "L40S", "H200", "A10G"]))
+        spec = CATALOG[model]
+        nvlink = spec.intra_link_bytes_per_s > 0 and draw(st.booleans())
+        nodes.append(NodeState(node_id, rack=f"r{draw(st.integers(0, 2))}", last_seen_s=100.0))
+        for i in range(draw(st.integers(1, 8))):
+            used = int(spec.mem_bytes * draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 0.95, 1.0])))
+            gpus.append(GpuState(
+                uuid=f"{node_id}-g{i}", node_id=node_id, index=i, model=model,
+                mem_total_bytes=spec.mem_bytes, mem_used_bytes=used,
+                healthy=draw(st.booleans()) or draw(st.booleans()),
+                schedulable=draw(st.integers(0, 9)) > 0,
+                nvlink_group=(str(i // draw(st.sampled_from([2, 4, 8]))) if nvlink else None),
+                failed_checks=draw(st.integers(0, 3)),
+                last_seen_s=100.0 - draw(st.sampled_from([0.0, 0.0, 0.0, 90.0])),
+            ))
+    snap = Snapshot(100.0, tuple(nodes), tuple(gpus), intra_rack_gbps=draw(st.sampled_from([0.0, 100.0, 400.0])),
+                    inter_rack_gbps=draw(st.sampled_from([0.0, 25.0, 200.0])))
+    snap.validate()
+    return snap
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fragmented_clusters(),
+    st.sampled_from(["Llama-3-8B", "Llama-3-70B", "Phi-3-mini", "tiny-llama", "Qwen2-72B"]),
+    st.floats(0.0, 40.0),
+)
+def test_every_emitted_plan_satisfies_invariant_4(snap: Snapshot, model_name: str, rate: float) -> None:
+    model = model_spec(model_name)
+    cands = plan_candidates(model, snap, chat_workload(rate), slo=CHAT_SLO)
+    for cand in cands.feasible:
+        assert validate_gear(cand.gear, snap, model) == []
+    if not cands.feasible:
+        assert cands.infeasible and all(r for r in cands.infeasible)
+
+
+def test_the_minimum_tp_comes_from_memory() -> None:
+    # 70B is ~141 GB of weights: one 80 GB GPU cannot hold it, two can; 40 GB GPUs need four
+    for gpu, tp_min in (("A100-80G", 2), ("A100-40G", 4)):
+        snap = make_fleet([NodeSpec("a1", gpu)])
+        cands = plan_candidates(M70, snap, chat_workload(1.0), slo=CHAT_SLO)
+        tps = {st.tp for c in cands.feasible for p in c.gear.plans for st in p.stages}
+        assert min(tps) == tp_min, gpu
+
+
+def test_tp_groups_never_span_two_blocks() -> None:
+    snap = make_fleet([NodeSpec("a1", "H100-SXM", 4), NodeSpec("a2", "H100-SXM", 4)])
+    block_of = {u: b.id for b in atomic_blocks(snap) for u in b.gpu_uuids}
+    cands = plan_candidates(M70, snap, chat_workload(8.0), slo=CHAT_SLO)
+    assert cands.feasible
+    for cand in cands.feasible:
+        for plan in cand.gear.plans:
+            for stage in plan.all_stages:
+                assert len({block_of[u] for u in stage.gpu_uuids}) == 1
+
+
+def test_a_model_too_big_for_every_block_goes_to_pp_where_the_links_allow() -> None:
+    nodes = [NodeSpec("a1", "A10G", 4, nvlink=False), NodeSpec("a2", "A10G", 4, nvlink=False)]
+    fast = plan_candidates(M70, make_fleet(nodes, intra_rack_gbps=400.0), chat_workload(0.5), slo=CHAT_SLO)
+    assert fast.feasible and all(p.pp >= 2 for c in fast.feasible for p in c.gear.plans)
+    slow = plan_candidates(M70, make_fleet(nodes, intra_rack_gbps=10.0), chat_workload(0.5), slo=CHAT_SLO)
+    assert not slow.feasible
+    text = " ".join(slow.infeasible)
+    assert "needs" in text and "to fix:" in text and "min_pp_link_gbps" in text
+
+
+def test_no_usable_gpu_says_why_they_are_out() -> None:
+    snap = with_gpus(make_fleet([NodeSpec("a1", "H100-SXM", 2)]), **{"a1-g0": {"healthy": False},
+                                                                      "a1-g1": {"schedulable": False}})
+    cands = plan_candidates(M8, snap, chat_workload(1.0))
+    assert not cands.feasible
+    assert "no usable GPU" in cands.infeasible[0] and "unhealthy" in cands.infeasible[0]
+
+
+def test_a_model_too_big_for_the_cluster_says_what_to_relax() -> None:
+    snap = make_fleet([NodeSpec("a1", "A10G", 2, nvlink=False)])
+    cands = plan_candidates(M70, snap, chat_workload(1.0))
+    assert not cands.feasible
+    assert any("to fix:" in r and "smaller model" in r for r in cands.infeasible)
+
+
+def test_high_load_puts_several_plans_side_by_side_on_different_blocks() -> None:
+    snap = make_fleet([NodeSpec(f"a{i}", "H100-SXM", 2) for i in range(4)])
+    cands = plan_candidates(M8, snap, chat_workload(200.0), slo=CHAT_SLO)
+    best = cands.feasible[0]
+    assert len(best.gear.plans) >= 2 and len(best.blocks) >= 2
+    assert abs(sum(best.gear.weights) - 1.0) < 1e-9
+
+
+def test_latency_critical_plans_stay_off_blocks_that_keep_shrinking() -> None:
+    snap = make_fleet([NodeSpec("a1", "H100-SXM"), NodeSpec("a2", "H100-SXM")])
+    stability = {"a1/nvl0": 0.2, "a2/nvl0": 1.0}
+    cands = plan_candidates(M8, snap, chat_workload(1.0), stability=stability,
+                            options=PlannerOptions(latency_critical=True))
+    assert cands.feasible and all(c.blocks == ("a2/nvl0",) for c in cands.feasible)
+    assert any("unstable" in r for r in cands.infeasible)
+    relaxed = plan_candidates(M8, snap, chat_workload(1.0), stability=stability)
+    assert any("a1/nvl0" in c.blocks for c in relaxed.feasible)
+
+
+def test_the_work_grows_with_block_shapes_not_gpus() -> None:
+    small = make_fleet([NodeSpec(f"a{i}", "H100-SXM") for i in range(2)])
+    large = make_fleet([NodeSpec(f"a{i}", "H100-SXM") for i in range(32)])
+    c_small = plan_candidates(M8, small, chat_workload(1.0))
+    c_large = plan_candidates(M8, large, chat_workload(1.0))
+    assert c_small.block_shapes == c_large.block_shapes == 1
+    assert c_small.unit_types == c_large.unit_types
+
+
+def test_each_candidate_carries_its_estimates() -> None:
+    cands = plan_candidates(M8, make_fleet([NodeSpec("a1")]), chat_workload(4.0), slo=CHAT_SLO)
+    for c in cands.feasible:
+        e = c.estimate
+        assert e.capacity_rps > 0 and e.gpus == len(c.gear.gpu_uuids)
+        assert 0 < e.tpot_p50_s <= e.tpot_p99_s
+
+
+def test_planning_is_deterministic() -> None:
+    snap = make_fleet([NodeSpec("a1", "H100-SXM"), NodeSpec("b1", "A100-40G", rack="B"),
+                       NodeSpec("c1", "L40S", 4, nvlink=False, rack="C")])
+    first = plan_candidates(M70, snap, Workload(3.0, 700, 150), slo=CHAT_SLO)
+    second = plan_candidates(M70, snap, Workload(3.0, 700, 150), slo=CHAT_SLO)
+    assert [c.gear.gear_id for c in first.feasible] == [c.gear.gear_id for c in second.feasible]
+    assert first.to_dict() == second.to_dict()
