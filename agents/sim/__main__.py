@@ -1,0 +1,68 @@
+"""python -m agents.sim --scenario S --controller URL: run a scenario's simulated fleet live."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from agents.schema import SchemaError
+from agents.sim.live import LiveFleet, wait_for_controller
+from agents.sim.scenario import load_scenario
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agents.sim", description=__doc__)
+    parser.add_argument("--scenario", required=True, help="scenario YAML (see docs/scenarios.md)")
+    parser.add_argument("--controller", required=True, help="console base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--join-token", default=os.environ.get("FLEXPIPE_ENROLL_TOKEN", ""),
+                        help="the cluster's join token (default: $FLEXPIPE_ENROLL_TOKEN)")
+    parser.add_argument("--report-interval", type=float, default=None,
+                        help="seconds between reports when nothing changes (default: what the controller asks)")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="simulated seconds per wall second (default: the scenario's time_scale)")
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many wall seconds")
+    parser.add_argument("--tick", type=float, default=0.25, help="wall seconds between passes")
+    parser.add_argument("--wait-for-controller", type=float, default=120.0,
+                        help="seconds to wait for the controller to answer at start")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet %(message)s", datefmt="%H:%M:%S")
+
+    if not args.join_token:
+        print("agents.sim: --join-token or FLEXPIPE_ENROLL_TOKEN is required (the agents enroll with it)",
+              file=sys.stderr)
+        return 2
+    for name in ("report_interval", "time_scale", "tick"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            print(f"agents.sim: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 2
+    try:
+        scenario = load_scenario(args.scenario)
+    except SchemaError as exc:
+        print(f"agents.sim: {args.scenario}:", file=sys.stderr)
+        for path, reason in exc.errors.items():
+            print(f"  {path}: {reason}", file=sys.stderr)
+        return 2
+
+    wait_for_controller(args.controller, args.wait_for_controller)
+    fleet = LiveFleet(scenario, args.controller, args.join_token, report_interval_s=args.report_interval,
+                      time_scale=args.time_scale)
+    logging.getLogger("agents.sim").info("%s: %d nodes, time x%g", scenario.name, len(scenario.nodes),
+                                         fleet.time_scale)
+    started = time.monotonic()
+    try:
+        while args.duration is None or time.monotonic() - started < args.duration:
+            fleet.step()
+            time.sleep(args.tick)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        fleet.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Docker cannot run on this machine: check the deployment files' structure and references instead."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+APP_SERVICES = ("migrate", "web", "worker", "beat", "fleet")
+
+
+def test_it_has_every_part_of_a_production_deployment(compose: dict[str, Any]) -> None:
+    assert set(compose["services"]) == {"postgres", "redis", *APP_SERVICES}
+
+
+def test_app_services_share_the_image_and_reach_postgres_and_redis_by_service_name(compose: dict[str, Any]) -> None:
+    for name in APP_SERVICES:
+        svc = compose["services"][name]
+        assert svc["build"] == "." and svc["image"] == "flexpipe:latest", name
+        env = svc["environment"]
+        db, redis = urlparse(env["DATABASE_URL"]), urlparse(env["REDIS_URL"])
+        assert db.scheme == "postgres" and db.hostname == "postgres", name
+        assert redis.hostname == "redis", name
+        assert env["DEBUG"] == "0", name
+        assert "SECRET_KEY" in env and "FLEXPIPE_ENROLL_TOKEN" in env, name
+
+
+def test_every_dependency_names_a_service_and_a_condition(compose: dict[str, Any]) -> None:
+    for name, svc in compose["services"].items():
+        for dep, cond in svc.get("depends_on", {}).items():
+            assert dep in compose["services"], f"{name} depends on unknown {dep}"
+            assert cond["condition"] in {"service_healthy", "service_completed_successfully"}
+            if cond["condition"] == "service_healthy":
+                assert "healthcheck" in compose["services"][dep], f"{dep} needs a healthcheck"
+
+
+def _module_of(command: list[str]) -> str | None:
+    if command[:2] == ["python", "-m"]:
+        return command[2]
+    if command[0] == "daphne":
+        return command[-1].split(":")[0]
+    if command[0] == "celery":
+        return command[command.index("-A") + 1] + ".celery"
+    return None
+
+
+def test_every_command_starts_something_that_exists(compose: dict[str, Any]) -> None:
+    for name in APP_SERVICES:
+        command = compose["services"][name]["command"]
+        module = _module_of(command)
+        if module:
+            importlib.import_module(module if module != "agents.sim" else "agents.sim.__main__")
+        else:
+            assert command[:2] == ["python", "manage.py"], name
+        for arg in command:
+            if arg.endswith(".yaml"):
+                assert (ROOT / arg).exists(), arg
+
+
+def test_the_web_command_serves_the_asgi_application() -> None:
+    from console.asgi import application
+
+    assert application is not None
+
+
+def test_the_dockerfile_builds_on_python_311_with_the_pinned_requirements() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11", text, re.M)
+    assert "-r requirements.txt" in text and "COPY requirements.txt" in text
+
+
+def test_the_procfile_runs_the_same_four_processes_as_make_run() -> None:
+    lines = dict(line.split(":", 1) for line in (ROOT / "Procfile").read_text().splitlines() if line.strip())
+    assert set(lines) == {"web", "worker", "beat", "fleet"}
+    assert "console.asgi:application" in lines["web"]
+    assert shlex.split(lines["fleet"])[1:3] == ["-m", "agents.sim"]
