@@ -37,11 +37,20 @@ from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Plan
 from scheduler.topology import Snapshot
-from scheduler.transition import CommandIntent, CommandKind, RoutingState, plan_memory
-from scheduler.transition_memory import InMemoryAgents
+from scheduler.transition import CommandIntent, CommandKind, CommandStatus, RoutingState, plan_memory
 
 MAX_RUNNING_SEQS = 256
 WARMUP_S = 1.0  # stated: CUDA graph capture and a first batch on a freshly loaded plan
+
+
+class Mailbox(Protocol):
+    """Where the agents' commands come from and their answers go (scheduler.transition_memory.
+    InMemoryAgents in memory; agents.sim.live's HTTP mailbox against a real controller)."""
+
+    def take(self, node_id: str) -> list[CommandIntent]: ...
+
+    def ack(self, key: str, status: CommandStatus, detail: str = "",
+            result: Mapping[str, object] | None = None) -> None: ...
 
 
 # --- timing --------------------------------------------------------------------------------------
@@ -251,7 +260,7 @@ class StallSample:
 class MemoryFleet:
     """Every agent, engine and the gateway of a simulated cluster (module docstring)."""
 
-    def __init__(self, base: Snapshot, mailbox: InMemoryAgents, routing_fn: Callable[[str], RoutingState],
+    def __init__(self, base: Snapshot, mailbox: Mailbox, routing_fn: Callable[[str], RoutingState],
                  log: EventLog, *, rng: random.Random, timing: Timing | None = None,
                  models: Callable[[str], ModelSpec] = model_spec, max_dt_s: float = 0.05,
                  admit_timeout_s: float = 120.0, stuck_timeout_s: float = 300.0, start_s: float = 0.0) -> None:
@@ -307,6 +316,12 @@ class MemoryFleet:
 
     def inject(self, fault: Fault) -> None:
         self.faults.append(fault)
+
+    def set_base(self, base: Snapshot) -> None:
+        """A new cluster shape (a node joined): nodes it names are added, known ones kept."""
+        self.base = base
+        for n in base.nodes:
+            self.nodes.setdefault(n.id, Node(n.id))
 
     def lose_gpus(self, uuids: Sequence[str], how: Literal["tenant", "failed"] = "tenant") -> None:
         """Another tenant takes these GPUs (or they fail): plans on them break at once."""
@@ -373,8 +388,8 @@ class MemoryFleet:
 
     # -- time ----------------------------------------------------------------------------------
     def advance_to(self, t_s: float) -> None:
-        """Run everything up to `t_s`: decode, timers, new commands, admissions."""
-        self._pull()
+        """Run everything up to `t_s`: decode, timers, new commands, admissions. Commands are
+        taken after time moved on, so what they do is stamped no earlier than when they came."""
         while self.now_s < t_s:
             nxt = self._timers[0][0] if self._timers else math.inf
             end = min(t_s, self.now_s + self.max_dt_s, max(nxt, self.now_s))
@@ -383,11 +398,10 @@ class MemoryFleet:
             while self._timers and self._timers[0][0] <= self.now_s:
                 _, _, fn = heapq.heappop(self._timers)
                 fn()
-            self._pull()
             self._admit()
             if end == t_s:
                 break
-        self._pull()
+        self._pull()  # commands sent up to now take effect now, not at an earlier sub-step
         self._admit()
 
     def _at(self, t_s: float, fn: Callable[[], None]) -> None:
@@ -421,11 +435,13 @@ class MemoryFleet:
                 before = s.generated
                 s.generated = min(float(s.max_tokens), s.generated + gained)
                 inst.tokens += s.generated - before
-                s.last_progress_s = b
-                self.log.add(LogEvent(b, "seq_decoded", seq_id=s.seq_id, plan_id=inst.plan.plan_id,
+                done = s.generated >= s.max_tokens
+                t_end = min(b, start + (s.max_tokens - before) * step) if done else b
+                s.last_progress_s = t_end
+                self.log.add(LogEvent(t_end, "seq_decoded", seq_id=s.seq_id, plan_id=inst.plan.plan_id,
                                       detail=f"{s.generated - before:.2f}"))
-                if s.generated >= s.max_tokens:
-                    self._finish(s, inst, min(b, start + (s.max_tokens - before) * step))
+                if done:
+                    self._finish(s, inst, t_end)
         self._check_stuck()
 
     def _finish(self, s: SimSeq, inst: Instance, t_s: float) -> None:
