@@ -7,6 +7,7 @@ from django.urls import path
 from console.accounts import api as accounts_api
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
+from console.gearbox import agent_api as gearbox_agent_api
 
 urlpatterns = [
     path("", dashboard.overview, name="overview"),
@@ -21,4 +22,5 @@ urlpatterns = [
     path("agent/v1/report", agent_api.report, name="agent-report"),
     path("agent/v1/commands", agent_api.commands, name="agent-commands"),
     path("agent/v1/commands/<int:command_id>/ack", agent_api.ack, name="agent-ack"),
+    path("agent/v1/routing", gearbox_agent_api.routing, name="agent-routing"),
 ]
