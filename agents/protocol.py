@@ -76,8 +76,12 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     error?, reason?}]}; any hand-over that failed makes the ack failed (reason "preempted" when
     the target lost its GPUs, "target_refused", "stale_lease").
 `release_plan` - to every node of a leaving plan, after the routing table dropped it
-    payload: drain_timeout_s (sequences left to finish get this long; then an explicit error).
-    Free the GPUs; ack {plan_id, freed_bytes, failed}. Unknown plan: ack ok, noop: true.
+    payload: drain_timeout_s (sequences left to finish get this long), fallback (optional:
+    {target_plan, target_node, target_addr, routing_version} - a sequence that cannot finish
+    here, because the drain ran out or the plan lost its GPUs, is handed over there by replay
+    with that lease version; without a fallback, or when the target refuses, it ends with an
+    explicit error). Free the GPUs; ack {plan_id, freed_bytes, failed, handed_over}. Unknown
+    plan: ack ok, noop: true.
 
 A failed ack's result carries `reason` (preempted | failed | conflict | target_refused |
 stale_lease | timeout) and, for preemptions, `gpus`: the controller retries SWITCH steps that
@@ -560,6 +564,13 @@ def _move(r: ObjectReader) -> None:
 def _release(r: ObjectReader) -> None:
     _common(r)
     r.num("drain_timeout_s", 0.0, min=0.0)
+    fb = r.obj("fallback", None)
+    if fb is not None:
+        fb.str("target_plan", max_len=64)
+        fb.str("target_node", max_len=64)
+        fb.str("target_addr", "", max_len=255, allow_empty=True)
+        fb.int("routing_version", min=1)
+        fb.done()
 
 
 _PAYLOADS = {

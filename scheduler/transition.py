@@ -38,7 +38,8 @@ reservation and the same routing commit, and nothing happens twice.
 | CLEANUP | unroute   | routing version +1 without the leaving plans (before they go: the   | - (roll forward)           |
 |         |           | routing table never points at a released plan)                      |                            |
 | CLEANUP | release   | `release_plan` to every node of the leaving plans: finish the       | - (roll forward)           |
-|         |           | sequences left to finish, then free the GPUs                        |                            |
+|         |           | sequences left to finish (what cannot - drain timeout, lost GPUs -  |                            |
+|         |           | is replayed on the target gear), then free the GPUs                 |                            |
 | CLEANUP | unreserve | drops the leaving plans' reservations                               | - (roll forward)           |
 
 The end of SWITCH is the commit point: until then ROLLBACK returns to `from_gear` (the last
@@ -1172,10 +1173,15 @@ class Executor:
                           note=f"drop {len(rec.leaving_plans)} leaving plan(s) from the routing table")
         if step is Step.RELEASE:
             leaving = self._leaving_routes(rec, routing, snap, include_unrouted=True)
-            # sequences left to finish get twice the budget they were chosen by (estimates err)
+            # sequences left to finish get twice the budget they were chosen by (estimates err);
+            # what cannot finish there (the drain ran out, or the plan lost its GPUs) is replayed
+            # on the target gear's main plan rather than lost
             drain_s = 2 * cfg.drain_budget_s
-            cmds = commands(CommandKind.RELEASE_PLAN, ((r.plan, _present(r.nodes, snap),
-                                                        {"drain_timeout_s": drain_s}) for r in leaving))
+            body: JsonDict = {"drain_timeout_s": drain_s}
+            fallback = self._fallback(rec, routing)
+            if fallback:
+                body["fallback"] = fallback
+            cmds = commands(CommandKind.RELEASE_PLAN, ((r.plan, _present(r.nodes, snap), body) for r in leaving))
             return Intent(commands=cmds, timeout_s=cfg.release_timeout_s + drain_s, noop=not cmds,
                           note=f"release {len(leaving)} leaving plan(s)")
         if step is Step.UNRESERVE:
@@ -1317,6 +1323,19 @@ class Executor:
                 if cmds else "no sequence to move")
         return Intent(commands=tuple(cmds), timeout_s=self.config.move_timeout_s + 2 * est_total, noop=not cmds,
                       note=note)
+
+    def _fallback(self, rec: TransitionRecord, routing: RoutingState) -> JsonDict | None:
+        """Where a releasing plan replays what it cannot finish: the target gear's heaviest routed plan."""
+        best: Route | None = None
+        for r in routing.routes:
+            if r.frozen or r.weight <= 0 or not r.nodes or r.plan not in rec.to_gear.plans:
+                continue
+            if best is None or r.weight > best.weight:
+                best = r
+        if best is None:
+            return None
+        return {"target_plan": best.plan_id, "target_node": best.nodes[0],
+                "target_addr": self.agents.data_addr(best.nodes[0]), "routing_version": routing.version}
 
     def _bw_cap(self, src_node: str, dst_node: str, snap: Snapshot) -> float:
         if not dst_node or src_node == dst_node:

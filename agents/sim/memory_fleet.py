@@ -565,7 +565,9 @@ class MemoryFleet:
         elif kind is CommandKind.MOVE_SEQUENCES:
             self._move(job, inst)
         elif kind is CommandKind.RELEASE_PLAN:
-            self._release(job, node, inst, float(p.get("drain_timeout_s", 30.0)))  # type: ignore[arg-type]
+            fallback = p.get("fallback")
+            self._release(job, node, inst, float(p.get("drain_timeout_s", 30.0)),  # type: ignore[arg-type]
+                          fallback if isinstance(fallback, dict) else None)
 
     def _duration(self, job: _Job) -> float:
         if job.cmd.kind is CommandKind.PREPARE_PLAN:
@@ -694,30 +696,61 @@ class MemoryFleet:
 
         self._at(self.now_s + step, done)
 
-    def _release(self, job: _Job, node: Node, inst: Instance | None, drain_s: float) -> None:
+    def _release(self, job: _Job, node: Node, inst: Instance | None, drain_s: float,
+                 fallback: Mapping[str, object] | None) -> None:
         pid = str(job.cmd.payload.get("plan_id", ""))
         if inst is None or inst.state in ("released", "aborted"):
             self._ack(job, "ok", result={"plan_id": pid, "noop": True})
             return
-        inst.state = "draining"
+        if inst.state != "broken":
+            inst.state = "draining"
         deadline = self.now_s + drain_s
 
         def poll() -> None:
-            if inst.state != "draining":
+            if inst.state not in ("draining", "broken"):
                 return
-            if inst.seqs and self.now_s < deadline:
+            if inst.seqs and inst.state == "draining" and self.now_s < deadline:
                 self._at(self.now_s + 0.1, poll)
                 return
-            failed = []
+            failed, handed = [], []
+            why = "lost its GPUs" if inst.state == "broken" else f"ran out of its {drain_s:.0f} s drain"
             for s in list(inst.seqs.values()):
-                failed.append(s.seq_id)
-                self._fail(s, inst, f"plan {pid} released after a {drain_s:.0f} s drain")
+                if fallback is not None and self._replay_to(inst, s, fallback):
+                    handed.append(s.seq_id)
+                else:
+                    failed.append(s.seq_id)
+                    self._fail(s, inst, f"plan {pid} {why} before it finished")
             inst.state = "released"
             freed = dict(inst.reserved)
             self.log.add(LogEvent(self.now_s, "plan_released", node=node.node_id, plan_id=pid))
-            self._ack(job, "ok", result={"plan_id": pid, "freed_bytes": freed, "failed": failed})
+            self._ack(job, "ok", result={"plan_id": pid, "freed_bytes": freed, "failed": failed,
+                                         "handed_over": handed})
 
         poll()
+
+    def _replay_to(self, src: Instance, s: SimSeq, target: Mapping[str, object]) -> bool:
+        """Hand `s` over to `target` by replay, now (a releasing plan that cannot finish it)."""
+        node = self.nodes.get(str(target.get("target_node", "")))
+        dst = node.instances.get(str(target.get("target_plan", ""))) if node is not None and node.alive else None
+        version = int(target.get("routing_version", 0))  # type: ignore[call-overload]
+        if dst is None or not dst.leader or dst.state != "ready" or version <= s.lease:
+            return False
+        boundary = "decode_end" if s.state in ("running", "pausing") and src.state != "broken" else "idle"
+        s.generated = float(round(s.generated)) if boundary == "decode_end" else s.generated
+        self.log.add(LogEvent(self.now_s, "seq_paused", seq_id=s.seq_id, plan_id=src.plan.plan_id,
+                              boundary=boundary))
+        src.seqs.pop(s.seq_id, None)
+        self.log.add(LogEvent(self.now_s, "seq_handover", seq_id=s.seq_id, plan_id=src.plan.plan_id,
+                              to_plan=dst.plan.plan_id, version=version, boundary=boundary))
+        start = max(self.now_s, dst.prefill_free_s)
+        resume = start + self.timing.prefill_s(dst.plan, s.context_tokens)
+        dst.prefill_free_s = resume
+        self.stalls.append(StallSample(s.seq_id, "replay", s.context_tokens, resume - self.now_s, 0,
+                                       s.context_tokens))
+        s.plan_id, s.lease, s.kv_lost, s.paused_s = dst.plan.plan_id, version, False, None
+        s.state, s.ready_s, s.last_progress_s = "prefill", resume, resume
+        dst.seqs[s.seq_id] = s
+        return True
 
     # -- moving sequences ----------------------------------------------------------------------
     def _move(self, job: _Job, inst: Instance | None) -> None:
