@@ -394,6 +394,7 @@ class LiveFleet:
                 continue
             try:
                 agent.client.ack(cid, ack)
+                agent.dirty = True  # what a command did (memory reserved or freed) is reported at once
                 log.info("%s -> ack %s %s %s", node_id, cid, ack.status, ack.detail[:80])
             except ControllerError as exc:
                 log.warning("%s: ack of command %s refused: %s", node_id, cid, exc)

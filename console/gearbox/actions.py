@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -34,7 +35,7 @@ from console.fleet.actions import Rejected
 from console.gearbox import live
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Transition
-from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, load_window
+from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
 from scheduler import gearbox
 from scheduler.costmodel import Slo
 from scheduler.gearbox import LoadSample, Mode, Outcome, Trigger
@@ -152,7 +153,8 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
     """One gearbox decision for the deployment, recorded, and the transition it calls for.
 
     Order: a pending emergency first (it asks a running transition to roll back, or starts the
-    downshift once nothing runs); nothing while a transition runs; with nothing running yet,
+    downshift once nothing runs); nothing while a transition runs, nor until the agents reported
+    what the last one left; with nothing running yet,
     bring the baseline gear up (or the best feasible one when the baseline does not fit);
     otherwise scheduler.gearbox.decide. Two ticks may race: both decide, one claims the seq
     (ports.DjangoStore.create), the other's decision is noted as not started.
@@ -163,6 +165,8 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
     if dep.emergency_requested_at is not None:
         return _emergency_tick(dep, active, base, held, now, actor)
     if active is not None:
+        return Decided(None, None)
+    if not _reports_mirror_last_transition(dep, base, now):
         return Decided(None, None)
     current = _gear(dep, "current_gear")
     if trigger is Trigger.PERIODIC and current is not None and any(lost_gpus(p, base) for p in current.plans):
@@ -193,6 +197,29 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
                 row.note = "not started: another transition claimed the deployment first"
                 row.save(update_fields=["note"])
     return Decided(row, started)
+
+
+def _reports_mirror_last_transition(dep: Deployment, base: Snapshot, now: datetime) -> bool:
+    """Mirror first, then decide: the GPUs the deployment's last transition touched must have
+    been reported since it ended. Before that their memory is the agents' old picture (the old
+    plan not yet freed) and the new gear would look over-full. Agents report right after a
+    command they executed, so this holds within moments; GPUs that are out (lost, cordoned) and
+    a transition older than two report intervals do not hold the decision up."""
+    last = (Transition.objects.filter(deployment=dep, finished_at__isnull=False).order_by("-seq")
+            .values("from_gear", "to_gear", "finished_at").first())
+    if last is None:
+        return True
+    ended = last["finished_at"].timestamp()
+    if now.timestamp() - ended > 2 * float(settings.FLEXPIPE_REPORT_INTERVAL_S):
+        return True
+    nodes = base.node_by_id
+    for u in gear_gpus(last["from_gear"]) | gear_gpus(last["to_gear"]):
+        g = base.gpu_by_uuid.get(u)
+        if g is None or not g.healthy or not g.schedulable or not nodes[g.node_id].schedulable:
+            continue
+        if g.last_seen_s < ended:
+            return False
+    return True
 
 
 def _emergency_tick(dep: Deployment, active: Transition | None, base: Snapshot, held: Mapping[str, set[str]],
@@ -454,7 +481,6 @@ def _gear_id(raw: object) -> str | None:
 def held_gpus() -> dict[str, set[str]]:
     """deployment name -> GPUs it holds: its current gear, its running transition's gears, its bookings."""
     from console.gearbox.models import GpuReservation
-    from console.gearbox.snapshot import gear_gpus
 
     out: dict[str, set[str]] = {}
     for dep in Deployment.objects.all():

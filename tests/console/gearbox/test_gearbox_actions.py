@@ -255,3 +255,22 @@ def test_a_decision_row_keeps_every_candidate_with_gain_cost_and_factor() -> Non
     assert d.decision["outcome"] == "switch" and d.at <= timezone.now()
     entry = AuditEntry.objects.filter(event_type="gearbox.decision", decision_id=d.pk).get()
     assert entry.deployment == "chat"
+
+
+def test_the_gearbox_waits_for_reports_that_show_what_the_last_transition_left() -> None:
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    do_request_gear("chat", gear("a1", [0]), actor="system:test")  # a narrower plan on one of its GPUs
+    drive(agents)
+    # the agents' last reports predate the end of the transition: the old plan's memory still shows
+    rep.extra = {"GPU-a1-0": 70 * 2**30}
+    Transition.objects.filter(seq=2).update(finished_at=timezone.now())
+    before = Decision.objects.count()
+    assert ticks.tick()["started"] == [] and Decision.objects.count() == before  # nothing decided on it
+    rep.extra = {}
+    rep.report("a1")  # the agent reports what it holds now
+    ticks.tick()
+    assert Decision.objects.count() == before + 1
+    assert Transition.objects.count() == 2
