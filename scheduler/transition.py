@@ -96,7 +96,6 @@ from scheduler.costmodel import (
     kv_route,
     migrate_or_replay,
 )
-from scheduler.gearbox import Decision
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu
 from scheduler.topology import Snapshot
@@ -1516,16 +1515,6 @@ def _shape(gear: Gear | None) -> str:
     return gear.shape() if gear is not None else "nothing"
 
 
-# --- decisions to transitions ---------------------------------------------------------------------
-def kind_for(decision: Decision, *, approved: bool = False) -> Kind:
-    """The transition kind a decision leads to."""
-    if decision.trigger.value == "emergency":
-        return Kind.EMERGENCY
-    if decision.trigger.value == "manual":
-        return Kind.MANUAL
-    return Kind.APPROVED if approved else Kind.AUTO
-
-
 # --- small readers (records come back from JSON) ---------------------------------------------------
 def _obj(d: object, path: str) -> Mapping[str, object]:
     if not isinstance(d, Mapping):
@@ -1563,5 +1552,5 @@ __all__ = [
     "MoveStats", "PHASE_EDGES", "Phase", "Probe", "ROLLBACK_TABLE", "Route", "RoutingState", "RoutingTable",
     "STEP_DEFS", "SeqInfo", "StaleGuard", "Stage", "Step", "StepDef", "StepRecord", "StepState", "TABLE",
     "TERMINAL_PHASES", "TransitionConfig", "TransitionEvent", "TransitionRecord", "TransitionStore",
-    "crash_points", "kind_for", "lost_gpus", "node_stages", "plan_memory", "plan_moves", "plan_nodes",
+    "crash_points", "lost_gpus", "node_stages", "plan_memory", "plan_moves", "plan_nodes",
 ]
