@@ -2,9 +2,8 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 
-from console.accounts import api as accounts_api
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
 
@@ -15,7 +14,7 @@ urlpatterns = [
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
-    path("api/v1/me", accounts_api.me, name="api-me"),
+    path("", include("console.api.urls")),
     # agent protocol v1 (agents/protocol.py)
     path("agent/v1/register", agent_api.register, name="agent-register"),
     path("agent/v1/report", agent_api.report, name="agent-report"),
