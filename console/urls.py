@@ -7,6 +7,7 @@ from django.urls import include, path
 from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
+from console.metrics.views import MetricsView
 from console.registry import views as registry_pages
 
 urlpatterns = [
@@ -17,6 +18,7 @@ urlpatterns = [
     path("deployments/", dashboard.deployments_placeholder, name="deployments"),
     path("audit/", audit_pages.audit_page, name="audit-page"),
     path("registry/", registry_pages.registry_page, name="registry-page"),
+    path("metrics", MetricsView.as_view(), name="metrics"),
     path("healthz", dashboard.healthz, name="healthz"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
