@@ -167,6 +167,15 @@ def test_a_hugging_face_config_is_an_architecture(admin: Person) -> None:
     assert version["architecture"] == config
 
 
+def test_a_context_longer_than_the_architecture_allows_is_refused_naming_max_context(admin: Person) -> None:
+    config = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 128,
+              "vocab_size": 512, "max_position_embeddings": 512}
+    resp = post(admin.api(), MODELS, model_body(architecture=config, max_context=1024))
+    assert resp.status_code == 400 and list(resp.json()) == ["max_context"]
+    assert "limit of 512 tokens" in resp.json()["max_context"][0]
+    assert not ModelVersion.objects.exists()
+
+
 # -- identity -----------------------------------------------------------------------------------------
 
 
@@ -227,7 +236,8 @@ BAD_FIELDS = [
     ("architecture", "", "empty name"),
     ("architecture", 7, "got int"),
     ("architecture", ["llama"], "got list"),
-    ("architecture", {"hidden_size": 64}, "num_hidden_layers"),
+    ("architecture", {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 512},
+     "num_hidden_layers"),
     ("architecture", {"hidden_size": 64, "num_hidden_layers": 0, "num_attention_heads": 4,
                       "intermediate_size": 128, "vocab_size": 512}, "num_hidden_layers"),
     ("architecture", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
