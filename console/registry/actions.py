@@ -18,6 +18,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
+from kombu.exceptions import OperationalError as KombuOperationalError
 
 from console.audit.chain import actor_of, record
 from console.registry import live
@@ -92,7 +93,7 @@ def do_register_model_version(spec: VersionSpec, *, actor: str, user: Any | None
     version with other weights, or other fields, is refused (409) naming the field.
     """
     now = now or timezone.now()
-    if not SHA256_RE.match(spec.sha256):
+    if not SHA256_RE.fullmatch(spec.sha256):
         raise Refused(400, {"sha256": "must be 64 lowercase hexadecimal digits"})
     errors: dict[str, str] = {}
     try:
@@ -153,8 +154,9 @@ def _register(spec: VersionSpec, *, local: bool, size: int | None, observed: str
            data={**asdict(spec), "id": version.pk, "weights_bytes": size},
            after={"status": status})
     if observed is not None:
-        _apply_check(version, observed=observed, actor=REGISTRY_ACTOR, node_id=None, now=now)
-    elif local:
+        _apply_check(version, observed=observed, actor=REGISTRY_ACTOR, node_id=None, now=now)  # pushes it
+        return Registration(version, created=True)
+    if local:
         transaction.on_commit(lambda: _enqueue_verification(version.pk))
     transaction.on_commit(lambda: live.push_version(version.pk))
     return Registration(version, created=True)
@@ -165,7 +167,8 @@ def _enqueue_verification(version_id: int) -> None:
 
     try:
         verify_weights.delay(version_id=version_id)
-    except Exception as exc:  # noqa: BLE001 - a broker outage must not turn a committed registration into a 500
+    except (KombuOperationalError, OSError) as exc:
+        # A broker outage must not turn a committed registration into a 500; the version says verifying.
         log.error("could not enqueue registry.verify_weights for version %s (it stays verifying): %s",
                   version_id, exc)
 
@@ -240,7 +243,7 @@ def do_record_weights_check(version: ModelVersion, *, observed_sha256: str, node
     A quarantined version stays quarantined; a retired one ignores reports.
     """
     observed = observed_sha256.strip().lower() if isinstance(observed_sha256, str) else ""
-    if not SHA256_RE.match(observed):
+    if not SHA256_RE.fullmatch(observed):
         raise Refused(400, {"sha256": f"must be 64 hexadecimal digits; got {observed_sha256!r:.80}"})
     actor = actor or (actor_of(agent=node_id) if node_id else REGISTRY_ACTOR)
     locked = ModelVersion.objects.select_for_update().get(pk=version.pk)
