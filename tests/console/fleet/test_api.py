@@ -48,6 +48,16 @@ def test_an_outsider_is_forbidden(outsider: Person, fleet: dict[str, AgentHTTP])
     assert outsider.api().get("/api/v1/gpus/GPU-a1-0").status_code == 403
 
 
+@pytest.mark.parametrize("who", ["viewer", "operator", "admin"])
+def test_every_role_reads_the_fleet(request: pytest.FixtureRequest, who: str, fleet: dict[str, AgentHTTP]) -> None:
+    person: Person = request.getfixturevalue(who)
+    client = person.api()
+    assert client.get("/api/v1/nodes").json()["count"] == 2
+    assert client.get("/api/v1/nodes/b1").status_code == 200
+    assert client.get("/api/v1/gpus").json()["count"] == 6
+    assert client.get("/api/v1/gpus/GPU-a1-0").status_code == 200
+
+
 def test_the_fleet_is_read_only(admin: Person, fleet: dict[str, AgentHTTP]) -> None:
     client = admin.api()
     assert client.post("/api/v1/nodes", "{}", content_type="application/json").status_code == 405
