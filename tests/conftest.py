@@ -35,6 +35,8 @@ def _isolated_services(django_test_environment: None) -> None:
         pytest.exit(f"Redis at {TEST_REDIS_URL} does not answer ({exc}); run the tests with `make test`, "
                     "which finds or starts one", returncode=3)
     settings.REDIS_URL = TEST_REDIS_URL
+    # Named people are made for most console tests; PBKDF2 (~0.3 s a password) would dominate the run.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     settings.CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",

@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to wait for the controller to answer at start")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the events
 
     if not args.join_token:
         print("agents.sim: --join-token or FLEXPIPE_ENROLL_TOKEN is required (the agents enroll with it)",
