@@ -209,13 +209,14 @@ class Pipe:
         n = self.run_n
         span = t - self.t0
         self.busy_s += span
+        kv_start = self.ctx_base + self.n_dec * self.clock + self.kv_pre
         if n and k:
-            kv_start = self.kv_used
             self.clock += k
+            clock = self.clock
             self.kv_token_s += span * (kv_start + n * k / 2)
             host.tokens(self.engine, self.t0, t, n * k)
             fin = self.fin
-            while fin and fin[0][0] <= self.clock:
+            while fin and fin[0][0] <= clock:
                 _, _, epoch, req = heapq.heappop(fin)
                 if req.epoch == epoch and req.decoding and req.pipe is self:
                     self._leave_decoding(req)
@@ -223,9 +224,10 @@ class Pipe:
                     req.generated = req.output
                     out += host.finished(req, t)
         else:
-            self.kv_token_s += span * self.kv_used
+            self.kv_token_s += span * kv_start
         if self.chunks:
             chunks, self.chunks = self.chunks, []
+            sampled = 0
             for req, c in chunks:
                 req.done += c
                 if req.done < req.need:
@@ -235,7 +237,7 @@ class Pipe:
                 self.kv_pre -= req.need
                 req.generated += 1
                 req.has_kv = True
-                host.tokens(self.engine, t, t, 1)
+                sampled += 1
                 if req.generated >= req.output:
                     del self.running[req.rid]
                     req.epoch += 1
@@ -250,6 +252,8 @@ class Pipe:
                     if req.first_token_s is None:
                         req.first_token_s = t
                     self._join_decoding(req)
+            if sampled:
+                host.tokens(self.engine, t, t, sampled)
         self.run_n = 0
         return out
 
@@ -286,12 +290,14 @@ class Pipe:
         """Form the next round at time t and schedule its end (module docstring)."""
         out: list[Event] = []
         cap = self.kv_cap
+        role = self.role
         # 1. the decode tokens of this round must fit in the KV cache
         preempted = False
-        while self.n_dec and self.kv_used + self.n_dec > cap:
+        while self.n_dec and self.ctx_base + self.n_dec * (self.clock + 1) + self.kv_pre > cap:
             out += self._preempt_last(t)
             preempted = True
-        budget = self.budget - self.n_dec if self.role == "both" else (self.budget if self.role == "prefill" else 0)
+        n_dec = self.n_dec
+        budget = self.budget - n_dec if role == "both" else (self.budget if role == "prefill" else 0)
         chunks: list[tuple[Request, int]] = []
         pre_tokens = pre_ctx = 0
         # 2. prefill passes in progress, first come first served
@@ -307,34 +313,41 @@ class Pipe:
         # check counts this round's decode tokens. Not after a preemption (vLLM does the same):
         # the sequence just preempted would be readmitted at once and thrash.
         waiting, running = self.waiting, self.running
-        while waiting and not preempted and len(running) < self.seq_cap:
-            req = waiting[0]
-            if req.has_kv:
-                ctx = req.prompt + req.generated
-                if self.kv_used + self.n_dec + ctx + 1 > cap or (self.role == "both" and budget < 1):
+        if waiting and not preempted:
+            # KV this round needs so far: what is held plus one token per decoding sequence
+            need_kv = self.ctx_base + n_dec * (self.clock + 1) + self.kv_pre
+            seq_cap = self.seq_cap
+            while waiting and len(running) < seq_cap:
+                req = waiting[0]
+                if req.has_kv:
+                    ctx = req.prompt + req.generated
+                    if need_kv + ctx + 1 > cap or (role == "both" and budget < 1):
+                        break
+                    waiting.popleft()
+                    running[req.rid] = req
+                    self._join_decoding(req)
+                    need_kv += ctx + 1
+                    budget -= 1
+                    continue
+                if budget <= 0 or role == "decode":
+                    break
+                need = req.need
+                if need > cap:
+                    waiting.popleft()
+                    out += self.engine.host.failed(
+                        req, t, f"needs {need} KV tokens; plan {self.engine.plan.plan_id} holds {cap}")
+                    continue
+                if need_kv + need > cap:
                     break
                 waiting.popleft()
                 running[req.rid] = req
-                self._join_decoding(req)
-                budget -= 1
-                continue
-            if budget <= 0 or self.role == "decode":
-                break
-            if req.need > cap:
-                waiting.popleft()
-                out += self.engine.host.failed(
-                    req, t, f"needs {req.need} KV tokens; plan {self.engine.plan.plan_id} holds {cap}")
-                continue
-            if self.kv_used + self.n_dec + req.need > cap:
-                break
-            waiting.popleft()
-            running[req.rid] = req
-            self.prefilling.append(req)
-            self.kv_pre += req.need
-            c = min(req.need, budget)
-            chunks.append((req, c))
-            pre_tokens += c
-            budget -= c
+                self.prefilling.append(req)
+                self.kv_pre += need
+                need_kv += need
+                c = min(need, budget)
+                chunks.append((req, c))
+                pre_tokens += c
+                budget -= c
         n = self.n_dec
         if not chunks and not n:
             return out
@@ -344,7 +357,7 @@ class Pipe:
             step = self._round_s(pre_tokens, len(chunks), pre_ctx, n, ctx)
         else:
             k_fin = self._next_finish() - self.clock
-            k_kv = (cap - self.kv_used) // n
+            k_kv = (cap - ctx - self.kv_pre) // n
             k = max(1, min(k_fin, k_kv, MAX_RUN_ROUNDS))
             step = self._round_s(0, 0, 0, n, ctx + n * (k - 1) // 2)
         self.busy = True

@@ -98,7 +98,9 @@ class SimListener(Protocol):
 
     def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None: ...
 
-    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None: ...
+    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        """The engine no longer holds GPUs: released after a drain, stopped, or lost with its GPUs."""
+        ...
 
 
 class _Silent:
@@ -220,6 +222,10 @@ class FleetSim:
     def _push(self, t: float, kind: int, fn: Callable[[float, Any], list[Event] | None], arg: Any) -> None:
         heapq.heappush(self._heap, (t, kind, next(self._seq), fn, arg))
 
+    def push_events(self, events: Iterable[Event] | None) -> None:
+        """Queue events made outside the loop (engine methods return them)."""
+        self._push_all(events)
+
     def _push_all(self, events: Iterable[Event] | None) -> None:
         if events:
             for t, kind, fn, arg in events:
@@ -308,6 +314,10 @@ class FleetSim:
                 if score < best_score:
                     best, best_score = e, score
         return best
+
+    def dispatch(self, deployment: str, req: Request, t: float) -> list[Event]:
+        """Route a request that left its plan (the router's choice, or the deployment's queue)."""
+        return self._dispatch(self._dep(deployment), req, t)
 
     def _dispatch(self, dep: DeploymentRuntime, req: Request, t: float, new: bool = False) -> list[Event]:
         engine = self._route(dep)
@@ -512,7 +522,6 @@ class FleetSim:
                     record.migrated += len(reqs)
                 else:
                     record.replayed += len(reqs)
-            self.listener.on_released(self, t, engine)
             return
         engine.release_when_empty = True
         out = []
@@ -589,10 +598,9 @@ class FleetSim:
     def _release(self, engine: PlanEngine, t: float) -> None:
         engine.state = "released"
         self._drop(engine, t)
-        self.listener.on_released(self, t, engine)
 
     def _drop(self, engine: PlanEngine, t: float) -> None:
-        """The engine no longer holds GPU memory."""
+        """The engine no longer holds GPU memory (released, stopped or lost): the listener hears."""
         dep = self.deployments[engine.deployment]
         if engine in dep.engines:
             dep.engines.remove(engine)
@@ -600,6 +608,7 @@ class FleetSim:
         self._footprint.pop(engine.engine_id, None)
         self._ended_s[engine.engine_id] = t
         self._snapshot = None
+        self.listener.on_released(self, t, engine)
 
     # -- the driver API in plan ids (what the console's commands name) ----------------------
     def add_plan(self, deployment: str, plan: Plan | Mapping[str, Any], *, weight: float = 1.0,
@@ -637,6 +646,10 @@ class FleetSim:
         nxt = self.cluster.next_change_s()
         if nxt is not None:
             self._push(nxt, KIND_CLUSTER, self._on_cluster, None)
+
+    def gpu_usable(self, uuid: str) -> bool:
+        """The GPU is ours now (not another tenant's, not failed, its node present)."""
+        return self._gpu_usable(uuid)
 
     def _gpu_usable(self, uuid: str) -> bool:
         g = self._gpus_by_uuid().get(uuid)
@@ -687,6 +700,9 @@ class FleetSim:
         self.listener.on_cluster_change(self, t, changes, broke)
         self._push_cluster()
         return out
+
+    def plan_nodes(self, plan: Plan) -> list[str]:
+        return self._plan_nodes(plan)
 
     def _plan_nodes(self, plan: Plan) -> list[str]:
         """The node of each stage, in pipeline order (prefill stages, then decode stages)."""

@@ -32,10 +32,10 @@ from typing import Any
 
 from agents.sim.cluster import Change
 from agents.sim.engine import PlanEngine
+from agents.sim.executor import TransitionDriver
 from agents.sim.fleet import DeploymentRuntime, FleetSim
 from agents.sim.metrics import SwitchRecord
 from agents.sim.scenario import DistSpec, Scenario
-from agents.sim.switching import Phase, SimTransition, TransitionExecutor
 from scheduler.costmodel import PlanProfile, Workload, estimate_plan
 from scheduler.gearbox import (
     DEFAULT_CONFIG,
@@ -48,9 +48,12 @@ from scheduler.gearbox import (
     decide,
     gear_footprint,
 )
+from scheduler.invariants import check as check_invariants
 from scheduler.plan import Gear, Plan, single_plan_gear, validate_plan
 from scheduler.planner import Candidate, PlannerOptions, plan_candidates
-from scheduler.topology import FragmentHistory, Snapshot, atomic_blocks
+from scheduler.topology import AtomicBlock, FragmentHistory, Snapshot, atomic_blocks
+from scheduler.transition import DEFAULT_TRANSITION_CONFIG, TransitionConfig, TransitionRecord
+from scheduler.transition import Phase as TransitionPhase
 
 
 class PolicyName(enum.StrEnum):
@@ -68,6 +71,7 @@ class PolicyOptions:
     tick_s: float = 30.0  # flexpipe's periodic decision (DESIGN.md: every 10-30 s)
     replan_s: float = 300.0  # the oracle's look-ahead window and replanning period
     gearbox: GearboxConfig = DEFAULT_CONFIG  # flexpipe's hysteresis, cooldowns, windows
+    transition: TransitionConfig = DEFAULT_TRANSITION_CONFIG  # flexpipe's canary, drain budget, retries
 
 
 DEFAULT_POLICY_OPTIONS = PolicyOptions()
@@ -182,24 +186,68 @@ class StaticPolicy(Policy):
 
 
 class StaticReplicasPolicy(StaticPolicy):
-    """The planner's best single-block gear for the peak load, placed once (module docstring)."""
+    """Fixed single-block plans on every atomic block (module docstring): each deployment, in
+    priority order, takes room on the most capable blocks - on each, the planner's single-block
+    gear that serves most of what the deployment still needs - until its peak load x the
+    planner's headroom is covered; then each block's remaining room goes to the deployment whose
+    peak is largest against what it holds. Placed once at t=0, never changed."""
 
     name = PolicyName.STATIC_REPLICAS
 
     def attach(self, sim: FleetSim) -> None:
         options = PlannerOptions(allow_pp=False, allow_disaggregated=False)
-        for dep in by_priority(sim):
-            cands = plan_candidates(dep.model, sim.snapshot(), peak_workload(sim.scenario, dep.name),
-                                    slo=dep.slo, options=options)
+        deps = by_priority(sim)
+        peak = {d.name: peak_workload(sim.scenario, d.name) for d in deps}
+        capacity = {d.name: 0.0 for d in deps}
+        self.fixed = {d.name: [] for d in deps}
+
+        def blocks() -> list[AtomicBlock]:
+            snap = sim.snapshot()
+            return sorted(atomic_blocks(snap), key=lambda b: (-b.size * snap.spec(b.gpu_model).bf16_flops, b.id))
+
+        def place(dep: DeploymentRuntime, block_id: str, demand: Workload) -> bool:
+            block = next((b for b in blocks() if b.id == block_id), None)
+            if block is None:
+                return False
+            cands = plan_candidates(dep.model, sim.snapshot(), demand, slo=dep.slo, options=options, blocks=[block])
             if not cands.feasible:
+                return False
+            # the candidate that serves most of the demand: when one block cannot carry it every
+            # candidate is overloaded, its estimated goodput is 0, and the planner's ranking
+            # (goodput, then fewer GPUs) would pick the smallest
+            best = min(cands.feasible, key=lambda c: (-round(min(c.estimate.capacity_rps, demand.rate_rps), 6),
+                                                      -round(c.estimate.goodput_tokens_s, 6), c.estimate.gpus))
+            for plan, weight in zip(best.gear.plans, best.gear.weights, strict=True):
+                sim.launch(dep.name, plan, source="warm", accepting=True, weight=max(weight, 1e-6))
+                self.fixed[dep.name].append((plan, weight))
+            capacity[dep.name] += best.estimate.capacity_rps
+            return True
+
+        headroom = options.headroom
+        for dep in deps:
+            for block in blocks():
+                need = peak[dep.name].rate_rps * headroom - capacity[dep.name]
+                if need <= 0:
+                    break
+                place(dep, block.id, peak[dep.name].scaled(need / max(peak[dep.name].rate_rps, 1e-9)))
+        for block in blocks():
+            # what is left of each block: the most loaded deployment (peak over what it holds) that fits
+            for dep in sorted(deps, key=lambda d: (-peak[d.name].rate_rps / max(capacity[d.name], 1e-9), d.index)):
+                if place(dep, block.id, peak[dep.name]):
+                    break
+        for dep in deps:
+            if not self.fixed[dep.name]:
                 plan = sim.baseline_plan(dep.name)
                 self.fixed[dep.name] = [(plan, 1.0)]
                 sim.launch(dep.name, plan, source="warm", accepting=True)
-                continue
-            gear = cands.feasible[0].gear
-            self.fixed[dep.name] = list(zip(gear.plans, gear.weights, strict=True))
-            for plan, weight in self.fixed[dep.name]:
-                sim.launch(dep.name, plan, source="warm", accepting=True, weight=weight)
+        # routing weights follow each plan's share of its deployment's capacity (planner weights
+        # are per gear; a deployment holds several gears' plans here)
+        for dep in deps:
+            engines = sim.plans(dep.name)
+            caps = {e.engine_id: estimate_plan(e.profile, peak[dep.name], dep.slo).capacity_rps for e in engines}
+            total = sum(caps.values()) or 1.0
+            sim.set_routing(dep.name, {i: max(c / total, 1e-6) for i, c in caps.items()})
+            self.fixed[dep.name] = [(e.plan, max(caps[e.engine_id] / total, 1e-6)) for e in engines]
 
 
 # --- restart --------------------------------------------------------------------------------------
@@ -272,17 +320,16 @@ def best_single_plan(cands: Sequence[Candidate], dep: DeploymentRuntime, snapsho
 
 # --- flexpipe ------------------------------------------------------------------------------------
 class FlexPipePolicy(Policy):
-    """scheduler.gearbox + planner on simulated snapshots; transitions with modelled costs."""
+    """scheduler.gearbox + planner on simulated snapshots; transitions through scheduler.transition."""
 
     name = PolicyName.FLEXPIPE
 
     def __init__(self, options: PolicyOptions = DEFAULT_POLICY_OPTIONS) -> None:
         super().__init__(options)
-        self.gears: dict[str, Gear] = {}  # the gear each deployment committed to (dead plans included)
         self.deployments: dict[str, Deployment] = {}
         self.windows: dict[str, LoadWindow] = {}
         self.history = FragmentHistory()
-        self.executor: TransitionExecutor | None = None
+        self.driver: TransitionDriver | None = None
         self.decisions: list[dict[str, Any]] = []  # switches and blocks, for the report
         self.calls = 0  # decide() calls
         self._topology_at: float | None = None
@@ -290,11 +337,11 @@ class FlexPipePolicy(Policy):
 
     def attach(self, sim: FleetSim) -> None:
         self._sim = sim
-        self.executor = TransitionExecutor(sim, on_done=self._done)
+        self.driver = TransitionDriver(sim, config=self.options.transition, on_finished=self._done)
         for name, engine in sim.start_baselines().items():
             dep = sim.deployments[name]
             gear = single_plan_gear(engine.plan)
-            self.gears[name] = gear
+            self.driver.seed(name, gear)
             self.deployments[name] = Deployment(id=name, model=dep.model.name, slo=dep.slo, baseline=gear,
                                                 priority=dep.spec.priority)
             self.windows[name] = LoadWindow()
@@ -305,7 +352,7 @@ class FlexPipePolicy(Policy):
     def _tick(self, sim: FleetSim, t: float) -> None:
         cfg = self.options.gearbox
         keep = cfg.long_window_s + 2 * self.options.tick_s
-        for name in self.gears:
+        for name in self.deployments:
             sample = sim.load_sample(name, t)
             if sample is not None:
                 self.windows[name] = self.windows[name].add(sample, keep_s=keep)
@@ -317,9 +364,8 @@ class FlexPipePolicy(Policy):
 
     def on_cluster_change(self, sim: FleetSim, t: float, changes: Sequence[Change],
                           broke: Mapping[str, Sequence[PlanEngine]]) -> None:
-        assert self.executor is not None  # noqa: S101 - attached first
-        for name in broke:
-            self.executor.lost(name)
+        assert self.driver is not None  # noqa: S101 - attached first
+        self.driver.kick_all()  # a running transition notices lost GPUs at its next pass
         at = t + sim.options.report_delay_s
         if self._topology_at is None or self._topology_at < t:
             self._topology_at = at
@@ -331,24 +377,29 @@ class FlexPipePolicy(Policy):
         for dep in by_priority(sim):
             self._decide(sim, dep.name, t, Trigger.TOPOLOGY)
 
-    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
-        if self.executor is not None:
-            self.executor.check_cleanup(engine.deployment)
+    def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        if self.driver is not None:
+            self.driver.on_ready(engine)
 
-    def _done(self, tr: SimTransition, t: float) -> None:
+    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        if self.driver is not None:
+            self.driver.on_stopped(engine)
+
+    def _done(self, rec: TransitionRecord, t: float) -> None:
         sim = self._sim
         assert sim is not None  # noqa: S101
-        if tr.phase is Phase.DONE:
-            self.gears[tr.deployment] = tr.target
-        if not self._valid(sim, tr.deployment) or tr.phase is Phase.ROLLED_BACK:
+        if not self._valid(sim, rec.deployment_id) or rec.phase is not TransitionPhase.DONE:
             # decisions deferred while it ran may be owed: decide again now
-            sim.call_at(t, lambda now: self._decide(sim, tr.deployment, now, Trigger.TOPOLOGY))
+            sim.call_at(t, lambda now: self._decide(sim, rec.deployment_id, now, Trigger.TOPOLOGY))
 
     # -- the decision ---------------------------------------------------------------------------
     def _valid(self, sim: FleetSim, name: str) -> bool:
-        """Every plan of the committed gear serves (then the gearbox's validity check passes:
-        the simulator's memory never changes under a serving plan)."""
-        gear = self.gears[name]
+        """Every plan of the stable gear serves (then the gearbox's validity check passes: the
+        simulator's memory never changes under a serving plan)."""
+        assert self.driver is not None  # noqa: S101
+        gear = self.driver.current_gear(name)
+        if gear is None:
+            return False
         for plan in gear.plans:
             engine = sim.engine_of(name, plan.plan_id)
             if engine is None or engine.state != "serving":
@@ -356,8 +407,8 @@ class FlexPipePolicy(Policy):
         return True
 
     def _decide(self, sim: FleetSim, name: str, t: float, trigger: Trigger) -> None:
-        assert self.executor is not None  # noqa: S101
-        if self.executor.running(name):
+        assert self.driver is not None  # noqa: S101
+        if self.driver.running(name):
             return  # decide() answers DEFERRED; _done decides again when it ends
         dep = self.deployments[name]
         valid = self._valid(sim, name)
@@ -368,11 +419,14 @@ class FlexPipePolicy(Policy):
             return
         self.calls += 1
         runtime = sim.deployments[name]
-        decision = decide(dep, self.gears[name], sim.snapshot(), self.windows[name], t, trigger=trigger,
+        current = self.driver.current_gear(name)
+        decision = decide(dep, current, sim.snapshot(), self.windows[name], t, trigger=trigger,
                           history=self.history, model=runtime.model, config=self.options.gearbox)
         if decision.outcome is Outcome.SWITCH and decision.target is not None:
-            tr = self.executor.begin(name, decision.target, decision.trigger.value)
-            tr.record.from_shape = self.gears[name].shape()
+            rec = self.driver.start(name, decision.target, decision.trigger.value,
+                                    decision_ref=f"{name}@{t:.3f}")
+            if rec is None:
+                return
             if decision.current_valid:
                 # Only a switch the gearbox chose counts for its cooldown and anti-flapping: a
                 # forced move off a broken gear is not flapping, and counting two of them (two
@@ -391,7 +445,10 @@ class FlexPipePolicy(Policy):
             })
 
     def extra(self) -> dict[str, Any]:
-        return {"decide_calls": self.calls, "decisions": self.decisions[:200]}
+        assert self.driver is not None  # noqa: S101
+        violations = check_invariants(self.driver.log.events, complete=True)
+        return {"decide_calls": self.calls, "decisions": self.decisions[:200],
+                "transition_invariant_violations": [str(v) for v in violations[:20]]}
 
 
 # --- oracle ----------------------------------------------------------------------------------------
