@@ -129,6 +129,7 @@ class Pipe:
         self.kv_cap = kv_cap
         self.kv_bytes_per_token = kv_bytes_per_token  # over all GPUs of the pipe (for memory use)
         self.gpus = gpus
+        self.max_run = engine.host.max_run_rounds  # longest analytic run (1: every round simulated)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # admission order: the last one is preempted first
         self.prefilling: list[Request] = []  # prefill passes in progress, first come first served
@@ -358,7 +359,7 @@ class Pipe:
         else:
             k_fin = self._next_finish() - self.clock
             k_kv = (cap - ctx - self.kv_pre) // n
-            k = max(1, min(k_fin, k_kv, MAX_RUN_ROUNDS))
+            k = max(1, min(k_fin, k_kv, self.max_run))
             step = self._round_s(0, 0, 0, n, ctx + n * (k - 1) // 2)
         self.busy = True
         self.t0 = t

@@ -276,7 +276,7 @@ class TransitionDriver:
         job = _Move(cmd, engine.engine_id, directives, pipes_left=len(engine.pipes))
         for pipe in engine.pipes:
             if pipe.busy:
-                pipe.handover = lambda p, t, job=job: self._hand_over(job, p, t)  # type: ignore[misc]
+                pipe.handover = lambda p, t, job=job: self._hand_over(job, p, t)
             else:
                 self.sim.push_events(self._hand_over(job, pipe, self.sim.now_s))
 
@@ -379,7 +379,8 @@ class TransitionDriver:
         self._releases.setdefault(engine.engine_id, []).append(cmd)
         if len(self._releases[engine.engine_id]) > 1:
             return  # another node's release of the same plan: one drain serves both
-        drain_s = float(cmd.payload.get("drain_timeout_s", 2 * self.config.drain_budget_s) or 0.0)
+        raw = cmd.payload.get("drain_timeout_s", 2 * self.config.drain_budget_s)
+        drain_s = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else 0.0
         self.sim.retire(engine, "drain")
 
         def deadline(now: float) -> None:

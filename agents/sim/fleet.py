@@ -44,6 +44,7 @@ from agents.sim.engine import (
     KIND_CLUSTER,
     KIND_READY,
     KIND_TIMER,
+    MAX_RUN_ROUNDS,
     Event,
     Pipe,
     PlanEngine,
@@ -85,6 +86,7 @@ class SimOptions:
     stay_tokens: int = 32  # at a gear change, sequences this close to done finish on the old plan
     drain_limit_s: float = 7 * 86400.0  # after duration_s, requests still in the system get this long
     disk_cold_start_s: float = COLD_START_S  # a plan started from disk (a restarted pod) also starts its process
+    max_run_rounds: int = MAX_RUN_ROUNDS  # longest analytic run of identical rounds (1: simulate each round)
 
 
 DEFAULT_OPTIONS = SimOptions()
@@ -117,6 +119,8 @@ class _Silent:
 
 class EngineHost(Protocol):
     """What engines call back into (FleetSim implements it)."""
+
+    max_run_rounds: int  # longest analytic run of identical rounds
 
     def tokens(self, engine: PlanEngine, t0: float, t1: float, n: int) -> None: ...
 
@@ -180,6 +184,7 @@ class FleetSim:
         self.tenant_fraction = {(n.id, i): tenant_rng.uniform(0.55, 0.95)
                                 for n in scenario.all_nodes() for i in range(n.gpus)}
         self.listener: SimListener = listener or _Silent()
+        self.max_run_rounds = options.max_run_rounds
         # a plan that loses a GPU: its sequences keep their KV (only the oracle, which moved
         # them away just before the loss it knew of, sets this)
         self.kv_survives_loss = False
@@ -195,6 +200,7 @@ class FleetSim:
         self.engines: dict[int, PlanEngine] = {}  # every engine ever made (accounting)
         self.live: dict[int, PlanEngine] = {}  # loading or serving
         self.in_system: dict[int, Request] = {}  # admitted, neither finished nor failed
+        self.preemptions = 0  # KV preemptions (recompute) of the requests that finished
         self.recorder = Recorder(list(self.deployments),
                                  {d: (r.slo.ttft_ms / 1e3, r.slo.tpot_ms / 1e3) for d, r in self.deployments.items()},
                                  scenario.duration_s, options.bin_s)
@@ -350,6 +356,7 @@ class FleetSim:
         del self.in_system[req.rid]
         first = req.first_token_s if req.first_token_s is not None else t
         self.recorder.finished(req.deployment, req.arrival_s, first, t, req.output, req.replays)
+        self.preemptions += req.preemptions
         dep = self.deployments[req.deployment]
         dep.win_finished += 1
         dep.win_output += req.output
