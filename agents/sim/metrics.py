@@ -210,14 +210,19 @@ def summarize(rec: Recorder, *, switch_count: int, restarts: int = 0) -> dict[st
     if steady.size < MIN_WINDOW_REQUESTS:
         steady = ttft
     worst: float | None = None
+    per_change: dict[float, float | None] = {}
     for t_e in change_times:
         start = t_e
+        mine: float | None = None
         while start <= t_e + AFTER_EVENT_S and start < duration:
             sel = ttft[(arrival >= start) & (arrival < start + WINDOW_S)]
             if sel.size >= MIN_WINDOW_REQUESTS:
                 p = float(np.percentile(sel, 95))
-                worst = p if worst is None else max(worst, p)
+                mine = p if mine is None else max(mine, p)
             start += WINDOW_STEP_S
+        per_change[t_e] = mine
+        if mine is not None:
+            worst = mine if worst is None else max(worst, mine)
     switch_durations = [s.serving_s - s.started_s for s in rec.switches if s.serving_s is not None]
     mem_util, compute_util = rec.util if rec.util is not None else (0.0, 0.0)
     per_dep: dict[str, Any] = {}
@@ -264,6 +269,7 @@ def summarize(rec: Recorder, *, switch_count: int, restarts: int = 0) -> dict[st
         "tpot_p50_s": _r(_pct(tpot, 50)),
         "tpot_p95_s": _r(_pct(tpot, 95)),
         "worst_p95_after_event_s": _r(worst),
+        "worst_p95_after_each_change_s": [_r(per_change.get(c.t_s)) for c in rec.changes],
         "steady_p95_s": _r(_pct(steady, 95)),
         "switches": switch_count,
         "restarts": restarts,
