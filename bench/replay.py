@@ -58,7 +58,8 @@ def table(result: dict[str, Any]) -> str:
         ("worst 5-min P95 after change s", "worst_p95_after_event_s", 3), ("steady P95 s", "steady_p95_s", 3),
         ("switches", "switches", 0), ("cold restarts", "restarts", 0),
         ("switch s (median)", None, 2), ("change -> serving s (max)", None, 2),
-        ("GPU memory util", "mem_util", 3), ("GPU compute util", "compute_util", 3),
+        ("GPU memory util", "mem_util", 3), ("GPU compute util (MFU)", "compute_util", 3),
+        ("GPU-hours held", "gpu_hours_held", 1),
     ]
     names = list(pols)
     width = max(16, *(len(n) + 2 for n in names))

@@ -150,6 +150,7 @@ class Pipe:
         # accounting
         self.busy_s = 0.0  # time it ran rounds
         self.kv_token_s = 0.0  # integral of KV tokens in use over time
+        self.tokens_done = 0  # tokens it computed (prompt chunks and decode steps), for compute use
 
     # --- state ----------------------------------------------------------------------------
     @property
@@ -211,6 +212,7 @@ class Pipe:
         span = t - self.t0
         self.busy_s += span
         kv_start = self.ctx_base + self.n_dec * self.clock + self.kv_pre
+        self.tokens_done += n * k + sum(c for _, c in self.chunks)
         if n and k:
             self.clock += k
             clock = self.clock
@@ -381,12 +383,13 @@ class Pipe:
         return self.clock + MAX_RUN_ROUNDS
 
     def _round_s(self, pre_tokens: int, pre_seqs: int, pre_ctx: int, dec: int, dec_ctx: int) -> float:
+        """A round's time by the cost model, slowed by `engine.share` when plans share a GPU."""
         pp = self.pp
         if pp == 1:
-            return self.prof.latency_interval(pre_tokens, pre_seqs, pre_ctx, dec, dec_ctx)[0]
+            return self.prof.latency_interval(pre_tokens, pre_seqs, pre_ctx, dec, dec_ctx)[0] * self.engine.share
         latency, interval = self.prof.latency_interval(
             -(-pre_tokens // pp), -(-pre_seqs // pp), pre_ctx // pp, -(-dec // pp), dec_ctx // pp)
-        return max(latency, min(pp, max(1, dec + pre_seqs)) * interval)
+        return max(latency, min(pp, max(1, dec + pre_seqs)) * interval) * self.engine.share
 
     # --- leaving ------------------------------------------------------------------------------
     def settle(self, t: float) -> list[Event]:
@@ -472,7 +475,12 @@ class PlanEngine:
         self.accepting = False  # in the routing table
         self.weight = 1.0  # routing weight
         self.release_when_empty = False  # draining: released when its last sequence leaves
-        self.started_s = 0.0
+        # plans on its busiest GPU (1: it has its GPUs to itself). Plans that share a GPU (two
+        # fit in its memory, or an old and a new plan overlap during a gear change) time-slice
+        # it; we charge each the whole share, as if the others were always busy (conservative).
+        self.share = 1.0
+        self.started_s = 0.0  # when it began serving
+        self.launched_s = 0.0  # when it began holding its GPUs (loading)
         kv_cap = plan.kv_reserve_tokens
         if plan.mode == "disaggregated":
             self.prefill = Pipe(self, "prefill", profile.pipeline("prefill"), kv_cap,

@@ -201,6 +201,7 @@ class FleetSim:
         self.live: dict[int, PlanEngine] = {}  # loading or serving
         self.in_system: dict[int, Request] = {}  # admitted, neither finished nor failed
         self.preemptions = 0  # KV preemptions (recompute) of the requests that finished
+        self.shared_launches = 0  # times an engine started sharing a GPU with another one
         self.recorder = Recorder(list(self.deployments),
                                  {d: (r.slo.ttft_ms / 1e3, r.slo.tpot_ms / 1e3) for d, r in self.deployments.items()},
                                  scenario.duration_s, options.bin_s)
@@ -211,8 +212,8 @@ class FleetSim:
         self._routes: dict[tuple[int, int], tuple[KvRoute, float]] = {}  # (src, dst) -> (route, busy until)
         self._ended_s: dict[int, float] = {}  # engine id -> when it stopped holding memory
         self._avail_t = 0.0
-        self._avail_gpu_s = 0.0
         self._avail_mem_byte_s = 0.0
+        self._avail_flop = 0.0  # peak FLOPs of the GPUs we held, over time
         self._gpu_busy_mark: dict[int, float] = {}  # engine id -> busy seconds at the last gpu_load()
         self._gpu_load_t = 0.0
         self._links: tuple[LinkState, ...] | None = None
@@ -443,6 +444,7 @@ class FleetSim:
         t = self.now_s
         profile = PlanProfile.build(plan, dep.model, self.snapshot(), self.eff)
         engine = PlanEngine(next(self._engine_ids), deployment, plan, profile, dep.model, self, ready_s=t + delay)
+        engine.launched_s = t
         engine.accepting = accepting
         engine.weight = max(weight, 1e-9)
         self.engines[engine.engine_id] = engine
@@ -454,6 +456,7 @@ class FleetSim:
             for u in st.gpu_uuids:
                 fp[u] = fp.get(u, 0) + need
         self._footprint[engine.engine_id] = fp
+        self._reshare()
         self._snapshot = None
         if delay <= 0:
             self._push_all(self._on_ready(t, engine))
@@ -602,6 +605,19 @@ class FleetSim:
             record.migrated += 1
         return dst.expect(req, land)
 
+    def _reshare(self) -> None:
+        """Each engine's slowdown: how many engines hold memory on its busiest GPU. A round in
+        flight keeps its time; the next one uses the new share."""
+        holders: dict[str, int] = {}
+        for fp in self._footprint.values():
+            for u in fp:
+                holders[u] = holders.get(u, 0) + 1
+        for engine in self.live.values():
+            share = float(max((holders.get(u, 1) for u in engine.plan.gpu_uuids), default=1))
+            if share > 1 and engine.share == 1.0:
+                self.shared_launches += 1
+            engine.share = share
+
     def _release(self, engine: PlanEngine, t: float) -> None:
         engine.state = "released"
         self._drop(engine, t)
@@ -614,6 +630,7 @@ class FleetSim:
         self.live.pop(engine.engine_id, None)
         self._footprint.pop(engine.engine_id, None)
         self._ended_s[engine.engine_id] = t
+        self._reshare()
         self._snapshot = None
         self.listener.on_released(self, t, engine)
 
@@ -669,8 +686,8 @@ class FleetSim:
         span = min(t, self.scenario.duration_s) - self._avail_t
         if span > 0:
             ours = [g for n in self.cluster.nodes.values() for g in n.gpus if g.owner == US]
-            self._avail_gpu_s += span * len(ours)
             self._avail_mem_byte_s += span * sum(gpu_spec(g.model).mem_bytes for g in ours)
+            self._avail_flop += span * sum(gpu_spec(g.model).bf16_flops for g in ours)
             self._avail_t = min(t, self.scenario.duration_s)
 
     def _on_cluster(self, t: float, _: object) -> list[Event]:
@@ -905,18 +922,23 @@ class FleetSim:
     def _mark_duration(self, t: float, _: object) -> list[Event]:
         """At duration_s: freeze the utilisation figures (the drain does not count)."""
         self._account_availability(t)
-        busy_gpu_s = kv_byte_s = weight_byte_s = 0.0
+        flop = kv_byte_s = weight_byte_s = gpu_s = 0.0
         for engine in self.engines.values():
+            per_token = float(engine.model.linear_flops_per_token)
             for pipe in engine.pipes:
-                busy_gpu_s += pipe.busy_s * pipe.gpus
+                flop += pipe.tokens_done * per_token
                 kv_byte_s += pipe.kv_token_s * pipe.kv_bytes_per_token
             up = engine.started_s if engine.state != "loading" else t
             end = min(self._ended_s.get(engine.engine_id, t), t)
             if engine.state in ("serving", "released", "dead") and end > up:
                 weight_byte_s += engine.weight_bytes * (end - up)
+            # GPUs held: from launch (memory is held while loading) to release, within [0, t]
+            held_end = min(self._ended_s.get(engine.engine_id, t), t)
+            gpu_s += len(engine.plan.gpu_uuids) * max(0.0, held_end - engine.launched_s)
         mem = (weight_byte_s + kv_byte_s) / self._avail_mem_byte_s if self._avail_mem_byte_s else 0.0
-        compute = busy_gpu_s / self._avail_gpu_s if self._avail_gpu_s else 0.0
+        compute = flop / self._avail_flop if self._avail_flop else 0.0
         self.recorder.util = (min(1.0, mem), min(1.0, compute))
+        self.recorder.gpu_hours = gpu_s / 3600
         return []
 
 

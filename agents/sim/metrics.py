@@ -24,9 +24,11 @@ prints and writes. Definitions (all latencies in seconds):
 * event_to_serving_s: per change, 0.0 when it broke no serving plan; else the time until the
   deployments it broke serve with a new gear again (null if they never do).
 * mem_util: GPU memory actually in use by our plans (weights + KV held, not the reserve) over
-  the memory of the GPUs we hold, averaged over time; compute_util: the share of GPU time in
-  which a round ran on it (what NVML's utilization.gpu reports), over the GPUs we hold. Both
-  over [0, duration_s].
+  the memory of the GPUs we hold (ours: not another tenant's, not failed), averaged over time.
+  compute_util: model FLOPs utilisation - the linear layers' FLOPs of every token our plans
+  computed (prompt chunks, recomputes and decode steps) over the dense BF16 peak of the GPUs we
+  hold. (Not NVML's "a kernel ran" share, which rewards spreading thin batches over many GPUs.)
+  Both over [0, duration_s]. gpu_hours_held: GPU-hours our plans held (from launch to release).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class Recorder:
         self.gear_timeline: list[tuple[float, str, str, int]] = []  # (t_s, deployment, shape, gpus)
         self.open_breaks: dict[str, list[ChangeRecord]] = {}
         self.util: tuple[float, float] | None = None  # (mem_util, compute_util), set at duration_s
+        self.gpu_hours = 0.0  # GPU-hours our plans held over [0, duration_s], set then too
         self.end_s = 0.0  # when the last request finished (the drain's end)
 
     # --- hot path ---------------------------------------------------------------------------
@@ -276,6 +279,7 @@ def summarize(rec: Recorder, *, switch_count: int, restarts: int = 0) -> dict[st
         "switch_durations_s": [_r(d, 3) for d in switch_durations],
         "event_to_serving_s": [_r(c.to_serving_s(), 3) for c in rec.changes],
         "mem_util": _r(mem_util, 4),
+        "gpu_hours_held": _r(rec.gpu_hours, 3),
         "compute_util": _r(compute_util, 4),
         "replayed_requests": int(sum(1 for r in rec.f_replays if r > 0)),
         "drain_end_s": _r(rec.end_s, 3),

@@ -27,7 +27,7 @@ import bisect
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agents.sim.cluster import Change
@@ -201,15 +201,23 @@ class StaticReplicasPolicy(StaticPolicy):
         capacity = {d.name: 0.0 for d in deps}
         self.fixed = {d.name: [] for d in deps}
 
-        def blocks() -> list[AtomicBlock]:
+        def planning_snapshot() -> Snapshot:
+            # fixed deployments do not share a GPU: one that hosts a plan has no room left
             snap = sim.snapshot()
+            taken = {u for e in sim.live.values() for u in e.plan.gpu_uuids}
+            return replace(snap, gpus=tuple(replace(g, mem_used_bytes=g.mem_total_bytes) if g.uuid in taken else g
+                                            for g in snap.gpus))
+
+        def blocks() -> list[AtomicBlock]:
+            snap = planning_snapshot()
             return sorted(atomic_blocks(snap), key=lambda b: (-b.size * snap.spec(b.gpu_model).bf16_flops, b.id))
 
         def place(dep: DeploymentRuntime, block_id: str, demand: Workload) -> bool:
             block = next((b for b in blocks() if b.id == block_id), None)
             if block is None:
                 return False
-            cands = plan_candidates(dep.model, sim.snapshot(), demand, slo=dep.slo, options=options, blocks=[block])
+            cands = plan_candidates(dep.model, planning_snapshot(), demand, slo=dep.slo, options=options,
+                                    blocks=[block])
             if not cands.feasible:
                 return False
             # the candidate that serves most of the demand: when one block cannot carry it every

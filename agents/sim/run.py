@@ -44,6 +44,8 @@ def run_policy(scenario: Scenario, name: str, *, workload: Workload | None = Non
         inspect(sim)
     out = summarize(sim.recorder, switch_count=policy.switches, restarts=policy.restarts)
     out["policy"] = name
+    out["shared_gpu_starts"] = sim.shared_launches  # plans that had to share a GPU with another plan
+    out["preemptions"] = sim.preemptions  # KV preemptions (recompute) over the finished requests
     out.update(policy.extra())
     out["changes"] = [{"t_s": round(c.t_s, 3), "kind": c.kind, "node": c.node, "text": c.text,
                        "broke": sorted(c.broke)} for c in sim.recorder.changes]
