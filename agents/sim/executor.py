@@ -71,131 +71,36 @@ class _Move:
     results: list[dict[str, object]] = field(default_factory=list)
 
 
-class TransitionDriver:
-    """The production executor, advanced on the simulator's clock (module docstring)."""
+Ack = Callable[[CommandIntent, bool, str, Mapping[str, object]], None]
 
-    def __init__(self, sim: FleetSim, *, config: TransitionConfig = DEFAULT_TRANSITION_CONFIG,
-                 on_finished: Finished | None = None) -> None:
+
+class SimAgents:
+    """Every agent of the simulated cluster: carries out agent protocol v1's transition commands
+    on the simulator's engines (module docstring) and answers each through `ack` when it is done.
+
+    The transition driver feeds it from the in-memory mailbox; the live fleet can feed it the
+    commands the console sends (a protocol Command maps onto a CommandIntent: key = command id,
+    node_id, kind, payload, deployment, transition seq, step) and ack over HTTP. The simulator's
+    listener must forward `on_ready` and `on_stopped` (engines coming up, stopping, released).
+    """
+
+    def __init__(self, sim: FleetSim, ack: Ack, *, config: TransitionConfig = DEFAULT_TRANSITION_CONFIG,
+                 log: EventLog | None = None) -> None:
         self.sim = sim
+        self.ack = ack
         self.config = config
-        self.on_finished = on_finished
-        self.clock = ManualClock(sim.now_s)
-        self.log = EventLog(record_decodes=False)
-        self.world = MemoryWorld(self.clock, sim.snapshot, self.log)
-        self.executor = Executor(self.world.store, self.world.agents, self.world.routing, self._now,
-                                 config=config, models=model_spec, eff=sim.eff)
-        self.records: dict[str, SwitchRecord] = {}  # "<deployment>/<seq>" -> what the report shows
-        self._versions: dict[str, int] = {}  # deployment -> routing version the simulator follows
-        self._wakes: dict[str, set[float]] = {}  # deployment -> advances already scheduled
+        self.log = log if log is not None else EventLog(record_decodes=False)
         self._prepares: dict[int, list[CommandIntent]] = {}  # engine id -> prepare commands to ack at ready
         self._releases: dict[int, list[CommandIntent]] = {}  # engine id -> release commands to ack at release
         self._link_free: dict[str, float] = {}  # source node -> its outgoing KV link is busy until then
 
-    def _now(self) -> float:
-        return self.sim.now_s
-
-    # --- state --------------------------------------------------------------------------------
-    def running(self, deployment: str) -> bool:
-        return self.world.store.active(deployment) is not None
-
-    def current_gear(self, deployment: str) -> Gear | None:
-        return self.world.store.current_gear(deployment)
-
-    def seed(self, deployment: str, gear: Gear) -> None:
-        """A deployment already running `gear` (started before the scenario): its stable gear
-        and routing table, as a past transition would have left them."""
-        snap = self.sim.snapshot()
-        self.world.store.gears[deployment] = gear
-        table = self.world.routing.seed(deployment, [Route(p, w, nodes=plan_nodes(p, snap))
-                                                     for p, w in zip(gear.plans, gear.weights, strict=True)])
-        self._versions[deployment] = table.version
-
-    # --- starting and advancing -----------------------------------------------------------------
-    def start(self, deployment: str, target: Gear, trigger: str, decision_ref: str | None = None
-              ) -> TransitionRecord | None:
-        self.clock.set(self.sim.now_s)
-        current = self.current_gear(deployment)
-        rec = self.executor.start(deployment, target, kind=Kind.AUTO, decision_ref=decision_ref)
-        if rec is None:
-            return None
-        record = SwitchRecord(deployment, self.sim.now_s, from_shape=current.shape() if current else "none",
-                              to_shape=target.shape(), trigger=trigger)
-        self.records[f"{deployment}/{rec.seq}"] = record
-        self.sim.recorder.switches.append(record)
-        # advance at once (reserve, prepare): its new plans hold their memory before the next
-        # deployment decides on the same snapshot
-        self._advance(deployment, self.sim.now_s)
-        return rec
-
-    def kick(self, deployment: str, at_s: float | None = None) -> None:
-        """Advance the deployment's transition at `at_s` (default now), once per instant."""
-        t = self.sim.now_s if at_s is None else max(self.sim.now_s, at_s)
-        wakes = self._wakes.setdefault(deployment, set())
-        if t in wakes:
-            return
-        wakes.add(t)
-        self.sim.call_at(t, lambda now: self._advance(deployment, now))
-
-    def kick_all(self) -> None:
-        for dep in self.sim.deployments:
-            if self.running(dep):
-                self.kick(dep)
-
-    def _advance(self, deployment: str, t: float) -> None:
-        self._wakes.get(deployment, set()).discard(t)
-        self.clock.set(t)
-        before = self.world.store.active(deployment)
-        adv = self.executor.advance(deployment)
-        self._follow_routing(deployment)
-        self._carry_out()
-        rec = adv.record
-        if rec is None:
-            return
-        switch = self.records.get(f"{deployment}/{rec.seq}")
-        if switch is not None:
-            # the canary's routing commit (or, without one, the flip's) is when the new plans take requests
-            canary = any(not a.intent.noop for a in rec.attempts(Step.CANARY))
-            if switch.serving_s is None and rec.phase is not Phase.ROLLBACK and (canary or rec.done(Step.FLIP)):
-                switch.serving_s = t  # the canary (or the flip): the new gear takes requests
-            switch.migrated = rec.moved.seqs_migrated
-            switch.replayed = rec.moved.seqs_replayed
-            switch.stayed = rec.moved.seqs_finished
-        if adv.finished or (before is not None and not rec.active):
-            if switch is not None:
-                switch.done_s = t
-                switch.outcome = "done" if rec.phase is Phase.DONE else "rolled_back"
-                if rec.phase is not Phase.DONE:
-                    switch.serving_s = None
-            if self.on_finished is not None:
-                self.on_finished(rec, t)
-            return
-        if adv.wake_at_s is not None and math.isfinite(adv.wake_at_s):
-            self.kick(deployment, adv.wake_at_s)
-
-    def _follow_routing(self, deployment: str) -> None:
-        """The simulator routes as the committed table says (weight > 0 and not frozen)."""
-        table = self.world.routing.current(deployment)
-        if self._versions.get(deployment) == table.version:
-            return
-        self._versions[deployment] = table.version
-        weights: dict[int, float] = {}
-        for route in table.routes:
-            engine = self.sim.engine_of(deployment, route.plan_id)
-            if engine is not None and route.weight > 0 and not route.frozen:
-                weights[engine.engine_id] = route.weight
-        self.sim.set_routing(deployment, weights)
-
-    # --- the agents' side ------------------------------------------------------------------------
-    def _carry_out(self) -> None:
-        mailbox = self.world.agents
-        for node in sorted(self.sim.cluster.nodes):
-            for cmd in mailbox.take(node):
-                self._execute(cmd)
+    def execute(self, cmd: CommandIntent) -> None:
+        """Carry out one command (acked now or when it is done)."""
+        self._execute(cmd)
 
     def _ack(self, cmd: CommandIntent, ok: bool, detail: str = "", result: Mapping[str, object] | None = None
              ) -> None:
-        self.world.agents.ack(cmd.key, "ok" if ok else "failed", detail, dict(result or {}))
-        self.kick(cmd.deployment_id)
+        self.ack(cmd, ok, detail, dict(result or {}))
 
     def _engine(self, cmd: CommandIntent) -> PlanEngine | None:
         return self.sim.engine_of(cmd.deployment_id, str(cmd.payload.get("plan_id", "")))
@@ -295,13 +200,11 @@ class TransitionDriver:
             r.pipe = None
             r.engine_id = 0
         src = pipe.engine
-        dep = self.sim.deployments[src.deployment]
         for req in taken + queued:
             m = job.directives[str(req.rid)]
             out += self._send(job, src, req, m, t)
         job.pipes_left -= 1
         self._maybe_done(job)
-        del dep
         return out
 
     def _send(self, job: _Move, src: PlanEngine, req: Request, m: Mapping[str, object], t: float) -> list[Any]:
@@ -397,6 +300,136 @@ class TransitionDriver:
                               plan_id=str(cmd.payload.get("plan_id", "")),
                               detail=str(cmd.payload.get("reason", "aborted"))))
         self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "failed": []})
+
+
+class TransitionDriver:
+    """The production executor, advanced on the simulator's clock (module docstring)."""
+
+    def __init__(self, sim: FleetSim, *, config: TransitionConfig = DEFAULT_TRANSITION_CONFIG,
+                 on_finished: Finished | None = None) -> None:
+        self.sim = sim
+        self.config = config
+        self.on_finished = on_finished
+        self.clock = ManualClock(sim.now_s)
+        self.log = EventLog(record_decodes=False)
+        self.world = MemoryWorld(self.clock, sim.snapshot, self.log)
+        self.executor = Executor(self.world.store, self.world.agents, self.world.routing, self._now,
+                                 config=config, models=model_spec, eff=sim.eff)
+        self.records: dict[str, SwitchRecord] = {}  # "<deployment>/<seq>" -> what the report shows
+        self._versions: dict[str, int] = {}  # deployment -> routing version the simulator follows
+        self._wakes: dict[str, set[float]] = {}  # deployment -> advances already scheduled
+        self.agents = SimAgents(sim, self._ack, config=config, log=self.log)
+
+    def _now(self) -> float:
+        return self.sim.now_s
+
+    # --- state --------------------------------------------------------------------------------
+    def running(self, deployment: str) -> bool:
+        return self.world.store.active(deployment) is not None
+
+    def current_gear(self, deployment: str) -> Gear | None:
+        return self.world.store.current_gear(deployment)
+
+    def seed(self, deployment: str, gear: Gear) -> None:
+        """A deployment already running `gear` (started before the scenario): its stable gear
+        and routing table, as a past transition would have left them."""
+        snap = self.sim.snapshot()
+        self.world.store.gears[deployment] = gear
+        table = self.world.routing.seed(deployment, [Route(p, w, nodes=plan_nodes(p, snap))
+                                                     for p, w in zip(gear.plans, gear.weights, strict=True)])
+        self._versions[deployment] = table.version
+
+    # --- starting and advancing -----------------------------------------------------------------
+    def start(self, deployment: str, target: Gear, trigger: str, decision_ref: str | None = None
+              ) -> TransitionRecord | None:
+        self.clock.set(self.sim.now_s)
+        current = self.current_gear(deployment)
+        rec = self.executor.start(deployment, target, kind=Kind.AUTO, decision_ref=decision_ref)
+        if rec is None:
+            return None
+        record = SwitchRecord(deployment, self.sim.now_s, from_shape=current.shape() if current else "none",
+                              to_shape=target.shape(), trigger=trigger)
+        self.records[f"{deployment}/{rec.seq}"] = record
+        self.sim.recorder.switches.append(record)
+        # advance at once (reserve, prepare): its new plans hold their memory before the next
+        # deployment decides on the same snapshot
+        self._advance(deployment, self.sim.now_s)
+        return rec
+
+    def kick(self, deployment: str, at_s: float | None = None) -> None:
+        """Advance the deployment's transition at `at_s` (default now), once per instant."""
+        t = self.sim.now_s if at_s is None else max(self.sim.now_s, at_s)
+        wakes = self._wakes.setdefault(deployment, set())
+        if t in wakes:
+            return
+        wakes.add(t)
+        self.sim.call_at(t, lambda now: self._advance(deployment, now))
+
+    def kick_all(self) -> None:
+        for dep in self.sim.deployments:
+            if self.running(dep):
+                self.kick(dep)
+
+    def _advance(self, deployment: str, t: float) -> None:
+        self._wakes.get(deployment, set()).discard(t)
+        self.clock.set(t)
+        before = self.world.store.active(deployment)
+        adv = self.executor.advance(deployment)
+        self._follow_routing(deployment)
+        self._carry_out()
+        rec = adv.record
+        if rec is None:
+            return
+        switch = self.records.get(f"{deployment}/{rec.seq}")
+        if switch is not None:
+            # the canary's routing commit (or, without one, the flip's) is when the new plans take requests
+            canary = any(not a.intent.noop for a in rec.attempts(Step.CANARY))
+            if switch.serving_s is None and rec.phase is not Phase.ROLLBACK and (canary or rec.done(Step.FLIP)):
+                switch.serving_s = t  # the canary (or the flip): the new gear takes requests
+            switch.migrated = rec.moved.seqs_migrated
+            switch.replayed = rec.moved.seqs_replayed
+            switch.stayed = rec.moved.seqs_finished
+        if adv.finished or (before is not None and not rec.active):
+            if switch is not None:
+                switch.done_s = t
+                switch.outcome = "done" if rec.phase is Phase.DONE else "rolled_back"
+                if rec.phase is not Phase.DONE:
+                    switch.serving_s = None
+            if self.on_finished is not None:
+                self.on_finished(rec, t)
+            return
+        if adv.wake_at_s is not None and math.isfinite(adv.wake_at_s):
+            self.kick(deployment, adv.wake_at_s)
+
+    def _follow_routing(self, deployment: str) -> None:
+        """The simulator routes as the committed table says (weight > 0 and not frozen)."""
+        table = self.world.routing.current(deployment)
+        if self._versions.get(deployment) == table.version:
+            return
+        self._versions[deployment] = table.version
+        weights: dict[int, float] = {}
+        for route in table.routes:
+            engine = self.sim.engine_of(deployment, route.plan_id)
+            if engine is not None and route.weight > 0 and not route.frozen:
+                weights[engine.engine_id] = route.weight
+        self.sim.set_routing(deployment, weights)
+
+    # --- the mailbox ---------------------------------------------------------------------------------
+    def _carry_out(self) -> None:
+        mailbox = self.world.agents
+        for node in sorted(self.sim.cluster.nodes):
+            for cmd in mailbox.take(node):
+                self.agents.execute(cmd)
+
+    def _ack(self, cmd: CommandIntent, ok: bool, detail: str, result: Mapping[str, object]) -> None:
+        self.world.agents.ack(cmd.key, "ok" if ok else "failed", detail, dict(result))
+        self.kick(cmd.deployment_id)
+
+    def on_ready(self, engine: PlanEngine) -> None:
+        self.agents.on_ready(engine)
+
+    def on_stopped(self, engine: PlanEngine) -> None:
+        self.agents.on_stopped(engine)
 
 
 def _sequences(engine: PlanEngine) -> list[tuple[Request, bool]]:

@@ -200,6 +200,7 @@ class FleetSim:
         self.engines: dict[int, PlanEngine] = {}  # every engine ever made (accounting)
         self.live: dict[int, PlanEngine] = {}  # loading or serving
         self.in_system: dict[int, Request] = {}  # admitted, neither finished nor failed
+        self.change_log: list[Change] = []  # every cluster change applied so far (the live fleet reads it)
         self.preemptions = 0  # KV preemptions (recompute) of the requests that finished
         self.shared_launches = 0  # times an engine started sharing a GPU with another one
         self.recorder = Recorder(list(self.deployments),
@@ -693,6 +694,7 @@ class FleetSim:
     def _on_cluster(self, t: float, _: object) -> list[Event]:
         self._account_availability(t)
         changes = self.cluster.advance_to(t)
+        self.change_log.extend(changes)
         self._snapshot = None
         self._links = None
         gpus = self._gpus_by_uuid()
