@@ -98,6 +98,7 @@ class EngineStatus:
     base_url: str
     restarts: int  # restarts so far (all time)
     last_exit_status: int | None  # of the last server that died (negative: killed by that signal)
+    last_death: str | None  # why the last server was given up ("exited with status -9", "/health failed ...")
     failure: str | None  # why the engine is FAILED (or the last start failed), with log lines
     log_path: str
 
@@ -115,12 +116,13 @@ class VllmEngine:
 
     def __init__(self, spec: VllmPlanSpec, *, python: str | None = None, log_dir: str | Path | None = None,
                  policy: RestartPolicy | None = None, health_interval_s: float = 2.0,
-                 on_failure: Callable[[EngineStatus], None] | None = None,
+                 health_timeout_s: float = 5.0, on_failure: Callable[[EngineStatus], None] | None = None,
                  base_env: dict[str, str] | None = None, cwd: str | None = None) -> None:
         self.spec = spec
         self.python = python or default_vllm_python()
         self.policy = policy or RestartPolicy()
         self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
         self.on_failure = on_failure
         self.argv = build_command(spec, self.python)
         self.env = build_env(spec, base_env)
@@ -136,6 +138,7 @@ class VllmEngine:
         self._restarts = 0
         self._deaths: list[float] = []
         self._last_exit: int | None = None
+        self._last_death: str | None = None
         self._failure: str | None = None
         self._thread: threading.Thread | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0))
@@ -204,6 +207,7 @@ class VllmEngine:
                 base_url=self.base_url,
                 restarts=self._restarts,
                 last_exit_status=self._last_exit,
+                last_death=self._last_death,
                 failure=self._failure,
                 log_path=str(self.log_path),
             )
@@ -330,7 +334,7 @@ class VllmEngine:
     def _watch(self, proc: ServerProcess) -> str | None:
         """Watch a serving process; return why it is considered dead, or None when stopping."""
         failed_checks = 0
-        client = httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0))
+        client = httpx.Client(timeout=httpx.Timeout(self.health_timeout_s, connect=2.0))
         try:
             while True:
                 with self._cv:
@@ -341,7 +345,7 @@ class VllmEngine:
                 if code is not None:
                     return f"exited with status {code}"
                 proc.note_tree()
-                if proc.healthy(client):
+                if proc.healthy(client, timeout_s=self.health_timeout_s):
                     failed_checks = 0
                     continue
                 failed_checks += 1
@@ -356,6 +360,7 @@ class VllmEngine:
         tail = proc.log_tail(12)
         with self._cv:
             self._last_exit = code
+            self._last_death = why
             self._deaths = [t for t in self._deaths if now - t < self.policy.window_s] + [now]
             recent = len(self._deaths)
             message = f"vLLM server of plan {self.spec.plan_id} {why}"

@@ -63,7 +63,8 @@ def vllm_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_engine(tiny_model: Path, vllm_logs: Path) -> Iterator[VllmEngine]:
     """One supervised server for the session (tests that restart it leave it serving again)."""
     engine = VllmEngine(cpu_spec(tiny_model, "session"), log_dir=vllm_logs,
-                        policy=RestartPolicy(backoff_initial_s=0.2), health_interval_s=0.5)
+                        policy=RestartPolicy(backoff_initial_s=0.2), health_interval_s=0.5,
+                        health_timeout_s=2.0)
     engine.start(timeout_s=300)
     yield engine
     engine.stop(grace_s=15)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -99,12 +101,32 @@ def test_a_killed_server_is_restarted_and_serves_the_same_tokens(vllm_engine: Vl
     assert status.state is EngineState.READY
     assert status.restarts == old.restarts + 1
     assert status.last_exit_status == -9  # SIGKILL
+    assert status.last_death == "exited with status -9"
     assert status.pid is not None and status.pid != old.pid
     # The crashed server's engine core and workers were swept before the new one started.
     assert not alive(old.pid)
     assert [pid for pid, start in old_tree.items() if still_running(pid, start)] == []
     after = _complete(vllm_engine, GREEDY)
     assert after.token_ids == before.token_ids and len(after.token_ids) == 24
+
+
+@pytest.mark.timeout(600)
+def test_a_hung_server_is_restarted(vllm_engine: VllmEngine) -> None:
+    before = _complete(vllm_engine, GREEDY)
+    old = vllm_engine.status()
+    assert old.pid is not None
+    os.kill(old.pid, signal.SIGSTOP)  # alive, but answers nothing: /health times out
+    try:
+        status = vllm_engine.wait_restarts(old.restarts + 1, timeout_s=400)
+    finally:
+        try:
+            os.kill(old.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert status.last_death == "/health failed 3 times in a row"
+    assert status.last_exit_status == -9  # a stopped process cannot act on SIGTERM: killed after the grace
+    assert not alive(old.pid)
+    assert _complete(vllm_engine, GREEDY).token_ids == before.token_ids
 
 
 @pytest.mark.timeout(300)
