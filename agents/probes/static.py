@@ -176,3 +176,27 @@ class StaticProbe:
 
     def close(self) -> None:
         pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m agents.probes.static FILE`: check a node file and show what the agent would send."""
+    import argparse
+    import sys
+    from dataclasses import asdict
+
+    parser = argparse.ArgumentParser(description="Check a static probe file (JSON or YAML).")
+    parser.add_argument("file")
+    args = parser.parse_args(argv)
+    try:
+        probe = StaticProbe(args.file)
+    except SchemaError as exc:
+        for path, reason in exc.errors.items():
+            print(f"{args.file}: {path}: {reason}", file=sys.stderr)
+        return 1
+    print(json.dumps({"gpus": [asdict(g) for g in probe.gpus()],
+                      "reports": [asdict(r) for r in probe.report()]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

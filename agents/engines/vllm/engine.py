@@ -93,7 +93,7 @@ class RestartPolicy:
 class EngineStatus:
     plan_id: str
     state: EngineState
-    admitting: bool
+    admitting: bool  # takes new requests now: serving, and not draining
     pid: int | None  # the API server's pid while one runs
     base_url: str
     restarts: int  # restarts so far (all time)
@@ -105,9 +105,10 @@ class EngineStatus:
 
 @dataclass(frozen=True)
 class DrainResult:
-    drained: bool  # True: nothing running or waiting; False: the deadline came first
-    running: int
+    drained: bool  # True: no request open, running or waiting; False: the deadline came first
+    running: int  # the engine's gauges at the last look
     waiting: int
+    in_flight: int | None  # requests the API server still had open (/load); None without load tracking
     waited_s: float
 
 
@@ -201,8 +202,7 @@ class VllmEngine:
             return EngineStatus(
                 plan_id=self.spec.plan_id,
                 state=self._state,
-                admitting=self._admitting and self._state in (EngineState.READY, EngineState.STARTING,
-                                                              EngineState.RESTARTING),
+                admitting=self._admitting and self._state is EngineState.READY,
                 pid=proc.pid if proc is not None and proc.poll() is None else None,
                 base_url=self.base_url,
                 restarts=self._restarts,
@@ -252,9 +252,12 @@ class VllmEngine:
             raise NotAdmitting(f"plan {self.spec.plan_id} admits no new request ({st.state.value})")
 
     def drain(self, deadline_s: float, poll_s: float = 0.2) -> DrainResult:
-        """Stop admitting, then wait until nothing runs or waits, or until `deadline_s` passes.
+        """Stop admitting, then wait until no request is open, running or waiting, or until
+        `deadline_s` passes. Admission stays off afterwards (`resume()` undoes it, as a rollback does).
 
-        Admission stays off afterwards (call `resume()` to undo, as a rollback does).
+        Empty means both: the API server has no open request (/load, counted from arrival to the
+        response's last byte) and the engine's gauges show nothing running or waiting. The gauges
+        alone can trail the engine by a whole burst on a busy host.
         """
         started = time.monotonic()
         with self._cv:
@@ -264,12 +267,24 @@ class VllmEngine:
             self._cv.notify_all()
         while True:
             m = self.scrape()
+            open_requests = self.server_load()
             waited = time.monotonic() - started
-            if m.running == 0 and m.waiting == 0:
-                return DrainResult(True, 0, 0, waited)
+            if m.running == 0 and m.waiting == 0 and not open_requests:
+                return DrainResult(True, 0, 0, open_requests, waited)
             if waited >= deadline_s:
-                return DrainResult(False, m.running, m.waiting, waited)
+                return DrainResult(False, m.running, m.waiting, open_requests, waited)
             time.sleep(min(poll_s, max(deadline_s - waited, 0.0)))
+
+    def server_load(self) -> int | None:
+        """Requests the API server has open now (GET /load); None when load tracking is off."""
+        if not self.spec.server_load_tracking:
+            return None
+        try:
+            resp = self._http.get(f"{self.base_url}/load")
+            resp.raise_for_status()
+            return int(resp.json()["server_load"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise EngineError(f"plan {self.spec.plan_id}: /load unreadable: {exc}") from exc
 
     def resume(self) -> None:
         """Admit again after a drain (the rollback of a transition that drained this plan)."""
@@ -301,15 +316,37 @@ class VllmEngine:
     def _supervise(self) -> None:
         """Thread body. Invariant: at most one server process of this engine is alive at a time;
         each one is fully stopped (whole tree) before the next is spawned."""
+        try:
+            self._supervise_loop()
+        except Exception as exc:  # noqa: BLE001 - a supervisor must never die silently
+            with self._cv:
+                self._state = EngineState.FAILED
+                self._admitting = False
+                self._failure = f"the supervisor of plan {self.spec.plan_id} crashed: {type(exc).__name__}: {exc}"
+                self._cv.notify_all()
+            if self.on_failure is not None:
+                self.on_failure(self.status())
+
+    def _supervise_loop(self) -> None:
         first = True
         while True:
             with self._cv:
                 if self._stopping:
                     return
                 self._state = EngineState.STARTING if first else EngineState.RESTARTING
-                proc = ServerProcess.spawn(self.argv, self.env, self.base_url, self.log_path, cwd=self._cwd)
-                self._proc = proc
+                try:
+                    proc = ServerProcess.spawn(self.argv, self.env, self.base_url, self.log_path, cwd=self._cwd)
+                except OSError as exc:
+                    spawn_error = f"could not be started: {exc}"
+                else:
+                    spawn_error = None
+                    self._proc = proc
                 self._cv.notify_all()
+            if spawn_error is not None:
+                if not self._after_death(None, spawn_error, None):
+                    return
+                first = False
+                continue
             why = proc.wait_ready(self._http, self.policy.startup_timeout_s, lambda: self._stopping)
             if why is None:
                 with self._cv:
@@ -354,10 +391,10 @@ class VllmEngine:
         finally:
             client.close()
 
-    def _after_death(self, proc: ServerProcess, why: str, code: int | None) -> bool:
+    def _after_death(self, proc: ServerProcess | None, why: str, code: int | None) -> bool:
         """Record a death; wait out the backoff. False when the engine is FAILED (or stopping)."""
         now = time.monotonic()
-        tail = proc.log_tail(12)
+        tail = proc.log_tail(12) if proc is not None else []
         with self._cv:
             self._last_exit = code
             self._last_death = why

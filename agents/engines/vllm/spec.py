@@ -56,6 +56,7 @@ class VllmPlanSpec:
     host: str = "127.0.0.1"
     enable_prefix_caching: bool = True  # makes the replay of a switch cheap for shared prefixes
     enforce_eager: bool = False  # no CUDA graphs / torch.compile: faster start, slower steps
+    server_load_tracking: bool = True  # GET /load counts open requests: what drain waits on
     gpu_memory_utilization: float | None = None  # vLLM's default is 0.92 (DESIGN.md invariant 4)
     max_num_seqs: int | None = None
     seed: int | None = None
@@ -94,6 +95,7 @@ class VllmPlanSpec:
             "host": r.str("host", "127.0.0.1", max_len=255),
             "enable_prefix_caching": r.bool("enable_prefix_caching", True),
             "enforce_eager": r.bool("enforce_eager", False),
+            "server_load_tracking": r.bool("server_load_tracking", True),
             "gpu_memory_utilization": r.num("gpu_memory_utilization", None, min=0.0, max=1.0,
                                             exclusive_min=True),
             "max_num_seqs": r.int("max_num_seqs", None, min=1),
@@ -143,7 +145,8 @@ class VllmPlanSpec:
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size, "gpu_ids": list(self.gpu_ids),
             "dtype": self.dtype, "host": self.host, "enable_prefix_caching": self.enable_prefix_caching,
-            "enforce_eager": self.enforce_eager, "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enforce_eager": self.enforce_eager, "server_load_tracking": self.server_load_tracking,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
             "max_num_seqs": self.max_num_seqs, "seed": self.seed, "extra_args": list(self.extra_args),
             "env": dict(self.env),
         }
@@ -203,6 +206,11 @@ def build_command(spec: VllmPlanSpec, python: str | None = None) -> list[str]:
         # One access-log line per request would drown the log the supervisor keeps for failures.
         "--disable-uvicorn-access-log",
     ]
+    if spec.server_load_tracking:
+        # The engine's running/waiting gauges trail the engine (they update as the API server
+        # processes step outputs, which on a busy host can lag a whole burst); /load counts
+        # requests from arrival to the last byte sent, so a drain can trust its zero.
+        argv.append("--enable-server-load-tracking")
     if spec.enforce_eager:
         argv.append("--enforce-eager")
     if spec.gpu_memory_utilization is not None:

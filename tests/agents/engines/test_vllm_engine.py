@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -26,8 +25,6 @@ from agents.engines.vllm import (
 from agents.engines.vllm.process import alive, still_running
 
 from .conftest import SERVED, cpu_spec
-
-pytestmark = pytest.mark.vllm
 
 GREEDY = {"model": SERVED, "prompt": [1, 50, 60, 70, 80], "max_tokens": 24, "temperature": 0}
 
@@ -53,21 +50,41 @@ def test_a_missing_interpreter_is_a_clear_error(tiny_model: Path, tmp_path: Path
         engine.start()
 
 
+def test_an_interpreter_that_cannot_run_is_reported_failed(tiny_model: Path, tmp_path: Path) -> None:
+    not_executable = tmp_path / "python"
+    not_executable.write_text("#!/bin/sh\n")
+    not_executable.chmod(0o644)
+    failures: list[EngineStatus] = []
+    engine = VllmEngine(cpu_spec(tiny_model, "noexec"), python=str(not_executable), log_dir=tmp_path,
+                        policy=RestartPolicy(max_restarts=0), on_failure=failures.append)
+    with pytest.raises(EngineError, match="could not be started: .*Permission denied"):
+        engine.start(timeout_s=30)
+    assert engine.status().state is EngineState.FAILED and engine.status().pid is None
+    assert len(failures) == 1
+    engine.stop()
+
+
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_drain_stops_admission_and_waits_for_running_requests(vllm_engine: VllmEngine) -> None:
     body = {"model": SERVED, "prompt": list(range(3, 60)), "max_tokens": 400, "temperature": 0,
             "ignore_eos": True}
     outputs: list[Completion] = []
-    threads = [threading.Thread(target=lambda: outputs.append(_complete(vllm_engine, body))) for _ in range(3)]
+    streaming = [threading.Event() for _ in range(3)]
+
+    def run(i: int) -> None:
+        with httpx.Client(timeout=300) as client:
+            outputs.append(stream_completion(client, vllm_engine.base_url, body,
+                                             on_tokens=lambda _ids: streaming[i].set()))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 120
-        while vllm_engine.scrape().running == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # A deadline of zero: one look, and requests are still decoding.
+        assert streaming[0].wait(120), "the first request never produced a token"
+        # A deadline of zero: one look while requests are open.
         early = vllm_engine.drain(deadline_s=0)
-        assert not early.drained and early.running + early.waiting >= 1
+        assert not early.drained and early.in_flight is not None and early.in_flight >= 1
         status = vllm_engine.status()
         assert status.state is EngineState.DRAINING and not status.admitting
         with pytest.raises(NotAdmitting, match="admits no new request"):
@@ -75,9 +92,9 @@ def test_drain_stops_admission_and_waits_for_running_requests(vllm_engine: VllmE
         seq = InFlightSequence("late", (1, 2, 3), (), 4)
         with pytest.raises(NotAdmitting):
             replay_all(vllm_engine.base_url, SERVED, [seq], admission=vllm_engine.check_admission)
-        # Now wait: the running requests finish whole, nothing is cut.
+        # Now wait: the open requests finish whole, nothing is cut.
         done = vllm_engine.drain(deadline_s=300)
-        assert done.drained and (done.running, done.waiting) == (0, 0)
+        assert done.drained and (done.running, done.waiting, done.in_flight) == (0, 0, 0)
         for t in threads:
             t.join()
         assert [(len(o.token_ids), o.finish_reason) for o in outputs] == [(400, "length")] * 3
@@ -88,6 +105,7 @@ def test_drain_stops_admission_and_waits_for_running_requests(vllm_engine: VllmE
     assert vllm_engine.status().state is EngineState.READY and vllm_engine.admitting
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_a_killed_server_is_restarted_and_serves_the_same_tokens(vllm_engine: VllmEngine) -> None:
     before = _complete(vllm_engine, GREEDY)
@@ -110,6 +128,7 @@ def test_a_killed_server_is_restarted_and_serves_the_same_tokens(vllm_engine: Vl
     assert after.token_ids == before.token_ids and len(after.token_ids) == 24
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_a_hung_server_is_restarted(vllm_engine: VllmEngine) -> None:
     before = _complete(vllm_engine, GREEDY)
@@ -129,6 +148,7 @@ def test_a_hung_server_is_restarted(vllm_engine: VllmEngine) -> None:
     assert _complete(vllm_engine, GREEDY).token_ids == before.token_ids
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_a_server_that_keeps_dying_is_reported_failed(tmp_path: Path, tiny_model: Path) -> None:
     broken = tmp_path / "not-a-model"

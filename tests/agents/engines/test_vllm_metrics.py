@@ -148,29 +148,36 @@ def test_live_reports_follow_the_server(vllm_engine: VllmEngine) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_live_gauges_show_running_requests(vllm_engine: VllmEngine) -> None:
+    # NOTE: on this 2-core machine vLLM's API server sometimes takes in the engine's step outputs
+    # (tokens for the streams, stats for the gauges) only in bulk at the end of a burst, so one
+    # burst may pass without a gauge moving. Up to three bursts of eight requests are given.
     body = {"model": SERVED, "prompt": list(range(5, 105)), "max_tokens": 400, "temperature": 0,
             "ignore_eos": True}
-    results: list[int] = []
-
-    def run() -> None:
-        with httpx.Client(timeout=300) as c:
-            results.append(len(stream_completion(c, vllm_engine.base_url, body).token_ids))
-
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for t in threads:
-        t.start()
     seen: VllmMetrics | None = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(results) < 3:
-        m = vllm_engine.scrape()
-        if m.running >= 1 and (m.kv_usage or 0) > 0:
-            seen = m
-            break
-        time.sleep(0.02)
-    for t in threads:
-        t.join()
-    assert results == [400, 400, 400]
-    assert seen is not None, "never saw a running request in /metrics while three were decoding"
-    assert 1 <= seen.running <= 3 and 0 < (seen.kv_usage or 0) <= 1
+    bursts = 0
+    while seen is None and bursts < 3:
+        bursts += 1
+        results: list[int] = []
+
+        def run(into: list[int]) -> None:
+            with httpx.Client(timeout=300) as c:
+                into.append(len(stream_completion(c, vllm_engine.base_url, body).token_ids))
+
+        threads = [threading.Thread(target=run, args=(results,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while seen is None and len(results) < 8 and time.monotonic() < deadline:
+            m = vllm_engine.scrape()
+            if m.running >= 1 and (m.kv_usage or 0) > 0:
+                seen = m
+            time.sleep(0.01)
+        for t in threads:
+            t.join()
+        assert results == [400] * 8
+    assert seen is not None, f"no scrape in {bursts} bursts of 8 requests showed a running request"
+    assert 1 <= seen.running <= 8 and 0 < (seen.kv_usage or 0) <= 1
+    idle = vllm_engine.scrape()
+    assert (idle.running, idle.waiting, idle.kv_usage) == (0, 0, 0.0)

@@ -34,7 +34,7 @@ def test_a_single_gpu_plan() -> None:
         "--model", "/models/llama", "--served-model-name", "llama",
         "--host", "127.0.0.1", "--port", "8100", "--dtype", "auto", "--max-model-len", "8192",
         "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
-        "--enable-prefix-caching", "--disable-uvicorn-access-log",
+        "--enable-prefix-caching", "--disable-uvicorn-access-log", "--enable-server-load-tracking",
     ]
     env = build_env(s, base={"PATH": "/usr/bin"})
     assert env == {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
@@ -71,12 +71,12 @@ def test_a_plan_without_gpus_hides_every_gpu() -> None:
 
 
 def test_options_go_after_ours_and_extra_args_last() -> None:
-    s = spec(enable_prefix_caching=False, enforce_eager=True, gpu_memory_utilization=0.92, max_num_seqs=64,
+    s = spec(enable_prefix_caching=False, enforce_eager=True, server_load_tracking=False, gpu_memory_utilization=0.92, max_num_seqs=64,
              seed=7, dtype="bfloat16", host="0.0.0.0", extra_args=("--kv-cache-dtype", "fp8"),
              env=(("VLLM_CPU_KVCACHE_SPACE", "4"),))
     argv = build_command(s, PY)
     assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
-    assert "--enforce-eager" in argv
+    assert "--enforce-eager" in argv and "--enable-server-load-tracking" not in argv
     assert flag(argv, "--gpu-memory-utilization") == "0.92"
     assert flag(argv, "--max-num-seqs") == "64" and flag(argv, "--seed") == "7"
     assert flag(argv, "--dtype") == "bfloat16" and flag(argv, "--host") == "0.0.0.0"
@@ -170,7 +170,8 @@ def test_vllm_itself_accepts_the_command_lines() -> None:
         "    validate_parsed_serve_args(a)\n"
         "    out.append([a.model, a.served_model_name, a.host, a.port, a.dtype, a.max_model_len,\n"
         "                a.tensor_parallel_size, a.pipeline_parallel_size, a.enable_prefix_caching,\n"
-        "                a.enforce_eager, a.gpu_memory_utilization, a.max_num_seqs, a.seed])\n"
+        "                a.enforce_eager, a.gpu_memory_utilization, a.max_num_seqs, a.seed,\n"
+        "                a.enable_server_load_tracking])\n"
         "print('PARSED ' + json.dumps(out))\n"
     )
     proc = subprocess.run([VLLM_PYTHON, "-c", script], input=json.dumps(argvs), capture_output=True, text=True,
@@ -178,7 +179,7 @@ def test_vllm_itself_accepts_the_command_lines() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     parsed = json.loads(proc.stdout.split("PARSED ", 1)[1])
     assert parsed[0] == ["/models/llama", ["llama"], "127.0.0.1", 8100, "auto", 8192, 1, 1, True, False,
-                         0.92, None, 0]
+                         0.92, None, 0, True]
     assert parsed[1] == ["/models/llama", ["llama"], "127.0.0.1", 8100, "float32", 8192, 2, 2, False, True,
-                         0.92, 32, 3]
+                         0.92, 32, 3, True]
     assert parsed[2][4:8] == ["bfloat16", 8192, 8, 1]

@@ -161,3 +161,14 @@ def test_a_file_that_changes_the_set_of_gpus_is_refused(tmp_path: Path) -> None:
 def test_open_probe_static_needs_a_path() -> None:
     with pytest.raises(ValueError, match="static_path: the static probe needs a file"):
         open_probe("static")
+
+
+def test_the_command_checks_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agents.probes.static import main
+
+    good = _write(tmp_path, YAML_NODE, "node.yaml")
+    assert main([str(good)]) == 0
+    assert [g["uuid"] for g in json.loads(capsys.readouterr().out)["gpus"]] == ["GPU-a", "GPU-b", "GPU-c"]
+    bad = _write(tmp_path, {"gpus": [{"uuid": "g", "index": 0, "model": "L40S"}]}, "bad.json")
+    assert main([str(bad)]) == 1
+    assert capsys.readouterr().err == f"{bad}: gpus[0].mem_total_bytes: is required (or mem_total_gib)\n"
