@@ -11,8 +11,10 @@ reported as a custom spec rather than silently taking the SXM figures.
 
 from __future__ import annotations
 
-# Catalog names (scheduler/hardware.py CATALOG keys).
-CATALOG_NAMES = ("H200", "H100-SXM", "A100-80G", "A100-40G", "L40S", "A10G")
+# Catalog names (scheduler/hardware.py CATALOG keys; that module lives on another branch until
+# merged: then this tuple should become `tuple(scheduler.hardware.CATALOG)`). Ascend has no NVML
+# name; static probe files of Ascend nodes use it.
+CATALOG_NAMES = ("H200", "H100-SXM", "A100-80G", "A100-40G", "L40S", "A10G", "Ascend-910B")
 
 # NVML product name, lower-case and without the "nvidia " prefix -> catalog name.
 # Sources, per row: the string NVML / `nvidia-smi -L` reports on that product.
