@@ -212,7 +212,9 @@ class Pipe:
         span = t - self.t0
         self.busy_s += span
         kv_start = self.ctx_base + self.n_dec * self.clock + self.kv_pre
-        self.tokens_done += n * k + sum(c for _, c in self.chunks)
+        self.tokens_done += n * k
+        if self.chunks:
+            self.tokens_done += sum(c for _, c in self.chunks)
         if n and k:
             self.clock += k
             clock = self.clock
@@ -508,7 +510,13 @@ class PlanEngine:
 
     @property
     def load(self) -> int:
-        return sum(p.load for p in self.pipes) + len(self.in_flight)
+        """Sequences it holds or has on their way (what the router balances)."""
+        first = self.pipes[0]
+        n = len(first.waiting) + len(first.running) + len(self.in_flight)
+        if len(self.pipes) > 1:
+            second = self.pipes[1]
+            n += len(second.waiting) + len(second.running)
+        return n
 
     def empty(self) -> bool:
         return not self.in_flight and all(p.empty() for p in self.pipes)

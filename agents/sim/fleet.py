@@ -241,16 +241,24 @@ class FleetSim:
 
     def advance_to(self, t_s: float) -> None:
         """Run every event due at or before `t_s`; the clock ends at `t_s`."""
+        self._run(t_s)
+        self.now_s = max(self.now_s, t_s)
+
+    def _run(self, t_s: float, until_empty: bool = False) -> None:
+        """The event loop: events due at or before `t_s` in (time, kind, seq) order; with
+        `until_empty`, stop as soon as no admitted request is left in the system."""
         heap = self._heap
         pop, push, seq = heapq.heappop, heapq.heappush, self._seq
+        in_system = self.in_system
         while heap and heap[0][0] <= t_s:
+            if until_empty and not in_system:
+                return
             t, _, _, fn, arg = pop(heap)
             self.now_s = t
             new = fn(t, arg)
             if new:
                 for ev in new:
                     push(heap, (ev[0], ev[1], next(seq), ev[2], ev[3]))
-        self.now_s = max(self.now_s, t_s)
 
     def call_at(self, t_s: float, fn: Callable[[float], None]) -> None:
         """A timer: `fn(t)` runs at `t_s` (after everything else due then)."""
@@ -260,10 +268,7 @@ class FleetSim:
         """Run the scenario, then drain: no arrivals after duration_s; requests still in the
         system get `drain_limit_s` more, then end with an explicit error (never silently)."""
         self.advance_to(self.scenario.duration_s)
-        deadline = self.scenario.duration_s + self.options.drain_limit_s
-        heap = self._heap
-        while self.in_system and heap and heap[0][0] <= deadline:
-            self.advance_to(min(deadline, heap[0][0]))
+        self._run(self.scenario.duration_s + self.options.drain_limit_s, until_empty=True)
         for req in list(self.in_system.values()):
             self._fail(req, self.now_s, "not finished within the drain limit after the scenario ended"
                        " (no plan could serve it)")
