@@ -91,7 +91,7 @@ def table(result: dict[str, Any]) -> str:
     t = result["targets"]
     lim = t["limits"]
     out.append("")
-    out.append("targets (issue 4; measured, not asserted)")
+    out.append("targets (issue 4 sets them for paper.yaml; measured here, never asserted)")
 
     def line(label: str, value: Any, ok: bool | None) -> None:
         mark = "" if ok is None else ("  met" if ok else "  NOT met")
@@ -134,6 +134,8 @@ def html_report(result: dict[str, Any]) -> str:
     from plotly.subplots import make_subplots  # type: ignore[import-untyped]
 
     pols = result["policies"]
+    palette = ("#636efa", "#00cc96", "#ffa15a", "#ef553b", "#ab63fa", "#19d3f3", "#ff6692")
+    color = {name: palette[i % len(palette)] for i, name in enumerate(pols)}  # one per policy, every panel
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=("output tokens/s (per minute)", "TTFT P95 s by arrival minute (log)",
                                         "FlexPipe gear: GPUs per deployment"))
@@ -141,9 +143,9 @@ def html_report(result: dict[str, Any]) -> str:
         bin_s = r["series"]["bin_s"]
         xs = [i * bin_s / 3600 for i in range(len(r["series"]["tokens_per_s"]))]
         fig.add_trace(go.Scatter(x=xs, y=r["series"]["tokens_per_s"], name=name, legendgroup=name,
-                                 mode="lines"), row=1, col=1)
+                                 mode="lines", line={"color": color[name]}), row=1, col=1)
         fig.add_trace(go.Scatter(x=xs, y=r["series"]["ttft_p95_s"], name=name, legendgroup=name,
-                                 mode="lines", showlegend=False), row=2, col=1)
+                                 mode="lines", line={"color": color[name]}, showlegend=False), row=2, col=1)
     flex = pols.get("flexpipe")
     if flex:
         by_dep: dict[str, list[tuple[float, int, str]]] = {}
@@ -155,7 +157,8 @@ def html_report(result: dict[str, Any]) -> str:
             ys = [p[1] for p in pts] + [pts[-1][1]]
             text = [p[2] for p in pts] + [pts[-1][2]]
             fig.add_trace(go.Scatter(x=xs, y=ys, name=f"flexpipe {dep}", mode="lines+markers",
-                                     line_shape="hv", text=text, hovertemplate="%{text}<br>%{y} GPUs"),
+                                     line_shape="hv", text=text, hovertemplate="%{text}<br>%{y} GPUs",
+                                     line={"dash": "solid" if dep == next(iter(by_dep)) else "dot"}),
                           row=3, col=1)
     for ev in result["events"]:
         x = ev["t_s"] / 3600

@@ -500,10 +500,16 @@ class FleetSim:
         if routed and all(e.state == "serving" for e in routed):
             self._gear_changed(dep, self.now_s)
 
-    def _gear_changed(self, dep: DeploymentRuntime, t: float) -> None:
+    def _gear_changed(self, dep: DeploymentRuntime, t: float, *, serving: bool = True) -> None:
+        """Record what the deployment serves with now; `serving`: a new gear took traffic (it
+        closes what earlier changes broke), else what a loss left of the gear."""
         routed = [e for e in dep.routed() if e.state == "serving"]
         shape = " + ".join(e.plan.shape() for e in routed) if routed else "none"
-        self.recorder.gear_serving(dep.name, t, shape, sum(len(e.plan.gpu_uuids) for e in routed))
+        gpus = sum(len(e.plan.gpu_uuids) for e in routed)
+        if serving:
+            self.recorder.gear_serving(dep.name, t, shape, gpus)
+        else:
+            self.recorder.gear_timeline.append((t, dep.name, shape, gpus))
 
     def retire(self, engine: PlanEngine, mode: RetireMode, record: SwitchRecord | None = None) -> None:
         """Take a plan out of service.
@@ -742,8 +748,11 @@ class FleetSim:
     def _kill(self, engine: PlanEngine, t: float) -> list[Event]:
         """A plan lost a GPU: it stops now, its KV is gone, its requests are recomputed."""
         dep = self.deployments[engine.deployment]
+        was_routed = engine.accepting
         reqs, out = engine.stop(t, keep_kv=self.kv_survives_loss)
         self._drop(engine, t)
+        if was_routed:
+            self._gear_changed(dep, t, serving=False)
         for req in reqs:
             if (req.generated or req.done) and not req.has_kv:
                 req.replays += 1

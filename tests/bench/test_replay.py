@@ -29,7 +29,7 @@ def test_it_prints_the_table_and_writes_the_json_and_an_offline_html_report(
     assert main([str(scenario_file), "--policies", "static,flexpipe,oracle", "--json", str(out_json),
                  "--html", str(out_html)]) == 0
     printed = capsys.readouterr().out
-    for words in ("tokens", "goodput req/s", "ratios vs flexpipe", "ratios vs oracle", "targets", "whole run"):
+    for words in ("tokens", "goodput req/s", "ratios vs flexpipe", "ratios vs oracle", "targets (issue 4", "whole run"):
         assert words in printed
     result = json.loads(out_json.read_text())
     assert set(result["policies"]) == {"static", "flexpipe", "oracle"}
