@@ -20,6 +20,16 @@ Driver API (what the live fleet and the replay policies use):
     sim.gpu_load()                                # (node, gpu index) -> (memory fraction, utilisation)
     sim.snapshot()                                # scheduler.topology.Snapshot of the cluster now
 
+For the live fleet (`python -m agents.sim`, driven by the console): build one FleetSim from the
+scenario, `start_baselines()`, `feed()` the scenario's workload, and on every pass
+`advance_to(wall-clock elapsed x time_scale)`. Ownership of every GPU is `sim.cluster` (the same
+SimCluster the agents report today), new cluster changes are `sim.change_log[n:]`, what each GPU
+holds and how busy it is is `gpu_load()`, and `engine_reports()` gives one EngineReport per plan
+to attach to the report of the plan's first node. The console's transition commands
+(prepare_plan, freeze_plan, move_sequences, release_plan, abort_plan, thaw_plan) are carried out
+by `agents.sim.executor.SimAgents(sim, ack)` - build a `scheduler.transition.CommandIntent` from
+each protocol Command and `ack` it back over HTTP; routing weights come from `set_weights()`.
+
 Losses: a plan that loses a GPU (preempted, failed, node gone) stops at once, as a real engine
 crashes when one of its ranks disappears; its memory is freed, and its requests go back to the
 deployment's router to be recomputed elsewhere (their KV was on those GPUs). Requests that no
