@@ -30,10 +30,11 @@ would hold millions), so `scheduler.invariants.check` can verify invariant 3 ove
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.sim.cluster import Change
 from agents.sim.engine import Pipe, PlanEngine, Request
 from agents.sim.fleet import FleetSim
 from agents.sim.metrics import SwitchRecord
@@ -97,6 +98,11 @@ class SimAgents:
     def execute(self, cmd: CommandIntent) -> None:
         """Carry out one command (acked now or when it is done)."""
         self._execute(cmd)
+
+    def listener(self) -> _AgentsListener:
+        """A SimListener that tells these agents when engines come up or stop (give it to the
+        FleetSim when nothing else listens)."""
+        return _AgentsListener(self)
 
     def _ack(self, cmd: CommandIntent, ok: bool, detail: str = "", result: Mapping[str, object] | None = None
              ) -> None:
@@ -429,6 +435,21 @@ class TransitionDriver:
         self.agents.on_ready(engine)
 
     def on_stopped(self, engine: PlanEngine) -> None:
+        self.agents.on_stopped(engine)
+
+
+class _AgentsListener:
+    def __init__(self, agents: SimAgents) -> None:
+        self.agents = agents
+
+    def on_cluster_change(self, sim: FleetSim, t: float, changes: Sequence[Change],
+                          broke: Mapping[str, Sequence[PlanEngine]]) -> None:
+        return None
+
+    def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        self.agents.on_ready(engine)
+
+    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
         self.agents.on_stopped(engine)
 
 

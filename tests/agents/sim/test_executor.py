@@ -88,3 +88,32 @@ def test_a_target_that_loses_its_gpus_while_loading_rolls_back_and_the_old_gear_
     sim.run_to_completion()
     assert not sim.recorder.failed and len(sim.recorder.f_e2e) == sum(sim.recorder.admitted)
     assert check(driver.log.events, complete=True) == []
+
+
+def test_the_simulated_agents_answer_commands_fed_by_hand_as_the_live_fleet_would() -> None:
+    from agents.sim.executor import SimAgents
+    from scheduler.transition import CommandIntent, CommandKind, Step
+
+    scenario = one_deployment(rate_rps=0, nodes=NODES)
+    acks: list[tuple[str, bool, float]] = []
+    sim = FleetSim(scenario)
+    agents = SimAgents(sim, lambda cmd, ok, detail, result: acks.append((cmd.key, ok, sim.now_s)))
+    sim.listener = agents.listener()
+    plan = tp2(sim, "b1").plans[0]
+
+    def cmd(key: str, kind: CommandKind, step: Step, **payload: Any) -> CommandIntent:
+        return CommandIntent(key, "b1", kind, {"plan_id": plan.plan_id, "deployment": "d", **payload}, "d", 1,
+                             step, 1)
+
+    agents.execute(cmd("1", CommandKind.PREPARE_PLAN, Step.PREPARE, plan=plan.to_dict()))
+    assert acks == []  # the weights are still loading
+    sim.advance_to(10)
+    (key, ok, at), = acks
+    engine = sim.engine_of("d", plan.plan_id)
+    assert key == "1" and ok and engine is not None and at == engine.ready_s > 0
+    sim.set_weights("d", {plan.plan_id: 1.0})
+    sim.submit("d", 300, 50)
+    agents.execute(cmd("2", CommandKind.RELEASE_PLAN, Step.RELEASE, drain_timeout_s=30.0))
+    sim.advance_to(20)
+    assert acks[-1][:2] == ("2", True) and engine.state == "released"
+    assert len(sim.recorder.f_e2e) == 1  # the drain let the running request finish
