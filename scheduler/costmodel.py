@@ -10,11 +10,14 @@ Physics, and only a handful of fitted factors (`Efficiency`):
   decode-sized ones, and the two overlap imperfectly near the ridge point, as real GEMMs do.
   Element-wise kernels (fused residual-add+RMSNorm, rotary, SiLU-and-mul) are memory traffic
   only (vLLM fuses them; their launch cost hides under CUDA graphs).
-* TP all-reduce (two per layer): 2 x latency + 2(t-1)/t x bytes / (link_efficiency x link B/s)
-  + the reduction's own HBM traffic (3 x (t-1)/t x bytes at the MBU).
+* TP all-reduce (two per layer), an alpha-beta ring (`allreduce_time_s`): a fixed cost per
+  call + 2(t-1) hops x the path's own latency + 2(t-1)/t x bytes / (link_efficiency x link B/s)
+  + the reduction's own HBM traffic (3 x (t-1)/t x bytes at the MBU). Small messages are
+  latency-bound (the fixed cost is ~45 us as measured, against ~2 us of bandwidth time for
+  a decode step's 16 KB), large ones bandwidth-bound.
   Point-to-point (PP hand-off, KV hand-off and migration): latency + bytes / (efficiency x B/s).
-  Links measured by the agents' probes are used as measured (their efficiency is already in
-  the number); datasheet links (NVLink, PCIe) are derated by `link_efficiency`.
+  Links measured by the agents' probes are used as measured for copies (their efficiency is
+  already in the number); datasheet links (NVLink, PCIe) are derated by `link_efficiency`.
 * A pipeline of S stages keeps S micro-batches in flight: a batch takes the sum of the stage
   times and hand-offs (`latency_s`); a new batch can enter every `interval_s` (the slowest
   stage plus its hand-off). With fewer running sequences than stages, stages idle (bubbles).
@@ -64,8 +67,13 @@ class Efficiency:
 
     mfu: float = 0.72  # fraction of dense peak FLOP/s a compute-bound GEMM reaches (prefill)
     mbu: float = 0.78  # fraction of peak HBM bandwidth a memory-bound kernel reaches (decode)
-    link_efficiency: float = 0.76  # fraction of a datasheet link's bandwidth a transfer reaches
-    link_latency_s: float = 14e-6  # latency of one transfer step (launch + synchronisation)
+    link_efficiency: float = 0.78  # fraction of a datasheet link's bandwidth a transfer reaches
+    link_latency_s: float = 8e-6  # fixed cost of one point-to-point transfer (launch + handshake)
+    # Fixed cost of one all-reduce call: the kernel launch and the synchronisation of the ring
+    # before each of its two phases (reduce-scatter, all-gather). Fitted on Vidur's NCCL timings,
+    # which launch each collective on its own (no CUDA graph), so it is on the safe side for
+    # engines that capture decode steps in graphs and use a custom all-reduce for small messages.
+    allreduce_latency_s: float = 50e-6
     kernel_overhead_s: float = 6.5e-6  # fixed cost of one GEMM or attention kernel
     roofline_norm: float = 2.0  # p of the p-norm joining the compute and memory bounds
 
@@ -74,8 +82,9 @@ class Efficiency:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name}: must be within (0, 1], got {value}")
-        if self.link_latency_s < 0 or self.kernel_overhead_s < 0:
-            raise ValueError("link_latency_s and kernel_overhead_s: must be >= 0")
+        for name in ("link_latency_s", "allreduce_latency_s", "kernel_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.roofline_norm < 1:
             raise ValueError(f"roofline_norm: must be >= 1, got {self.roofline_norm}")
 
@@ -137,22 +146,33 @@ REDUCE_HBM_TOUCHES = 3  # a reduce-scatter step reads two operands and writes th
 
 
 def allreduce_time_s(ranks: int, bytes_moved: float, path: Path, eff: Efficiency = DEFAULT_EFFICIENCY,
-                     hbm_bytes_per_s: float = 0.0) -> float:
+                     hbm_bytes_per_s: float = 0.0, *, lanes: int = 1) -> float:
     """Ring all-reduce of `bytes_moved` over `ranks` GPUs whose slowest link is `path`.
 
-    A reduce-scatter and an all-gather: two latencies, and each rank sends 2(t-1)/t of the
-    bytes. The reduction itself streams its operands through HBM (read two, write one per
-    element, (t-1)/t of the bytes); NCCL runs it in the same few SMs as the copies, so that
-    time adds rather than overlaps. `hbm_bytes_per_s` 0 leaves it out.
+    alpha-beta, term by term:
+    * `allreduce_latency_s` once per call (launch, and the ring's synchronisation before its
+      reduce-scatter and its all-gather phase);
+    * 2(t-1) hops, each paying the path's own latency: a measured path (a network link) adds
+      its probed latency per hop; NVLink and PCIe hops cost well under a microsecond, which
+      the fixed cost already covers;
+    * each rank sends 2(t-1)/t of the bytes at `link_efficiency` of the path's bandwidth, even
+      on a measured path: a probe times a one-way copy, while a ring sends and receives on
+      every link at once and forwards each chunk only after reducing it;
+    * `lanes` parallel paths share the bytes (ranks of one node spread their ring channels over
+      that many network cards; 1 inside a node, where `path` is the whole NVLink/PCIe link);
+    * the reduction streams its operands through HBM (read two, write one per element,
+      (t-1)/t of the bytes); NCCL runs it in the same few SMs as the copies, so that time adds
+      rather than overlaps. `hbm_bytes_per_s` 0 leaves it out.
     """
     if ranks <= 1:
         return 0.0
-    bw = path.effective_bytes_per_s(eff)
+    bw = path.bytes_per_s * eff.link_efficiency * max(1, lanes)
     if bw <= 0:
         return math.inf
     share = (ranks - 1) / ranks * bytes_moved
     reduce_s = REDUCE_HBM_TOUCHES * share / (eff.mbu * hbm_bytes_per_s) if hbm_bytes_per_s > 0 else 0.0
-    return 2.0 * path.latency(eff) + 2.0 * share / bw + reduce_s
+    hops_s = 2.0 * (ranks - 1) * (path.latency_s or 0.0)
+    return eff.allreduce_latency_s + hops_s + 2.0 * share / bw + reduce_s
 
 
 def gpu_path(snapshot: Snapshot, u: str, v: str) -> Path:
@@ -256,7 +276,9 @@ class PipelineProfile:
         for k, n in ((h, q + 2 * kv), (q, h), (h, up), (inter, h)):
             coeffs += [2.0 * k * n * fd, d * k * n * md, d * (k + n) * md]
         vocab = m.vocab_size // t
-        ar_bw = st.tp_path.effective_bytes_per_s(eff) if t > 1 else math.inf
+        # all-reduce constants, as `allreduce_time_s` has them
+        ar_bw = st.tp_path.bytes_per_s * eff.link_efficiency if t > 1 else math.inf
+        ar_fixed = eff.allreduce_latency_s + 2.0 * (t - 1) * (st.tp_path.latency_s or 0.0) if t > 1 else 0.0
         return (
             fd,  # 0 seconds per FLOP
             md,  # 1 seconds per HBM byte
@@ -265,7 +287,7 @@ class PipelineProfile:
             float(inter),  # 4
             *coeffs,  # 5..16: (a, b, c) of QKV, O, MLP up, MLP down
             2.0 * h * vocab * fd, d * h * vocab * md, d * (h + vocab) * md,  # 17..19 LM head
-            st.tp_path.latency(eff) if t > 1 else 0.0,  # 20 all-reduce step latency
+            ar_fixed,  # 20 all-reduce fixed time (call + hops)
             ar_bw,  # 21 all-reduce link bytes/s
         )
 
@@ -316,7 +338,7 @@ class PipelineProfile:
         allreduce = 0.0
         if st.tp > 1:
             share = (st.tp - 1) / st.tp * tokens * h * d
-            one = 2.0 * c[20] + 2.0 * share / c[21] + REDUCE_HBM_TOUCHES * share * md
+            one = c[20] + 2.0 * share / c[21] + REDUCE_HBM_TOUCHES * share * md
             allreduce = 2 * st.layers * one
         if st.first:
             elementwise += tokens * h * d * md
