@@ -259,9 +259,13 @@ class PipelineProfile:
         self._consts = [self._stage_consts(st) for st in self.stages]
 
     def _stage_consts(self, st: StageProfile) -> tuple[float, ...]:
-        """Per-stage constants. Each GEMM [T x k] @ [k x n] becomes three coefficients of its
-        token count T: t_compute = a T and t_memory = b + c T (weights once, activations per
-        token), so a kernel costs a few multiply-adds."""
+        """Per-stage constants, so that a stage's time for a batch is a few multiply-adds and
+        six square roots (the simulator's hot path).
+
+        Each GEMM [T x k] @ [k x n] becomes three coefficients of its token count T:
+        t_compute = a T and t_memory = b + c T (weights once, activations per token). The
+        attention kernel, the element-wise traffic and the two all-reduces per layer reduce to
+        per-token (or per-context-token) coefficients the same way; see `_parts`."""
         m, eff, spec = self.model, self.eff, st.spec
         t = st.tp
         d = m.dtype_bytes
@@ -272,23 +276,35 @@ class PipelineProfile:
         inter = m.intermediate_size // t
         up = (2 if m.gated_mlp else 1) * inter
         h = m.hidden_size
+        layers = float(st.layers)
         coeffs: list[float] = []
         for k, n in ((h, q + 2 * kv), (q, h), (h, up), (inter, h)):
             coeffs += [2.0 * k * n * fd, d * k * n * md, d * (k + n) * md]
         vocab = m.vocab_size // t
-        # all-reduce constants, as `allreduce_time_s` has them
-        ar_bw = st.tp_path.bytes_per_s * eff.link_efficiency if t > 1 else math.inf
-        ar_fixed = eff.allreduce_latency_s + 2.0 * (t - 1) * (st.tp_path.latency_s or 0.0) if t > 1 else 0.0
+        # element-wise: two residual-add+RMSNorm (read 2, write 2 vectors of h), rotary on Q
+        # and K, SiLU-and-mul (read 2 x inter, write inter) per layer, and the embedding on
+        # the first stage; memory traffic only
+        elementwise = d * (8 * h + 2 * (q + kv) + 3 * inter) * md * layers + (h * d * md if st.first else 0.0)
+        # the two all-reduces per layer, as `allreduce_time_s` has them: fixed time (call + hops)
+        # and, per token, its bytes over the link plus the reduction's HBM traffic
+        ar_fixed = ar_per_token = 0.0
+        if t > 1:
+            ar_bw = st.tp_path.bytes_per_s * eff.link_efficiency
+            share = (t - 1) / t * h * d
+            ar_fixed = 2 * layers * (eff.allreduce_latency_s + 2.0 * (t - 1) * (st.tp_path.latency_s or 0.0))
+            ar_per_token = 2 * layers * (2.0 * share / ar_bw + REDUCE_HBM_TOUCHES * share * md)
         return (
-            fd,  # 0 seconds per FLOP
-            md,  # 1 seconds per HBM byte
-            float(q),  # 2
-            float(kv),  # 3
-            float(inter),  # 4
-            *coeffs,  # 5..16: (a, b, c) of QKV, O, MLP up, MLP down
-            2.0 * h * vocab * fd, d * h * vocab * md, d * (h + vocab) * md,  # 17..19 LM head
-            ar_fixed,  # 20 all-reduce fixed time (call + hops)
-            ar_bw,  # 21 all-reduce link bytes/s
+            eff.kernel_overhead_s,  # 0 fixed cost of one kernel
+            layers,  # 1
+            *coeffs,  # 2..13: (a, b, c) of QKV, O, MLP up, MLP down
+            4.0 * q * fd,  # 14 attention compute seconds per (query x context) token pair
+            2.0 * kv * d * md,  # 15 attention: seconds to read one context token's K and V
+            2.0 * q * d * md,  # 16 attention: seconds to read Q and write the output, per token
+            elementwise,  # 17 element-wise seconds per token
+            ar_fixed,  # 18 all-reduce seconds per batch
+            ar_per_token,  # 19 all-reduce seconds per token
+            2.0 * h * vocab * fd, d * h * vocab * md, d * (h + vocab) * md,  # 20..22 LM head (a, b, c)
+            1.0 if st.last else 0.0,  # 23 holds the LM head
         )
 
     def stage_time_parts(self, st: StageProfile, b: Batch) -> tuple[float, float, float, float]:
@@ -302,49 +318,30 @@ class PipelineProfile:
         tokens = prefill_tokens + decode_seqs
         if tokens == 0:
             return 0.0, 0.0, 0.0, 0.0
-        m, eff = self.model, self.eff
-        d = m.dtype_bytes
-        fd, md, q, kv, inter = c[0], c[1], c[2], c[3], c[4]
-        o = eff.kernel_overhead_s
-        p = eff.roofline_norm
-        h = float(m.hidden_size)
-        square = p == 2.0
-
-        def kernel(tc: float, tm: float) -> float:
-            if square:
-                return o + math.sqrt(tc * tc + tm * tm)
-            return o + float((tc**p + tm**p) ** (1.0 / p))
-
-        # the four GEMMs of a layer, from their coefficients (the simulator's hot path)
-        gemm = 0.0
-        for i in (5, 8, 11, 14):
-            tc = c[i] * tokens
-            tm = c[i + 1] + c[i + 2] * tokens
-            gemm += kernel(tc, tm)
-        gemm *= st.layers
+        p = self.eff.roofline_norm
+        if p == 2.0:
+            norm = math.hypot
+        else:
+            def norm(tc: float, tm: float) -> float:
+                return float((tc**p + tm**p) ** (1.0 / p))
+        o, layers = c[0], c[1]
+        # the four GEMMs of a layer
+        gemm = (4.0 * o + norm(c[2] * tokens, c[3] + c[4] * tokens) + norm(c[5] * tokens, c[6] + c[7] * tokens)
+                + norm(c[8] * tokens, c[9] + c[10] * tokens) + norm(c[11] * tokens, c[12] + c[13] * tokens)) * layers
         # attention: decode reads every context token's K and V; prefill chunks attend their
         # cached prefix plus (causally) themselves.
-        attn_flops = 4.0 * q * decode_context_tokens
-        attn_bytes = 2.0 * kv * d * decode_context_tokens
+        attn_pairs = float(decode_context_tokens)
+        attn_reads = float(decode_context_tokens)
         if prefill_tokens:
             chunk = prefill_tokens / max(1, prefill_seqs)
-            attn_flops += 4.0 * q * (prefill_context_tokens * chunk + prefill_tokens * (chunk + 1) / 2)
-            attn_bytes += 2.0 * kv * d * (prefill_context_tokens + prefill_tokens)
-        attn_bytes += 2.0 * q * d * tokens  # read Q, write the output
-        attention = kernel(attn_flops * fd, attn_bytes * md) * st.layers
-        # element-wise: two residual-add+RMSNorm (read 2, write 2 vectors of h), rotary on
-        # Q and K, SiLU-and-mul (read 2 x inter, write inter); memory traffic only
-        elementwise = d * tokens * (8 * h + 2 * (q + kv) + 3 * inter) * md * st.layers
-        allreduce = 0.0
-        if st.tp > 1:
-            share = (st.tp - 1) / st.tp * tokens * h * d
-            one = c[20] + 2.0 * share / c[21] + REDUCE_HBM_TOUCHES * share * md
-            allreduce = 2 * st.layers * one
-        if st.first:
-            elementwise += tokens * h * d * md
-        if st.last:
+            attn_pairs += prefill_context_tokens * chunk + prefill_tokens * (chunk + 1) / 2
+            attn_reads += prefill_context_tokens + prefill_tokens
+        attention = (o + norm(c[14] * attn_pairs, c[15] * attn_reads + c[16] * tokens)) * layers
+        elementwise = c[17] * tokens
+        allreduce = c[18] + c[19] * tokens
+        if c[23]:
             sampled = decode_seqs + (max(1, prefill_seqs) if prefill_tokens else 0)
-            gemm += kernel(c[17] * sampled, c[18] + c[19] * sampled)
+            gemm += o + norm(c[20] * sampled, c[21] + c[22] * sampled)
         return gemm, attention, elementwise, allreduce
 
     def iteration(self, b: Batch) -> IterationCost:
@@ -394,6 +391,20 @@ class PipelineProfile:
             interval = max(interval, stage_out)
         return latency, interval
 
+    def latency_interval_memo(self, prefill_tokens: int = 0, prefill_seqs: int = 0, prefill_context_tokens: int = 0,
+                              decode_seqs: int = 0, decode_context_tokens: int = 0) -> tuple[float, float]:
+        """`latency_interval`, memoised by the pipeline's signature: steady-state tables ask for
+        the same few batches again for every plan of the same physics (equal signatures)."""
+        key = (self.signature, prefill_tokens, prefill_seqs, prefill_context_tokens, decode_seqs,
+               decode_context_tokens)
+        hit = _ITERATION_MEMO.get(key)
+        if hit is None:
+            if len(_ITERATION_MEMO) >= 8 * _STEADY_CACHE_SIZE:
+                _ITERATION_MEMO.clear()
+            hit = _ITERATION_MEMO[key] = self.latency_interval(prefill_tokens, prefill_seqs, prefill_context_tokens,
+                                                               decode_seqs, decode_context_tokens)
+        return hit
+
     def prefill_time_s(self, prompt_tokens: int, chunk_tokens: int = MAX_BATCHED_TOKENS) -> float:
         """One prompt alone, in chunks of at most `chunk_tokens`, until its first token."""
         key = (self.signature, prompt_tokens, chunk_tokens)
@@ -403,7 +414,7 @@ class PipelineProfile:
         done, total = 0, 0.0
         while done < prompt_tokens:
             chunk = min(chunk_tokens, prompt_tokens - done)
-            total += self.latency_interval(chunk, 1, done)[0]
+            total += self.latency_interval_memo(chunk, 1, done)[0]
             done += chunk
         if len(_PREFILL_MEMO) >= _STEADY_CACHE_SIZE:
             _PREFILL_MEMO.clear()
@@ -734,6 +745,7 @@ def _finite_or_none(v: object) -> object:
 _Z99 = 2.3263478740408408  # standard normal 0.99 quantile
 
 
+@lru_cache(maxsize=4096)
 def _lognormal_quantile(mean: float, cv: float, q: float) -> float:
     if cv <= 0:
         return mean
@@ -821,7 +833,7 @@ class SteadyState:
         self.capacity_rps = self.running_cap / (output * self.rounds[-1])
         if not self.colocated:
             chunk = max_batched_tokens
-            per_chunk = self.prefill_pipe.latency_interval(chunk, max(1, int(chunk // prompt)))[1]
+            per_chunk = self.prefill_pipe.latency_interval_memo(chunk, max(1, int(chunk // prompt)))[1]
             prefill_cap = chunk / prompt / per_chunk
             if prefill_cap < self.capacity_rps:
                 self.capacity_rps, self.limit = prefill_cap, "prefill"
@@ -834,8 +846,8 @@ class SteadyState:
         self.handoff99_s = profile.kv_handoff_s(int(p99))
         # a round that also carries a prompt's chunk: the chunk's extra time
         chunk_tokens = max(1, min(max_batched_tokens, int(prompt)))
-        alone = self.decode_pipe.latency_interval(chunk_tokens, 1)[0]
-        one = self.decode_pipe.latency_interval(0, 0, 0, 1, int(self.context))[0]
+        alone = self.decode_pipe.latency_interval_memo(chunk_tokens, 1)[0]
+        one = self.decode_pipe.latency_interval_memo(0, 0, 0, 1, int(self.context))[0]
         self.chunk_extra_s = max(0.0, alone - one) if self.colocated else 0.0
         self.chunks_per_prompt = math.ceil(prompt / max_batched_tokens)
 
@@ -846,7 +858,7 @@ class SteadyState:
         decode_seqs = int(round(per_mb))
         prefill_tokens = int(round(per_mb * self.prompt / self.output)) if self.colocated else 0
         prefill_seqs = max(1, int(round(per_mb / self.output))) if prefill_tokens else 0
-        latency, interval = pipe.latency_interval(prefill_tokens, prefill_seqs, 0, decode_seqs,
+        latency, interval = pipe.latency_interval_memo(prefill_tokens, prefill_seqs, 0, decode_seqs,
                                                   int(decode_seqs * self.context))
         return max(latency, min(pp, max(1, seqs)) * interval)
 
@@ -933,6 +945,7 @@ class SteadyState:
 
 _STEADY_CACHE: OrderedDict[tuple[object, ...], SteadyState] = OrderedDict()
 _PREFILL_MEMO: dict[tuple[object, ...], float] = {}  # (pipeline signature, tokens, chunk) -> seconds
+_ITERATION_MEMO: dict[tuple[object, ...], tuple[float, float]] = {}  # see PipelineProfile.latency_interval_memo
 _SINGLE_BLOCK: dict[tuple[object, ...], PlanProfile] = {}  # see PlanProfile.single_block
 _STEADY_CACHE_SIZE = 4096
 
@@ -982,6 +995,9 @@ def clear_caches() -> None:
     """Forget memoised steady states and prefill times (benchmarks measure cold runs with it)."""
     _STEADY_CACHE.clear()
     _PREFILL_MEMO.clear()
+    _ITERATION_MEMO.clear()
+    _lognormal_quantile.cache_clear()
+    workload_shape.cache_clear()
     _SINGLE_BLOCK.clear()
 
 

@@ -231,6 +231,18 @@ def _bucket(value: int) -> int:
     return (value // step) * step
 
 
+def _cap(caps: dict[int, int], total: int, frac: float) -> int:
+    """int(frac x total), memoised per capacity (every GPU of a model reports the same)."""
+    hit = caps.get(total)
+    if hit is None:
+        hit = caps[total] = int(frac * total)
+    return hit
+
+
+def _first(pair: tuple[tuple[object, ...], _BlockRoom]) -> tuple[object, ...]:
+    return pair[0]
+
+
 def _shape(block: AtomicBlock, room: Sequence[int]) -> tuple[object, ...]:
     """Blocks with equal shapes are interchangeable for planning."""
     gib = 2**30
@@ -274,33 +286,39 @@ def plan_candidates(
     # 1. filter and order blocks
     rooms: list[_BlockRoom] = []
     unstable: list[str] = []
-    sort_keys: dict[str, tuple[object, ...]] = {}
-    preferred_blocks = {b.id for b in blocks if preferred.intersection(b.gpu_uuids)} if preferred else set()
+    sort_keys: list[tuple[tuple[object, ...], _BlockRoom]] = []
+    preferred_blocks = {b.id for b in blocks if not preferred.isdisjoint(b.gpu_uuids)} if preferred else set()
+    frac = options.mem_fraction
+    latency_critical, min_stability = options.latency_critical, options.min_stability
+    caps: dict[int, int] = {}  # capacity -> int(frac x capacity): one figure per GPU model
     for b in blocks:
-        score = stability.get(b.id, 1.0)
-        if options.latency_critical and score < options.min_stability:
+        score = stability.get(b.id, 1.0) if stability else 1.0
+        if latency_critical and score < min_stability:
             unstable.append(b.id)
             continue
-        frac = options.mem_fraction
-        # usable bytes per GPU (plan.usable_bytes, inlined: this loop runs over every GPU)
-        room = [
-            int(frac * total) - max(0, used - reclaim.get(u, 0)) if reclaim else int(frac * total) - used
-            for u, total, used in zip(b.gpu_uuids, b.mem_total_bytes, _used(snapshot, b), strict=True)
-        ]
-        has_preferred = bool(preferred) and b.id in preferred_blocks
-        if has_preferred:
-            order = sorted(range(b.size), key=lambda i: (-room[i], b.gpu_uuids[i] not in preferred, i))
-            uuids = [b.gpu_uuids[i] for i in order]
-            sorted_room = [room[i] for i in order]
-        elif all(x == room[0] for x in room):
-            uuids, sorted_room = list(b.gpu_uuids), room  # already in order
+        # usable bytes per GPU, as plan.usable_bytes counts them (used = total - free)
+        totals, frees, uuids = b.mem_total_bytes, b.mem_free_bytes, b.gpu_uuids
+        if reclaim and not reclaim.keys().isdisjoint(uuids):
+            room = [_cap(caps, t, frac) - max(0, t - f - reclaim.get(u, 0))
+                    for u, t, f in zip(uuids, totals, frees, strict=True)]
+        elif totals.count(totals[0]) == len(totals):
+            base = _cap(caps, totals[0], frac) - totals[0]
+            room = [base + f for f in frees]
         else:
-            pairs = sorted(zip((-x for x in room), range(b.size), strict=True))
-            uuids = [b.gpu_uuids[i] for _, i in pairs]
-            sorted_room = [-x for x, _ in pairs]
-        rooms.append(_BlockRoom(b, uuids, sorted_room, score, _shape(b, sorted_room)))
-        sort_keys[b.id] = (-score, not has_preferred, -sum(sorted_room), b.id)
-    rooms.sort(key=lambda r: sort_keys[r.block.id])
+            room = [_cap(caps, t, frac) - t + f for t, f in zip(totals, frees, strict=True)]
+        has_preferred = b.id in preferred_blocks
+        if has_preferred:
+            order = sorted(range(b.size), key=lambda i: (-room[i], uuids[i] not in preferred, i))
+            ordered, sorted_room = [uuids[i] for i in order], [room[i] for i in order]
+        elif room.count(room[0]) == len(room):
+            ordered, sorted_room = list(uuids), room  # already in order
+        else:
+            order = sorted(range(b.size), key=room.__getitem__, reverse=True)  # stable: ties by index
+            ordered, sorted_room = [uuids[i] for i in order], [room[i] for i in order]
+        r = _BlockRoom(b, ordered, sorted_room, score, _shape(b, sorted_room))
+        sort_keys.append(((-score, not has_preferred, -sum(sorted_room), b.id), r))
+    sort_keys.sort(key=_first)
+    rooms = [r for _, r in sort_keys]
     if unstable:
         reasons.append(
             f"{len(unstable)} block(s) left out as unstable (stability < {options.min_stability}): "
@@ -645,11 +663,6 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
                           _const(plan)),
                     label,
                 )
-
-
-def _used(snapshot: Snapshot, block: AtomicBlock) -> list[int]:
-    """Memory in use per GPU of the block (total - free, as the block recorded it)."""
-    return [t - f for t, f in zip(block.mem_total_bytes, block.mem_free_bytes, strict=True)]
 
 
 def _const(plan: Plan) -> Callable[[], Plan]:
