@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -114,6 +114,12 @@ def gemm_time_s(tokens: int, k: int, n: int, dtype_bytes: int, spec: GpuSpec,
     flops = 2.0 * tokens * k * n
     bytes_moved = dtype_bytes * (k * n + tokens * k + tokens * n)
     return kernel_time_s(flops, bytes_moved, spec, eff)
+
+
+def _p_norm(p: float) -> Callable[[float, float], float]:
+    def norm(tc: float, tm: float) -> float:
+        return float((tc**p + tm**p) ** (1.0 / p))
+    return norm
 
 
 # --- links -------------------------------------------------------------------------------------
@@ -319,11 +325,7 @@ class PipelineProfile:
         if tokens == 0:
             return 0.0, 0.0, 0.0, 0.0
         p = self.eff.roofline_norm
-        if p == 2.0:
-            norm = math.hypot
-        else:
-            def norm(tc: float, tm: float) -> float:
-                return float((tc**p + tm**p) ** (1.0 / p))
+        norm: Callable[[float, float], float] = math.hypot if p == 2.0 else _p_norm(p)
         o, layers = c[0], c[1]
         # the four GEMMs of a layer
         gemm = (4.0 * o + norm(c[2] * tokens, c[3] + c[4] * tokens) + norm(c[5] * tokens, c[6] + c[7] * tokens)
