@@ -999,6 +999,7 @@ def clear_caches() -> None:
     _PREFILL_MEMO.clear()
     _ITERATION_MEMO.clear()
     _lognormal_quantile.cache_clear()
+    _holdings.cache_clear()
     workload_shape.cache_clear()
     _SINGLE_BLOCK.clear()
 
@@ -1222,32 +1223,34 @@ def switch_cost(
     new_tokens_s = target_estimate.throughput_tokens_s if target_estimate else served_tokens_s
 
     # which GPU holds which weight shard now
-    held: set[tuple[str, int, int, int, int]] = set()
-    serving: set[str] = set()
-    for plan in old_plans:
-        for st in plan.all_stages:
-            for rank, u in enumerate(st.gpu_uuids):
-                held.add((u, st.layer_start, st.layer_end, st.tp, rank))
-                serving.add(u)
+    held, serving = _holdings(current.plans if current else ())
     load_bytes = 0
     per_gpu_s: list[float] = []
     disk_per_node: dict[str, int] = {}
     contention_s = 0.0
+    gpu_by_uuid = snapshot.gpu_by_uuid
     for plan in new_plans:
         for st in plan.all_stages:
+            uuids = st.gpu_uuids
             shard = -(-model.stage_weight_bytes(st.layer_start, st.layer_end) // st.tp)
-            for rank, u in enumerate(st.gpu_uuids):
-                if (u, st.layer_start, st.layer_end, st.tp, rank) in held:
+            # only GPUs of the current gear can already hold a shard or be serving
+            touches_old = not serving.isdisjoint(uuids)
+            slowest_host = math.inf
+            for rank, u in enumerate(uuids):
+                if touches_old and (u, st.layer_start, st.layer_end, st.tp, rank) in held:
                     continue
                 load_bytes += shard
-                spec = snapshot.spec_of(u)
+                spec = snapshot.spec(gpu_by_uuid[u].model)
                 if weights_in_host_memory:
-                    per_gpu_s.append(shard / (spec.host_link_bytes_per_s * eff.link_efficiency))
+                    slowest_host = min(slowest_host, spec.host_link_bytes_per_s)
                 else:
-                    node = snapshot.gpu_by_uuid[u].node_id
+                    node = gpu_by_uuid[u].node_id
                     disk_per_node[node] = disk_per_node.get(node, 0) + shard
-                if u in serving:
+                if touches_old and u in serving:
                     contention_s += shard / (eff.mbu * spec.hbm_bytes_per_s)
+            if weights_in_host_memory and slowest_host < math.inf:
+                # every GPU loads its shard over its own host link at once: the slowest bounds it
+                per_gpu_s.append(shard / (slowest_host * eff.link_efficiency))
     per_gpu_s.extend(b / disk_bytes_per_s for b in disk_per_node.values())
     weight_load_s = max(per_gpu_s, default=0.0)
     source: Literal["host", "disk", "none"] = (
@@ -1264,6 +1267,8 @@ def switch_cost(
         dest = max(new_plans, key=lambda p: (len(p.gpu_uuids), p.gpu_uuids))
         dest_pipe = profile(dest).pipeline("prefill")
         dest_stages = dest.decode_stages if dest.mode == "disaggregated" else dest.stages
+        landing = next((u for st in dest_stages for u in st.gpu_uuids if u in serving), None)
+        landing_s_per_byte = 1.0 / (eff.mbu * snapshot.spec_of(landing).hbm_bytes_per_s) if landing else 0.0
         for plan in gone:
             seqs = running_seqs(current_estimate, shares.get(plan, 0.0), workload)
             if seqs <= 0:
@@ -1277,10 +1282,8 @@ def switch_cost(
                     migrate_seqs += round(count)
                     migrate_bytes += int(count * move.migrate_bytes)
                     migrate_s += count * move.migrate_s
-                    landing = [u for st in dest_stages for u in st.gpu_uuids if u in serving]
                     if landing:
-                        contention_s += count * move.migrate_bytes / (
-                            eff.mbu * snapshot.spec_of(landing[0]).hbm_bytes_per_s)
+                        contention_s += count * move.migrate_bytes * landing_s_per_byte
                 elif move.choice == "replay":
                     replay_seqs += round(count)
                     replay_tokens += int(count * ctx)
@@ -1291,7 +1294,10 @@ def switch_cost(
     pause_s = migrate_s + replay_s
     lost_pause = served_tokens_s * pause_s
     lost_contention = served_tokens_s * contention_s / max(1, len(serving))
-    lost_cold = sum(new_tokens_s * cold_start_s * _share(target, p) for p in new_plans)
+    share_of: dict[Plan, float] = {}  # each plan's routing weight (the first, should it repeat)
+    for p, w in zip(target.plans, target.weights, strict=False):
+        share_of.setdefault(p, w)
+    lost_cold = sum(new_tokens_s * cold_start_s * share_of[p] for p in new_plans)
     return SwitchCost(
         tokens=lost_pause + lost_contention + lost_cold,
         pause_s=pause_s,
@@ -1313,11 +1319,18 @@ def switch_cost(
     )
 
 
-def _share(gear: Gear, plan: Plan) -> float:
-    for p, w in zip(gear.plans, gear.weights, strict=False):
-        if p == plan:
-            return w
-    return 0.0
+@lru_cache(maxsize=64)
+def _holdings(plans: tuple[Plan, ...]) -> tuple[frozenset[tuple[str, int, int, int, int]], frozenset[str]]:
+    """(shards held as (GPU, first layer, end layer, TP, rank), GPUs serving) by these plans;
+    memoised because every candidate of one decision is priced against the same gear."""
+    held: set[tuple[str, int, int, int, int]] = set()
+    serving: set[str] = set()
+    for plan in plans:
+        for st in plan.all_stages:
+            for rank, u in enumerate(st.gpu_uuids):
+                held.add((u, st.layer_start, st.layer_end, st.tp, rank))
+                serving.add(u)
+    return frozenset(held), frozenset(serving)
 
 
 def _context_buckets(workload: Workload) -> Iterable[tuple[float, float]]:

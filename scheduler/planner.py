@@ -35,9 +35,10 @@ from scheduler.costmodel import (
     Estimate,
     PlanProfile,
     Slo,
+    SteadyState,
     Workload,
     combine_estimates,
-    estimate_plan,
+    steady_state,
 )
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import MEM_FRACTION, Gear, Plan, Stage
@@ -164,8 +165,10 @@ class _Unit:
 class _UnitType:
     key: tuple[object, ...]
     label: str
+    order: int  # creation order: types are considered in it (deterministic)
     units: list[_Unit] = field(default_factory=list)  # disjoint instances, best first
     profile: PlanProfile | None = None
+    state: SteadyState | None = None  # its steady state under the workload's shape
     capacity: Estimate | None = None  # at the offered rate, as a single plan
 
 
@@ -334,7 +337,7 @@ def plan_candidates(
     def add_unit(unit: _Unit, label: str, check: bool = True) -> None:
         t = types.get(unit.type_key)
         if t is None:
-            t = types[unit.type_key] = _UnitType(unit.type_key, label)
+            t = types[unit.type_key] = _UnitType(unit.type_key, label, len(types))
         if len(t.units) >= options.max_plans_per_gear:
             return  # no gear uses more instances of one type than that
         if not check:
@@ -355,23 +358,31 @@ def plan_candidates(
     # at least that much share a type (each still reserves its own amount)
     useful = MAX_RUNNING_SEQS * (workload.prompt_tokens_mean + workload.output_tokens_mean / 2)
     terms = {tp: _stage_terms(model, 0, layers, tp) for tp in valid_tps}
+    max_units = options.max_plans_per_gear
+    floors = {tp: terms[tp][0] + -(-(min_kv * terms[tp][1]) // terms[tp][2]) for tp in valid_tps}
     for r in rooms:
         size = len(r.uuids)
+        block = r.block
+        block_ids = (block.id,)
         for tp in valid_tps:
             if tp > size:
                 break
             weights, kv_per_token, shards = terms[tp]
-            floor_bytes = weights + -(-(min_kv * kv_per_token) // shards)
+            floor_bytes = floors[tp]
             for g in range(size // tp):
                 group_room = r.room[(g + 1) * tp - 1]  # rooms are sorted, most first
                 if group_room < floor_bytes:
                     break  # later groups of this block have less room
                 most = min(cap1, (group_room - weights) * shards // kv_per_token)
                 kv = max(_bucket(most), min(min_kv, most))
+                key = ("tp", block.gpu_model, block.link_kind, r.shape[3], tp, kv if kv < useful else "ample")
+                t = types.get(key)
+                if t is None:
+                    t = types[key] = _UnitType(key, f"TP{tp} on {block.gpu_model}", len(types))
+                elif len(t.units) >= max_units:
+                    continue  # no gear uses more instances of one type than that
                 group = tuple(r.uuids[g * tp:(g + 1) * tp])
-                key = ("tp", r.block.gpu_model, r.block.link_kind, r.shape[3], tp, kv if kv < useful else "ample")
-                add_unit(_Unit(key, group, (r.block.id,), r.stability, "tp", colocated(group, kv)),
-                         f"TP{tp} on {r.block.gpu_model}", check=False)
+                t.units.append(_Unit(key, group, block_ids, r.stability, "tp", colocated(group, kv)))
 
     # 2b. prefill/decode splits across two blocks (bounded by the few best shapes)
     if options.allow_disaggregated and len(rooms) >= 2:
@@ -394,7 +405,8 @@ def plan_candidates(
                                                      block.tp_link_bytes_per_s, eff)
             else:
                 t.profile = PlanProfile.build(first.plan, model, snapshot, eff)
-            t.capacity = estimate_plan(t.profile, workload.scaled(0.0), slo)
+            t.state = steady_state(t.profile, workload, slo)
+            t.capacity = t.state.estimate(workload.rate_rps * 0.0)
             estimated[key] = t
         return [t for t in types.values() if t.capacity is not None and t.capacity.capacity_rps > 0]
 
@@ -437,34 +449,26 @@ def plan_candidates(
                        " request); to fix: free memory or lower the prompt/output lengths")
         return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
 
-    # 3. gears: replicas of each unit type, the single unit, and the mixed fill
-    estimator = _GearEstimator(workload, slo, {t.key: t for t in live})
-    gears: dict[tuple[object, ...], Candidate] = {}
+    # 3. gears: replicas of each unit type, the single unit, and the mixed fill. Each gear is
+    # estimated and ranked as a draft (units + weights); Gear and Plan objects are built only
+    # for the candidates returned.
+    estimator = _GearEstimator(workload, slo)
+    drafts: dict[tuple[object, ...], _Draft] = {}
 
     def consider(units: Sequence[_Unit], kind: str) -> None:
         if not units:
             return
         dedupe = tuple(u.uuids for u in units) + tuple(u.type_key for u in units)
-        if dedupe in gears:
+        if dedupe in drafts:
             return
         caps = [_capacity(types, u) for u in units]
-        total = sum(caps)
         weights = _weights(caps)
-        gear = Gear(model.name, tuple(u.plan for u in units), weights)
-        est = estimator.gear_estimate(units, weights)
-        notes: list[str] = []
-        if total < workload.rate_rps:
-            notes.append(f"capacity {total:.2f} rps is below the offered {workload.rate_rps:.2f} rps")
-        blocks_used = tuple(sorted({b for u in units for b in u.blocks}))
-        profiles: dict[Plan, PlanProfile] = {}
-        for u in units:
-            prof = types[u.type_key].profile
-            if prof is not None and u is types[u.type_key].units[0]:
-                profiles[u.plan] = prof  # the type's profile was built from this unit
-        gears[dedupe] = Candidate(gear, est, kind, blocks_used, min(u.stability for u in units), tuple(notes),
-                                  profiles)
+        est = estimator.gear_estimate([types[u.type_key] for u in units], weights)
+        stability = min(u.stability for u in units)
+        rank = (-round(est.goodput_tokens_s, 6), est.gpus, -stability, tuple(u.uuids for u in units))
+        drafts[dedupe] = _Draft(rank, tuple(units), weights, est, kind, stability, sum(caps))
 
-    for t in sorted(live, key=lambda t: repr(t.key)):
+    for t in sorted(live, key=lambda t: t.order):
         chosen: list[_Unit] = []
         cap = 0.0
         for u in t.units[: options.max_plans_per_gear]:
@@ -477,12 +481,21 @@ def plan_candidates(
             consider(chosen[:1], f"one {t.label}")  # fewer GPUs that still carry the load
     consider(mixed, "mixed")
 
-    ranked = sorted(
-        gears.values(),
-        key=lambda c: (-round(c.estimate.goodput_tokens_s, 6), c.estimate.gpus, -c.stability,
-                       tuple(p.gpu_uuids for p in c.gear.plans)),
-    )
-    feasible = tuple(ranked[: options.max_candidates])
+    def candidate(d: _Draft) -> Candidate:
+        notes: list[str] = []
+        if d.capacity_rps < workload.rate_rps:
+            notes.append(f"capacity {d.capacity_rps:.2f} rps is below the offered {workload.rate_rps:.2f} rps")
+        blocks_used = tuple(sorted({b for u in d.units for b in u.blocks}))
+        profiles: dict[Plan, PlanProfile] = {}
+        for u in d.units:
+            prof = types[u.type_key].profile
+            if prof is not None:
+                profiles[u.plan] = prof  # units of one type share the physics of its profile
+        gear = Gear(model.name, tuple(u.plan for u in d.units), d.weights)
+        return Candidate(gear, d.estimate, d.kind, blocks_used, d.stability, tuple(notes), profiles)
+
+    ranked = sorted(drafts.values(), key=_rank)
+    feasible = tuple(candidate(d) for d in ranked[: options.max_candidates])
     if feasible and all(c.estimate.capacity_rps < workload.rate_rps for c in feasible):
         best = max(feasible, key=lambda c: c.estimate.capacity_rps)
         reasons.append(
@@ -492,6 +505,23 @@ def plan_candidates(
     return Candidates(feasible, tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
 
 
+@dataclass(frozen=True)
+class _Draft:
+    """A gear before it is built: what ranks it and what builds it."""
+
+    rank: tuple[object, ...]  # best first: goodput, fewer GPUs, stability, GPUs (deterministic)
+    units: tuple[_Unit, ...]
+    weights: tuple[float, ...]
+    estimate: Estimate
+    kind: str
+    stability: float
+    capacity_rps: float  # the units' capacities summed
+
+
+def _rank(d: _Draft) -> tuple[object, ...]:
+    return d.rank
+
+
 def _capacity(types: Mapping[tuple[object, ...], _UnitType], unit: _Unit) -> float:
     cap = types[unit.type_key].capacity
     return cap.capacity_rps if cap is not None else 0.0
@@ -499,22 +529,23 @@ def _capacity(types: Mapping[tuple[object, ...], _UnitType], unit: _Unit) -> flo
 
 class _GearEstimator:
     """Gear estimates from the unit types' steady states (memoised in the cost model), so
-    replicas of one type cost one estimate per traffic share."""
+    replicas of one type cost one estimate per traffic share: the steady state depends on the
+    workload's shape, not its rate, so a type's share is `state.estimate(rate x weight)`."""
 
-    def __init__(self, workload: Workload, slo: Slo | None, types: Mapping[tuple[object, ...], _UnitType]) -> None:
-        self.workload, self.slo, self.types = workload, slo, types
+    def __init__(self, workload: Workload, slo: Slo | None) -> None:
+        self.workload, self.slo = workload, slo
         self._memo: dict[tuple[object, ...], Estimate] = {}
 
-    def gear_estimate(self, units: Sequence[_Unit], weights: Sequence[float]) -> Estimate:
+    def gear_estimate(self, types: Sequence[_UnitType], weights: Sequence[float]) -> Estimate:
         ests = []
-        for u, w in zip(units, weights, strict=True):
-            key = (u.type_key, w)
+        for t, w in zip(types, weights, strict=True):
+            key = (t.key, w)
             est = self._memo.get(key)
             if est is None:
-                profile = self.types[u.type_key].profile
-                assert profile is not None
-                est = estimate_plan(profile, self.workload.scaled(w), self.slo)
-                self._memo[key] = est
+                if t.state is None:
+                    assert t.profile is not None
+                    t.state = steady_state(t.profile, self.workload, self.slo)
+                est = self._memo[key] = t.state.estimate(self.workload.rate_rps * w)
             ests.append(est)
         return combine_estimates(ests, weights, self.workload)
 
@@ -611,14 +642,14 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
                 return tp
         return None
 
-    def spec_of(shape: tuple[object, ...]) -> tuple[float, float]:
-        spec = snapshot.spec(by_shape[shape][0].block.gpu_model)
-        return spec.bf16_flops, spec.hbm_bytes_per_s
+    specs = {sh: snapshot.spec(rs[0].block.gpu_model) for sh, rs in by_shape.items()}
+    names = {sh: repr(sh) for sh in by_shape}  # the last tie-break, deterministic
 
     # the few shapes with the most compute (prefill) and the most bandwidth and room (decode)
-    prefill_shapes = sorted(by_shape, key=lambda sh: (-spec_of(sh)[0], -len(by_shape[sh][0].uuids), repr(sh)))[:2]
+    prefill_shapes = sorted(
+        by_shape, key=lambda sh: (-specs[sh].bf16_flops, -len(by_shape[sh][0].uuids), names[sh]))[:2]
     decode_shapes = sorted(
-        by_shape, key=lambda sh: (-spec_of(sh)[1], -sum(by_shape[sh][0].room), repr(sh)))[:2]
+        by_shape, key=lambda sh: (-specs[sh].hbm_bytes_per_s, -sum(by_shape[sh][0].room), names[sh]))[:2]
     for ps in prefill_shapes:
         for ds in decode_shapes:
             p0 = by_shape[ps][0]
@@ -651,18 +682,17 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
                 if not (_stage_fits(model, 0, model.num_layers, ptp, min(p.room[:ptp]), kv)
                         and _stage_fits(model, 0, model.num_layers, dtp, min(d.room[:dtp]), kv)):
                     continue
-                plan = Plan(
-                    model.name,
-                    "disaggregated",
-                    (Stage(0, model.num_layers, tuple(p.uuids[:ptp])),),
-                    (Stage(0, model.num_layers, tuple(d.uuids[:dtp])),),
-                    kv_reserve_tokens=kv,
-                )
+                prefill, decode = tuple(p.uuids[:ptp]), tuple(d.uuids[:dtp])
                 yield (
-                    _Unit(key, plan.gpu_uuids, (p.block.id, d.block.id), min(p.stability, d.stability), "pd",
-                          _const(plan)),
+                    _Unit(key, prefill + decode, (p.block.id, d.block.id), min(p.stability, d.stability), "pd",
+                          _disaggregated(model, prefill, decode, kv)),
                     label,
                 )
+
+
+def _disaggregated(model: ModelSpec, prefill: tuple[str, ...], decode: tuple[str, ...], kv: int) -> Callable[[], Plan]:
+    return lambda: Plan(model.name, "disaggregated", (Stage(0, model.num_layers, prefill),),
+                        (Stage(0, model.num_layers, decode),), kv_reserve_tokens=kv)
 
 
 def _const(plan: Plan) -> Callable[[], Plan]:
