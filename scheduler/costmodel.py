@@ -831,8 +831,10 @@ class SteadyState:
         if grid[-1] != self.running_cap:
             grid.append(self.running_cap)
         self.grid = grid
-        self.rounds = [self._round(n) for n in grid]
-        self.capacity_rps = self.running_cap / (output * self.rounds[-1])
+        # round times on the grid, computed when first needed: an estimate reads the points up
+        # to its population (and capacity the last), so light loads never touch the middle
+        self._rounds: list[float | None] = [None] * len(grid)
+        self.capacity_rps = self.running_cap / (output * self._round_at(len(grid) - 1))
         if not self.colocated:
             chunk = max_batched_tokens
             per_chunk = self.prefill_pipe.latency_interval_memo(chunk, max(1, int(chunk // prompt)))[1]
@@ -864,27 +866,39 @@ class SteadyState:
                                                   int(decode_seqs * self.context))
         return max(latency, min(pp, max(1, seqs)) * interval)
 
+    def _round_at(self, i: int) -> float:
+        """Round time at grid point i."""
+        r = self._rounds[i]
+        if r is None:
+            r = self._rounds[i] = self._round(self.grid[i])
+        return r
+
+    @property
+    def rounds(self) -> list[float]:
+        """Round times at every grid point."""
+        return [self._round_at(i) for i in range(len(self.grid))]
+
     def round_s(self, seqs: float) -> float:
         """Round time at `seqs` running sequences (linear between grid points)."""
-        grid, rounds = self.grid, self.rounds
+        grid, at = self.grid, self._round_at
         if seqs <= grid[0]:
-            return rounds[0]
+            return at(0)
         for i in range(1, len(grid)):
             if seqs <= grid[i]:
                 a, b = grid[i - 1], grid[i]
-                return rounds[i - 1] + (seqs - a) * (rounds[i] - rounds[i - 1]) / (b - a)
-        return rounds[-1]
+                return at(i - 1) + (seqs - a) * (at(i) - at(i - 1)) / (b - a)
+        return at(len(grid) - 1)
 
     def population(self, rate_rps: float) -> float:
         """Running sequences n with n / (output x round(n)) == rate (capped at the cap)."""
         if rate_rps <= 0:
             return 0.0
-        grid, rounds, out = self.grid, self.rounds, self.output
-        if grid[0] / (out * rounds[0]) >= rate_rps:
-            return grid[0] * rate_rps * out * rounds[0] / grid[0]  # below one sequence: a fraction
+        grid, at, out = self.grid, self._round_at, self.output
+        if grid[0] / (out * at(0)) >= rate_rps:
+            return grid[0] * rate_rps * out * at(0) / grid[0]  # below one sequence: a fraction
         for i in range(1, len(grid)):
-            if grid[i] / (out * rounds[i]) >= rate_rps:
-                a, ra, b, rb = grid[i - 1], rounds[i - 1], grid[i], rounds[i]
+            if grid[i] / (out * at(i)) >= rate_rps:
+                a, ra, b, rb = grid[i - 1], at(i - 1), grid[i], at(i)
                 slope = (rb - ra) / (b - a)
                 lo = rate_rps * out
                 denom = 1.0 - lo * slope

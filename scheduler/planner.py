@@ -40,6 +40,7 @@ from scheduler.costmodel import (
     combine_estimates,
     steady_state,
 )
+from scheduler.costmodel import clear_caches as _clear_cost_model_caches
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import MEM_FRACTION, Gear, Plan, Stage
 from scheduler.topology import (
@@ -522,6 +523,13 @@ def _rank(d: _Draft) -> tuple[object, ...]:
     return d.rank
 
 
+def clear_caches() -> None:
+    """Forget the planner's memos and the cost model's (a benchmark's cold run starts here)."""
+    _kv_cap_tokens.cache_clear()
+    _stage_terms.cache_clear()
+    _clear_cost_model_caches()
+
+
 def _capacity(types: Mapping[tuple[object, ...], _UnitType], unit: _Unit) -> float:
     cap = types[unit.type_key].capacity
     return cap.capacity_rps if cap is not None else 0.0
@@ -748,4 +756,4 @@ def _no_fit_reasons(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_Block
     return out
 
 
-__all__ = ["Candidate", "Candidates", "DEFAULT_OPTIONS", "PlannerOptions", "plan_candidates"]
+__all__ = ["Candidate", "Candidates", "DEFAULT_OPTIONS", "PlannerOptions", "clear_caches", "plan_candidates"]
