@@ -803,6 +803,7 @@ class SteadyState:
         self.slo = slo
         self.shape = workload
         self.max_batched_tokens = max_batched_tokens
+        self._latency_ready = False  # the TTFT/TPOT tables (`_latency_tables`), built by the first estimate
         prompt, output = workload.prompt_tokens_mean, workload.output_tokens_mean
         self.prompt, self.output = prompt, output
         self.context = prompt + output / 2
@@ -841,6 +842,13 @@ class SteadyState:
             prefill_cap = chunk / prompt / per_chunk
             if prefill_cap < self.capacity_rps:
                 self.capacity_rps, self.limit = prefill_cap, "prefill"
+        self.chunks_per_prompt = math.ceil(prompt / max_batched_tokens)
+
+    def _latency_tables(self) -> None:
+        """What latency estimates need beyond throughput: a median and a P99 prompt's prefill
+        (and KV hand-off), and the extra time of a round that carries a prefill chunk. Built
+        on first use: the planner ranks some plans by capacity alone."""
+        workload, max_batched_tokens, profile = self.shape, self.max_batched_tokens, self.profile
         p50, p99 = workload.prompt_quantile(0.5), workload.prompt_quantile(0.99)
         self.prefill50_s = self.prefill_pipe.prefill_time_s(max(1, int(p50)), max_batched_tokens)
         self.prefill99_s = self.prefill_pipe.prefill_time_s(max(1, int(p99)), max_batched_tokens)
@@ -849,11 +857,11 @@ class SteadyState:
         self.handoff50_s = profile.kv_handoff_s(int(p50))
         self.handoff99_s = profile.kv_handoff_s(int(p99))
         # a round that also carries a prompt's chunk: the chunk's extra time
-        chunk_tokens = max(1, min(max_batched_tokens, int(prompt)))
+        chunk_tokens = max(1, min(max_batched_tokens, int(self.prompt)))
         alone = self.decode_pipe.latency_interval_memo(chunk_tokens, 1)[0]
         one = self.decode_pipe.latency_interval_memo(0, 0, 0, 1, int(self.context))[0]
         self.chunk_extra_s = max(0.0, alone - one) if self.colocated else 0.0
-        self.chunks_per_prompt = math.ceil(prompt / max_batched_tokens)
+        self._latency_ready = True
 
     def _round(self, seqs: int) -> float:
         pipe = self.decode_pipe
@@ -910,6 +918,8 @@ class SteadyState:
         """The plan under this workload shape at `rate_rps`."""
         if self.running_cap < 1 or self.capacity_rps <= 0:
             return _dead_estimate(rate_rps, self.kv_tokens, self.gpus, "kv")
+        if not self._latency_ready:
+            self._latency_tables()
         capacity = self.capacity_rps
         served = min(rate_rps, capacity)
         util = rate_rps / capacity

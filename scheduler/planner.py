@@ -170,7 +170,7 @@ class _UnitType:
     units: list[_Unit] = field(default_factory=list)  # disjoint instances, best first
     profile: PlanProfile | None = None
     state: SteadyState | None = None  # its steady state under the workload's shape
-    capacity: Estimate | None = None  # at the offered rate, as a single plan
+    capacity_rps: float | None = None  # as a single plan (None: not estimated yet)
 
 
 def _min_kv_tokens(model: ModelSpec, workload: Workload, options: PlannerOptions) -> int:
@@ -407,9 +407,9 @@ def plan_candidates(
             else:
                 t.profile = PlanProfile.build(first.plan, model, snapshot, eff)
             t.state = steady_state(t.profile, workload, slo)
-            t.capacity = t.state.estimate(workload.rate_rps * 0.0)
+            t.capacity_rps = max(0.0, t.state.capacity_rps)
             estimated[key] = t
-        return [t for t in types.values() if t.capacity is not None and t.capacity.capacity_rps > 0]
+        return [t for t in types.values() if t.capacity_rps]
 
     def fill(live: Sequence[_UnitType]) -> tuple[list[_Unit], float]:
         """Greedy mixed fill: the most capacity per GPU first, disjoint GPUs, until the target."""
@@ -531,8 +531,7 @@ def clear_caches() -> None:
 
 
 def _capacity(types: Mapping[tuple[object, ...], _UnitType], unit: _Unit) -> float:
-    cap = types[unit.type_key].capacity
-    return cap.capacity_rps if cap is not None else 0.0
+    return types[unit.type_key].capacity_rps or 0.0
 
 
 class _GearEstimator:
