@@ -379,6 +379,11 @@ class PipelineProfile:
         tokens = prefill_tokens + decode_seqs
         if tokens == 0:
             return 0.0, 0.0
+        if self.pp == 1:  # one stage, no hand-off: latency == interval
+            g, a, e, r = self._parts(self.stages[0], self._consts[0], prefill_tokens, prefill_seqs,
+                                     prefill_context_tokens, decode_seqs, decode_context_tokens)
+            stage = g + a + e + r
+            return stage, stage
         act_bytes = tokens * self.model.activation_bytes_per_token
         latency = interval = 0.0
         for st, consts in zip(self.stages, self._consts, strict=True):
@@ -1232,12 +1237,11 @@ def switch_cost(
     * Cold start: each new plan loses `cold_start_s` of its share of the service.
     Plans present in both gears (equal plans, hence the same plan_id) cost nothing.
     """
-    cache: dict[Plan, PlanProfile] = dict(profiles or {})
+    known: Mapping[Plan, PlanProfile] = profiles or {}
 
     def profile(plan: Plan) -> PlanProfile:
-        if plan not in cache:
-            cache[plan] = PlanProfile.build(plan, model, snapshot, eff)
-        return cache[plan]
+        hit = known.get(plan)
+        return hit if hit is not None else PlanProfile.build(plan, model, snapshot, eff)
 
     # plans are values: equal plans are the same plan (cheaper than comparing plan_ids)
     old_plans = set(current.plans if current else ())
@@ -1259,6 +1263,12 @@ def switch_cost(
             shard = -(-model.stage_weight_bytes(st.layer_start, st.layer_end) // st.tp)
             # only GPUs of the current gear can already hold a shard or be serving
             touches_old = not serving.isdisjoint(uuids)
+            if not touches_old and weights_in_host_memory:
+                # the common case: every GPU of the stage loads its shard over its host link
+                load_bytes += shard * len(uuids)
+                slowest = min(snapshot.spec(m).host_link_bytes_per_s for m in {gpu_by_uuid[u].model for u in uuids})
+                per_gpu_s.append(shard / (slowest * eff.link_efficiency))
+                continue
             slowest_host = math.inf
             for rank, u in enumerate(uuids):
                 if touches_old and (u, st.layer_start, st.layer_end, st.tp, rank) in held:
@@ -1313,7 +1323,7 @@ def switch_cost(
                     replay_tokens += int(count * ctx)
         if replay_tokens:
             chunk = MAX_BATCHED_TOKENS
-            chunk_s = dest_pipe.iteration(Batch(prefill_tokens=chunk, prefill_seqs=1)).latency_s
+            chunk_s = dest_pipe.latency_interval_memo(chunk, 1)[0]
             replay_s = replay_tokens / chunk * chunk_s
     pause_s = migrate_s + replay_s
     lost_pause = served_tokens_s * pause_s

@@ -308,8 +308,10 @@ def _num(v: object) -> float:
 # --- helpers ---------------------------------------------------------------------------------------
 def offered_load(window: LoadWindow, now_s: float, config: GearboxConfig = DEFAULT_CONFIG) -> Workload | None:
     """The load to plan for: the larger of the short- and long-window means."""
-    short = window.over(now_s, config.short_window_s)
-    long = window.over(now_s, config.long_window_s)
+    return _larger(window.over(now_s, config.short_window_s), window.over(now_s, config.long_window_s))
+
+
+def _larger(short: Workload | None, long: Workload | None) -> Workload | None:
     if short is None:
         return long
     if long is None:
@@ -419,7 +421,9 @@ def decide(
     factor = config.hysteresis
     part = partition(snapshot, policy)
     blocks = part.blocks
-    window_load = offered_load(load_window, now_s, config)
+    short_load = load_window.over(now_s, config.short_window_s)
+    long_load = load_window.over(now_s, config.long_window_s)
+    window_load = _larger(short_load, long_load)  # offered_load, from the two windows read once
     workload = window_load or Workload(0.0, 512.0, 128.0)
     reclaim = gear_footprint(current_gear, spec, snapshot) if current_gear is not None else {}
     cur = _evaluate_current(current_gear, spec, snapshot, workload, deployment.slo, blocks, reclaim, policy, eff)
@@ -510,8 +514,7 @@ def decide(
         return finish(Outcome.DEFERRED, None, [], reasons + ["a transition is running; decide again when it ends"])
     # load trigger: both windows agree that the current gear is over/under its watermarks
     if trigger is Trigger.PERIODIC and cur.estimate is not None and cur.estimate.capacity_rps > 0:
-        short = load_window.over(now_s, config.short_window_s)
-        long = load_window.over(now_s, config.long_window_s)
+        short, long = short_load, long_load
         if short is not None and long is not None:
             cap = cur.estimate.capacity_rps
             us, ul = short.rate_rps / cap, long.rate_rps / cap
