@@ -489,19 +489,23 @@ class PlanProfile:
         hit = _SINGLE_BLOCK.get(key)
         if hit is not None:
             return hit
-        stage = StageProfile(
-            layers=model.num_layers,
-            tp=tp,
-            spec=spec,
-            tp_path=Path(bytes_per_s=tp_link_bytes_per_s if tp > 1 else math.inf),
-            first=True,
-            last=True,
-            next_path=None,
-        )
-        pipe = PipelineProfile(model, [stage], eff)
+        pipe_key = key[:5]  # plans that differ only in their KV reserve share one pipeline
+        pipe = _SINGLE_BLOCK_PIPES.get(pipe_key)
+        if pipe is None:
+            stage = StageProfile(
+                layers=model.num_layers,
+                tp=tp,
+                spec=spec,
+                tp_path=Path(bytes_per_s=tp_link_bytes_per_s if tp > 1 else math.inf),
+                first=True,
+                last=True,
+                next_path=None,
+            )
+            pipe = _SINGLE_BLOCK_PIPES[pipe_key] = PipelineProfile(model, [stage], eff)
         profile = cls(plan, model, {"prefill": pipe, "decode": pipe}, None, eff)
         if len(_SINGLE_BLOCK) >= _STEADY_CACHE_SIZE:
             _SINGLE_BLOCK.clear()
+            _SINGLE_BLOCK_PIPES.clear()
         _SINGLE_BLOCK[key] = profile
         return profile
 
@@ -978,6 +982,7 @@ _STEADY_CACHE: OrderedDict[tuple[object, ...], SteadyState] = OrderedDict()
 _PREFILL_MEMO: dict[tuple[object, ...], float] = {}  # (pipeline signature, tokens, chunk) -> seconds
 _ITERATION_MEMO: dict[tuple[object, ...], tuple[float, float]] = {}  # see PipelineProfile.latency_interval_memo
 _SINGLE_BLOCK: dict[tuple[object, ...], PlanProfile] = {}  # see PlanProfile.single_block
+_SINGLE_BLOCK_PIPES: dict[tuple[object, ...], PipelineProfile] = {}  # its pipelines, by physics
 _STEADY_CACHE_SIZE = 4096
 
 
@@ -1023,7 +1028,7 @@ def workload_shape(workload: Workload) -> Workload:
 
 
 def clear_caches() -> None:
-    """Forget memoised steady states and prefill times (benchmarks measure cold runs with it)."""
+    """Forget every memo of the cost model (benchmarks measure cold runs with it)."""
     _STEADY_CACHE.clear()
     _PREFILL_MEMO.clear()
     _ITERATION_MEMO.clear()
@@ -1031,6 +1036,7 @@ def clear_caches() -> None:
     _holdings.cache_clear()
     workload_shape.cache_clear()
     _SINGLE_BLOCK.clear()
+    _SINGLE_BLOCK_PIPES.clear()
 
 
 def estimate_plan(profile: PlanProfile, workload: Workload, slo: Slo | None = None, *,

@@ -23,6 +23,7 @@ No fit -> `Candidates.infeasible` says why and what to relax.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -247,6 +248,10 @@ def _first(pair: tuple[tuple[object, ...], _BlockRoom]) -> tuple[object, ...]:
     return pair[0]
 
 
+def _first_of_pair(pair: tuple[tuple[float, float, int, int], _Unit]) -> tuple[float, float, int, int]:
+    return pair[0]
+
+
 def _shape(block: AtomicBlock, room: Sequence[int]) -> tuple[object, ...]:
     """Blocks with equal shapes are interchangeable for planning."""
     gib = 2**30
@@ -413,17 +418,18 @@ def plan_candidates(
 
     def fill(live: Sequence[_UnitType]) -> tuple[list[_Unit], float]:
         """Greedy mixed fill: the most capacity per GPU first, disjoint GPUs, until the target."""
-        order = {t.key: i for i, t in enumerate(live)}
-        pool = sorted(
-            ((u, i) for t in live for i, u in enumerate(t.units)),
-            key=lambda ui: (
-                -_capacity(types, ui[0]) / ui[0].gpus, -ui[0].stability, order[ui[0].type_key], ui[1]
-            ),
-        )
+        # Units in order of (capacity per GPU, stability, type, index): a unit's capacity per
+        # GPU is its type's, so each type's units are sorted on their own and the types merged
+        # lazily - the fill stops after a handful.
+        def ranked(order: int, t: _UnitType) -> list[tuple[tuple[float, float, int, int], _Unit]]:
+            per_gpu = -(t.capacity_rps or 0.0) / t.units[0].gpus
+            return sorted(((per_gpu, -u.stability, order, i), u) for i, u in enumerate(t.units))
+
+        pool = heapq.merge(*(ranked(order, t) for order, t in enumerate(live)), key=_first_of_pair)
         taken: set[str] = set()
         chosen: list[_Unit] = []
         cap = 0.0
-        for u, _ in pool:
+        for _, u in pool:
             if len(chosen) >= options.max_plans_per_gear or cap >= target_rps:
                 break
             if taken.isdisjoint(u.uuids):
