@@ -366,7 +366,9 @@ def _evaluate_current(gear: Gear | None, model: ModelSpec, snapshot: Snapshot, w
     ok_weights = []
     profiles: dict[Plan, PlanProfile] = {}
     for plan, w in zip(gear.plans, gear.weights, strict=False):
-        if validate_plan(plan, snapshot, model, blocks=blocks, reclaimable_bytes=reclaim, policy=policy):
+        # a valid gear's plans are valid (validate_gear checked each); else check them one by one
+        if not valid and validate_plan(plan, snapshot, model, blocks=blocks, reclaimable_bytes=reclaim,
+                                       policy=policy):
             continue
         prof = PlanProfile.build(plan, model, snapshot, eff)
         profiles[plan] = prof
