@@ -581,20 +581,14 @@ def _block_id(block: AtomicBlock) -> str:
 
 
 def _block(block_id: str, node: NodeState, members: list[GpuState], kind: LinkKind, bw: float) -> AtomicBlock:
-    members.sort(key=_BY_INDEX)
+    if len(members) > 1:
+        members.sort(key=_BY_INDEX)
     totals = tuple([g.mem_total_bytes for g in members])
-    used = [g.mem_used_bytes for g in members]
-    return AtomicBlock(
-        id=block_id,
-        node_id=node.id,
-        rack=node.rack,
-        gpu_model=members[0].model,
-        gpu_uuids=tuple([g.uuid for g in members]),
-        mem_total_bytes=totals,
-        mem_free_bytes=tuple([t - u if u < t else 0 for t, u in zip(totals, used, strict=True)]),
-        link_kind=kind,
-        tp_link_bytes_per_s=bw,
-    )
+    # positional: id, node, rack, model, GPUs, capacity, free (total - used, at least 0), link
+    return AtomicBlock(block_id, node.id, node.rack, members[0].model, tuple([g.uuid for g in members]), totals,
+                       tuple([g.mem_total_bytes - g.mem_used_bytes if g.mem_used_bytes < g.mem_total_bytes else 0
+                              for g in members]),
+                       kind, bw)
 
 
 _BY_INDEX = attrgetter("index")
