@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
@@ -54,3 +55,22 @@ class Key:
 
     def __repr__(self) -> str:
         return f"Key({self.value!r})"
+
+
+_CONTENT_IDS: dict[object, int] = {}
+_NEXT_ID = itertools.count(1)
+
+
+def content_id(value: object) -> int:
+    """A small int that names `value` by content in this process: equal values get equal ids.
+
+    Memo keys that hold it hash and compare an int instead of a nested value (whose dataclass
+    fields would be hashed, and compared on every hit). The table forgets when it grows large;
+    ids are never reused, so a forgotten value just gets a new one (its old memo entries miss).
+    """
+    hit = _CONTENT_IDS.get(value)
+    if hit is None:
+        if len(_CONTENT_IDS) >= 1 << 16:
+            _CONTENT_IDS.clear()
+        hit = _CONTENT_IDS[value] = next(_NEXT_ID)
+    return hit

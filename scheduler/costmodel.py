@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from scheduler._lazy import Key
+from scheduler._lazy import content_id
 from scheduler.hardware import GpuSpec
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu, usable_bytes
@@ -261,7 +261,7 @@ class PipelineProfile:
         self.stages = tuple(stages)
         self.eff = eff
         self.pp = len(self.stages)
-        self.signature = Key((model, eff, self.stages))
+        self.signature = content_id((model, eff, self.stages))  # equal physics, equal signature
         self._consts = [self._stage_consts(st) for st in self.stages]
 
     def _stage_consts(self, st: StageProfile) -> tuple[float, ...]:
@@ -458,7 +458,7 @@ class PlanProfile:
         self.handoff = handoff
         self.eff = eff
         # what its estimates depend on: equal signatures, equal estimates (memoisation key)
-        self.signature = Key((
+        self.signature = content_id((
             plan.mode,
             self._pipelines["prefill"].signature,
             self._pipelines["decode"].signature if plan.mode == "disaggregated" else None,
