@@ -1087,28 +1087,35 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
     active = [(e, w) for e, w in zip(ests, weights, strict=True) if w > 0]
     if not active:
         return _dead_estimate(workload.rate_rps, sum(e.kv_capacity_tokens for e in ests), sum(e.gpus for e in ests), "kv")
-    capacity = min(e.capacity_rps / w for e, w in active)
-    limit = min(active, key=lambda ew: ew[0].capacity_rps / ew[1])[0].limit
+    # the first plan to saturate bounds the split (its capacity / its share), first on ties
+    e0, w0 = active[0]
+    capacity, limit = e0.capacity_rps / w0, e0.limit
+    for e, w in active[1:]:
+        c = e.capacity_rps / w
+        if c < capacity:
+            capacity, limit = c, e.limit
     lam = workload.rate_rps
     served = min(lam, capacity)
     total_w = sum(w for _, w in active)
-
-    def weighted(attr: str) -> float:
-        return float(sum(getattr(e, attr) * w for e, w in active)) / total_w
-
-    def worst(attr: str) -> float:
-        return float(max(getattr(e, attr) for e, _ in active))
-
+    ttft50 = tpot50 = throughput = goodput = 0.0
+    ttft99 = tpot99 = -math.inf
+    for e, w in active:  # P50s traffic-weighted, P99s the worst plan's, rates summed
+        ttft50 += e.ttft_p50_s * w
+        tpot50 += e.tpot_p50_s * w
+        ttft99 = max(ttft99, e.ttft_p99_s)
+        tpot99 = max(tpot99, e.tpot_p99_s)
+        throughput += e.throughput_tokens_s
+        goodput += e.goodput_tokens_s
     return Estimate(
         capacity_rps=capacity,
         served_rps=served,
         utilization=lam / capacity if capacity > 0 else math.inf,
-        throughput_tokens_s=sum(e.throughput_tokens_s for e, _ in active),
-        goodput_tokens_s=sum(e.goodput_tokens_s for e, _ in active),
-        ttft_p50_s=weighted("ttft_p50_s"),
-        ttft_p99_s=worst("ttft_p99_s"),
-        tpot_p50_s=weighted("tpot_p50_s"),
-        tpot_p99_s=worst("tpot_p99_s"),
+        throughput_tokens_s=throughput,
+        goodput_tokens_s=goodput,
+        ttft_p50_s=ttft50 / total_w,
+        ttft_p99_s=ttft99,
+        tpot_p50_s=tpot50 / total_w,
+        tpot_p99_s=tpot99,
         kv_capacity_tokens=sum(e.kv_capacity_tokens for e in ests),
         max_running_seqs=sum(e.max_running_seqs for e in ests),
         gpus=sum(e.gpus for e in ests),
