@@ -307,3 +307,30 @@ def test_a_switch_cost_round_trips_through_json() -> None:
     snap = fleet()
     cost = switch_cost(None, one_plan_gear(tp_plan(M8, ["a1-g0"], 100_000)), M8, snap, chat_workload(5.0))
     assert SwitchCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+def test_the_switch_cost_is_the_same_whether_profiles_are_handed_over_or_built() -> None:
+    snap = fleet()
+    current = one_plan_gear(tp_plan(M8, ["a1-g0"], 50_000))
+    target = Gear(M8.name, (tp_plan(M8, ["a2-g0", "a2-g1"], 50_000), tp_plan(M8, ["a1-g2", "a1-g3"], 50_000)),
+                  (0.5, 0.5))
+    workload = chat_workload(20.0)
+    est = estimate_plan(PlanProfile.build(current.plans[0], M8, snap), workload)
+    built = switch_cost(current, target, M8, snap, workload, current_estimate=est)
+    given_profiles = {p: PlanProfile.build(p, M8, snap) for p in target.plans}
+    handed = switch_cost(current, target, M8, snap, workload, current_estimate=est, profiles=given_profiles)
+    assert built == handed and built.migrate_seqs + built.replay_seqs > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(0.0, 80.0), min_size=1, max_size=6))
+def test_a_steady_state_answers_the_same_whatever_it_was_asked_before(rates: list[float]) -> None:
+    # round times are computed when first needed: the order of questions changes nothing
+    profile = PlanProfile.build(tp_plan(M8, ["a1-g0", "a1-g1"], 60_000), M8, fleet())
+    shape = chat_workload(1.0)
+    costmodel.clear_caches()
+    fresh = [costmodel.SteadyState(profile, shape, CHAT_SLO).estimate(r) for r in rates]
+    reused = costmodel.SteadyState(profile, shape, CHAT_SLO)
+    for r in reversed(rates):
+        reused.estimate(r)
+    assert [reused.estimate(r) for r in rates] == fresh
