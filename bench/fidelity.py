@@ -215,7 +215,8 @@ def row_path(row: Row, eff: Efficiency) -> Path:
     assert row.link is not None
     if not row.link.measured:
         return row.link
-    return replace(row.link, latency_s=max(0.0, row.probe_latency_s - eff.link_latency_s))
+    beyond = row.probe_latency_s - eff.kernel_overhead_s - eff.link_latency_s
+    return replace(row.link, latency_s=max(0.0, beyond))
 
 
 def predict(row: Row, eff: Efficiency) -> float:
@@ -340,7 +341,8 @@ def _score(errors: np.ndarray) -> float:
     return float(np.median(errors) + np.percentile(errors, 90))
 
 
-def fit_links(net: Sequence[Row], comp_errors: np.ndarray, mbu: float) -> tuple[float, float, float]:
+def fit_links(net: Sequence[Row], comp_errors: np.ndarray, mbu: float,
+              kernel_overhead_s: float | None = None) -> tuple[float, float, float]:
     """(link_efficiency, link_latency_s, allreduce_latency_s) with the least median + p90
     relative error over the network rows together with the operator rows' errors (so the
     score is the one the report prints for all rows), by a coarse grid and then a fine one."""
@@ -356,9 +358,12 @@ def fit_links(net: Sequence[Row], comp_errors: np.ndarray, mbu: float) -> tuple[
     share = (workers - 1) / workers * size
     reduce_s = costmodel.REDUCE_HBM_TOUCHES * share / (mbu * hbm)
 
+    launch = DEFAULT_EFFICIENCY.kernel_overhead_s if kernel_overhead_s is None else kernel_overhead_s
+
     def errors(link_eff: float, lat: float, ar_lat: float) -> np.ndarray:
-        hop = np.where(measured, np.maximum(0.0, probe - lat), 0.0)  # row_path's latency
-        p2p = lat + hop + size / np.where(measured, bw, link_eff * bw)
+        # one hop over the path (Path.latency of row_path's path); a copy adds one kernel launch
+        hop = lat + np.where(measured, np.maximum(0.0, probe - launch - lat), 0.0)
+        p2p = launch + hop + size / np.where(measured, bw, link_eff * bw)
         ar = ar_lat + 2 * (workers - 1) * hop + 2 * share / (link_eff * lanes * bw) + reduce_s
         pred = np.where(is_ar, ar, p2p)
         return np.concatenate([comp_errors, np.abs(pred - meas) / meas])
@@ -389,7 +394,7 @@ def fit(rows: Sequence[Row]) -> Efficiency:
     net = [r for r in rows if r.in_sample and r.collective and r.link is not None]
     mfu, mbu, overhead = fit_compute(comp)
     compute_eff = replace(DEFAULT_EFFICIENCY, mfu=mfu, mbu=mbu, kernel_overhead_s=overhead)
-    link_eff, lat, ar_lat = fit_links(net, rel_errors(comp, compute_eff), mbu)
+    link_eff, lat, ar_lat = fit_links(net, rel_errors(comp, compute_eff), mbu, overhead)
     return replace(
         compute_eff,
         mfu=round(mfu, 3),

@@ -11,13 +11,14 @@ Physics, and only a handful of fitted factors (`Efficiency`):
   Element-wise kernels (fused residual-add+RMSNorm, rotary, SiLU-and-mul) are memory traffic
   only (vLLM fuses them; their launch cost hides under CUDA graphs).
 * TP all-reduce (two per layer), an alpha-beta ring (`allreduce_time_s`): a fixed cost per
-  call + 2(t-1) hops x the path's own latency + 2(t-1)/t x bytes / (link_efficiency x link B/s)
+  call + 2(t-1) hops x one hop's latency + 2(t-1)/t x bytes / (link_efficiency x link B/s)
   + the reduction's own HBM traffic (3 x (t-1)/t x bytes at the MBU). Small messages are
-  latency-bound (the fixed cost is ~45 us as measured, against ~2 us of bandwidth time for
-  a decode step's 16 KB), large ones bandwidth-bound.
-  Point-to-point (PP hand-off, KV hand-off and migration): latency + bytes / (efficiency x B/s).
-  Links measured by the agents' probes are used as measured for copies (their efficiency is
-  already in the number); datasheet links (NVLink, PCIe) are derated by `link_efficiency`.
+  latency-bound (the fixed part is ~45-70 us for 2-8 GPUs, as Vidur measured NCCL, against
+  ~2 us of bandwidth time for a decode step's 16 KB), large ones bandwidth-bound.
+  Point-to-point (PP hand-off, KV hand-off and migration): one kernel launch + one hop +
+  bytes / (efficiency x B/s). Links measured by the agents' probes are used as measured for
+  copies (their efficiency is already in the number); datasheet links (NVLink, PCIe) are
+  derated by `link_efficiency`.
 * A pipeline of S stages keeps S micro-batches in flight: a batch takes the sum of the stage
   times and hand-offs (`latency_s`); a new batch can enter every `interval_s` (the slowest
   stage plus its hand-off). With fewer running sequences than stages, stages idle (bubbles).
@@ -68,13 +69,13 @@ class Efficiency:
     mfu: float = 0.72  # fraction of dense peak FLOP/s a compute-bound GEMM reaches (prefill)
     mbu: float = 0.78  # fraction of peak HBM bandwidth a memory-bound kernel reaches (decode)
     link_efficiency: float = 0.78  # fraction of a datasheet link's bandwidth a transfer reaches
-    link_latency_s: float = 8e-6  # fixed cost of one point-to-point transfer (launch + handshake)
+    link_latency_s: float = 2e-6  # one hop over a link (a copy pays one, a ring all-reduce 2(t-1))
     # Fixed cost of one all-reduce call: the kernel launch and the synchronisation of the ring
     # before each of its two phases (reduce-scatter, all-gather). Fitted on Vidur's NCCL timings,
     # which launch each collective on its own (no CUDA graph), so it is on the safe side for
     # engines that capture decode steps in graphs and use a custom all-reduce for small messages.
-    allreduce_latency_s: float = 50e-6
-    kernel_overhead_s: float = 6.5e-6  # fixed cost of one GEMM or attention kernel
+    allreduce_latency_s: float = 39e-6
+    kernel_overhead_s: float = 6.5e-6  # fixed cost of one kernel: a GEMM, attention, a send/recv
     roofline_norm: float = 2.0  # p of the p-norm joining the compute and memory bounds
 
     def __post_init__(self) -> None:
@@ -128,14 +129,20 @@ class Path:
     """The path data takes between two GPUs (or two groups, at its bottleneck)."""
 
     bytes_per_s: float  # per direction
-    latency_s: float | None = None  # measured latency; None: the model's link_latency_s
+    latency_s: float | None = None  # measured latency beyond the model's link_latency_s; None: none
     measured: bool = False  # True: a probe measured the bandwidth (no efficiency applied)
 
     def effective_bytes_per_s(self, eff: Efficiency) -> float:
         return self.bytes_per_s if self.measured else self.bytes_per_s * eff.link_efficiency
 
     def latency(self, eff: Efficiency) -> float:
+        """One hop over the path: the link's latency (plus what a probe measured beyond it)."""
         return eff.link_latency_s if self.latency_s is None else eff.link_latency_s + self.latency_s
+
+    def transfer_latency(self, eff: Efficiency) -> float:
+        """Fixed time of a point-to-point copy: one kernel launch (send/recv is a kernel, with
+        the same fixed cost as any other) and one hop."""
+        return eff.kernel_overhead_s + self.latency(eff)
 
 
 def transfer_time_s(bytes_moved: float, path: Path, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
@@ -145,7 +152,7 @@ def transfer_time_s(bytes_moved: float, path: Path, eff: Efficiency = DEFAULT_EF
         return math.inf
     if math.isinf(bw):
         return 0.0
-    return path.latency(eff) + bytes_moved / bw
+    return path.transfer_latency(eff) + bytes_moved / bw
 
 
 REDUCE_HBM_TOUCHES = 3  # a reduce-scatter step reads two operands and writes the sum
@@ -158,9 +165,10 @@ def allreduce_time_s(ranks: int, bytes_moved: float, path: Path, eff: Efficiency
     alpha-beta, term by term:
     * `allreduce_latency_s` once per call (launch, and the ring's synchronisation before its
       reduce-scatter and its all-gather phase);
-    * 2(t-1) hops, each paying the path's own latency: a measured path (a network link) adds
-      its probed latency per hop; NVLink and PCIe hops cost well under a microsecond, which
-      the fixed cost already covers;
+    * 2(t-1) hops, each one transfer's latency over the path (`Path.latency`: `link_latency_s`,
+      plus the probed latency on a measured network link): a chunk must cross every hop of
+      the ring before the last rank has it, which is why an 8-GPU ring costs more than a
+      2-GPU one before any byte counts, and a 16-rank ring across nodes ~30 network latencies;
     * each rank sends 2(t-1)/t of the bytes at `link_efficiency` of the path's bandwidth, even
       on a measured path: a probe times a one-way copy, while a ring sends and receives on
       every link at once and forwards each chunk only after reducing it;
@@ -177,7 +185,7 @@ def allreduce_time_s(ranks: int, bytes_moved: float, path: Path, eff: Efficiency
         return math.inf
     share = (ranks - 1) / ranks * bytes_moved
     reduce_s = REDUCE_HBM_TOUCHES * share / (eff.mbu * hbm_bytes_per_s) if hbm_bytes_per_s > 0 else 0.0
-    hops_s = 2.0 * (ranks - 1) * (path.latency_s or 0.0)
+    hops_s = 2.0 * (ranks - 1) * path.latency(eff)
     return eff.allreduce_latency_s + hops_s + 2.0 * share / bw + reduce_s
 
 
@@ -297,7 +305,7 @@ class PipelineProfile:
         if t > 1:
             ar_bw = st.tp_path.bytes_per_s * eff.link_efficiency
             share = (t - 1) / t * h * d
-            ar_fixed = 2 * layers * (eff.allreduce_latency_s + 2.0 * (t - 1) * (st.tp_path.latency_s or 0.0))
+            ar_fixed = 2 * layers * (eff.allreduce_latency_s + 2.0 * (t - 1) * st.tp_path.latency(eff))
             ar_per_token = 2 * layers * (2.0 * share / ar_bw + REDUCE_HBM_TOUCHES * share * md)
         return (
             eff.kernel_overhead_s,  # 0 fixed cost of one kernel
@@ -575,7 +583,7 @@ def kv_route(src: Sequence[Stage], dst: Sequence[Stage], model: ModelSpec, snaps
                 return KvRoute(latency_s=math.inf, s_per_token=math.inf, bytes_per_token=max(1, moved))
             if math.isfinite(bw):
                 worst_s_per_token = max(worst_s_per_token, overlap * per_layer / bw)
-            worst_latency = max(worst_latency, path.latency(eff))
+            worst_latency = max(worst_latency, path.transfer_latency(eff))
     return KvRoute(latency_s=worst_latency, s_per_token=worst_s_per_token, bytes_per_token=moved)
 
 

@@ -68,12 +68,13 @@ def test_measured_links_are_used_as_measured_and_datasheet_links_derated() -> No
     eff = costmodel.DEFAULT_EFFICIENCY
     nominal, measured = Path(100e9), Path(100e9, measured=True)
     assert transfer_time_s(1e9, measured) < transfer_time_s(1e9, nominal)
-    assert transfer_time_s(1e9, nominal) == pytest.approx(eff.link_latency_s + 1e9 / (100e9 * eff.link_efficiency))
+    assert transfer_time_s(1e9, nominal) == pytest.approx(
+        eff.kernel_overhead_s + eff.link_latency_s + 1e9 / (100e9 * eff.link_efficiency))
     assert math.isinf(transfer_time_s(1.0, Path(0.0)))
 
 
 def test_an_all_reduce_moves_2_t_minus_1_over_t_of_the_bytes() -> None:
-    eff = replace(costmodel.DEFAULT_EFFICIENCY, allreduce_latency_s=0.0)
+    eff = replace(costmodel.DEFAULT_EFFICIENCY, allreduce_latency_s=0.0, link_latency_s=0.0)
     path = Path(100e9)
     assert allreduce_time_s(1, 1e9, path, eff) == 0.0
     assert allreduce_time_s(8, 1e9, path, eff) == pytest.approx(2 * 7 / 8 * 1e9 / (100e9 * eff.link_efficiency))
@@ -82,20 +83,22 @@ def test_an_all_reduce_moves_2_t_minus_1_over_t_of_the_bytes() -> None:
 def test_a_small_all_reduce_costs_its_fixed_latency_and_large_ones_their_bytes() -> None:
     eff = costmodel.DEFAULT_EFFICIENCY
     nvlink = Path(300e9)
+    fixed = eff.allreduce_latency_s + 2 * 7 * eff.link_latency_s  # the call, and 14 hops of an 8-GPU ring
     tiny = allreduce_time_s(8, 16e3, nvlink, eff)
-    assert tiny == pytest.approx(eff.allreduce_latency_s, rel=0.05)  # a decode step's message: latency-bound
+    assert tiny == pytest.approx(fixed, rel=0.05)  # a decode step's message: latency-bound
     big = allreduce_time_s(8, 1e9, nvlink, eff)
-    assert big - eff.allreduce_latency_s == pytest.approx(2 * 7 / 8 * 1e9 / (300e9 * eff.link_efficiency))
+    assert big - fixed == pytest.approx(2 * 7 / 8 * 1e9 / (300e9 * eff.link_efficiency))
+    assert allreduce_time_s(2, 16e3, nvlink, eff) < tiny  # fewer hops
 
 
 def test_an_all_reduce_over_a_network_pays_the_probed_latency_per_hop_and_shares_bytes_over_cards() -> None:
     eff = costmodel.DEFAULT_EFFICIENCY
     net = Path(25e9, latency_s=10e-6, measured=True)
+    fixed = eff.allreduce_latency_s + 2 * 15 * (eff.link_latency_s + 10e-6)
     one = allreduce_time_s(16, 64e6, net, eff)
-    assert one == pytest.approx(eff.allreduce_latency_s + 2 * 15 * 10e-6 + 2 * 15 / 16 * 64e6 / (25e9 * eff.link_efficiency))
+    assert one == pytest.approx(fixed + 2 * 15 / 16 * 64e6 / (25e9 * eff.link_efficiency))
     eight = allreduce_time_s(16, 64e6, net, eff, lanes=8)
-    assert eight - eff.allreduce_latency_s - 2 * 15 * 10e-6 == pytest.approx(
-        (one - eff.allreduce_latency_s - 2 * 15 * 10e-6) / 8)
+    assert eight - fixed == pytest.approx((one - fixed) / 8)
 
 
 # --- iterations ------------------------------------------------------------------------------------
