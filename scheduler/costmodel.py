@@ -1322,6 +1322,7 @@ def switch_cost(
         dest = max(new_plans, key=lambda p: (len(p.gpu_uuids), p.gpu_uuids))
         dest_pipe = profile(dest).pipeline("prefill")
         dest_stages = dest.decode_stages if dest.mode == "disaggregated" else dest.stages
+        replay_floor_s = dest_pipe.latency_interval_memo(1, 1)[0]
         landing = next((u for st in dest_stages for u in st.gpu_uuids if u in serving), None)
         landing_s_per_byte = 1.0 / (eff.mbu * snapshot.spec_of(landing).hbm_bytes_per_s) if landing else 0.0
         for plan in gone:
@@ -1330,16 +1331,26 @@ def switch_cost(
                 continue
             src_stages = plan.decode_stages if plan.mode == "disaggregated" else plan.stages
             route = kv_route(src_stages, dest_stages, model, snapshot, eff)
+            if route.bytes_per_token == 0:
+                continue  # its KV stays in place
             for ctx, weight in _context_buckets(workload):
                 count = seqs * weight
-                move = migrate_or_replay(int(ctx), route, dest_pipe)
-                if move.choice == "migrate":
+                tokens = int(ctx)
+                if tokens <= 0:
+                    continue
+                # migrate_or_replay's choice. Replaying costs at least one one-token iteration
+                # per chunk (an iteration never gets faster as its batch grows), so a migration
+                # faster than that needs no prefill estimate.
+                move_s = route.time_s(tokens)
+                if move_s < -(-tokens // MAX_BATCHED_TOKENS) * replay_floor_s or move_s <= dest_pipe.prefill_time_s(
+                        tokens, MAX_BATCHED_TOKENS):
+                    moved = tokens * route.bytes_per_token
                     migrate_seqs += round(count)
-                    migrate_bytes += int(count * move.migrate_bytes)
-                    migrate_s += count * move.migrate_s
+                    migrate_bytes += int(count * moved)
+                    migrate_s += count * move_s
                     if landing:
-                        contention_s += count * move.migrate_bytes * landing_s_per_byte
-                elif move.choice == "replay":
+                        contention_s += count * moved * landing_s_per_byte
+                else:
                     replay_seqs += round(count)
                     replay_tokens += int(count * ctx)
         if replay_tokens:
