@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from scheduler._lazy import content_id
+from scheduler._lazy import check_plain_dataclass, content_id, make_frozen
 from scheduler.hardware import GpuSpec
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu, usable_bytes
@@ -753,6 +753,7 @@ _ESTIMATE_FIELDS = (
     "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "kv_capacity_tokens",
     "max_running_seqs", "gpus", "limit",
 )
+check_plain_dataclass(Estimate, field_names=_ESTIMATE_FIELDS)  # built with make_frozen in hot loops
 
 
 def _finite_or_none(v: object) -> object:
@@ -969,21 +970,21 @@ class SteadyState:
         goodput = throughput
         if self.slo is not None:
             goodput = throughput * _slo_attainment(self.slo, ttft50, ttft99, tpot50, tpot99, rho)
-        return Estimate(
-            capacity_rps=capacity,
-            served_rps=served,
-            utilization=util,
-            throughput_tokens_s=throughput,
-            goodput_tokens_s=goodput,
-            ttft_p50_s=ttft50,
-            ttft_p99_s=ttft99,
-            tpot_p50_s=tpot50,
-            tpot_p99_s=tpot99,
-            kv_capacity_tokens=self.kv_tokens,
-            max_running_seqs=self.running_cap,
-            gpus=self.gpus,
-            limit=self.limit,
-        )
+        return make_frozen(Estimate, {
+            "capacity_rps": capacity,
+            "served_rps": served,
+            "utilization": util,
+            "throughput_tokens_s": throughput,
+            "goodput_tokens_s": goodput,
+            "ttft_p50_s": ttft50,
+            "ttft_p99_s": ttft99,
+            "tpot_p50_s": tpot50,
+            "tpot_p99_s": tpot99,
+            "kv_capacity_tokens": self.kv_tokens,
+            "max_running_seqs": self.running_cap,
+            "gpus": self.gpus,
+            "limit": self.limit,
+        })
 
 
 _STEADY_CACHE: OrderedDict[tuple[object, ...], SteadyState] = OrderedDict()
@@ -1071,12 +1072,12 @@ def _slo_attainment(slo: Slo, ttft50: float, ttft99: float, tpot50: float, tpot9
 
 
 def _dead_estimate(rate_rps: float, kv_tokens: int, gpus: int, limit: str) -> Estimate:
-    return Estimate(
-        capacity_rps=0.0, served_rps=0.0, utilization=math.inf if rate_rps > 0 else 0.0,
-        throughput_tokens_s=0.0, goodput_tokens_s=0.0, ttft_p50_s=math.inf, ttft_p99_s=math.inf,
-        tpot_p50_s=math.inf, tpot_p99_s=math.inf, kv_capacity_tokens=kv_tokens, max_running_seqs=0,
-        gpus=gpus, limit=limit,
-    )
+    return make_frozen(Estimate, {
+        "capacity_rps": 0.0, "served_rps": 0.0, "utilization": math.inf if rate_rps > 0 else 0.0,
+        "throughput_tokens_s": 0.0, "goodput_tokens_s": 0.0, "ttft_p50_s": math.inf, "ttft_p99_s": math.inf,
+        "tpot_p50_s": math.inf, "tpot_p99_s": math.inf, "kv_capacity_tokens": kv_tokens, "max_running_seqs": 0,
+        "gpus": gpus, "limit": limit,
+    })
 
 
 def estimate_gear(profiles: Sequence[PlanProfile], weights: Sequence[float], workload: Workload,
@@ -1114,21 +1115,21 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
         tpot99 = max(tpot99, e.tpot_p99_s)
         throughput += e.throughput_tokens_s
         goodput += e.goodput_tokens_s
-    return Estimate(
-        capacity_rps=capacity,
-        served_rps=served,
-        utilization=lam / capacity if capacity > 0 else math.inf,
-        throughput_tokens_s=throughput,
-        goodput_tokens_s=goodput,
-        ttft_p50_s=ttft50 / total_w,
-        ttft_p99_s=ttft99,
-        tpot_p50_s=tpot50 / total_w,
-        tpot_p99_s=tpot99,
-        kv_capacity_tokens=sum(e.kv_capacity_tokens for e in ests),
-        max_running_seqs=sum(e.max_running_seqs for e in ests),
-        gpus=sum(e.gpus for e in ests),
-        limit=limit,
-    )
+    return make_frozen(Estimate, {
+        "capacity_rps": capacity,
+        "served_rps": served,
+        "utilization": lam / capacity if capacity > 0 else math.inf,
+        "throughput_tokens_s": throughput,
+        "goodput_tokens_s": goodput,
+        "ttft_p50_s": ttft50 / total_w,
+        "ttft_p99_s": ttft99,
+        "tpot_p50_s": tpot50 / total_w,
+        "tpot_p99_s": tpot99,
+        "kv_capacity_tokens": sum(e.kv_capacity_tokens for e in ests),
+        "max_running_seqs": sum(e.max_running_seqs for e in ests),
+        "gpus": sum(e.gpus for e in ests),
+        "limit": limit,
+    })
 
 
 def capacity_weights(ests: Sequence[Estimate]) -> tuple[float, ...]:
@@ -1214,6 +1215,7 @@ _SWITCH_FIELDS = (
     "lost_cold_start_tokens", "kv_migrate_bytes", "kv_migrate_s", "migrate_seqs", "replay_seqs",
     "replay_tokens", "replay_s", "weight_load_bytes", "weight_load_s", "weight_source", "cold_start_s",
 )
+check_plain_dataclass(SwitchCost, field_names=_SWITCH_FIELDS)  # built with make_frozen
 
 DISK_BYTES_PER_S = 2e9  # stated: one NVMe drive per node, sequential read, shared by its GPUs
 COLD_START_S = 2.0  # stated: service-seconds a new plan loses warming up (vLLM graph capture is in PREPARE)
@@ -1364,25 +1366,26 @@ def switch_cost(
     for p, w in zip(target.plans, target.weights, strict=False):
         share_of.setdefault(p, w)
     lost_cold = sum(new_tokens_s * cold_start_s * share_of[p] for p in new_plans)
-    return SwitchCost(
-        tokens=lost_pause + lost_contention + lost_cold,
-        pause_s=pause_s,
-        prepare_s=weight_load_s,
-        time_to_effect_s=weight_load_s + pause_s,
-        lost_pause_tokens=lost_pause,
-        lost_contention_tokens=lost_contention,
-        lost_cold_start_tokens=lost_cold,
-        kv_migrate_bytes=migrate_bytes,
-        kv_migrate_s=migrate_s,
-        migrate_seqs=migrate_seqs,
-        replay_seqs=replay_seqs,
-        replay_tokens=replay_tokens,
-        replay_s=replay_s,
-        weight_load_bytes=load_bytes,
-        weight_load_s=weight_load_s,
-        weight_source=source,
-        cold_start_s=cold_start_s if new_plans else 0.0,
-    )
+    return make_frozen(SwitchCost, {
+        "tokens": lost_pause + lost_contention + lost_cold,
+        "pause_s": pause_s,
+        "prepare_s": weight_load_s,
+        "time_to_effect_s": weight_load_s + pause_s,
+        "lost_pause_tokens": lost_pause,
+        "lost_contention_tokens": lost_contention,
+        "lost_cold_start_tokens": lost_cold,
+        "kv_migrate_bytes": migrate_bytes,
+        "kv_migrate_s": migrate_s,
+        "migrate_seqs": migrate_seqs,
+        "replay_seqs": replay_seqs,
+        "replay_tokens": replay_tokens,
+        "replay_s": replay_s,
+        "weight_load_bytes": load_bytes,
+        "weight_load_s": weight_load_s,
+        "weight_source": source,
+        "cold_start_s": cold_start_s if new_plans else 0.0,
+    })
+
 
 
 @lru_cache(maxsize=64)

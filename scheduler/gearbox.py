@@ -43,6 +43,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     Efficiency,
@@ -216,6 +217,10 @@ class CandidateEval:
             passes=bool(d["passes"]),
             note=str(d.get("note", "")),
         )
+
+
+check_plain_dataclass(CandidateEval, field_names=("gear", "estimate", "value_tokens_s", "gain_tokens", "cost",
+                                                  "threshold_tokens", "passes", "note"))
 
 
 @dataclass(frozen=True)
@@ -464,7 +469,9 @@ def decide(
         value = _value(est, rent)
         gain = (value - _value(cur.estimate, rent)) * max(0.0, config.horizon_s - cost.time_to_effect_s)
         threshold = cost.tokens * factor
-        return CandidateEval(gear, est, value, gain, cost, threshold, gain > threshold, note)
+        return make_frozen(CandidateEval, {"gear": gear, "estimate": est, "value_tokens_s": value, "gain_tokens": gain,
+                                           "cost": cost, "threshold_tokens": threshold, "passes": gain > threshold,
+                                           "note": note})
 
     def estimate_of(gear: Gear) -> Estimate:
         profiles = [cur.profiles.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]

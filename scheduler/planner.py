@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
+from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     MAX_RUNNING_SEQS,
@@ -101,6 +102,9 @@ class Candidate:
             "stability": self.stability,
             "notes": list(self.notes),
         }
+
+
+check_plain_dataclass(Candidate, field_names=("gear", "estimate", "kind", "blocks", "stability", "notes", "profiles"))
 
 
 @dataclass(frozen=True)
@@ -355,7 +359,7 @@ def plan_candidates(
             used.update(unit.uuids)
 
     def colocated(uuids: tuple[str, ...], kv: int) -> Callable[[], Plan]:
-        return lambda: Plan(model.name, "colocated", (Stage(0, model.num_layers, uuids),), kv_reserve_tokens=kv)
+        return lambda: _plan(model, "colocated", (_stage(0, model.num_layers, uuids),), (), kv)
 
     # 2a. single-block TP units (groups of one block, and blocks, are disjoint by construction)
     layers = model.num_layers
@@ -499,7 +503,8 @@ def plan_candidates(
             if prof is not None:
                 profiles[u.plan] = prof  # units of one type share the physics of its profile
         gear = Gear(model.name, tuple(u.plan for u in d.units), d.weights)
-        return Candidate(gear, d.estimate, d.kind, blocks_used, d.stability, tuple(notes), profiles)
+        return make_frozen(Candidate, {"gear": gear, "estimate": d.estimate, "kind": d.kind, "blocks": blocks_used,
+                                       "stability": d.stability, "notes": tuple(notes), "profiles": profiles})
 
     ranked = sorted(drafts.values(), key=_rank)
     feasible = tuple(candidate(d) for d in ranked[: options.max_candidates])
@@ -512,17 +517,20 @@ def plan_candidates(
     return Candidates(feasible, tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
 
 
-@dataclass(frozen=True)
 class _Draft:
     """A gear before it is built: what ranks it and what builds it."""
 
-    rank: tuple[object, ...]  # best first: goodput, fewer GPUs, stability, GPUs (deterministic)
-    units: tuple[_Unit, ...]
-    weights: tuple[float, ...]
-    estimate: Estimate
-    kind: str
-    stability: float
-    capacity_rps: float  # the units' capacities summed
+    __slots__ = ("rank", "units", "weights", "estimate", "kind", "stability", "capacity_rps")
+
+    def __init__(self, rank: tuple[object, ...], units: tuple[_Unit, ...], weights: tuple[float, ...],
+                 estimate: Estimate, kind: str, stability: float, capacity_rps: float) -> None:
+        self.rank = rank  # best first: goodput, fewer GPUs, stability, GPUs (deterministic)
+        self.units = units
+        self.weights = weights
+        self.estimate = estimate
+        self.kind = kind
+        self.stability = stability
+        self.capacity_rps = capacity_rps  # the units' capacities summed
 
 
 def _rank(d: _Draft) -> tuple[object, ...]:
@@ -704,8 +712,25 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
 
 
 def _disaggregated(model: ModelSpec, prefill: tuple[str, ...], decode: tuple[str, ...], kv: int) -> Callable[[], Plan]:
-    return lambda: Plan(model.name, "disaggregated", (Stage(0, model.num_layers, prefill),),
-                        (Stage(0, model.num_layers, decode),), kv_reserve_tokens=kv)
+    return lambda: _plan(model, "disaggregated", (_stage(0, model.num_layers, prefill),),
+                         (_stage(0, model.num_layers, decode),), kv)
+
+
+def _stage(start: int, end: int, uuids: tuple[str, ...]) -> Stage:
+    """Stage(start, end, uuids), built the fast way (units build many)."""
+    return make_frozen(Stage, {"layer_start": start, "layer_end": end, "gpu_uuids": uuids})
+
+
+def _plan(model: ModelSpec, mode: Literal["colocated", "disaggregated"], stages: tuple[Stage, ...],
+          decode_stages: tuple[Stage, ...], kv: int) -> Plan:
+    """Plan(...) with the default KV partitioning, built the fast way."""
+    return make_frozen(Plan, {"model": model.name, "mode": mode, "stages": stages, "decode_stages": decode_stages,
+                              "kv_reserve_tokens": kv, "kv_partition": "layer_head"})
+
+
+check_plain_dataclass(Stage, field_names=("layer_start", "layer_end", "gpu_uuids"))
+check_plain_dataclass(Plan, field_names=("model", "mode", "stages", "decode_stages", "kv_reserve_tokens",
+                                         "kv_partition"))
 
 
 def _const(plan: Plan) -> Callable[[], Plan]:

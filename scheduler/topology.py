@@ -50,6 +50,7 @@ from operator import attrgetter
 from types import MappingProxyType
 from typing import Literal
 
+from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.hardware import CATALOG as GPU_CATALOG
 from scheduler.hardware import GpuSpec, gpu_spec
 
@@ -477,6 +478,10 @@ class AtomicBlock:
         return len(self.gpu_uuids)
 
 
+check_plain_dataclass(AtomicBlock, field_names=("id", "node_id", "rack", "gpu_model", "gpu_uuids", "mem_total_bytes",
+                                                "mem_free_bytes", "link_kind", "tp_link_bytes_per_s"))
+
+
 @dataclass(frozen=True)
 class Partition:
     """The blocks of a snapshot, and why each left-out GPU is out."""
@@ -584,11 +589,18 @@ def _block(block_id: str, node: NodeState, members: list[GpuState], kind: LinkKi
     if len(members) > 1:
         members.sort(key=_BY_INDEX)
     totals = tuple([g.mem_total_bytes for g in members])
-    # positional: id, node, rack, model, GPUs, capacity, free (total - used, at least 0), link
-    return AtomicBlock(block_id, node.id, node.rack, members[0].model, tuple([g.uuid for g in members]), totals,
-                       tuple([g.mem_total_bytes - g.mem_used_bytes if g.mem_used_bytes < g.mem_total_bytes else 0
-                              for g in members]),
-                       kind, bw)
+    return make_frozen(AtomicBlock, {
+        "id": block_id,
+        "node_id": node.id,
+        "rack": node.rack,
+        "gpu_model": members[0].model,
+        "gpu_uuids": tuple([g.uuid for g in members]),
+        "mem_total_bytes": totals,
+        "mem_free_bytes": tuple([g.mem_total_bytes - g.mem_used_bytes if g.mem_used_bytes < g.mem_total_bytes else 0
+                                 for g in members]),
+        "link_kind": kind,
+        "tp_link_bytes_per_s": bw,
+    })
 
 
 _BY_INDEX = attrgetter("index")
