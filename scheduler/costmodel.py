@@ -70,13 +70,14 @@ class Efficiency:
     mbu: float = 0.78  # fraction of peak HBM bandwidth a memory-bound kernel reaches (decode)
     link_efficiency: float = 0.78  # fraction of a datasheet link's bandwidth a transfer reaches
     link_latency_s: float = 2e-6  # one hop over a link (a copy pays one, a ring all-reduce 2(t-1))
+    kernel_overhead_s: float = 6.5e-6  # fixed cost of one kernel: a GEMM, attention, a send/recv
+    roofline_norm: float = 2.0  # p of the p-norm joining the compute and memory bounds
     # Fixed cost of one all-reduce call: the kernel launch and the synchronisation of the ring
     # before each of its two phases (reduce-scatter, all-gather). Fitted on Vidur's NCCL timings,
     # which launch each collective on its own (no CUDA graph), so it is on the safe side for
     # engines that capture decode steps in graphs and use a custom all-reduce for small messages.
+    # (Last, so that the fields before it keep their positions.)
     allreduce_latency_s: float = 39e-6
-    kernel_overhead_s: float = 6.5e-6  # fixed cost of one kernel: a GEMM, attention, a send/recv
-    roofline_norm: float = 2.0  # p of the p-norm joining the compute and memory bounds
 
     def __post_init__(self) -> None:
         for name in ("mfu", "mbu", "link_efficiency"):
