@@ -37,26 +37,6 @@ class lazy(Generic[T]):  # noqa: N801 - used like `property`
         return value
 
 
-class Key:
-    """A tuple key that hashes once: nested frozen dataclasses re-hash every field on every
-    lookup, which dominates a memo keyed by them."""
-
-    __slots__ = ("value", "_hash")
-
-    def __init__(self, value: tuple[object, ...]) -> None:
-        self.value = value
-        self._hash = hash(value)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Key) and self._hash == other._hash and self.value == other.value
-
-    def __repr__(self) -> str:
-        return f"Key({self.value!r})"
-
-
 _CONTENT_IDS: dict[object, int] = {}
 _NEXT_ID = itertools.count(1)
 
