@@ -76,3 +76,24 @@ def check_plain_dataclass(cls: type, *, field_names: tuple[str, ...]) -> None:
     names = tuple(cls.__dataclass_fields__)  # type: ignore[attr-defined]
     if names != field_names or hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__}: make_frozen needs a plain dataclass with fields {field_names}")
+
+
+def cached_field_hash(self: Any) -> int:
+    """__hash__ for a frozen dataclass, computed from its fields once and kept on the
+    instance. Assign it in the class body (`__hash__ = cached_field_hash`), with
+    `__getstate__ = state_without_hash`: the dataclass then keeps it instead of generating
+    one that re-hashes every field on every dict lookup - the catalog's model and GPU specs,
+    the efficiency factors, the workload shape and the SLO sit in every memo key of a decision.
+    """
+    cached: int | None = self.__dict__.get("_hash")
+    if cached is None:
+        cached = hash(tuple([getattr(self, name) for name in self.__dataclass_fields__]))
+        self.__dict__["_hash"] = cached
+    return cached
+
+
+def state_without_hash(self: Any) -> dict[str, Any]:
+    """__getstate__ that leaves the cached hash behind: str hashes differ between processes."""
+    state = dict(self.__dict__)
+    state.pop("_hash", None)
+    return state

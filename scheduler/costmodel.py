@@ -50,7 +50,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from scheduler._lazy import check_plain_dataclass, content_id, make_frozen
+from scheduler._lazy import (
+    cached_field_hash,
+    check_plain_dataclass,
+    content_id,
+    make_frozen,
+    state_without_hash,
+)
 from scheduler.hardware import GpuSpec
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu, usable_bytes
@@ -65,6 +71,9 @@ class Efficiency:
     """The few efficiency factors, fitted once on ../shared/calibration (A100-80GB, Vidur's
     operator and collective timings; `python -m bench.fidelity --fit` reproduces the fit), then
     used unchanged for every GPU and model."""
+
+    __hash__ = cached_field_hash  # fields hashed once (memo keys)
+    __getstate__ = state_without_hash
 
     mfu: float = 0.72  # fraction of dense peak FLOP/s a compute-bound GEMM reaches (prefill)
     mbu: float = 0.78  # fraction of peak HBM bandwidth a memory-bound kernel reaches (decode)
@@ -641,6 +650,9 @@ def max_kv_tokens(stages: Sequence[Stage], model: ModelSpec, snapshot: Snapshot,
 class Workload:
     """Offered load of one deployment (sliding-window statistics or a scenario's description)."""
 
+    __hash__ = cached_field_hash  # fields hashed once (memo keys)
+    __getstate__ = state_without_hash
+
     rate_rps: float  # request arrival rate
     prompt_tokens_mean: float  # mean prompt length
     output_tokens_mean: float  # mean output length
@@ -703,6 +715,9 @@ class Workload:
 @dataclass(frozen=True)
 class Slo:
     """Latency objectives of a deployment."""
+
+    __hash__ = cached_field_hash  # fields hashed once (memo keys)
+    __getstate__ = state_without_hash
 
     ttft_ms: float  # time to first token, P99 target
     tpot_ms: float  # time per output token, P99 target
