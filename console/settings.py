@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "console.accounts",
     "console.audit",
     "console.fleet",
+    "console.registry",
     "console.gearbox",
     "console.dashboard",
 ]
@@ -96,6 +97,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "console.dashboard.navigation.navigation",
             ],
         },
     },
@@ -169,6 +171,9 @@ FLEXPIPE_ENROLL_TOKEN = os.environ.get("FLEXPIPE_ENROLL_TOKEN", "")
 FLEXPIPE_REPORT_INTERVAL_S = float(os.environ.get("FLEXPIPE_REPORT_INTERVAL_S", "15"))
 FLEXPIPE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("FLEXPIPE_HEARTBEAT_TIMEOUT_S", "45"))
 FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
+# Local weights files up to this size are hashed during the registration request; bigger ones by the
+# Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
+FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))
 FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
 FLEXPIPE_CANARY_SHARE = float(os.environ.get("FLEXPIPE_CANARY_SHARE", "0.1"))
 FLEXPIPE_CANARY_DWELL_S = float(os.environ.get("FLEXPIPE_CANARY_DWELL_S", "2"))
@@ -205,6 +210,11 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["console.accounts.auth.IsViewer"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "console.api.pagination.StrictLimitOffsetPagination",
+    # JSON both ways: Swagger UI at /api/docs/ is the interactive view, and a form-encoded body could not
+    # carry `architecture` (an object) anyway.
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
 }
 
 SPECTACULAR_SETTINGS = {
@@ -215,6 +225,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": r"/api/v1",
+    # The schema is public (it holds no data) so tools and the Swagger page can load it; every
+    # operation in it still needs a token or a session with the right role.
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
 }
 
 LOGGING = {
