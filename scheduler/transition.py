@@ -717,9 +717,14 @@ class RoutingTable(Protocol):
 Clock = Callable[[], float]
 Probe = Callable[[str], None]
 ModelResolver = Callable[[str], ModelSpec]
+WeightsResolver = Callable[[str], "str | None"]  # model name -> SHA-256 of the weights to load (None: unknown)
 
 
 def _no_probe(point: str) -> None:
+    return None
+
+
+def _no_digest(model: str) -> str | None:
     return None
 
 
@@ -950,7 +955,8 @@ class Executor:
 
     def __init__(self, store: TransitionStore, agents: AgentPort, routing: RoutingTable, clock: Clock, *,
                  config: TransitionConfig = DEFAULT_TRANSITION_CONFIG, probe: Probe = _no_probe,
-                 models: ModelResolver = model_spec, eff: Efficiency = DEFAULT_EFFICIENCY) -> None:
+                 models: ModelResolver = model_spec, eff: Efficiency = DEFAULT_EFFICIENCY,
+                 weights: WeightsResolver = _no_digest) -> None:
         self.store = store
         self.agents = agents
         self.routing = routing
@@ -959,6 +965,7 @@ class Executor:
         self.probe = probe
         self.models = models
         self.eff = eff
+        self.weights = weights
 
     # -- starting --------------------------------------------------------------------------
     def start(self, deployment_id: str, to_gear: Gear, *, kind: Kind = Kind.AUTO, model: str | None = None,
@@ -1272,7 +1279,7 @@ class Executor:
         body.update({
             "plan": plan.to_dict(),
             "model": rec.model,
-            "weights_sha256": None,
+            "weights_sha256": self.weights(rec.model),
             "role": "leader" if nodes and nodes[0] == node else "member",
             "stages": stages,
             "reserve_bytes": {u: memory[u] for u in sorted(mine)},
