@@ -35,7 +35,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         log.warning("gearbox tick skipped: the fleet does not make a valid snapshot (%s)", exc)
         return {"skipped": str(exc)}
     held = held_gpus()
-    decided, started = [], []
+    decided, started, waiting = [], [], []
     deps = Deployment.objects.order_by("-priority", "name")
     if deployment is not None:
         deps = deps.filter(name=deployment)
@@ -44,9 +44,11 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         if sample is not None:
             do_record_load(dep, sample)
         out = do_decide_gear(dep.name, trigger=TRIGGERS[trigger], now=now, base=base, held=held)
+        if out.waiting_for_reports:
+            waiting.append(dep.name)
         if out.decision is not None:
             decided.append(f"{dep.name}:{out.decision.outcome}")
         if out.transition is not None:
             started.append(f"{dep.name}#{out.transition.seq}")
             held.setdefault(dep.name, set()).update(gear_gpus(out.transition.to_gear))
-    return {"trigger": trigger, "decided": decided, "started": started}
+    return {"trigger": trigger, "decided": decided, "started": started, "waiting": waiting}
