@@ -83,6 +83,11 @@ class AgentClient:
         )
         return [parse_command(c) for c in body.get("commands", [])]
 
+    def routing(self) -> dict[str, Any]:
+        """The deployments' routing tables (GET /agent/v1/routing; console.gearbox.agent_api)."""
+        body: dict[str, Any] = self._call("GET", "/agent/v1/routing")
+        return body
+
     def ack(self, command_id: int, ack: Ack) -> dict[str, Any]:
         result: dict[str, Any] = self._call("POST", f"/agent/v1/commands/{command_id}/ack", json=ack.to_dict())
         return result

@@ -22,6 +22,70 @@ Control only: commands say *what* to move; KV bytes and tokens travel agent to a
 
 This module is pure Python (no Django): the console validates incoming bodies with the
 `parse_*` functions, the agents build bodies with `to_dict()`.
+
+Transition commands (v1)
+------------------------
+
+A gear transition (scheduler/transition.py) drives the agents with six command kinds. They are
+engine-neutral: the simulated agents (agents/sim) and the real daemon (vLLM or the torch
+engine) implement the same meaning. Every command carries `deployment`, `transition_seq` and
+`step` on the envelope; its `key` on the controller side is (deployment, seq, step, attempt,
+node, plan), so the same step re-run after a crash re-sends the *same* command (same id), and a
+retry is a new command. An agent must treat each one as idempotent: doing it twice is doing it
+once, and the undo commands are safe for something that never happened. Every payload names
+`plan_id` (the plan's content id, scheduler.plan.Plan.plan_id) and `deployment` (whose plan it
+is: an agent never touches another deployment's plan with the same content). `check_payload`
+validates a payload and `check_result` an ok-ack's result, each naming every bad field.
+
+A plan's **leader** is the node of its first stage's first GPU: it runs the plan's entry
+(admission, the sequence table); the other nodes are **members** holding later stages.
+
+`prepare_plan` - to every node of a new plan (the shadow plan; no request reaches it yet)
+    payload: plan (Plan.to_dict()), model (name), weights_sha256 (hex or null: the registry's
+    digest of the weights to load), role (leader | member), stages (this node's part:
+    [{pipeline: main|prefill|decode, index, layers: [start, end), tp, gpus: [the stage's GPU
+    uuids, rank order], ranks: [the ranks on this node]}]), reserve_bytes ({gpu uuid: bytes to
+    reserve: weight shard + KV reserve}), peers ({node id: data_addr} of the plan's other nodes,
+    for its communication groups).
+    The agent reserves the memory, loads the weights, builds the communication groups, warms
+    up (graph capture, a first batch), then acks ok with {plan_id, reserved_bytes, load_s}.
+    Already prepared: ack ok at once. GPUs not ours: ack failed, reason "preempted".
+`abort_plan` - undo a prepare (rollback); safe if it never ran (ack ok, noop: true)
+    payload: reason, drain_timeout_s (sequences still there may finish for this long; then
+    each ends with an explicit error). Ack: {plan_id, failed: [seq ids ended with an error]}.
+`freeze_plan` - to a plan's leader: stop admitting (at the end of the current decode
+    iteration), and say what is in flight
+    payload: routing_version (the table version that froze it).
+    Ack: {plan_id, decode_step_s (the plan's decode iteration now, measured), sequences:
+    [{seq_id, context_tokens (prompt + generated: what its KV holds), generated_tokens,
+    max_tokens, state: running | waiting (idle: queued, not decoding), kv_lost (its KV is gone
+    with a lost GPU: it can only be replayed)}]}. Unknown plan: ack ok with no sequences.
+`thaw_plan` - undo a freeze (rollback): admit again. Safe if never frozen.
+`move_sequences` - to a leaving plan's leader: hand its sequences over
+    payload: routing_version (the lease version the receivers must see as newer), boundary
+    ("decode_end"), moves (in order: active sequences longest first, then idle ones):
+    [{seq_id, action: migrate | replay | finish, target_plan, target_node, target_addr (the
+    target agent's data address), bw_cap_bytes_per_s (cap for this KV transfer; 0: none),
+    lazy (idle: move after the active ones), est_stall_s (the controller's estimate)}].
+    migrate: at the end of its decode iteration pause the sequence, send its KV to the target
+    (at most the cap), and hand it over with lease (target_plan, routing_version); replay: hand
+    over its tokens and let the target re-prefill; finish: keep it here until it ends. A
+    sequence no longer here is reported as "gone". The target accepts a sequence only with a
+    lease newer than the one it had. Ack: {plan_id, moved: [{seq_id, action, ok, outcome?
+    ("gone"), context_tokens, kv_bytes, replay_tokens, stall_s (how long it stood still),
+    error?, reason?}]}; any hand-over that failed makes the ack failed (reason "preempted" when
+    the target lost its GPUs, "target_refused", "stale_lease").
+`release_plan` - to every node of a leaving plan, after the routing table dropped it
+    payload: drain_timeout_s (sequences left to finish get this long), fallback (optional:
+    {target_plan, target_node, target_addr, routing_version} - a sequence that cannot finish
+    here, because the drain ran out or the plan lost its GPUs, is handed over there by replay
+    with that lease version; without a fallback, or when the target refuses, it ends with an
+    explicit error). Free the GPUs; ack {plan_id, freed_bytes, failed, handed_over}. Unknown
+    plan: ack ok, noop: true.
+
+A failed ack's result carries `reason` (preempted | failed | conflict | target_refused |
+stale_lease | timeout) and, for preemptions, `gpus`: the controller retries SWITCH steps that
+fail (twice), rolls back PREPARE ones.
 """
 
 from __future__ import annotations
@@ -30,13 +94,17 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agents.schema import ObjectReader, SchemaError, read_document
+from agents.schema import ListReader, ObjectReader, Problems, SchemaError, read_document
+from scheduler.plan import Plan
+from scheduler.transition import CommandKind
 
 PROTOCOL_VERSION = 1
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENGINE_BACKENDS = ("sim", "torch", "vllm")
 ACK_STATUSES = ("ok", "failed", "running")
+COMMAND_KINDS = tuple(k.value for k in CommandKind)  # the transition commands (module docstring)
+FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_lease", "timeout")
 
 # Generous upper bounds that catch unit mistakes (bytes vs GiB) without limiting real hardware.
 _MAX_MEM_BYTES = 4 * 1024**4  # 4 TiB per GPU
@@ -54,7 +122,12 @@ __all__ = [
     "EngineReport",
     "Report",
     "Command",
+    "CommandKind",
+    "COMMAND_KINDS",
+    "FAILURE_REASONS",
     "Ack",
+    "check_payload",
+    "check_result",
     "parse_register",
     "parse_report",
     "parse_ack",
@@ -172,7 +245,7 @@ class Command:
     """One thing the controller asks one agent to do (a step of a transition)."""
 
     id: int  # increasing per cluster; the agent pulls with after=<last id it saw>
-    kind: str  # e.g. "prepare_plan", "freeze", "migrate_kv", "release_plan"
+    kind: str  # one of COMMAND_KINDS (module docstring: the transition commands)
     payload: dict[str, Any] = field(default_factory=dict)
     deployment: str | None = None
     transition_seq: int | None = None
@@ -381,3 +454,185 @@ def parse_ack(body: Any) -> Ack:
     r.done()
     problems.raise_if_any("ack")
     return Ack(status=status, detail=detail, result=result)
+
+
+# -- transition command payloads and ack results (module docstring) ------------------------------
+_HEX = frozenset("0123456789abcdef")
+
+
+def _common(r: ObjectReader) -> None:
+    r.str("plan_id", max_len=64)
+    r.str("deployment", max_len=64)
+
+
+def _gpu_map(r: ObjectReader, key: str, *, required: bool = True) -> None:
+    raw = r.raw(key) if required else r.raw(key, {})
+    if raw is None:
+        return
+    if not isinstance(raw, dict):
+        r.fail(key, "must be an object of GPU uuid -> bytes")
+        return
+    for uuid, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            r.fail(f"{key}.{uuid}", "must be an integer number of bytes >= 0")
+
+
+def _strings(r: ObjectReader, key: str) -> None:
+    items = r.list(key, [])
+    if items is not None:
+        for path, item in items.items():
+            if not isinstance(item, str):
+                r.problems.add(path, "must be a string")
+
+
+def _prepare(r: ObjectReader) -> None:
+    _common(r)
+    plan = r.raw("plan")
+    if plan is not None:
+        try:
+            parsed = Plan.from_dict(plan, "plan")
+        except ValueError as exc:
+            path, _, reason = str(exc).partition(": ")
+            r.problems.add(path, reason or str(exc))
+        else:
+            pid = r.raw("plan_id", None)
+            if isinstance(pid, str) and pid != parsed.plan_id:
+                r.fail("plan_id", f"does not match the plan's content ({parsed.plan_id})")
+    r.str("model", max_len=128)
+    sha = r.str("weights_sha256", None, max_len=64)
+    if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
+        r.fail("weights_sha256", "must be 64 lowercase hex digits or null")
+    r.str("role", choices=("leader", "member"))
+    stages = r.list("stages", min_len=1, max_len=256)
+    if stages is not None:
+        for st in stages.objects():
+            st.str("pipeline", choices=("main", "prefill", "decode"))
+            st.int("index", min=0)
+            layers = st.raw("layers")
+            if layers is not None and not (isinstance(layers, list) and len(layers) == 2 and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in layers) and 0 <= layers[0] < layers[1]):
+                st.fail("layers", "must be [start, end) with 0 <= start < end")
+            st.int("tp", min=1, max=64)
+            _strings(st, "gpus")
+            ranks = st.list("ranks", min_len=1)
+            if ranks is not None:
+                for path, item in ranks.items():
+                    if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+                        st.problems.add(path, "must be an integer rank >= 0")
+            st.done()
+    _gpu_map(r, "reserve_bytes")
+    peers = r.raw("peers", {})
+    if peers is not None and (not isinstance(peers, dict) or not all(isinstance(v, str) for v in peers.values())):
+        r.fail("peers", "must be an object of node id -> data address")
+
+
+def _abort(r: ObjectReader) -> None:
+    _common(r)
+    r.str("reason", "", max_len=2000, allow_empty=True)
+    r.num("drain_timeout_s", 0.0, min=0.0)
+
+
+def _freeze(r: ObjectReader) -> None:
+    _common(r)
+    r.int("routing_version", min=0)
+
+
+def _thaw(r: ObjectReader) -> None:
+    _common(r)
+
+
+def _move(r: ObjectReader) -> None:
+    _common(r)
+    r.int("routing_version", min=1)
+    r.str("boundary", "decode_end", choices=("decode_end",))
+    moves = r.list("moves", max_len=100_000)
+    if moves is not None:
+        for m in moves.objects():
+            m.str("seq_id", max_len=200)
+            action = m.str("action", choices=("migrate", "replay", "finish"))
+            moving = action in ("migrate", "replay")
+            for key in ("target_plan", "target_node", "target_addr"):
+                value = m.str(key, "", max_len=255, allow_empty=True)
+                if moving and key != "target_addr" and not value:
+                    m.fail(key, f"is required to {action} a sequence")
+            m.num("bw_cap_bytes_per_s", 0.0, min=0.0)
+            m.bool("lazy", False)
+            m.num("est_stall_s", 0.0, min=0.0)
+            m.done()
+
+
+def _release(r: ObjectReader) -> None:
+    _common(r)
+    r.num("drain_timeout_s", 0.0, min=0.0)
+    fb = r.obj("fallback", None)
+    if fb is not None:
+        fb.str("target_plan", max_len=64)
+        fb.str("target_node", max_len=64)
+        fb.str("target_addr", "", max_len=255, allow_empty=True)
+        fb.int("routing_version", min=1)
+        fb.done()
+
+
+_PAYLOADS = {
+    CommandKind.PREPARE_PLAN.value: _prepare,
+    CommandKind.ABORT_PLAN.value: _abort,
+    CommandKind.FREEZE_PLAN.value: _freeze,
+    CommandKind.THAW_PLAN.value: _thaw,
+    CommandKind.MOVE_SEQUENCES.value: _move,
+    CommandKind.RELEASE_PLAN.value: _release,
+}
+
+
+def check_payload(kind: str, payload: Any) -> dict[str, Any]:
+    """Validate a transition command's payload; SchemaError names every bad field ("payload.moves[2].action")."""
+    if kind not in _PAYLOADS:
+        raise SchemaError({"kind": f"must be one of {', '.join(COMMAND_KINDS)}; got {kind!r}"}, "command")
+    problems = Problems()
+    r = ObjectReader(payload, "payload", problems)
+    if r.ok:
+        _PAYLOADS[kind](r)
+        r.done()
+    problems.raise_if_any(f"{kind} payload")
+    return dict(payload)
+
+
+def _seq_list(items: ListReader) -> None:
+    for s in items.objects():
+        s.str("seq_id", max_len=200)
+        s.int("context_tokens", min=0)
+        s.int("generated_tokens", min=0)
+        s.int("max_tokens", min=0)
+        s.str("state", choices=("running", "waiting"))
+        s.bool("kv_lost", False)
+        s.done()
+
+
+def check_result(kind: str, result: Any) -> dict[str, Any]:
+    """Validate the result of an ok-ack to a transition command (module docstring: what each says).
+    Keys beyond those documented are allowed (an engine may say more); documented ones must be right."""
+    if kind not in _PAYLOADS:
+        raise SchemaError({"kind": f"must be one of {', '.join(COMMAND_KINDS)}; got {kind!r}"}, "command")
+    problems = Problems()
+    r = ObjectReader(result, "result", problems)
+    if not r.ok:
+        problems.raise_if_any(f"{kind} result")
+    if kind == CommandKind.FREEZE_PLAN.value:
+        seqs = r.list("sequences", [])
+        if seqs is not None:
+            _seq_list(seqs)
+        r.num("decode_step_s", None, min=0.0)
+    elif kind == CommandKind.MOVE_SEQUENCES.value:
+        moved = r.list("moved", [])
+        if moved is not None:
+            for m in moved.objects():
+                m.str("seq_id", max_len=200)
+                m.str("action", choices=("migrate", "replay", "finish"))
+                m.bool("ok", True)
+                for key in ("kv_bytes", "replay_tokens", "context_tokens"):
+                    m.int(key, 0, min=0)
+                m.num("stall_s", 0.0, min=0.0)
+    elif kind == CommandKind.PREPARE_PLAN.value:
+        _gpu_map(r, "reserved_bytes", required=False)
+        r.num("load_s", 0.0, min=0.0)
+    problems.raise_if_any(f"{kind} result")
+    return dict(result)

@@ -12,6 +12,15 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_REPORT_INTERVAL_S     how often agents report when nothing changes (15)
     FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
     FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
+    FLEXPIPE_SWEEP_S               period of the transition sweep on Celery beat: timeouts, dwells, and
+                                   transitions whose worker died resume (2)
+    FLEXPIPE_CANARY_SHARE          share of new requests a new plan takes before the flip (0.1)
+    FLEXPIPE_CANARY_DWELL_S        how long old and new plans serve side by side before the flip (2)
+    FLEXPIPE_DRAIN_BUDGET_S        a sequence that ends on the old plan within this is left to finish (10)
+    FLEXPIPE_PREPARE_TIMEOUT_S     prepare_plan (weights, comm groups, warm-up) may take this long (600)
+    FLEXPIPE_STEP_TIMEOUT_S        freeze / thaw / abort may take this long (30)
+    FLEXPIPE_MOVE_TIMEOUT_S        move_sequences may take this long plus twice its estimate (120)
+    FLEXPIPE_RETRY_BACKOFF_S       wait before retrying a failed step (2)
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ INSTALLED_APPS = [
     "console.audit",
     "console.fleet",
     "console.registry",
+    "console.gearbox",
     "console.dashboard",
 ]
 
@@ -164,6 +174,14 @@ FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
 # Local weights files up to this size are hashed during the registration request; bigger ones by the
 # Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
 FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))
+FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
+FLEXPIPE_CANARY_SHARE = float(os.environ.get("FLEXPIPE_CANARY_SHARE", "0.1"))
+FLEXPIPE_CANARY_DWELL_S = float(os.environ.get("FLEXPIPE_CANARY_DWELL_S", "2"))
+FLEXPIPE_DRAIN_BUDGET_S = float(os.environ.get("FLEXPIPE_DRAIN_BUDGET_S", "10"))
+FLEXPIPE_PREPARE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_PREPARE_TIMEOUT_S", "600"))
+FLEXPIPE_STEP_TIMEOUT_S = float(os.environ.get("FLEXPIPE_STEP_TIMEOUT_S", "30"))
+FLEXPIPE_MOVE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_MOVE_TIMEOUT_S", "120"))
+FLEXPIPE_RETRY_BACKOFF_S = float(os.environ.get("FLEXPIPE_RETRY_BACKOFF_S", "2"))
 # How many reports per GPU the bounded history keeps (at 15 s per report: ~1 hour).
 FLEXPIPE_GPU_HISTORY = int(os.environ.get("FLEXPIPE_GPU_HISTORY", "240"))
 
@@ -171,6 +189,17 @@ CELERY_BEAT_SCHEDULE = {
     "fleet-heartbeat-sweep": {
         "task": "fleet.sweep_heartbeats",
         "schedule": max(1.0, FLEXPIPE_HEARTBEAT_TIMEOUT_S / 3),
+    },
+    # the gearbox decides on this period, and at once on topology events (console/gearbox/receivers.py)
+    "gearbox-tick": {
+        "task": "gearbox.tick",
+        "schedule": max(1.0, FLEXPIPE_TICK_S),
+        "kwargs": {"trigger": "periodic"},
+    },
+    # transitions advance on every ack; this catches timeouts, dwells and workers that died
+    "transitions-sweep": {
+        "task": "transitions.sweep",
+        "schedule": max(0.5, FLEXPIPE_SWEEP_S),
     },
 }
 

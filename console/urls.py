@@ -7,6 +7,7 @@ from django.urls import include, path
 from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
+from console.gearbox import agent_api as gearbox_agent_api
 from console.metrics.views import MetricsView
 from console.registry import views as registry_pages
 
@@ -29,4 +30,5 @@ urlpatterns = [
     path("agent/v1/report", agent_api.report, name="agent-report"),
     path("agent/v1/commands", agent_api.commands, name="agent-commands"),
     path("agent/v1/commands/<int:command_id>/ack", agent_api.ack, name="agent-ack"),
+    path("agent/v1/routing", gearbox_agent_api.routing, name="agent-routing"),
 ]

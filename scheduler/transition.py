@@ -38,7 +38,8 @@ reservation and the same routing commit, and nothing happens twice.
 | CLEANUP | unroute   | routing version +1 without the leaving plans (before they go: the   | - (roll forward)           |
 |         |           | routing table never points at a released plan)                      |                            |
 | CLEANUP | release   | `release_plan` to every node of the leaving plans: finish the       | - (roll forward)           |
-|         |           | sequences left to finish, then free the GPUs                        |                            |
+|         |           | sequences left to finish (what cannot - drain timeout, lost GPUs -  |                            |
+|         |           | is replayed on the target gear), then free the GPUs                 |                            |
 | CLEANUP | unreserve | drops the leaving plans' reservations                               | - (roll forward)           |
 
 The end of SWITCH is the commit point: until then ROLLBACK returns to `from_gear` (the last
@@ -95,7 +96,6 @@ from scheduler.costmodel import (
     kv_route,
     migrate_or_replay,
 )
-from scheduler.gearbox import Decision
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu
 from scheduler.topology import Snapshot
@@ -241,7 +241,7 @@ class TransitionConfig:
     prepare_timeout_s: float = 600.0  # weights of a 70B model from disk take minutes
     step_timeout_s: float = 30.0  # routing-free agent steps: freeze, thaw, abort
     move_timeout_s: float = 120.0  # plus 2x the estimated transfer time
-    drain_budget_s: float = 30.0  # a sequence that finishes on the old plan within this stays there
+    drain_budget_s: float = 10.0  # a sequence that finishes on the old plan within this stays there
     release_timeout_s: float = 60.0  # plus the drain budget
     switch_retries: int = 2  # a failed SWITCH step is retried this often, then rolled back
     cleanup_attempts: int = 3  # CLEANUP/ROLLBACK steps: attempts before giving up
@@ -717,9 +717,14 @@ class RoutingTable(Protocol):
 Clock = Callable[[], float]
 Probe = Callable[[str], None]
 ModelResolver = Callable[[str], ModelSpec]
+WeightsResolver = Callable[[str], "str | None"]  # model name -> SHA-256 of the weights to load (None: unknown)
 
 
 def _no_probe(point: str) -> None:
+    return None
+
+
+def _no_digest(model: str) -> str | None:
     return None
 
 
@@ -950,7 +955,8 @@ class Executor:
 
     def __init__(self, store: TransitionStore, agents: AgentPort, routing: RoutingTable, clock: Clock, *,
                  config: TransitionConfig = DEFAULT_TRANSITION_CONFIG, probe: Probe = _no_probe,
-                 models: ModelResolver = model_spec, eff: Efficiency = DEFAULT_EFFICIENCY) -> None:
+                 models: ModelResolver = model_spec, eff: Efficiency = DEFAULT_EFFICIENCY,
+                 weights: WeightsResolver = _no_digest) -> None:
         self.store = store
         self.agents = agents
         self.routing = routing
@@ -959,6 +965,7 @@ class Executor:
         self.probe = probe
         self.models = models
         self.eff = eff
+        self.weights = weights
 
     # -- starting --------------------------------------------------------------------------
     def start(self, deployment_id: str, to_gear: Gear, *, kind: Kind = Kind.AUTO, model: str | None = None,
@@ -1172,10 +1179,15 @@ class Executor:
                           note=f"drop {len(rec.leaving_plans)} leaving plan(s) from the routing table")
         if step is Step.RELEASE:
             leaving = self._leaving_routes(rec, routing, snap, include_unrouted=True)
-            # sequences left to finish get twice the budget they were chosen by (estimates err)
+            # sequences left to finish get twice the budget they were chosen by (estimates err);
+            # what cannot finish there (the drain ran out, or the plan lost its GPUs) is replayed
+            # on the target gear's main plan rather than lost
             drain_s = 2 * cfg.drain_budget_s
-            cmds = commands(CommandKind.RELEASE_PLAN, ((r.plan, _present(r.nodes, snap),
-                                                        {"drain_timeout_s": drain_s}) for r in leaving))
+            body: JsonDict = {"drain_timeout_s": drain_s}
+            fallback = self._fallback(rec, routing)
+            if fallback:
+                body["fallback"] = fallback
+            cmds = commands(CommandKind.RELEASE_PLAN, ((r.plan, _present(r.nodes, snap), body) for r in leaving))
             return Intent(commands=cmds, timeout_s=cfg.release_timeout_s + drain_s, noop=not cmds,
                           note=f"release {len(leaving)} leaving plan(s)")
         if step is Step.UNRESERVE:
@@ -1267,7 +1279,7 @@ class Executor:
         body.update({
             "plan": plan.to_dict(),
             "model": rec.model,
-            "weights_sha256": None,
+            "weights_sha256": self.weights(rec.model),
             "role": "leader" if nodes and nodes[0] == node else "member",
             "stages": stages,
             "reserve_bytes": {u: memory[u] for u in sorted(mine)},
@@ -1317,6 +1329,19 @@ class Executor:
                 if cmds else "no sequence to move")
         return Intent(commands=tuple(cmds), timeout_s=self.config.move_timeout_s + 2 * est_total, noop=not cmds,
                       note=note)
+
+    def _fallback(self, rec: TransitionRecord, routing: RoutingState) -> JsonDict | None:
+        """Where a releasing plan replays what it cannot finish: the target gear's heaviest routed plan."""
+        best: Route | None = None
+        for r in routing.routes:
+            if r.frozen or r.weight <= 0 or not r.nodes or r.plan not in rec.to_gear.plans:
+                continue
+            if best is None or r.weight > best.weight:
+                best = r
+        if best is None:
+            return None
+        return {"target_plan": best.plan_id, "target_node": best.nodes[0],
+                "target_addr": self.agents.data_addr(best.nodes[0]), "routing_version": routing.version}
 
     def _bw_cap(self, src_node: str, dst_node: str, snap: Snapshot) -> float:
         if not dst_node or src_node == dst_node:
@@ -1497,16 +1522,6 @@ def _shape(gear: Gear | None) -> str:
     return gear.shape() if gear is not None else "nothing"
 
 
-# --- decisions to transitions ---------------------------------------------------------------------
-def kind_for(decision: Decision, *, approved: bool = False) -> Kind:
-    """The transition kind a decision leads to."""
-    if decision.trigger.value == "emergency":
-        return Kind.EMERGENCY
-    if decision.trigger.value == "manual":
-        return Kind.MANUAL
-    return Kind.APPROVED if approved else Kind.AUTO
-
-
 # --- small readers (records come back from JSON) ---------------------------------------------------
 def _obj(d: object, path: str) -> Mapping[str, object]:
     if not isinstance(d, Mapping):
@@ -1544,5 +1559,5 @@ __all__ = [
     "MoveStats", "PHASE_EDGES", "Phase", "Probe", "ROLLBACK_TABLE", "Route", "RoutingState", "RoutingTable",
     "STEP_DEFS", "SeqInfo", "StaleGuard", "Stage", "Step", "StepDef", "StepRecord", "StepState", "TABLE",
     "TERMINAL_PHASES", "TransitionConfig", "TransitionEvent", "TransitionRecord", "TransitionStore",
-    "crash_points", "kind_for", "lost_gpus", "node_stages", "plan_memory", "plan_moves", "plan_nodes",
+    "crash_points", "lost_gpus", "node_stages", "plan_memory", "plan_moves", "plan_nodes",
 ]

@@ -20,6 +20,8 @@ export ENGINE="${ENGINE:-sim}"
 
 $PY manage.py migrate --noinput -v 0
 $PY manage.py ensure_demo_operator
+# The scenario's deployments and their baseline gears (idempotent); the gearbox brings them up.
+$PY manage.py load_scenario_deployments "$SCENARIO"
 
 echo
 echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"

@@ -9,7 +9,7 @@ import sys
 import time
 
 from agents.schema import SchemaError
-from agents.sim.live import LiveFleet, wait_for_controller
+from agents.sim.live import LiveFleet, parse_fault, wait_for_controller
 from agents.sim.scenario import load_scenario
 
 
@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tick", type=float, default=0.25, help="wall seconds between passes")
     parser.add_argument("--wait-for-controller", type=float, default=120.0,
                         help="seconds to wait for the controller to answer at start")
+    parser.add_argument("--fault", action="append", default=[], metavar="NODE:KIND:ACTION[:TIMES]",
+                        help="make NODE's next TIMES (1) commands of KIND (a command kind or *) fail, hang or "
+                             "lose_gpus half way; repeatable")
+    parser.add_argument("--long-poll", type=float, default=10.0,
+                        help="seconds an agent's command poll waits on the controller")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the events
@@ -41,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"agents.sim: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
     try:
+        faults = [parse_fault(f) for f in args.fault]
+    except ValueError as exc:
+        print(f"agents.sim: {exc}", file=sys.stderr)
+        return 2
+    try:
         scenario = load_scenario(args.scenario)
     except SchemaError as exc:
         print(f"agents.sim: {args.scenario}:", file=sys.stderr)
@@ -50,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     wait_for_controller(args.controller, args.wait_for_controller)
     fleet = LiveFleet(scenario, args.controller, args.join_token, report_interval_s=args.report_interval,
-                      time_scale=args.time_scale)
+                      time_scale=args.time_scale, faults=faults, long_poll_s=args.long_poll)
     logging.getLogger("agents.sim").info("%s: %d nodes, time x%g", scenario.name, len(scenario.nodes),
                                          fleet.time_scale)
     started = time.monotonic()

@@ -37,11 +37,20 @@ from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Plan
 from scheduler.topology import Snapshot
-from scheduler.transition import CommandIntent, CommandKind, RoutingState, plan_memory
-from scheduler.transition_memory import InMemoryAgents
+from scheduler.transition import CommandIntent, CommandKind, CommandStatus, RoutingState, plan_memory
 
 MAX_RUNNING_SEQS = 256
 WARMUP_S = 1.0  # stated: CUDA graph capture and a first batch on a freshly loaded plan
+
+
+class Mailbox(Protocol):
+    """Where the agents' commands come from and their answers go (scheduler.transition_memory.
+    InMemoryAgents in memory; agents.sim.live's HTTP mailbox against a real controller)."""
+
+    def take(self, node_id: str) -> list[CommandIntent]: ...
+
+    def ack(self, key: str, status: CommandStatus, detail: str = "",
+            result: Mapping[str, object] | None = None) -> None: ...
 
 
 # --- timing --------------------------------------------------------------------------------------
@@ -251,7 +260,7 @@ class StallSample:
 class MemoryFleet:
     """Every agent, engine and the gateway of a simulated cluster (module docstring)."""
 
-    def __init__(self, base: Snapshot, mailbox: InMemoryAgents, routing_fn: Callable[[str], RoutingState],
+    def __init__(self, base: Snapshot, mailbox: Mailbox, routing_fn: Callable[[str], RoutingState],
                  log: EventLog, *, rng: random.Random, timing: Timing | None = None,
                  models: Callable[[str], ModelSpec] = model_spec, max_dt_s: float = 0.05,
                  admit_timeout_s: float = 120.0, stuck_timeout_s: float = 300.0, start_s: float = 0.0) -> None:
@@ -307,6 +316,12 @@ class MemoryFleet:
 
     def inject(self, fault: Fault) -> None:
         self.faults.append(fault)
+
+    def set_base(self, base: Snapshot) -> None:
+        """A new cluster shape (a node joined): nodes it names are added, known ones kept."""
+        self.base = base
+        for n in base.nodes:
+            self.nodes.setdefault(n.id, Node(n.id))
 
     def lose_gpus(self, uuids: Sequence[str], how: Literal["tenant", "failed"] = "tenant") -> None:
         """Another tenant takes these GPUs (or they fail): plans on them break at once."""
@@ -373,8 +388,8 @@ class MemoryFleet:
 
     # -- time ----------------------------------------------------------------------------------
     def advance_to(self, t_s: float) -> None:
-        """Run everything up to `t_s`: decode, timers, new commands, admissions."""
-        self._pull()
+        """Run everything up to `t_s`: decode, timers, new commands, admissions. Commands are
+        taken after time moved on, so what they do is stamped no earlier than when they came."""
         while self.now_s < t_s:
             nxt = self._timers[0][0] if self._timers else math.inf
             end = min(t_s, self.now_s + self.max_dt_s, max(nxt, self.now_s))
@@ -383,11 +398,10 @@ class MemoryFleet:
             while self._timers and self._timers[0][0] <= self.now_s:
                 _, _, fn = heapq.heappop(self._timers)
                 fn()
-            self._pull()
             self._admit()
             if end == t_s:
                 break
-        self._pull()
+        self._pull()  # commands sent up to now take effect now, not at an earlier sub-step
         self._admit()
 
     def _at(self, t_s: float, fn: Callable[[], None]) -> None:
@@ -421,11 +435,13 @@ class MemoryFleet:
                 before = s.generated
                 s.generated = min(float(s.max_tokens), s.generated + gained)
                 inst.tokens += s.generated - before
-                s.last_progress_s = b
-                self.log.add(LogEvent(b, "seq_decoded", seq_id=s.seq_id, plan_id=inst.plan.plan_id,
+                done = s.generated >= s.max_tokens
+                t_end = min(b, start + (s.max_tokens - before) * step) if done else b
+                s.last_progress_s = t_end
+                self.log.add(LogEvent(t_end, "seq_decoded", seq_id=s.seq_id, plan_id=inst.plan.plan_id,
                                       detail=f"{s.generated - before:.2f}"))
-                if s.generated >= s.max_tokens:
-                    self._finish(s, inst, min(b, start + (s.max_tokens - before) * step))
+                if done:
+                    self._finish(s, inst, t_end)
         self._check_stuck()
 
     def _finish(self, s: SimSeq, inst: Instance, t_s: float) -> None:
@@ -549,7 +565,9 @@ class MemoryFleet:
         elif kind is CommandKind.MOVE_SEQUENCES:
             self._move(job, inst)
         elif kind is CommandKind.RELEASE_PLAN:
-            self._release(job, node, inst, float(p.get("drain_timeout_s", 30.0)))  # type: ignore[arg-type]
+            fallback = p.get("fallback")
+            self._release(job, node, inst, float(p.get("drain_timeout_s", 30.0)),  # type: ignore[arg-type]
+                          fallback if isinstance(fallback, dict) else None)
 
     def _duration(self, job: _Job) -> float:
         if job.cmd.kind is CommandKind.PREPARE_PLAN:
@@ -678,30 +696,61 @@ class MemoryFleet:
 
         self._at(self.now_s + step, done)
 
-    def _release(self, job: _Job, node: Node, inst: Instance | None, drain_s: float) -> None:
+    def _release(self, job: _Job, node: Node, inst: Instance | None, drain_s: float,
+                 fallback: Mapping[str, object] | None) -> None:
         pid = str(job.cmd.payload.get("plan_id", ""))
         if inst is None or inst.state in ("released", "aborted"):
             self._ack(job, "ok", result={"plan_id": pid, "noop": True})
             return
-        inst.state = "draining"
+        if inst.state != "broken":
+            inst.state = "draining"
         deadline = self.now_s + drain_s
 
         def poll() -> None:
-            if inst.state != "draining":
+            if inst.state not in ("draining", "broken"):
                 return
-            if inst.seqs and self.now_s < deadline:
+            if inst.seqs and inst.state == "draining" and self.now_s < deadline:
                 self._at(self.now_s + 0.1, poll)
                 return
-            failed = []
+            failed, handed = [], []
+            why = "lost its GPUs" if inst.state == "broken" else f"ran out of its {drain_s:.0f} s drain"
             for s in list(inst.seqs.values()):
-                failed.append(s.seq_id)
-                self._fail(s, inst, f"plan {pid} released after a {drain_s:.0f} s drain")
+                if fallback is not None and self._replay_to(inst, s, fallback):
+                    handed.append(s.seq_id)
+                else:
+                    failed.append(s.seq_id)
+                    self._fail(s, inst, f"plan {pid} {why} before it finished")
             inst.state = "released"
             freed = dict(inst.reserved)
             self.log.add(LogEvent(self.now_s, "plan_released", node=node.node_id, plan_id=pid))
-            self._ack(job, "ok", result={"plan_id": pid, "freed_bytes": freed, "failed": failed})
+            self._ack(job, "ok", result={"plan_id": pid, "freed_bytes": freed, "failed": failed,
+                                         "handed_over": handed})
 
         poll()
+
+    def _replay_to(self, src: Instance, s: SimSeq, target: Mapping[str, object]) -> bool:
+        """Hand `s` over to `target` by replay, now (a releasing plan that cannot finish it)."""
+        node = self.nodes.get(str(target.get("target_node", "")))
+        dst = node.instances.get(str(target.get("target_plan", ""))) if node is not None and node.alive else None
+        version = int(target.get("routing_version", 0))  # type: ignore[call-overload]
+        if dst is None or not dst.leader or dst.state != "ready" or version <= s.lease:
+            return False
+        boundary = "decode_end" if s.state in ("running", "pausing") and src.state != "broken" else "idle"
+        s.generated = float(round(s.generated)) if boundary == "decode_end" else s.generated
+        self.log.add(LogEvent(self.now_s, "seq_paused", seq_id=s.seq_id, plan_id=src.plan.plan_id,
+                              boundary=boundary))
+        src.seqs.pop(s.seq_id, None)
+        self.log.add(LogEvent(self.now_s, "seq_handover", seq_id=s.seq_id, plan_id=src.plan.plan_id,
+                              to_plan=dst.plan.plan_id, version=version, boundary=boundary))
+        start = max(self.now_s, dst.prefill_free_s)
+        resume = start + self.timing.prefill_s(dst.plan, s.context_tokens)
+        dst.prefill_free_s = resume
+        self.stalls.append(StallSample(s.seq_id, "replay", s.context_tokens, resume - self.now_s, 0,
+                                       s.context_tokens))
+        s.plan_id, s.lease, s.kv_lost, s.paused_s = dst.plan.plan_id, version, False, None
+        s.state, s.ready_s, s.last_progress_s = "prefill", resume, resume
+        dst.seqs[s.seq_id] = s
+        return True
 
     # -- moving sequences ----------------------------------------------------------------------
     def _move(self, job: _Job, inst: Instance | None) -> None:

@@ -422,3 +422,22 @@ def test_a_throttled_slow_link_turns_migration_into_replay() -> None:
 
     assert choice(3200.0) == "migrate"  # a fast link: moving 3000 tokens of KV beats re-prefilling them
     assert choice(1.0) == "replay"  # 1 Gb/s: recomputing is cheaper
+
+
+def test_a_plan_that_loses_its_gpus_while_draining_hands_what_is_left_to_the_new_gear() -> None:
+    w = busy_world(config=replace(World().config, drain_budget_s=5.0))  # most sequences stay to finish
+    w.start(DEP, GEAR_C)
+    ex = w.executor()
+    while not w.store.active(DEP).started(Step.RELEASE):  # type: ignore[union-attr]
+        ex.advance(DEP)
+        w.step()
+    old = w.fleet.instances(GEAR_A.plans[0].plan_id)[0]
+    assert old.state == "draining" and old.seqs, "sequences were left to finish on the old plan"
+    left = set(old.seqs)
+    w.fleet.lose_gpus(list(GEAR_A.plans[0].gpu_uuids))  # the old plan breaks in the middle of its drain
+    rec = w.drive(DEP, ex)
+    assert rec.phase is Phase.DONE
+    release = rec.ok_result(Step.RELEASE)["acks"]
+    handed = {s for ack in release.values() for s in ack.get("handed_over", [])}  # type: ignore[union-attr]
+    assert handed == left
+    finish(w, rec)  # none of them failed

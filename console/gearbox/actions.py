@@ -1,0 +1,509 @@
+"""Every write of the gearbox is one of these actions (STYLE.md: `do_<verb>_<noun>(..., *, actor)`).
+
+Each runs in one database transaction, writes its audit entry (console.audit.chain, linked to
+the deployment, the transition and the decision) in that transaction, and notifies (live push,
+Celery) only on commit. `actor` is a user (checked for the operator role) or a system name
+such as "system:gearbox". Bad input raises `Rejected` naming the field, and changes nothing.
+
+Operator actions:
+    do_set_mode(deployment, mode, *, actor)                 auto | advisory (pinned: do_pin_gear)
+    do_pin_gear(deployment, *, actor)                       pin the current gear: no automatic switch
+    do_unpin_gear(deployment, *, actor, mode="auto")        back to auto (or advisory)
+    do_approve_decision(decision, *, actor)                 advisory mode: start the advised transition
+    do_request_gear(deployment, gear, *, actor)             manual switch to an operator's gear
+    do_emergency_downshift(deployment, *, reason, actor)    to the baseline now, rolling back what runs
+The gearbox (ticks.py) and the scenario loader:
+    do_decide_gear(deployment, *, trigger, now, base, held, actor)   one decision, and its transition
+    do_record_load(deployment, sample)                      append a load sample (telemetry: not audited)
+    do_sync_deployment(..., actor)                          create or update a deployment (idempotent)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from console.accounts.roles import OPERATOR, has_role
+from console.audit.chain import actor_of, record
+from console.fleet.actions import Rejected
+from console.fleet.models import AgentCommand
+from console.gearbox import live
+from console.gearbox.executor import build_executor
+from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Transition
+from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
+from scheduler import gearbox
+from scheduler.costmodel import Slo
+from scheduler.gearbox import LoadSample, Mode, Outcome, Trigger
+from scheduler.modelspec import model_spec
+from scheduler.plan import Gear, validate_gear
+from scheduler.topology import Snapshot
+from scheduler.transition import Kind, lost_gpus
+
+GEARBOX = "system:gearbox"
+
+
+def _who(actor: Any) -> tuple[str, Any | None]:
+    """(audit actor string, user or None); a user must hold the operator role."""
+    if isinstance(actor, str):
+        return actor, None
+    if not has_role(actor, OPERATOR):
+        raise Rejected(403, {"actor": "steering the gears needs the operator role"})
+    return actor_of(actor), actor
+
+
+def _locked(deployment: Deployment | str) -> Deployment:
+    name = deployment if isinstance(deployment, str) else deployment.name
+    row = Deployment.objects.select_for_update().filter(name=name).first()
+    if row is None:
+        raise Rejected(404, {"deployment": f"no deployment {name!r}"})
+    return row
+
+
+def _active(dep: Deployment) -> Transition | None:
+    return Transition.objects.filter(deployment=dep, phase__in=ACTIVE_PHASES).first()
+
+
+def scheduler_deployment(dep: Deployment) -> gearbox.Deployment:
+    """The deployment as scheduler.gearbox.decide sees it."""
+    times = list(Transition.objects.filter(deployment=dep, phase="done", from_gear__isnull=False,
+                                           finished_at__isnull=False)
+                 .order_by("-seq").values_list("finished_at", flat=True)[:5])
+    return gearbox.Deployment(
+        id=dep.name, model=dep.model_name, slo=Slo(ttft_ms=dep.ttft_ms, tpot_ms=dep.tpot_ms),
+        baseline=Gear.from_dict(dep.baseline_gear), priority=dep.priority, mode=Mode(dep.mode),
+        last_switch_times_s=tuple(sorted(t.timestamp() for t in times)))
+
+
+def _gear(dep: Deployment, field: str) -> Gear | None:
+    raw = getattr(dep, field)
+    return Gear.from_dict(raw, field) if raw else None
+
+
+def _summary(d: gearbox.Decision) -> list[dict[str, object]]:
+    return [{"gear_id": c.gear.gear_id, "shape": c.gear.shape(), "gain_tokens": c.gain_tokens,
+             "cost_tokens": c.cost.tokens, "threshold_tokens": c.threshold_tokens, "factor": d.factor,
+             "passes": c.passes, "value_tokens_s": c.value_tokens_s, "note": c.note} for c in d.candidates]
+
+
+# --- decisions -----------------------------------------------------------------------------------
+@transaction.atomic
+def do_record_decision(dep: Deployment, decision: gearbox.Decision, *, actor: Any, now: datetime,
+                       note: str = "") -> Decision:
+    """Store and audit one gearbox decision (advisory ones wait for an operator's approval)."""
+    who, user = _who(actor)
+    approval = Decision.PENDING if decision.outcome is Outcome.ADVISE else Decision.NONE
+    if approval == Decision.PENDING:
+        Decision.objects.filter(deployment=dep, approval=Decision.PENDING).update(approval=Decision.SUPERSEDED)
+    row = Decision.objects.create(
+        deployment=dep, at=now, trigger=decision.trigger.value, outcome=decision.outcome.value,
+        factor=decision.factor, current_gear_id=decision.current_gear_id or "",
+        target_gear_id=decision.target_gear_id or "", candidates=_summary(decision), reasons=list(decision.reasons),
+        decision=decision.to_dict(), actor=who, note=note, approval=approval)
+    target = decision.target.shape() if decision.target else "-"
+    record("gearbox.decision", actor=who, user=user, at=now, deployment=dep.name, decision_id=row.pk,
+           summary=f"{dep.name}: {decision.outcome.value} ({decision.trigger.value}) -> {target}: "
+                   + "; ".join(decision.reasons)[:200],
+           data={"trigger": decision.trigger.value, "outcome": decision.outcome.value, "factor": decision.factor,
+                 "current_gear_id": decision.current_gear_id, "target_gear_id": decision.target_gear_id,
+                 "candidates": row.candidates[:10], "reasons": list(decision.reasons), "note": note})
+    transaction.on_commit(lambda: live.push_decision(dep.name, row.pk, row.outcome, row.trigger))
+    return row
+
+
+def _start(dep: Deployment, gear: Gear, *, kind: Kind, decision: Decision | None, actor: str) -> Transition | None:
+    """Claim the next seq and create the transition (None: another one is active)."""
+    ex = build_executor(actor=actor)
+    rec = ex.start(dep.name, gear, kind=kind, model=dep.model_name,
+                   decision_ref=str(decision.pk) if decision is not None else None)
+    if rec is None:
+        return None
+    row = Transition.objects.get(deployment=dep, seq=rec.seq)
+    _kick(dep.name, rec.seq)
+    return row
+
+
+def _kick(deployment: str, seq: int | None = None) -> None:
+    from console.gearbox import tasks
+
+    transaction.on_commit(lambda: tasks.enqueue(tasks.advance, deployment=deployment, seq=seq))
+
+
+@dataclass(frozen=True)
+class Decided:
+    decision: Decision | None  # None: nothing was decided (a transition runs, or reports are awaited)
+    transition: Transition | None  # the transition it started, if any
+    waiting_for_reports: bool = False  # decide again in a moment: the agents' reports are about to catch up
+
+
+def _decide(dep: Deployment, base: Snapshot, held: Mapping[str, set[str]], now: datetime, trigger: Trigger, *,
+            requested: Gear | None = None, running: bool = False) -> gearbox.Decision:
+    others = set().union(*[g for name, g in held.items() if name != dep.name]) if held else set()
+    snap = decision_snapshot(base, others)
+    return gearbox.decide(scheduler_deployment(dep), _gear(dep, "current_gear"), snap, load_window(dep.load_window),
+                          now.timestamp(), trigger=trigger, requested_gear=requested, transition_running=running,
+                          model=model_spec(dep.model_name))
+
+
+def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datetime, base: Snapshot,
+                   held: Mapping[str, set[str]], actor: str = GEARBOX) -> Decided:
+    """One gearbox decision for the deployment, recorded, and the transition it calls for.
+
+    Order: a pending emergency first (it asks a running transition to roll back, or starts the
+    downshift once nothing runs); nothing while a transition runs, nor until the agents reported
+    what the last one left; with nothing running yet,
+    bring the baseline gear up (or the best feasible one when the baseline does not fit);
+    otherwise scheduler.gearbox.decide. Two ticks may race: both decide, one claims the seq
+    (ports.DjangoStore.create), the other's decision is noted as not started.
+    """
+    name = deployment if isinstance(deployment, str) else deployment.name
+    dep = Deployment.objects.get(name=name)
+    active = _active(dep)
+    if dep.emergency_requested_at is not None:
+        return _emergency_tick(dep, active, base, held, now, actor)
+    if active is not None:
+        return Decided(None, None)
+    if not _reports_mirror_last_transition(dep, base, now):
+        return Decided(None, None, waiting_for_reports=True)
+    current = _gear(dep, "current_gear")
+    if trigger is Trigger.PERIODIC and current is not None and any(lost_gpus(p, base) for p in current.plans):
+        # whichever tick notices first, a gear that lost GPUs is a topology event (DESIGN.md)
+        trigger = Trigger.TOPOLOGY
+    if dep.current_gear is None:
+        baseline = Gear.from_dict(dep.baseline_gear)
+        unreported = [u for u in baseline.gpu_uuids if (g := base.gpu_by_uuid.get(u)) is None or g.last_seen_s == 0]
+        if unreported:
+            # its agents registered but have not reported yet (or not even that): decide nothing
+            # on GPUs nobody has seen; a report that brings them is a topology event, a new tick
+            return Decided(None, None, waiting_for_reports=True)
+        d = _decide(dep, base, held, now, Trigger.MANUAL, requested=baseline)
+        if d.outcome is Outcome.SWITCH:
+            outcome = Outcome.SWITCH if dep.mode != Deployment.ADVISORY else Outcome.ADVISE
+            d = replace(d, trigger=trigger, outcome=outcome,
+                        reasons=("nothing runs yet: bring the baseline gear up",))
+        else:
+            d = _decide(dep, base, held, now, trigger)
+    else:
+        d = _decide(dep, base, held, now, trigger)
+    with transaction.atomic():
+        row = do_record_decision(dep, d, actor=actor, now=now)
+        started = None
+        if d.outcome is Outcome.SWITCH and d.target is not None:
+            started = _start(dep, d.target, kind=Kind.AUTO, decision=row, actor=actor)
+            if started is None:
+                row.note = "not started: another transition claimed the deployment first"
+                row.save(update_fields=["note"])
+    return Decided(row, started)
+
+
+def _reports_mirror_last_transition(dep: Deployment, base: Snapshot, now: datetime) -> bool:
+    """Mirror first, then decide: the GPUs the deployment's last transition touched must have been
+    reported since the agents acknowledged its last command. Before that their memory is the
+    agents' old picture (the old plan not yet freed) and the new gear would look over-full.
+    Agents report right after a command they executed, so this holds within moments; GPUs that
+    are out (lost, cordoned) and a transition older than two report intervals hold nothing up."""
+    last = (Transition.objects.filter(deployment=dep, finished_at__isnull=False).order_by("-seq")
+            .values("seq", "from_gear", "to_gear", "finished_at").first())
+    if last is None:
+        return True
+    if now.timestamp() - last["finished_at"].timestamp() > 2 * float(settings.FLEXPIPE_REPORT_INTERVAL_S):
+        return True
+    acked = (AgentCommand.objects.filter(deployment=dep.name, transition_seq=last["seq"], acked_at__isnull=False)
+             .order_by("-acked_at").values_list("acked_at", flat=True).first())
+    if acked is None:
+        return True  # no agent did anything: nothing to mirror
+    nodes = base.node_by_id
+    for u in gear_gpus(last["from_gear"]) | gear_gpus(last["to_gear"]):
+        g = base.gpu_by_uuid.get(u)
+        if g is None or not g.healthy or not g.schedulable or not nodes[g.node_id].schedulable:
+            continue
+        if g.last_seen_s < acked.timestamp():
+            return False
+    return True
+
+
+def _emergency_tick(dep: Deployment, active: Transition | None, base: Snapshot, held: Mapping[str, set[str]],
+                    now: datetime, actor: str) -> Decided:
+    who = dep.emergency_actor or actor
+    if active is not None:
+        if active.phase in ("prepare", "switch") and not active.abort_reason:
+            build_executor(actor=who).store.request_abort(dep.name, active.seq,
+                                                          f"emergency downshift: {dep.emergency_reason}")
+        return Decided(None, None)  # it rolls back (or finishes CLEANUP) first
+    d = _decide(dep, base, held, now, Trigger.EMERGENCY)
+    with transaction.atomic():
+        locked = _locked(dep)
+        if locked.emergency_requested_at is None:
+            return Decided(None, None)  # another tick handled it
+        row = do_record_decision(locked, d, actor=who, now=now,
+                                 note=f"emergency requested by {who}: {locked.emergency_reason}")
+        started = None
+        if d.outcome is Outcome.SWITCH and d.target is not None:
+            started = _start(locked, d.target, kind=Kind.EMERGENCY, decision=row, actor=who)
+            if started is None:
+                return Decided(row, None)  # try again on the next tick
+        Deployment.objects.filter(pk=locked.pk).update(emergency_requested_at=None, updated_at=now)
+    return Decided(row, started)
+
+
+@transaction.atomic
+def do_record_load(deployment: Deployment, sample: LoadSample) -> None:
+    """Append one load sample to the deployment's window (telemetry: not audited)."""
+    dep = _locked(deployment)
+    window = load_window(dep.load_window)
+    if window.samples and window.samples[-1].t_s >= sample.t_s:
+        return
+    dep.load_window = window.add(sample, keep_s=KEEP_LOAD_S).to_dict()
+    dep.save(update_fields=["load_window"])
+
+
+# --- operators -----------------------------------------------------------------------------------
+@transaction.atomic
+def do_set_mode(deployment: Deployment | str, mode: str, *, actor: Any) -> Deployment:
+    who, user = _who(actor)
+    if mode not in (Deployment.AUTO, Deployment.ADVISORY):
+        raise Rejected(400, {"mode": f"must be auto or advisory (pin a gear with the pin action); got {mode!r}"})
+    dep = _locked(deployment)
+    if dep.mode == mode:
+        return dep
+    before = {"mode": dep.mode, "pinned_gear_id": _gear_id(dep.pinned_gear)}
+    dep.mode, dep.pinned_gear, dep.updated_at = mode, None, timezone.now()
+    dep.save(update_fields=["mode", "pinned_gear", "updated_at"])
+    if mode == Deployment.AUTO:
+        Decision.objects.filter(deployment=dep, approval=Decision.PENDING).update(approval=Decision.SUPERSEDED)
+    record("gearbox.mode_set", actor=who, user=user, at=dep.updated_at, deployment=dep.name,
+           summary=f"{dep.name}: mode {before['mode']} -> {mode}", before=before, after={"mode": mode})
+    return dep
+
+
+@transaction.atomic
+def do_pin_gear(deployment: Deployment | str, *, actor: Any) -> Deployment:
+    """Pin the current gear: the gearbox never switches it automatically (emergency still works)."""
+    who, user = _who(actor)
+    dep = _locked(deployment)
+    if dep.current_gear is None:
+        raise Rejected(409, {"current_gear": "nothing runs yet; pin once the first transition brought a gear up"})
+    if dep.mode == Deployment.PINNED and dep.pinned_gear == dep.current_gear:
+        return dep
+    before = {"mode": dep.mode}
+    dep.mode, dep.pinned_gear, dep.updated_at = Deployment.PINNED, dep.current_gear, timezone.now()
+    dep.save(update_fields=["mode", "pinned_gear", "updated_at"])
+    Decision.objects.filter(deployment=dep, approval=Decision.PENDING).update(approval=Decision.SUPERSEDED)
+    record("gearbox.gear_pinned", actor=who, user=user, at=dep.updated_at, deployment=dep.name,
+           summary=f"{dep.name}: pinned to {Gear.from_dict(dep.current_gear).shape()}", before=before,
+           after={"mode": dep.mode, "pinned_gear_id": _gear_id(dep.pinned_gear)})
+    return dep
+
+
+@transaction.atomic
+def do_unpin_gear(deployment: Deployment | str, *, actor: Any, mode: str = Deployment.AUTO) -> Deployment:
+    who, user = _who(actor)
+    if mode not in (Deployment.AUTO, Deployment.ADVISORY):
+        raise Rejected(400, {"mode": f"must be auto or advisory; got {mode!r}"})
+    dep = _locked(deployment)
+    if dep.mode != Deployment.PINNED:
+        return dep
+    before = {"mode": dep.mode, "pinned_gear_id": _gear_id(dep.pinned_gear)}
+    dep.mode, dep.pinned_gear, dep.updated_at = mode, None, timezone.now()
+    dep.save(update_fields=["mode", "pinned_gear", "updated_at"])
+    record("gearbox.gear_unpinned", actor=who, user=user, at=dep.updated_at, deployment=dep.name,
+           summary=f"{dep.name}: unpinned, mode {mode}", before=before, after={"mode": mode})
+    return dep
+
+
+@transaction.atomic
+def do_approve_decision(decision: Decision | int, *, actor: Any) -> Transition:
+    """Advisory mode: start the transition a pending decision advised, if it still makes sense."""
+    who, user = _who(actor)
+    pk = decision if isinstance(decision, int) else decision.pk
+    row = Decision.objects.select_for_update().filter(pk=pk).first()
+    if row is None:
+        raise Rejected(404, {"decision": f"no decision {pk}"})
+    dep = _locked(row.deployment)
+    if row.approval != Decision.PENDING:
+        raise Rejected(409, {"decision": f"decision {pk} is not waiting for approval ({row.approval or 'none'})"})
+    current_id = _gear_id(dep.current_gear) or ""
+    if row.current_gear_id != current_id:
+        raise Rejected(409, {"decision": "stale: the deployment changed gear since; wait for a new decision"})
+    if _active(dep) is not None:
+        raise Rejected(409, {"deployment": "a transition is running; approve once it ended"})
+    target = gearbox.Decision.from_dict(row.decision).target
+    if target is None:
+        raise Rejected(409, {"decision": "it advises no gear"})
+    base = fleet_snapshot(timezone.now())
+    problems = validate_gear(target, decision_snapshot(base, _held_by_others(dep)), model_spec(dep.model_name),
+                             reclaimable_bytes=gearbox.gear_footprint(_gear(dep, "current_gear"),
+                                                                      model_spec(dep.model_name), base)
+                             if dep.current_gear else None)
+    if problems:
+        raise Rejected(409, {"decision": "stale: the advised gear no longer fits: " + "; ".join(problems[:3])})
+    now = timezone.now()
+    started = _start(dep, target, kind=Kind.APPROVED, decision=row, actor=who)
+    if started is None:
+        raise Rejected(409, {"deployment": "another transition started first"})
+    row.approval, row.approved_by, row.approved_at = Decision.APPROVED, user, now
+    row.save(update_fields=["approval", "approved_by", "approved_at"])
+    record("gearbox.decision_approved", actor=who, user=user, at=now, deployment=dep.name, decision_id=row.pk,
+           transition_seq=started.seq, summary=f"{dep.name}: approved decision {row.pk} -> {target.shape()} "
+                                               f"(transition #{started.seq})")
+    return started
+
+
+@transaction.atomic
+def do_request_gear(deployment: Deployment | str, gear: Mapping[str, object] | Gear, *, actor: Any,
+                    reason: str = "") -> tuple[Decision, Transition | None]:
+    """A manual switch to an operator's gear (validated by the gearbox: MANUAL trigger)."""
+    who, _ = _who(actor)
+    dep = _locked(deployment)
+    try:
+        wanted = gear if isinstance(gear, Gear) else Gear.from_dict(gear)
+    except ValueError as exc:
+        field, _, why = str(exc).partition(": ")
+        raise Rejected(400, {field: why or str(exc)}) from None
+    now = timezone.now()
+    running = _active(dep) is not None
+    d = _decide(dep, fleet_snapshot(now), held_gpus(), now, Trigger.MANUAL, requested=wanted, running=running)
+    row = do_record_decision(dep, d, actor=actor, now=now, note=reason)
+    if d.outcome is not Outcome.SWITCH or d.target is None:
+        return row, None
+    started = _start(dep, d.target, kind=Kind.MANUAL, decision=row, actor=who)
+    return row, started
+
+
+@dataclass(frozen=True)
+class Emergency:
+    state: str  # requested | already_requested | already_running | already_on_baseline
+    transition: Transition | None  # the running transition it asked to roll back, or the emergency one
+
+
+@transaction.atomic
+def do_emergency_downshift(deployment: Deployment | str, *, reason: str, actor: Any) -> Emergency:
+    """Go to the baseline gear now: roll back whatever transition runs first, then downshift.
+
+    Idempotent: asking again while it is pending or running, or when the deployment already
+    runs its baseline with nothing in flight, changes nothing (and says so in the audit log).
+    Works in every mode, pinned included (DESIGN.md invariant 6).
+    """
+    who, user = _who(actor)
+    if not isinstance(reason, str) or not reason.strip():
+        raise Rejected(400, {"reason": "required: say why the deployment must go back to its baseline"})
+    dep = _locked(deployment)
+    now = timezone.now()
+    active = _active(dep)
+    state = "requested"
+    if dep.emergency_requested_at is not None:
+        state = "already_requested"
+    elif active is not None and active.kind == Transition.EMERGENCY and active.to_gear == dep.baseline_gear:
+        state = "already_running"
+    elif active is None and dep.current_gear is not None and dep.current_gear == dep.baseline_gear:
+        state = "already_on_baseline"
+    if state != "requested":
+        record("gearbox.emergency_repeated", actor=who, user=user, at=now, deployment=dep.name,
+               transition_seq=active.seq if active else None,
+               summary=f"{dep.name}: emergency downshift asked again ({state.replace('_', ' ')}): {reason[:120]}",
+               data={"reason": reason, "state": state})
+        return Emergency(state, active)
+    dep.emergency_requested_at, dep.emergency_reason, dep.emergency_actor = now, reason.strip(), who
+    dep.updated_at = now
+    dep.save(update_fields=["emergency_requested_at", "emergency_reason", "emergency_actor", "updated_at"])
+    if active is not None and active.phase in ("prepare", "switch"):
+        build_executor(actor=who).store.request_abort(dep.name, active.seq, f"emergency downshift: {reason.strip()}")
+    record("gearbox.emergency_requested", actor=who, user=user, at=now, deployment=dep.name,
+           transition_seq=active.seq if active else None,
+           summary=f"{dep.name}: emergency downshift to the baseline requested: {reason[:150]}",
+           data={"reason": reason, "running_transition": active.seq if active else None,
+                 "running_phase": active.phase if active else None})
+    from console.gearbox import tasks
+
+    name = dep.name
+    transaction.on_commit(lambda: tasks.enqueue(tasks.tick, trigger="emergency", deployment=name))
+    if active is not None:
+        _kick(name, active.seq)
+    return Emergency(state, active)
+
+
+# --- the scenario loader -------------------------------------------------------------------------
+@transaction.atomic
+def do_sync_deployment(*, name: str, model_name: str, ttft_ms: float, tpot_ms: float, priority: int,
+                       baseline: Gear, actor: Any, mode: str = Deployment.AUTO) -> tuple[Deployment, str]:
+    """Create the deployment, or bring its SLO, priority and baseline up to date. Never touches
+    what runs (current gear, routing, transitions). Returns it and created | updated | unchanged."""
+    who, user = _who(actor)
+    errors: dict[str, str] = {}
+    try:
+        model_spec(model_name)
+    except ValueError as exc:
+        errors["model_name"] = str(exc)
+    if baseline.model != model_name:
+        errors["baseline.model"] = f"{baseline.model!r} is not the deployment's model {model_name!r}"
+    for field, value in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms)):
+        if not isinstance(value, int | float) or value <= 0:
+            errors[field] = "must be a number > 0"
+    if mode not in (Deployment.AUTO, Deployment.ADVISORY):
+        errors["mode"] = f"must be auto or advisory; got {mode!r}"
+    if errors:
+        raise Rejected(400, errors)
+    now = timezone.now()
+    wanted = {"model_name": model_name, "ttft_ms": float(ttft_ms), "tpot_ms": float(tpot_ms), "priority": priority,
+              "baseline_gear": baseline.to_dict()}
+    dep = Deployment.objects.select_for_update().filter(name=name).first()
+    if dep is None:
+        dep = Deployment.objects.create(name=name, mode=mode, created_at=now, updated_at=now, **wanted)
+        record("gearbox.deployment_created", actor=who, user=user, at=now, deployment=name,
+               summary=f"{name}: {model_name}, baseline {baseline.shape()}, priority {priority}", after={
+                   **{k: v for k, v in wanted.items() if k != "baseline_gear"}, "baseline_gear_id": baseline.gear_id})
+        return dep, "created"
+    before = {k: getattr(dep, k) for k in wanted}
+    if before == wanted:
+        return dep, "unchanged"
+    for k, v in wanted.items():
+        setattr(dep, k, v)
+    dep.updated_at = now
+    dep.save(update_fields=[*wanted, "updated_at"])
+    record("gearbox.deployment_updated", actor=who, user=user, at=now, deployment=name,
+           summary=f"{name}: SLO, priority or baseline changed",
+           before={k: v for k, v in before.items() if k != "baseline_gear"} | {
+               "baseline_gear_id": _gear_id(before["baseline_gear"])},
+           after={k: v for k, v in wanted.items() if k != "baseline_gear"} | {"baseline_gear_id": baseline.gear_id})
+    return dep, "updated"
+
+
+# --- helpers -------------------------------------------------------------------------------------
+def _gear_id(raw: object) -> str | None:
+    if not raw:
+        return None
+    try:
+        return Gear.from_dict(raw).gear_id
+    except ValueError:
+        return None
+
+
+def held_gpus() -> dict[str, set[str]]:
+    """deployment name -> GPUs it holds: its current gear, its running transition's gears, its bookings."""
+    from console.gearbox.models import GpuReservation
+
+    out: dict[str, set[str]] = {}
+    for dep in Deployment.objects.all():
+        out[dep.name] = gear_gpus(dep.current_gear)
+    for t in Transition.objects.filter(phase__in=ACTIVE_PHASES).select_related("deployment"):
+        out.setdefault(t.deployment.name, set()).update(gear_gpus(t.to_gear) | gear_gpus(t.from_gear))
+    for r in GpuReservation.objects.select_related("deployment"):
+        out.setdefault(r.deployment.name, set()).add(r.gpu_uuid)
+    return out
+
+
+def _held_by_others(dep: Deployment) -> set[str]:
+    held = held_gpus()
+    return set().union(*[g for name, g in held.items() if name != dep.name]) if held else set()
+
+
+__all__ = [
+    "Decided", "Emergency", "Rejected", "do_approve_decision", "do_decide_gear", "do_emergency_downshift",
+    "do_pin_gear", "do_record_decision", "do_record_load", "do_request_gear", "do_set_mode", "do_sync_deployment",
+    "do_unpin_gear", "held_gpus", "scheduler_deployment",
+]

@@ -1,0 +1,171 @@
+"""Deployments, the gearbox's decisions, and transitions with their steps (state only).
+
+The rules live in scheduler/ (gearbox.decide, transition.Executor); the writes in actions.py
+and in ports.py (the Django implementations of the transition ports). What each model holds:
+
+* `Deployment` - one model served by the cluster: SLO, priority, mode (auto | advisory |
+  pinned), baseline gear (the emergency target), current gear (what a finished transition
+  left), pinned gear, the versioned routing table (version + routes: plan, weight, frozen,
+  nodes) that the gateway and the simulated fleet route by, a pending emergency request, and
+  the load window the gearbox decides on.
+* `Decision` - every decision the gearbox made, switch or not: trigger, outcome, the hysteresis
+  factor, candidates with gain / cost / threshold, the full scheduler Decision, and in advisory
+  mode its approval.
+* `Transition` - one gear change: seq (strictly increasing per deployment), kind, phase and
+  step, from/to gear, the Decision that caused it, what moved, and `record`: the executor's
+  TransitionRecord (the source of truth for resuming it). At most one is active per deployment:
+  the database enforces it (a partial unique index), whatever the code does.
+* `TransitionStep` - one attempt of one step, with its timing, outcome, error and result.
+* `GpuReservation` - the ledger PREPARE books: memory a deployment's plan holds on a GPU.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+ACTIVE_PHASES = ("prepare", "switch", "cleanup", "rollback")
+PHASES = ACTIVE_PHASES + ("done", "rolled_back")
+
+
+class Deployment(models.Model):
+    AUTO, ADVISORY, PINNED = "auto", "advisory", "pinned"
+    MODES = [(m, m) for m in (AUTO, ADVISORY, PINNED)]
+
+    name = models.CharField(max_length=64, unique=True)  # the deployment id (scenario `deployment`)
+    model_name = models.CharField(max_length=128)  # scheduler.modelspec catalog name
+    ttft_ms = models.FloatField()
+    tpot_ms = models.FloatField()
+    priority = models.IntegerField(default=0)  # higher is served first
+    mode = models.CharField(max_length=16, choices=MODES, default=AUTO)
+    baseline_gear = models.JSONField()  # Gear.to_dict(): the static plan, the emergency target
+    current_gear = models.JSONField(null=True, blank=True)  # null: nothing runs yet
+    pinned_gear = models.JSONField(null=True, blank=True)  # set while pinned
+    routing_version = models.PositiveBigIntegerField(default=0)  # bumped by every routing commit
+    routing = models.JSONField(default=list)  # [Route.to_dict()]: plan, weight, frozen, nodes
+    last_transition_seq = models.PositiveBigIntegerField(default=0)  # claimed by a conditional update
+    emergency_requested_at = models.DateTimeField(null=True, blank=True)  # pending emergency downshift
+    emergency_reason = models.TextField(blank=True, default="")
+    emergency_actor = models.CharField(max_length=160, blank=True, default="")
+    load_window = models.JSONField(default=dict)  # gearbox.LoadWindow samples
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-priority", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Decision(models.Model):
+    """One gearbox decision (DESIGN.md invariant 5: explainable and audited)."""
+
+    NONE, PENDING, APPROVED, SUPERSEDED = "", "pending", "approved", "superseded"
+    APPROVALS = [(a, a or "none") for a in (NONE, PENDING, APPROVED, SUPERSEDED)]
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="decisions")
+    at = models.DateTimeField(db_index=True)
+    trigger = models.CharField(max_length=16)  # periodic | topology | load | emergency | manual
+    outcome = models.CharField(max_length=16)  # switch | stay | advise | deferred | blocked
+    factor = models.FloatField()  # the hysteresis factor applied
+    current_gear_id = models.CharField(max_length=40, blank=True, default="")
+    target_gear_id = models.CharField(max_length=40, blank=True, default="")
+    candidates = models.JSONField(default=list)  # [{gear_id, shape, gain_tokens, cost_tokens, threshold_tokens, ...}]
+    reasons = models.JSONField(default=list)
+    decision = models.JSONField()  # scheduler.gearbox.Decision.to_dict()
+    actor = models.CharField(max_length=160)  # who asked: system:gearbox, user:alice
+    note = models.TextField(blank=True, default="")  # what became of it (e.g. not started: lost a race)
+    approval = models.CharField(max_length=16, choices=APPROVALS, blank=True, default=NONE)
+    approved_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                    related_name="+")
+    approved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["deployment", "-id"], name="gearbox_decision_newest")]
+
+
+class Transition(models.Model):
+    AUTO, APPROVED, MANUAL, EMERGENCY = "auto", "approved", "manual", "emergency"
+    KINDS = [(k, k) for k in (AUTO, APPROVED, MANUAL, EMERGENCY)]
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="transitions")
+    seq = models.PositiveBigIntegerField()
+    kind = models.CharField(max_length=16, choices=KINDS)
+    phase = models.CharField(max_length=16, choices=[(p, p) for p in PHASES])
+    step = models.CharField(max_length=32, blank=True, default="")  # the step running or last run
+    attempt = models.PositiveIntegerField(default=0)
+    version = models.PositiveBigIntegerField(default=1)  # every save is conditional on it
+    from_gear = models.JSONField(null=True, blank=True)
+    to_gear = models.JSONField()
+    decision = models.ForeignKey(Decision, null=True, blank=True, on_delete=models.SET_NULL,
+                                 related_name="transitions")
+    record = models.JSONField()  # scheduler.transition.TransitionRecord.to_dict()
+    error = models.TextField(blank=True, default="")
+    abort_reason = models.TextField(blank=True, default="")  # an operator asked it to roll back
+    actor = models.CharField(max_length=160)  # who started it
+    kv_bytes_migrated = models.PositiveBigIntegerField(default=0)
+    tokens_replayed = models.PositiveBigIntegerField(default=0)
+    seqs_migrated = models.PositiveIntegerField(default=0)
+    seqs_replayed = models.PositiveIntegerField(default=0)
+    seqs_finished = models.PositiveIntegerField(default=0)
+    seqs_failed = models.PositiveIntegerField(default=0)
+    stall_s_max = models.FloatField(default=0.0)
+    wake_at = models.DateTimeField(null=True, blank=True, db_index=True)  # advance again by then (timeouts)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "seq"], name="gearbox_transition_unique_seq"),
+            # DESIGN.md invariant 3, held by the database: one active transition per deployment
+            models.UniqueConstraint(fields=["deployment"], condition=models.Q(phase__in=ACTIVE_PHASES),
+                                    name="gearbox_one_active_transition"),
+        ]
+
+    @property
+    def active(self) -> bool:
+        return self.phase in ACTIVE_PHASES
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id}#{self.seq} {self.phase}"
+
+
+class TransitionStep(models.Model):
+    """One attempt of one step of a transition."""
+
+    transition = models.ForeignKey(Transition, on_delete=models.CASCADE, related_name="steps")
+    step = models.CharField(max_length=32)
+    phase = models.CharField(max_length=16)
+    attempt = models.PositiveIntegerField()
+    state = models.CharField(max_length=16)  # running | ok | failed | abandoned
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    note = models.TextField(blank=True, default="")  # what it decided to do
+    error = models.TextField(blank=True, default="")
+    reason = models.CharField(max_length=32, blank=True, default="")  # preempted | timeout | failed | ...
+    commands = models.JSONField(default=list)  # keys of the agent commands it sent
+    result = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [models.UniqueConstraint(fields=["transition", "step", "attempt"],
+                                               name="gearbox_step_unique_attempt")]
+
+
+class GpuReservation(models.Model):
+    """Memory a deployment's plan holds on a GPU (booked in PREPARE, dropped in CLEANUP/ROLLBACK)."""
+
+    gpu_uuid = models.CharField(max_length=128, db_index=True)
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="reservations")
+    plan_id = models.CharField(max_length=40)
+    mem_bytes = models.PositiveBigIntegerField()
+    transition_seq = models.PositiveBigIntegerField()
+    created_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["gpu_uuid", "deployment", "plan_id"],
+                                               name="gearbox_reservation_unique")]

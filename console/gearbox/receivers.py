@@ -1,0 +1,27 @@
+"""The gearbox listens to the fleet: acks drive transitions, topology events trigger a tick.
+
+Both signals are sent on commit (console.fleet.actions), so what the tasks read is stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.dispatch import receiver
+
+from console.fleet.signals import command_acked, topology_changed
+
+
+@receiver(command_acked)
+def on_command_acked(sender: Any, command: Any, **kwargs: Any) -> None:
+    from console.gearbox import tasks
+
+    if command.transition_seq and command.deployment:
+        tasks.enqueue(tasks.advance, deployment=command.deployment, seq=command.transition_seq)
+
+
+@receiver(topology_changed)
+def on_topology_changed(sender: Any, node_ids: list[str] | None = None, **kwargs: Any) -> None:
+    from console.gearbox import tasks
+
+    tasks.enqueue(tasks.tick, trigger="topology")

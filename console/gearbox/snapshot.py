@@ -1,0 +1,141 @@
+"""The fleet as the scheduler sees it: a `Snapshot` from the stored reports, and load windows.
+
+This is the one place that turns console.fleet's rows into scheduler values:
+
+* `fleet_snapshot(now)` - every present GPU of every node as its agent last reported it
+  (healthy, `schedulable` = allocatable, memory used, NVLink group), nodes with their heartbeat
+  time and schedulability, and the links agents measured. A GPU never reported yet counts as
+  full and last seen at time 0 (out of every block: nothing plans on what nobody has seen).
+* `decision_snapshot(base, deployment, held)` - the same, with every GPU another deployment
+  holds (its gear, its running transition's target, its bookings) marked unschedulable, so one
+  deployment's decision never plans on another's GPUs.
+* `load_sample(deployment, now)` - one LoadSample from the latest EngineReports of the plans in
+  the deployment's routing table: arrivals per second over each node's last report interval,
+  prompt and output means weighted by arrivals / finished requests. None when no engine of the
+  deployment has reported (silence is not zero load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+
+from django.conf import settings
+
+from console.fleet.models import Gpu, GpuSample, Node, NodeLink
+from scheduler.gearbox import LoadSample, LoadWindow
+from scheduler.hardware import CATALOG, GpuSpec
+from scheduler.plan import Gear
+from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
+
+KEEP_LOAD_S = 3600.0  # how much load history a deployment keeps
+
+
+def fleet_snapshot(now: datetime) -> Snapshot:
+    nodes = list(Node.objects.all())
+    gpus = list(Gpu.objects.filter(present=True).select_related("node"))
+    node_states = tuple(
+        NodeState(id=n.node_id, rack=n.rack or n.node_id, schedulable=n.schedulable,
+                  last_seen_s=n.last_seen_at.timestamp() if n.last_seen_at else 0.0)
+        for n in nodes)
+    customs: dict[str, GpuSpec] = {}
+    gpu_states = []
+    for g in gpus:
+        if g.model not in CATALOG and g.custom_spec and g.model not in customs:
+            try:
+                customs[g.model] = GpuSpec.from_dict({**g.custom_spec, "name": g.model})
+            except ValueError:
+                continue  # an unusable custom spec: the GPU is left out rather than guessed
+        if g.model not in CATALOG and g.model not in customs:
+            continue
+        used = g.mem_used_bytes if g.mem_used_bytes is not None else g.mem_total_bytes
+        gpu_states.append(GpuState(
+            uuid=g.uuid, node_id=g.node.node_id, index=g.index, model=g.model, mem_total_bytes=g.mem_total_bytes,
+            mem_used_bytes=min(used, g.mem_total_bytes), sm_util=g.sm_util or 0.0,
+            temperature_c=g.temperature_c or 0.0, healthy=g.healthy, schedulable=g.allocatable,
+            nvlink_group=g.nvlink_group or None, xid_errors=g.xid_errors, ecc_errors=g.ecc_errors,
+            last_seen_s=g.updated_at.timestamp() if g.updated_at else 0.0))
+    known = {n.node_id for n in nodes}
+    pairs: dict[tuple[str, str], float] = {}
+    for link in NodeLink.objects.select_related("node"):
+        a, b = sorted((link.node.node_id, link.peer))
+        if a in known and b in known and a != b:
+            pairs[(a, b)] = min(pairs.get((a, b), link.bw_gbps), link.bw_gbps)
+    links = tuple(LinkState(a, b, bw) for (a, b), bw in sorted(pairs.items()))
+    snap = Snapshot(now_s=now.timestamp(), nodes=node_states, gpus=tuple(gpu_states), links=links,
+                    custom_specs=tuple(customs.values()))
+    snap.validate()
+    return snap
+
+
+def gear_gpus(gear: Mapping[str, object] | None) -> set[str]:
+    if not gear:
+        return set()
+    try:
+        return set(Gear.from_dict(gear).gpu_uuids)
+    except ValueError:
+        return set()
+
+
+def decision_snapshot(base: Snapshot, held_by_others: Iterable[str]) -> Snapshot:
+    """`base` with the GPUs other deployments hold marked unschedulable."""
+    taken = set(held_by_others)
+    if not taken:
+        return base
+    from dataclasses import replace
+
+    return replace(base, gpus=tuple(replace(g, schedulable=False) if g.uuid in taken else g for g in base.gpus))
+
+
+def load_window(raw: object) -> LoadWindow:
+    samples = raw.get("samples", []) if isinstance(raw, dict) else []
+    out = []
+    for s in samples if isinstance(samples, list) else []:
+        if isinstance(s, list) and len(s) == 6 and all(isinstance(x, int | float) for x in s):
+            out.append(LoadSample(*[float(x) for x in s]))
+    return LoadWindow(tuple(out))
+
+
+def load_sample(plan_ids: Iterable[str], now: datetime) -> LoadSample | None:
+    """Arrivals per second and request shape of these plans, from their engines' latest reports."""
+    wanted = set(plan_ids)
+    if not wanted:
+        return None
+    rate = 0.0
+    arrivals = finished = 0
+    prompt_sum = output_sum = 0.0
+    seen = False
+    for node in Node.objects.exclude(engines=[]):
+        reports = [e for e in node.engines if isinstance(e, dict) and e.get("plan_id") in wanted]
+        if not reports:
+            continue
+        seen = True
+        interval = _report_interval_s(node)
+        for e in reports:
+            n = int(e.get("arrivals") or 0)
+            f = int(e.get("finished") or 0)
+            rate += n / interval
+            arrivals += n
+            finished += f
+            prompt_sum += n * float(e.get("prompt_tokens_mean") or 0.0)
+            output_sum += f * float(e.get("output_tokens_mean") or 0.0)
+    if not seen:
+        return None
+    prompt = prompt_sum / arrivals if arrivals and prompt_sum else 512.0
+    output = output_sum / finished if finished and output_sum else 128.0
+    return LoadSample(t_s=now.timestamp(), rate_rps=rate, prompt_tokens_mean=prompt, output_tokens_mean=output)
+
+
+def _report_interval_s(node: Node) -> float:
+    """Seconds between the node's two latest reports (what its `arrivals` counts over)."""
+    gpu = Gpu.objects.filter(node=node, present=True).order_by("index").first()
+    default = float(settings.FLEXPIPE_REPORT_INTERVAL_S)
+    if gpu is None:
+        return default
+    times = list(GpuSample.objects.filter(gpu=gpu).order_by("-id").values_list("at", flat=True)[:2])
+    if len(times) < 2:
+        return default
+    return max(0.5, (times[0] - times[1]).total_seconds())
+
+
+__all__ = ["KEEP_LOAD_S", "decision_snapshot", "fleet_snapshot", "gear_gpus", "load_sample", "load_window"]

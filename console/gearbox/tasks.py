@@ -1,0 +1,82 @@
+"""Celery tasks of the gearbox: thin, idempotent, ids not objects (STYLE.md).
+
+    gearbox.tick          beat every FLEXPIPE_TICK_S, and at once on a topology event
+                          (console.fleet.signals.topology_changed), an emergency request, and
+                          when a transition ends: decide for every deployment (ticks.tick)
+    transitions.advance   on every ack of a transition's command (console.fleet.signals.
+                          command_acked), when a transition starts, and when the sweep finds it
+                          due: take every step that can be taken now (executor.advance)
+    transitions.sweep     beat every FLEXPIPE_SWEEP_S: advance every active transition, so a
+                          step's timeout, a canary's dwell or a retry's back-off is noticed, and a
+                          transition whose worker died (SIGKILL) resumes on another
+
+acks_late=True only because each body is idempotent: running one twice, or after a crash
+half way through, does what running it once does (conditional saves, keyed commands).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import shared_task
+from kombu.exceptions import OperationalError
+from redis.exceptions import RedisError
+
+from console.gearbox import executor, ticks
+from console.gearbox.models import ACTIVE_PHASES, Transition
+
+log = logging.getLogger(__name__)
+SHORT_WAIT_S = 10.0  # a dwell or back-off shorter than this is woken by a countdown, not the sweep
+
+
+def enqueue(task: Any, **kwargs: Any) -> None:
+    """Send a task; a broker that does not answer is logged, not raised (the sweep catches up)."""
+    try:
+        task.apply_async(kwargs=kwargs)
+    except (OperationalError, RedisError, OSError) as exc:
+        log.warning("could not enqueue %s(%s): %s", task.name, kwargs, exc)
+
+
+RETICK_S = 1.0  # a deployment waiting for its agents' reports is decided again this soon
+
+
+@shared_task(name="gearbox.tick", acks_late=True)
+def tick(trigger: str = "periodic", deployment: str | None = None, **kwargs: Any) -> dict[str, object]:
+    out = ticks.tick(trigger=trigger, deployment=deployment)
+    # a decision put off until the agents' reports catch up is taken as soon as they do, not at
+    # the next beat (the wait is bounded: actions._reports_mirror_last_transition)
+    waiting = out.get("waiting") or []
+    for name in waiting if isinstance(waiting, list) else []:
+        try:
+            tick.apply_async(kwargs={"trigger": trigger, "deployment": name}, countdown=RETICK_S)
+        except (OperationalError, RedisError, OSError) as exc:
+            log.warning("could not schedule a tick of %s: %s", name, exc)
+    return out
+
+
+@shared_task(name="transitions.advance", acks_late=True)
+def advance(deployment: str, seq: int | None = None, **kwargs: Any) -> dict[str, object]:
+    out = executor.advance(deployment, seq)
+    rec = out.record
+    if out.finished:
+        enqueue(tick, trigger="ended", deployment=deployment)
+    elif rec is not None and rec.active and out.wake_at_s is not None and not out.waiting_for:
+        delay = out.wake_at_s - time.time()
+        if 0 < delay < SHORT_WAIT_S:
+            try:
+                advance.apply_async(kwargs={"deployment": deployment, "seq": rec.seq}, countdown=delay + 0.05)
+            except (OperationalError, RedisError, OSError) as exc:
+                log.warning("could not schedule advance of %s#%s: %s", deployment, rec.seq, exc)
+    return {"deployment": deployment, "seq": rec.seq if rec else None, "phase": rec.phase.value if rec else None,
+            "step": rec.current.step.value if rec and rec.current else None, "finished": out.finished}
+
+
+@shared_task(name="transitions.sweep", acks_late=True)
+def sweep(**kwargs: Any) -> list[str]:
+    active = list(Transition.objects.filter(phase__in=ACTIVE_PHASES).select_related("deployment")
+                  .values_list("deployment__name", "seq"))
+    for name, seq in active:
+        enqueue(advance, deployment=name, seq=seq)
+    return [f"{name}#{seq}" for name, seq in active]

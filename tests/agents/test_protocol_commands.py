@@ -1,0 +1,102 @@
+"""The transition commands of agent protocol v1: what the executor sends validates, bad payloads name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.protocol import COMMAND_KINDS, SchemaError, check_payload, check_result
+from scheduler.transition import CommandKind, Step
+from tests.scheduler.transition_world import DEP, GEAR_A, GEAR_B, Load, World
+
+
+def commands_of_a_run(rollback: bool) -> list[tuple[str, dict[str, object], Step]]:
+    from agents.sim.memory_fleet import Fault
+
+    w = World()
+    w.seed_gear(DEP, GEAR_A)
+    w.load[DEP] = Load()
+    w.run(3.0)
+    if rollback:
+        w.fleet.inject(Fault(node="a1", kind="move_sequences", action="fail", times=3))
+    w.start(DEP, GEAR_B)
+    w.drive(DEP)
+    return [(q.command.kind.value, q.command.payload, q.command.step) for q in w.mw.agents.queued.values()]
+
+
+def test_every_kind_is_documented_and_has_a_schema() -> None:
+    import agents.protocol as protocol
+
+    assert set(COMMAND_KINDS) == {k.value for k in CommandKind}
+    for kind in COMMAND_KINDS:
+        assert f"`{kind}`" in (protocol.__doc__ or "")
+
+
+@pytest.mark.parametrize("rollback", [False, True], ids=["forward", "rollback"])
+def test_every_command_a_transition_sends_is_valid(rollback: bool) -> None:
+    sent = commands_of_a_run(rollback)
+    kinds = {k for k, _, _ in sent}
+    expected = {"prepare_plan", "freeze_plan", "move_sequences"} | (
+        {"thaw_plan", "abort_plan"} if rollback else {"release_plan"})
+    assert expected <= kinds
+    for kind, payload, _ in sent:
+        check_payload(kind, payload)
+
+
+def test_every_answer_of_the_simulated_agents_is_valid() -> None:
+    w = World()
+    w.seed_gear(DEP, GEAR_A)
+    w.load[DEP] = Load()
+    w.run(3.0)
+    w.start(DEP, GEAR_B)
+    w.drive(DEP)
+    answered = [(q.command.kind.value, q.result) for q in w.mw.agents.queued.values() if q.result is not None]
+    assert answered
+    for kind, res in answered:
+        assert res is not None and res.status == "ok"
+        check_result(kind, res.result)
+
+
+def a_move() -> dict[str, object]:
+    return {"plan_id": "p-1", "deployment": "chat", "routing_version": 4, "boundary": "decode_end",
+            "moves": [{"seq_id": "s1", "action": "migrate", "target_plan": "p-2", "target_node": "b1",
+                       "target_addr": "b1:7070", "bw_cap_bytes_per_s": 1e9, "lazy": False, "est_stall_s": 0.1}]}
+
+
+def test_a_bad_payload_is_refused_naming_each_field() -> None:
+    bad = a_move()
+    bad["moves"][0]["action"] = "teleport"  # type: ignore[index]
+    bad["routing_version"] = 0
+    bad["extra"] = 1
+    with pytest.raises(SchemaError) as exc:
+        check_payload("move_sequences", bad)
+    assert set(exc.value.errors) == {"payload.moves[0].action", "payload.routing_version", "payload.extra"}
+
+
+def test_a_move_without_a_target_is_refused() -> None:
+    bad = a_move()
+    bad["moves"][0]["target_node"] = ""  # type: ignore[index]
+    with pytest.raises(SchemaError, match="target_node"):
+        check_payload("move_sequences", bad)
+    ok = a_move()
+    ok["moves"][0] = {"seq_id": "s2", "action": "finish"}  # type: ignore[index]
+    check_payload("move_sequences", ok)
+
+
+def test_a_prepare_whose_plan_id_does_not_match_its_plan_is_refused() -> None:
+    sent = [p for k, p, _ in commands_of_a_run(False) if k == "prepare_plan"]
+    payload = dict(sent[0])
+    payload["plan_id"] = GEAR_A.plans[0].plan_id
+    with pytest.raises(SchemaError, match="payload.plan_id"):
+        check_payload("prepare_plan", payload)
+    payload = dict(sent[0])
+    payload["weights_sha256"] = "not-hex"
+    with pytest.raises(SchemaError, match="weights_sha256"):
+        check_payload("prepare_plan", payload)
+
+
+def test_an_unknown_kind_and_a_bad_result_are_refused() -> None:
+    with pytest.raises(SchemaError, match="kind"):
+        check_payload("reboot", {})
+    with pytest.raises(SchemaError, match=r"result.sequences\[0\].context_tokens"):
+        check_result("freeze_plan", {"sequences": [{"seq_id": "s", "context_tokens": -1, "generated_tokens": 0,
+                                                    "max_tokens": 1, "state": "running"}]})

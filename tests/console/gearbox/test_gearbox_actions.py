@@ -1,0 +1,295 @@
+"""Operator actions and the gearbox tick: modes, pinning, approval, emergency, topology events."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from console.audit.models import AuditEntry
+from console.fleet.actions import Rejected
+from console.gearbox import ticks
+from console.gearbox.actions import (
+    do_approve_decision,
+    do_emergency_downshift,
+    do_pin_gear,
+    do_request_gear,
+    do_set_mode,
+    do_unpin_gear,
+)
+from console.gearbox.executor import build_executor
+from console.gearbox.models import Decision, Deployment, Transition
+from scheduler.invariants import assert_clean
+from tests.console.gearbox.harness import SimAgents, django_log, enroll_fleet, gear, make_deployment
+
+pytestmark = pytest.mark.django_db
+
+
+def drive(agents: SimAgents, name: str = "chat", *, max_s: float = 30.0) -> Transition:
+    ex = build_executor()
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        out = ex.advance(name)
+        agents.run()
+        if out.record is None or not out.record.active:
+            break
+        time.sleep(0.01)
+    row = Transition.objects.filter(deployment__name=name).order_by("-seq").first()
+    assert row is not None and not row.active, f"still {row.phase if row else None}/{row.step if row else None}"
+    return row
+
+
+def bring_up(agents: SimAgents, name: str = "chat") -> Transition:
+    out = ticks.tick()
+    assert f"{name}#1" in out["started"], out  # type: ignore[operator]
+    return drive(agents, name)
+
+
+def audits(event_type: str) -> int:
+    return AuditEntry.objects.filter(event_type=event_type).count()
+
+
+# --- the first tick ----------------------------------------------------------------------------
+def test_the_first_tick_brings_each_baseline_up_as_a_transition_with_its_decision() -> None:
+    enroll_fleet()
+    make_deployment("chat", baseline=gear("a1", [0, 1]))
+    make_deployment("other", baseline=gear("b1", [0, 1]))
+    agents = SimAgents()
+    out = ticks.tick()
+    assert sorted(out["started"]) == ["chat#1", "other#1"]  # type: ignore[arg-type]
+    row = drive(agents, "chat")
+    drive(agents, "other")
+    assert row.phase == "done" and row.kind == "auto" and row.decision is not None
+    assert row.decision.outcome == "switch" and "baseline" in row.decision.reasons[0]
+    assert Deployment.objects.get(name="chat").current_gear == gear("a1", [0, 1]).to_dict()
+    # nothing to decide while nothing changed: the next tick records decisions and starts nothing
+    assert ticks.tick()["started"] == []
+
+
+def test_nothing_is_placed_on_gpus_whose_agent_has_not_reported_yet() -> None:
+    from agents.protocol import GpuInfo, RegisterRequest
+    from console.fleet.actions import do_register_node
+    from tests.builders import JOIN_TOKEN
+    from tests.console.gearbox.harness import FleetReporter
+
+    do_register_node(RegisterRequest("a1", "a1.test", "test", tuple(GpuInfo(f"GPU-a1-{i}", i, "H100-SXM", 80 * 2**30,
+                                                                             "nvl0") for i in range(8)), rack="A"),
+                     token=JOIN_TOKEN, now=timezone.now())
+    make_deployment()
+    assert ticks.tick()["started"] == [] and not Decision.objects.exists()
+    FleetReporter().report("a1")
+    assert ticks.tick()["started"] == ["chat#1"]
+    assert Transition.objects.get().to_gear == gear("a1", [0, 1]).to_dict()
+
+
+def test_a_lost_gpu_makes_the_next_topology_tick_move_the_gear_at_once() -> None:
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    rep.gone = {"GPU-a1-1"}  # another tenant takes a GPU of the running plan
+    rep.report("a1")
+    agents.fleet.lose_gpus(["GPU-a1-1"])
+    out = ticks.tick(trigger="topology")
+    assert out["started"] == ["chat#2"], out
+    row = drive(agents)
+    assert row.phase == "done" and row.decision.trigger == "topology"  # type: ignore[union-attr]
+    now = Deployment.objects.get(name="chat").current_gear
+    assert "GPU-a1-1" not in str(now)
+    assert_clean(django_log("chat", agents.log), complete=False)
+
+
+def test_a_pinned_deployment_is_never_switched_automatically() -> None:
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    do_pin_gear("chat", actor="system:test")
+    rep.gone = {"GPU-a1-1"}
+    rep.report("a1")
+    out = ticks.tick(trigger="topology")
+    assert out["started"] == []
+    latest = Decision.objects.filter(deployment__name="chat").first()
+    assert latest is not None and latest.outcome == "blocked" and any("pinned" in r for r in latest.reasons)
+
+
+def test_advisory_mode_records_the_advice_and_starts_only_on_approval() -> None:
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    do_set_mode("chat", "advisory", actor="system:test")
+    rep.gone = {"GPU-a1-1"}
+    rep.report("a1")
+    assert ticks.tick(trigger="topology")["started"] == []
+    advice = Decision.objects.filter(deployment__name="chat", approval=Decision.PENDING).get()
+    assert advice.outcome == "advise" and advice.target_gear_id
+    started = do_approve_decision(advice, actor="system:test")
+    assert started.kind == "approved" and started.decision_id == advice.pk
+    with pytest.raises(Rejected) as exc:
+        do_approve_decision(advice, actor="system:test")
+    assert "decision" in exc.value.errors
+    row = drive(agents)
+    assert row.phase == "done" and audits("gearbox.decision_approved") == 1
+
+
+def test_an_approval_of_a_stale_decision_is_refused_and_changes_nothing() -> None:
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    do_set_mode("chat", "advisory", actor="system:test")
+    rep.gone = {"GPU-a1-1"}
+    rep.report("a1")
+    ticks.tick(trigger="topology")
+    advice = Decision.objects.get(deployment__name="chat", approval=Decision.PENDING)
+    # meanwhile an operator moved the deployment elsewhere by hand
+    do_request_gear("chat", gear("b1", [4, 5]), actor="system:test")
+    drive(agents)
+    with pytest.raises(Rejected, match="stale"):
+        do_approve_decision(advice, actor="system:test")
+    assert Transition.objects.filter(kind="approved").count() == 0
+
+
+def test_only_operators_steer_and_bad_input_names_the_field(viewer: Any, operator: Any) -> None:
+    enroll_fleet()
+    make_deployment()
+    before = AuditEntry.objects.count()
+    with pytest.raises(Rejected) as exc:
+        do_set_mode("chat", "advisory", actor=viewer.user)
+    assert exc.value.status == 403
+    with pytest.raises(Rejected) as exc:
+        do_set_mode("chat", "turbo", actor=operator.user)
+    assert "mode" in exc.value.errors
+    with pytest.raises(Rejected) as exc:
+        do_emergency_downshift("chat", reason="  ", actor=operator.user)
+    assert "reason" in exc.value.errors
+    with pytest.raises(Rejected) as exc:
+        do_request_gear("chat", {"model": "x"}, actor=operator.user)
+    assert any(k.startswith("gear") for k in exc.value.errors)
+    with pytest.raises(Rejected) as exc:
+        do_pin_gear("chat", actor=operator.user)  # nothing runs yet
+    assert "current_gear" in exc.value.errors
+    assert AuditEntry.objects.count() == before
+    assert Deployment.objects.get(name="chat").mode == "auto"
+    do_set_mode("chat", "advisory", actor=operator.user)
+    entry = AuditEntry.objects.get(event_type="gearbox.mode_set")
+    assert entry.actor == "user:oscar" and entry.user_id == operator.user.pk
+
+
+def test_pin_and_unpin_are_audited_and_unpin_restores_automatic_mode() -> None:
+    enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    dep = do_pin_gear("chat", actor="system:test")
+    assert dep.mode == "pinned" and dep.pinned_gear == dep.current_gear
+    do_pin_gear("chat", actor="system:test")  # again: nothing new
+    assert audits("gearbox.gear_pinned") == 1
+    dep = do_unpin_gear("chat", actor="system:test")
+    assert dep.mode == "auto" and dep.pinned_gear is None and audits("gearbox.gear_unpinned") == 1
+
+
+# --- emergency ---------------------------------------------------------------------------------
+def test_an_emergency_downshift_goes_to_the_baseline_and_is_idempotent() -> None:
+    enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    do_request_gear("chat", gear("b1", [0, 1, 2, 3]), actor="system:test")
+    drive(agents)
+    do_pin_gear("chat", actor="system:test")  # pinned: the emergency works anyway
+    first = do_emergency_downshift("chat", reason="latency alarm", actor="system:oncall")
+    again = do_emergency_downshift("chat", reason="latency alarm", actor="system:oncall")
+    assert (first.state, again.state) == ("requested", "already_requested")
+    out = ticks.tick(trigger="emergency", deployment="chat")
+    assert out["started"] == ["chat#3"]
+    row = drive(agents)
+    assert row.kind == "emergency" and row.phase == "done"
+    dep = Deployment.objects.get(name="chat")
+    assert dep.current_gear == dep.baseline_gear and dep.emergency_requested_at is None
+    assert do_emergency_downshift("chat", reason="again", actor="system:oncall").state == "already_on_baseline"
+    assert Transition.objects.filter(kind="emergency").count() == 1
+    assert audits("gearbox.emergency_requested") == 1 and audits("gearbox.emergency_repeated") == 2
+    assert_clean(django_log("chat", agents.log), complete=False)
+
+
+def test_an_emergency_during_a_running_transition_rolls_it_back_first() -> None:
+    enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    do_request_gear("chat", gear("b1", [0, 1, 2, 3]), actor="system:test")
+    ex = build_executor()
+    while Transition.objects.get(seq=2).step not in ("canary", "flip", "freeze"):
+        ex.advance("chat")
+        agents.run()
+    running = Transition.objects.get(seq=2)
+    assert running.phase == "switch"
+    assert do_emergency_downshift("chat", reason="bad canary", actor="system:oncall").state == "requested"
+    assert ticks.tick(trigger="emergency", deployment="chat")["started"] == []  # it waits for the rollback
+    rolled = drive(agents)
+    assert rolled.seq == 2 and rolled.phase == "rolled_back" and "emergency" in rolled.error
+    assert ticks.tick(trigger="ended", deployment="chat")["started"] == []  # already on the baseline
+    dep = Deployment.objects.get(name="chat")
+    assert dep.current_gear == dep.baseline_gear and dep.emergency_requested_at is None
+    latest = Decision.objects.filter(deployment=dep).first()
+    assert latest is not None and latest.trigger == "emergency" and latest.outcome == "stay"
+    assert_clean(django_log("chat", agents.log), complete=False)
+
+
+def test_a_decision_row_keeps_every_candidate_with_gain_cost_and_factor() -> None:
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    rep.gone = {"GPU-a1-0"}
+    rep.report("a1")
+    ticks.tick(trigger="topology")
+    d = Decision.objects.filter(deployment__name="chat", outcome="switch").first()
+    assert d is not None and d.candidates
+    first = d.candidates[0]
+    assert {"gear_id", "shape", "gain_tokens", "cost_tokens", "threshold_tokens", "factor", "passes"} <= set(first)
+    assert d.decision["outcome"] == "switch" and d.at <= timezone.now()
+    entry = AuditEntry.objects.filter(event_type="gearbox.decision", decision_id=d.pk).get()
+    assert entry.deployment == "chat"
+
+
+def test_the_gearbox_waits_for_reports_that_show_what_the_last_transition_left() -> None:
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    do_request_gear("chat", gear("a1", [0]), actor="system:test")  # a narrower plan on one of its GPUs
+    drive(agents)
+    # the agents' last reports predate the end of the transition: the old plan's memory still shows
+    rep.extra = {"GPU-a1-0": 70 * 2**30}
+    Transition.objects.filter(seq=2).update(finished_at=timezone.now())
+    before = Decision.objects.count()
+    assert ticks.tick()["started"] == [] and Decision.objects.count() == before  # nothing decided on it
+    rep.extra = {}
+    rep.report("a1")  # the agent reports what it holds now
+    ticks.tick()
+    assert Decision.objects.count() == before + 1
+    assert Transition.objects.count() == 2
+
+
+def test_load_is_not_sampled_while_a_switch_runs_nor_right_after_it(settings: Any) -> None:
+    from datetime import timedelta
+
+    from console.fleet.models import Node
+
+    settings.FLEXPIPE_REPORT_INTERVAL_S = 15
+    enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    plan_id = Deployment.objects.get(name="chat").routing[0]["plan_id"]
+    Node.objects.filter(node_id="a1").update(engines=[{"plan_id": plan_id, "running": 0, "waiting": 0,
+                                                       "tokens_per_s": 0.0, "kv_usage": 0.0, "arrivals": 0}])
+    ticks.tick()
+    assert Deployment.objects.get(name="chat").load_window == {}  # the plan has just come up
+    ticks.tick(now=timezone.now() + timedelta(seconds=16))
+    assert len(Deployment.objects.get(name="chat").load_window["samples"]) == 1

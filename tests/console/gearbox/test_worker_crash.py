@@ -1,0 +1,229 @@
+"""A Celery worker killed with SIGKILL at every step of a transition: the next worker resumes it.
+
+Each test runs one transition on real worker processes (`celery worker -P solo`, started with
+subprocess against this test's database and Redis queue). Before each worker starts, the test
+arms one crash point (console/gearbox/crashpoints.py); the worker stops there, says so in
+Redis, and the test kills it with SIGKILL by its PID. A new worker is started and the sweep is
+sent (what beat does every FLEXPIPE_SWEEP_S): the transition must resume - or roll back - from
+wherever the dead worker left it. The points are passed in order, one kill each, through the
+whole transition. At the end: the transition is DONE (forward) or ROLLED_BACK (rollback), the
+invariant checker is clean over the audit chain, the command rows and the agents' log, and no
+GPU booking, routing entry or prepared plan is left over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from django.db import connection
+
+from agents.sim.memory_fleet import Fault
+from console.celery import app
+from console.gearbox.executor import build_executor
+from console.gearbox.models import Deployment, GpuReservation, Transition
+from scheduler.invariants import assert_clean
+from scheduler.transition import ROLLBACK_TABLE, TABLE
+from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL
+from tests.console.gearbox.harness import SimAgents, django_log, enroll_fleet, gear, make_deployment
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[3]
+KEY = f"{TEST_NAMESPACE}:crashpoint"
+# Through Celery every step is crashed twice: saved as running with nothing done yet, and with its
+# effects issued but its outcome not saved. (`completed` - outcome saved, next step not started -
+# is crashed in memory, tests/scheduler/test_transition.py, with every other probe point.)
+WHERE = ("persisted", "effected")
+POLL_S = 0.05
+
+
+def database_url() -> str:
+    s = connection.settings_dict
+    if "sqlite" in s["ENGINE"]:
+        return f"sqlite:///{s['NAME']}"
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s.get("PASSWORD") else "")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+class Workers:
+    """Celery worker processes for this test, one consuming at a time, the next one warming up."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.redis = redis.Redis.from_url(TEST_REDIS_URL)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.standby: tuple[subprocess.Popen[bytes], str] | None = None
+        self.logs = tmp
+        self.started = 0
+        self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings", "DATABASE_URL": database_url(),
+                    "REDIS_URL": TEST_REDIS_URL, "FLEXPIPE_QUEUE": app.conf.task_default_queue,
+                    "FLEXPIPE_CHANNEL_PREFIX": TEST_NAMESPACE, "FLEXPIPE_CRASHPOINT_KEY": KEY,
+                    "FLEXPIPE_CANARY_DWELL_S": "0.2", "FLEXPIPE_RETRY_BACKOFF_S": "0.2",
+                    "FLEXPIPE_DRAIN_BUDGET_S": "1", "FLEXPIPE_STEP_TIMEOUT_S": "5", "FLEXPIPE_MOVE_TIMEOUT_S": "10",
+                    "FLEXPIPE_PREPARE_TIMEOUT_S": "10", "PYTHONPATH": str(ROOT)}
+
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], str]:
+        n = self.started + (2 if self.standby else 1)
+        go = f"{KEY}:go:{n}:{time.monotonic_ns()}"
+        out = open(self.logs / f"worker-{n}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("standby_worker.py")), go,
+                                 app.conf.task_default_queue, f"crash{n}-{TEST_NAMESPACE}@%h"],
+                                cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        return proc, go
+
+    def start(self, armed: str | None) -> None:
+        """Arm `armed` (or nothing), let the warmed-up worker consume, and warm up the next one."""
+        self.redis.delete(KEY, f"{KEY}:reached")
+        if armed:
+            self.redis.set(KEY, armed)
+        proc, go = self.standby or self._spawn()
+        self.started += 1
+        self.redis.rpush(go, 1)
+        self.proc, self.standby = proc, None
+        self.standby = self._spawn()
+
+    def log_tail(self) -> str:
+        logs = sorted(self.logs.glob("worker-*.log"), key=lambda p: p.stat().st_mtime)
+        return "\n".join(p.name + ": " + p.read_text(errors="replace")[-1500:] for p in logs[-2:])
+
+    def reached(self) -> str | None:
+        raw = self.redis.get(f"{KEY}:reached")
+        return raw.decode() if raw else None
+
+    def kill(self) -> None:
+        """SIGKILL by PID: no cleanup, no acks, no goodbye."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+        if self.standby is not None:
+            self.standby[0].kill()
+            self.standby[0].wait(timeout=30)
+            self.standby = None
+        self.redis.delete(KEY, f"{KEY}:reached")
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    w = Workers(tmp_path)
+    w.redis.delete(app.conf.task_default_queue)  # no stale task from earlier tests runs here
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
+def sweep() -> None:
+    app.send_task("transitions.sweep", queue=app.conf.task_default_queue)
+
+
+def busy_switch(agents: SimAgents) -> int:
+    """chat runs on a1 with sequences in flight; a switch to b1 is created. Returns its seq."""
+    ex = build_executor()
+    ex.start("chat", gear("a1", [0, 1]))
+    deadline = time.monotonic() + 30
+    while Transition.objects.get(seq=1).active:
+        assert time.monotonic() < deadline
+        ex.advance("chat")
+        agents.run()
+        time.sleep(0.01)
+    for i in range(24):
+        agents.fleet.submit("chat", 300 + 120 * i, 3000)
+    agents.run(0.05)
+    rec = ex.start("chat", gear("b1", [0, 1, 2, 3]))
+    assert rec is not None
+    return rec.seq
+
+
+def crash_through(points: list[str], workers: Workers, agents: SimAgents, seq: int) -> list[str]:
+    """Run the transition on successive workers, killing each at the next point. Returns the points hit."""
+    hit = []
+    for point in points:
+        workers.start(point)
+        sweep()
+        deadline = time.monotonic() + 90
+        last_sweep = time.monotonic()
+        while True:
+            agents.run()
+            reached = workers.reached()
+            if reached:
+                where, pid = reached.split("|")
+                assert where == point and workers.proc is not None and int(pid) == workers.proc.pid
+                workers.kill()
+                hit.append(point)
+                break
+            row = Transition.objects.get(deployment__name="chat", seq=seq)
+            assert row.active, f"the transition ended ({row.phase}) without passing {point}"
+            assert workers.proc is not None and workers.proc.poll() is None, (
+                "the worker died by itself: " + workers.log_tail())
+            assert time.monotonic() < deadline, f"{point} not reached within 90 s (at {row.phase}/{row.step})"
+            if time.monotonic() - last_sweep > 1.0:  # beat's sweep
+                sweep()
+                last_sweep = time.monotonic()
+            time.sleep(POLL_S)
+    return hit
+
+
+def finish_and_check(workers: Workers, agents: SimAgents, seq: int) -> Transition:
+    workers.start(None)
+    sweep()
+    deadline = time.monotonic() + 90
+    last_sweep = time.monotonic()
+    while Transition.objects.get(deployment__name="chat", seq=seq).active:
+        assert time.monotonic() < deadline
+        agents.run()
+        if time.monotonic() - last_sweep > 1.0:
+            sweep()
+            last_sweep = time.monotonic()
+        time.sleep(POLL_S)
+    workers.stop()
+    deadline = time.monotonic() + 60
+    while agents.fleet.open_sequences() and time.monotonic() < deadline:
+        agents.run(0.05)
+        time.sleep(0.01)
+    assert agents.fleet.open_sequences() == 0
+    assert_clean(django_log("chat", agents.log))
+    row = Transition.objects.get(deployment__name="chat", seq=seq)
+    dep = Deployment.objects.get(name="chat")
+    current = {r["plan_id"] for r in dep.routing}
+    assert set(GpuReservation.objects.values_list("plan_id", flat=True)) == current
+    assert agents.fleet.live_plans() == current
+    return row
+
+
+def test_a_worker_killed_at_every_forward_step_still_brings_the_switch_to_its_end(workers: Workers) -> None:
+    enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    seq = busy_switch(agents)
+    points = [f"{d.step.value}.{w}" for d in TABLE for w in WHERE]
+    hit = crash_through(points, workers, agents, seq)
+    assert hit == points and workers.started == len(points)
+    row = finish_and_check(workers, agents, seq)
+    assert row.phase == "done" and row.error == ""
+    assert Deployment.objects.get(name="chat").current_gear == gear("b1", [0, 1, 2, 3]).to_dict()
+
+
+def test_a_worker_killed_at_every_rollback_step_still_rolls_the_switch_back(workers: Workers) -> None:
+    enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    seq = busy_switch(agents)
+    # the move fails on every attempt (the first and two retries): the switch must roll back
+    agents.fleet.inject(Fault(node="a1", kind="move_sequences", action="fail", times=3))
+    points = [f"{d.step.value}.{w}" for d in ROLLBACK_TABLE for w in WHERE]
+    hit = crash_through(points, workers, agents, seq)
+    assert hit == points
+    row = finish_and_check(workers, agents, seq)
+    assert row.phase == "rolled_back" and "move" in row.error
+    assert Deployment.objects.get(name="chat").current_gear == gear("a1", [0, 1]).to_dict()
