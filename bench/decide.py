@@ -8,29 +8,38 @@ nodes, some GPUs fail, the rest carry other tenants' memory. That leaves roughly
 block per node, so "64 blocks" is a 512-GPU cluster and "128 blocks" a 1,024-GPU one.
 
 Measured: one full `gearbox.decide` for one deployment (snapshot -> blocks -> candidate gears
--> estimates -> switch costs -> decision), p50 and p99 over `--repeat` runs:
+-> estimates -> switch costs -> decision), p50 and p99 over `--repeat` runs, in CPU time of
+this process (what the decision costs) and wall-clock (what a caller waits, including time
+the OS gives to other processes on a shared machine):
 
-* cold: the cost model's memo cleared before every run (nothing carried over);
-* warm: the memo kept, as in production where successive ticks see the same block shapes.
+* cold: every memo cleared (cost model and planner) and a new snapshot object, so nothing a
+  previous decision computed is reused, not even the snapshot's lookups and blocks;
+* warm: a new snapshot object of equal content (the next tick) with the memos kept, as in
+  production where successive ticks see the same block shapes.
+
+Cold and warm runs alternate, so both see the same load on a shared machine, and each run
+starts with a collected heap (as a tick 10-30 s after the last one would).
 
 Baseline, in the same process: a naive enumeration over GPUs - every window of tp usable
 GPUs of every node is a candidate plan, validated and estimated on its own (no block
-shapes, no memo), then the same replica assembly and decision. The ratio is naive p50 over
-FlexPipe cold p50. Numbers are wall-clock on this machine; read the ratios.
+shapes, no memo), then the same replica assembly and decision. The ratio is naive CPU p50
+over FlexPipe cold CPU p50.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from scheduler import costmodel
+from scheduler import costmodel, planner
 from scheduler.costmodel import PlanProfile, Workload, combine_estimates, estimate_plan, switch_cost
 from scheduler.gearbox import Decision, Deployment, LoadSample, LoadWindow, Trigger, decide, gear_footprint
 from scheduler.hardware import CATALOG
@@ -102,13 +111,21 @@ def timed(fn: Callable[[], object], repeat: int, before: Callable[[], None] | No
     """(wall seconds, CPU seconds of this process) per run."""
     wall, cpu = [], []
     for _ in range(repeat):
-        if before is not None:
-            before()
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        w, c = timed_once(fn, before)
+        wall.append(w)
+        cpu.append(c)
     return wall, cpu
+
+
+def timed_once(fn: Callable[[], object], before: Callable[[], None] | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one run; `before` and a garbage
+    collection happen first, untimed."""
+    if before is not None:
+        before()
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def pct(xs: Sequence[float], q: float) -> float:
@@ -177,16 +194,30 @@ def measure(nodes: int, model: ModelSpec, rate_rps: float, repeat: int, naive_re
     window = load_window(rate_rps)
     workload = Workload(rate_rps, 512, 200, 0.8, 0.6)
 
+    tick = {"snap": snap}
+
     def one() -> Decision:
-        return decide(dep, gear, snap, window, NOW_S, trigger=Trigger.PERIODIC)
+        return decide(dep, gear, tick["snap"], window, NOW_S, trigger=Trigger.PERIODIC)
+
+    def next_tick() -> None:
+        tick["snap"] = replace(snap)  # equal content, a new object: nothing cached on it
+
+    def cold_start() -> None:
+        next_tick()
+        planner.clear_caches()
 
     decision = one()
-    cold_wall, cold_cpu = timed(one, repeat, before=costmodel.clear_caches)
-    one()
-    warm_wall, warm_cpu = timed(one, repeat)
+    cold_wall, cold_cpu, warm_wall, warm_cpu = [], [], [], []
+    for _ in range(repeat):  # alternate, so that both see the same machine load
+        w, c = timed_once(one, cold_start)
+        cold_wall.append(w)
+        cold_cpu.append(c)
+        w, c = timed_once(one, next_tick)
+        warm_wall.append(w)
+        warm_cpu.append(c)
     naive_counts: list[int] = []
-    naive_wall, naive_cpu = timed(lambda: naive_counts.append(naive_decide(dep, gear, snap, workload, model)),
-                                  naive_repeat)
+    naive_wall, naive_cpu = timed(lambda: naive_counts.append(naive_decide(dep, gear, tick["snap"], workload, model)),
+                                  naive_repeat, before=next_tick)
     row: dict[str, object] = {
         "blocks": len(blocks),
         "nodes": nodes,

@@ -13,6 +13,8 @@ Reads every folder of Vidur's profiling shape under the calibration directory:
   model's link efficiency; across nodes, the measured node-to-node path, as an agent's probe
   would report it: bandwidth from the largest 2-node send/recv message, latency from the
   smallest (so cross-node send/recv is not an independent test; cross-node all-reduce is).
+  The ranks of one node drive min(devices per node, network cards per node) cards at once
+  (`NETWORK_SETUPS`, from the system's datasheet).
 
 Prints median and 90th-percentile relative error per operator group and per token (or
 message-size) range, for the rows of the A100 set the factors were fitted on ("in sample")
@@ -42,13 +44,17 @@ from scheduler.modelspec import model_spec
 
 # Vidur's GPU folder names -> our catalog (calibration/README.md)
 GPU_FOLDERS = {"a100": "A100-80G", "h100": "H100-SXM", "h200": "H200", "l40s": "L40S", "a10g": "A10G"}
-# network setups: (catalog GPU, GPUs per NVLink domain, NVLink inside the domain)
+# network setups: (catalog GPU, GPUs per NVLink domain, network cards per node for the
+# cluster fabric). DGX A100: 8 single-port ConnectX-6 200 Gb/s cards, one per GPU (NVIDIA DGX
+# A100 User Guide DU-09821-001, section 1.1.1; https://developer.nvidia.com/blog/defining-ai-innovation-with-dgx-a100).
+# DGX H100: 8 single-port ConnectX-7 behind 4 OSFP cages (NVIDIA DGX H100 User Guide, "Hardware
+# Overview"). Pair-NVLink hosts are not profiled across nodes; one card is assumed.
 NETWORK_SETUPS = {
-    "a100_dgx": ("A100-80G", 8),
-    "a100_pairwise_nvlink": ("A100-80G", 2),
-    "a100_pair_nvlink": ("A100-80G", 2),
-    "h100_dgx": ("H100-SXM", 8),
-    "h100_pair_nvlink": ("H100-SXM", 2),
+    "a100_dgx": ("A100-80G", 8, 8),
+    "a100_pairwise_nvlink": ("A100-80G", 2, 1),
+    "a100_pair_nvlink": ("A100-80G", 2, 1),
+    "h100_dgx": ("H100-SXM", 8, 8),
+    "h100_pair_nvlink": ("H100-SXM", 2, 1),
 }
 # the set the factors were fitted on
 IN_SAMPLE_GPUS = {"A100-80G"}
@@ -83,8 +89,10 @@ class Row:
     spec_name: str = ""
     # network rows
     workers: int = 0
-    link: Path | None = None
+    link: Path | None = None  # nominal link; across nodes the probed path (latency: see `probe_latency_s`)
     collective: str = ""
+    probe_latency_s: float = 0.0  # across nodes: the probe's whole small-message time
+    lanes: int = 1  # across nodes: network cards the ranks of one node drive in parallel
 
 
 def _gemm_shapes(h: int, heads: int, kv_heads: int, inter: int, gated: bool, tp: int) -> dict[str, tuple[int, int]]:
@@ -164,18 +172,21 @@ def read_network(root: FsPath, skipped: list[str]) -> list[Row]:
         if setup not in NETWORK_SETUPS:
             skipped.append(f"{path}: setup {setup!r} maps to no catalog GPU")
             continue
-        spec_name, domain = NETWORK_SETUPS[setup]
+        spec_name, domain, nics = NETWORK_SETUPS[setup]
         spec = CATALOG[spec_name]
         probe = _probe(path)
         with path.open() as f:
             for rec in csv.DictReader(f):
                 n = int(rec["num_workers"])
                 per_node = int(rec["devices_per_node"])
+                probe_latency_s, lanes = 0.0, 1
                 if n > per_node:
                     if probe is None:
                         continue
-                    # the probe latency is the whole small-message time; the model adds its own
-                    link = Path(probe.bytes_per_s, max(0.0, (probe.latency_s or 0.0) - DEFAULT_EFFICIENCY.link_latency_s), True)
+                    # one card per GPU up to the node's cards: NCCL spreads its ring channels
+                    # over the cards nearest to the GPUs it uses
+                    link = Path(probe.bytes_per_s, None, True)
+                    probe_latency_s, lanes = probe.latency_s or 0.0, max(1, min(per_node, nics))
                 elif n <= domain:
                     link = Path(spec.intra_link_bytes_per_s)
                 else:
@@ -191,19 +202,30 @@ def read_network(root: FsPath, skipped: list[str]) -> list[Row]:
                         workers=n,
                         link=link,
                         collective=collective,
+                        probe_latency_s=probe_latency_s,
+                        lanes=lanes,
                     )
                 )
     return rows
 
 
+def row_path(row: Row, eff: Efficiency) -> Path:
+    """The path as an agent would report it. Across nodes the probe's latency is its whole
+    small-message time, of which the model's own fixed cost of a transfer is a part."""
+    assert row.link is not None
+    if not row.link.measured:
+        return row.link
+    beyond = row.probe_latency_s - eff.kernel_overhead_s - eff.link_latency_s
+    return replace(row.link, latency_s=max(0.0, beyond))
+
+
 def predict(row: Row, eff: Efficiency) -> float:
     if row.collective == "all_reduce":
-        assert row.link is not None
         spec = CATALOG[NETWORK_SETUPS[row.source][0]]
-        return costmodel.allreduce_time_s(row.workers, row.x, row.link, eff, spec.hbm_bytes_per_s)
+        return costmodel.allreduce_time_s(row.workers, row.x, row_path(row, eff), eff, spec.hbm_bytes_per_s,
+                                          lanes=row.lanes)
     if row.collective == "send_recv":
-        assert row.link is not None
-        return costmodel.transfer_time_s(row.x, row.link, eff)
+        return costmodel.transfer_time_s(row.x, row_path(row, eff), eff)
     return costmodel.kernel_time_s(row.flops, row.bytes_moved, CATALOG[row.spec_name], eff)
 
 
@@ -315,40 +337,72 @@ def fit_compute(comp: Sequence[Row]) -> tuple[float, float, float]:
     return best[1], best[2], best[3]
 
 
-def fit(rows: Sequence[Row]) -> Efficiency:
-    """Least (median + p90) relative error over the in-sample rows, by grid search: compute
-    factors on the operator rows, link factors on the intra-node collective rows."""
-    comp = [r for r in rows if r.in_sample and not r.collective]
-    net = [r for r in rows if r.in_sample and r.collective and r.link is not None and not r.link.measured]
-    mfu_fit, mbu_fit, overhead_fit = fit_compute(comp)
-    best = (0.0, mfu_fit, mbu_fit, overhead_fit)
+def _score(errors: np.ndarray) -> float:
+    return float(np.median(errors) + np.percentile(errors, 90))
+
+
+def fit_links(net: Sequence[Row], comp_errors: np.ndarray, mbu: float,
+              kernel_overhead_s: float | None = None) -> tuple[float, float, float]:
+    """(link_efficiency, link_latency_s, allreduce_latency_s) with the least median + p90
+    relative error over the network rows together with the operator rows' errors (so the
+    score is the one the report prints for all rows), by a coarse grid and then a fine one."""
     size = np.array([r.x for r in net], dtype=float)
     workers = np.array([r.workers for r in net], dtype=float)
     is_ar = np.array([r.collective == "all_reduce" for r in net])
-    bw = np.array([r.link.bytes_per_s for r in net if r.link is not None])
-    meas_n = np.array([r.measured_s for r in net])
-    hbm_net = np.array([CATALOG[NETWORK_SETUPS[r.source][0]].hbm_bytes_per_s for r in net])
-    factor = np.where(is_ar, 2 * (workers - 1) / workers, 1.0)
-    steps = np.where(is_ar, 2.0, 1.0)
-    reduce_s = np.where(
-        is_ar, costmodel.REDUCE_HBM_TOUCHES * (workers - 1) / workers * size / (best[2] * hbm_net), 0.0
-    )
-    best_net: tuple[float, float, float] | None = None
-    for link_eff in np.arange(0.40, 1.0, 0.01):
-        for alpha in np.arange(0.0, 60.5e-6, 1e-6):
-            pred = steps * alpha + factor * size / (link_eff * bw) + reduce_s
-            e = np.abs(pred - meas_n) / meas_n
-            score = float(np.median(e) + np.percentile(e, 90))
-            if best_net is None or score < best_net[0]:
-                best_net = (score, float(link_eff), float(alpha))
-    assert best_net is not None
+    measured = np.array([r.link is not None and r.link.measured for r in net])
+    bw = np.array([r.link.bytes_per_s if r.link is not None else 0.0 for r in net])
+    lanes = np.array([r.lanes for r in net], dtype=float)
+    probe = np.array([r.probe_latency_s for r in net])
+    meas = np.array([r.measured_s for r in net])
+    hbm = np.array([CATALOG[NETWORK_SETUPS[r.source][0]].hbm_bytes_per_s for r in net])
+    share = (workers - 1) / workers * size
+    reduce_s = costmodel.REDUCE_HBM_TOUCHES * share / (mbu * hbm)
+
+    launch = DEFAULT_EFFICIENCY.kernel_overhead_s if kernel_overhead_s is None else kernel_overhead_s
+
+    def errors(link_eff: float, lat: float, ar_lat: float) -> np.ndarray:
+        # one hop over the path (Path.latency of row_path's path); a copy adds one kernel launch
+        hop = lat + np.where(measured, np.maximum(0.0, probe - launch - lat), 0.0)
+        p2p = launch + hop + size / np.where(measured, bw, link_eff * bw)
+        ar = ar_lat + 2 * (workers - 1) * hop + 2 * share / (link_eff * lanes * bw) + reduce_s
+        pred = np.where(is_ar, ar, p2p)
+        return np.concatenate([comp_errors, np.abs(pred - meas) / meas])
+
+    def search(effs: np.ndarray, lats: np.ndarray, ar_lats: np.ndarray) -> tuple[float, float, float, float]:
+        best: tuple[float, float, float, float] | None = None
+        for link_eff in effs:
+            for lat in lats:
+                for ar_lat in ar_lats:
+                    score = _score(errors(float(link_eff), float(lat), float(ar_lat)))
+                    if best is None or score < best[0]:
+                        best = (score, float(link_eff), float(lat), float(ar_lat))
+        assert best is not None
+        return best
+
+    _, e0, l0, a0 = search(np.arange(0.50, 1.0, 0.04), np.arange(0.0, 31e-6, 3e-6), np.arange(0.0, 91e-6, 6e-6))
+    _, e1, l1, a1 = search(np.arange(max(0.3, e0 - 0.04), min(1.0, e0 + 0.041), 0.01),
+                           np.arange(max(0.0, l0 - 3e-6), l0 + 3.1e-6, 1e-6),
+                           np.arange(max(0.0, a0 - 6e-6), a0 + 6.1e-6, 1e-6))
+    return e1, l1, a1
+
+
+def fit(rows: Sequence[Row]) -> Efficiency:
+    """Least (median + p90) relative error over the in-sample rows, by grid search: compute
+    factors on the operator rows, then link factors on the collective rows (scored together
+    with the operator rows, as the report scores all rows)."""
+    comp = [r for r in rows if r.in_sample and not r.collective]
+    net = [r for r in rows if r.in_sample and r.collective and r.link is not None]
+    mfu, mbu, overhead = fit_compute(comp)
+    compute_eff = replace(DEFAULT_EFFICIENCY, mfu=mfu, mbu=mbu, kernel_overhead_s=overhead)
+    link_eff, lat, ar_lat = fit_links(net, rel_errors(comp, compute_eff), mbu, overhead)
     return replace(
-        DEFAULT_EFFICIENCY,
-        mfu=round(best[1], 3),
-        mbu=round(best[2], 3),
-        kernel_overhead_s=round(best[3], 7),
-        link_efficiency=round(best_net[1], 3),
-        link_latency_s=round(best_net[2], 7),
+        compute_eff,
+        mfu=round(mfu, 3),
+        mbu=round(mbu, 3),
+        kernel_overhead_s=round(overhead, 7),
+        link_efficiency=round(link_eff, 3),
+        link_latency_s=round(lat, 7),
+        allreduce_latency_s=round(ar_lat, 7),
     )
 
 

@@ -68,6 +68,7 @@ INSTALLED_APPS = [
     "console.audit",
     "console.fleet",
     "console.gearbox",
+    "console.registry",
     "console.dashboard",
 ]
 
@@ -96,6 +97,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "console.dashboard.navigation.navigation",
             ],
         },
     },
@@ -177,6 +179,9 @@ FLEXPIPE_PREPARE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_PREPARE_TIMEOUT_S", 
 FLEXPIPE_STEP_TIMEOUT_S = float(os.environ.get("FLEXPIPE_STEP_TIMEOUT_S", "30"))
 FLEXPIPE_MOVE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_MOVE_TIMEOUT_S", "120"))
 FLEXPIPE_RETRY_BACKOFF_S = float(os.environ.get("FLEXPIPE_RETRY_BACKOFF_S", "2"))
+# Local weights files up to this size are hashed during the registration request; bigger ones by the
+# Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
+FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))
 # How many reports per GPU the bounded history keeps (at 15 s per report: ~1 hour).
 FLEXPIPE_GPU_HISTORY = int(os.environ.get("FLEXPIPE_GPU_HISTORY", "240"))
 
@@ -205,6 +210,11 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["console.accounts.auth.IsViewer"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "console.api.pagination.StrictLimitOffsetPagination",
+    # JSON both ways: Swagger UI at /api/docs/ is the interactive view, and a form-encoded body could not
+    # carry `architecture` (an object) anyway.
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
 }
 
 SPECTACULAR_SETTINGS = {
@@ -215,6 +225,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": r"/api/v1",
+    # The schema is public (it holds no data) so tools and the Swagger page can load it; every
+    # operation in it still needs a token or a session with the right role.
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
 }
 
 LOGGING = {

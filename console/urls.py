@@ -2,21 +2,29 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 
-from console.accounts import api as accounts_api
+from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
 from console.gearbox import agent_api as gearbox_agent_api
+from console.metrics.views import MetricsView
+from console.registry import views as registry_pages
 
 urlpatterns = [
     path("", dashboard.overview, name="overview"),
     path("cluster.json", dashboard.cluster_json, name="cluster-json"),
+    # Pages (the navigation in console/dashboard/navigation.py lists them). The gearbox task replaces
+    # the Deployments placeholder with its own views under deployments/.
+    path("deployments/", dashboard.deployments_placeholder, name="deployments"),
+    path("audit/", audit_pages.audit_page, name="audit-page"),
+    path("registry/", registry_pages.registry_page, name="registry-page"),
+    path("metrics", MetricsView.as_view(), name="metrics"),
     path("healthz", dashboard.healthz, name="healthz"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
-    path("api/v1/me", accounts_api.me, name="api-me"),
+    path("", include("console.api.urls")),
     # agent protocol v1 (agents/protocol.py)
     path("agent/v1/register", agent_api.register, name="agent-register"),
     path("agent/v1/report", agent_api.report, name="agent-report"),

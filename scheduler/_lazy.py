@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
@@ -36,21 +37,63 @@ class lazy(Generic[T]):  # noqa: N801 - used like `property`
         return value
 
 
-class Key:
-    """A tuple key that hashes once: nested frozen dataclasses re-hash every field on every
-    lookup, which dominates a memo keyed by them."""
+_CONTENT_IDS: dict[object, int] = {}
+_NEXT_ID = itertools.count(1)
 
-    __slots__ = ("value", "_hash")
 
-    def __init__(self, value: tuple[object, ...]) -> None:
-        self.value = value
-        self._hash = hash(value)
+def content_id(value: object) -> int:
+    """A small int that names `value` by content in this process: equal values get equal ids.
 
-    def __hash__(self) -> int:
-        return self._hash
+    Memo keys that hold it hash and compare an int instead of a nested value (whose dataclass
+    fields would be hashed, and compared on every hit). The table forgets when it grows large;
+    ids are never reused, so a forgotten value just gets a new one (its old memo entries miss).
+    """
+    hit = _CONTENT_IDS.get(value)
+    if hit is None:
+        if len(_CONTENT_IDS) >= 1 << 16:
+            _CONTENT_IDS.clear()
+        hit = _CONTENT_IDS[value] = next(_NEXT_ID)
+    return hit
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Key) and self._hash == other._hash and self.value == other.value
 
-    def __repr__(self) -> str:
-        return f"Key({self.value!r})"
+def make_frozen(cls: type[T], fields: dict[str, Any]) -> T:
+    """An instance of the frozen dataclass `cls` with these field values, built without its
+    generated __init__ (which sets each field through object.__setattr__, ~1,500 interpreter
+    instructions a field): for value objects built in hot loops (estimates, blocks, plans).
+
+    `fields` must name every field; `cls` must have no __post_init__ (checked by
+    `check_plain_dataclass` where a module uses this). Equality, hashing, repr and pickling
+    read the fields, so the result is indistinguishable from `cls(**fields)`.
+    """
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+def check_plain_dataclass(cls: type, *, field_names: tuple[str, ...]) -> None:
+    """Fail at import if `make_frozen` would build `cls` wrongly: it needs exactly these fields
+    and no __post_init__ validation."""
+    names = tuple(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    if names != field_names or hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__}: make_frozen needs a plain dataclass with fields {field_names}")
+
+
+def cached_field_hash(self: Any) -> int:
+    """__hash__ for a frozen dataclass, computed from its fields once and kept on the
+    instance. Assign it in the class body (`__hash__ = cached_field_hash`), with
+    `__getstate__ = state_without_hash`: the dataclass then keeps it instead of generating
+    one that re-hashes every field on every dict lookup - the catalog's model and GPU specs,
+    the efficiency factors, the workload shape and the SLO sit in every memo key of a decision.
+    """
+    cached: int | None = self.__dict__.get("_hash")
+    if cached is None:
+        cached = hash(tuple([getattr(self, name) for name in self.__dataclass_fields__]))
+        self.__dict__["_hash"] = cached
+    return cached
+
+
+def state_without_hash(self: Any) -> dict[str, Any]:
+    """__getstate__ that leaves the cached hash behind: str hashes differ between processes."""
+    state = dict(self.__dict__)
+    state.pop("_hash", None)
+    return state

@@ -10,11 +10,15 @@ Physics, and only a handful of fitted factors (`Efficiency`):
   decode-sized ones, and the two overlap imperfectly near the ridge point, as real GEMMs do.
   Element-wise kernels (fused residual-add+RMSNorm, rotary, SiLU-and-mul) are memory traffic
   only (vLLM fuses them; their launch cost hides under CUDA graphs).
-* TP all-reduce (two per layer): 2 x latency + 2(t-1)/t x bytes / (link_efficiency x link B/s)
-  + the reduction's own HBM traffic (3 x (t-1)/t x bytes at the MBU).
-  Point-to-point (PP hand-off, KV hand-off and migration): latency + bytes / (efficiency x B/s).
-  Links measured by the agents' probes are used as measured (their efficiency is already in
-  the number); datasheet links (NVLink, PCIe) are derated by `link_efficiency`.
+* TP all-reduce (two per layer), an alpha-beta ring (`allreduce_time_s`): a fixed cost per
+  call + 2(t-1) hops x one hop's latency + 2(t-1)/t x bytes / (link_efficiency x link B/s)
+  + the reduction's own HBM traffic (3 x (t-1)/t x bytes at the MBU). Small messages are
+  latency-bound (the fixed part is ~45-70 us for 2-8 GPUs, as Vidur measured NCCL, against
+  ~2 us of bandwidth time for a decode step's 16 KB), large ones bandwidth-bound.
+  Point-to-point (PP hand-off, KV hand-off and migration): one kernel launch + one hop +
+  bytes / (efficiency x B/s). Links measured by the agents' probes are used as measured for
+  copies (their efficiency is already in the number); datasheet links (NVLink, PCIe) are
+  derated by `link_efficiency`.
 * A pipeline of S stages keeps S micro-batches in flight: a batch takes the sum of the stage
   times and hand-offs (`latency_s`); a new batch can enter every `interval_s` (the slowest
   stage plus its hand-off). With fewer running sequences than stages, stages idle (bubbles).
@@ -41,12 +45,18 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from scheduler._lazy import Key
+from scheduler._lazy import (
+    cached_field_hash,
+    check_plain_dataclass,
+    content_id,
+    make_frozen,
+    state_without_hash,
+)
 from scheduler.hardware import GpuSpec
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu, usable_bytes
@@ -62,20 +72,30 @@ class Efficiency:
     operator and collective timings; `python -m bench.fidelity --fit` reproduces the fit), then
     used unchanged for every GPU and model."""
 
+    __hash__ = cached_field_hash  # fields hashed once (memo keys)
+    __getstate__ = state_without_hash
+
     mfu: float = 0.72  # fraction of dense peak FLOP/s a compute-bound GEMM reaches (prefill)
     mbu: float = 0.78  # fraction of peak HBM bandwidth a memory-bound kernel reaches (decode)
-    link_efficiency: float = 0.76  # fraction of a datasheet link's bandwidth a transfer reaches
-    link_latency_s: float = 14e-6  # latency of one transfer step (launch + synchronisation)
-    kernel_overhead_s: float = 6.5e-6  # fixed cost of one GEMM or attention kernel
+    link_efficiency: float = 0.78  # fraction of a datasheet link's bandwidth a transfer reaches
+    link_latency_s: float = 2e-6  # one hop over a link (a copy pays one, a ring all-reduce 2(t-1))
+    kernel_overhead_s: float = 6.5e-6  # fixed cost of one kernel: a GEMM, attention, a send/recv
     roofline_norm: float = 2.0  # p of the p-norm joining the compute and memory bounds
+    # Fixed cost of one all-reduce call: the kernel launch and the synchronisation of the ring
+    # before each of its two phases (reduce-scatter, all-gather). Fitted on Vidur's NCCL timings,
+    # which launch each collective on its own (no CUDA graph), so it is on the safe side for
+    # engines that capture decode steps in graphs and use a custom all-reduce for small messages.
+    # (Last, so that the fields before it keep their positions.)
+    allreduce_latency_s: float = 39e-6
 
     def __post_init__(self) -> None:
         for name in ("mfu", "mbu", "link_efficiency"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name}: must be within (0, 1], got {value}")
-        if self.link_latency_s < 0 or self.kernel_overhead_s < 0:
-            raise ValueError("link_latency_s and kernel_overhead_s: must be >= 0")
+        for name in ("link_latency_s", "allreduce_latency_s", "kernel_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.roofline_norm < 1:
             raise ValueError(f"roofline_norm: must be >= 1, got {self.roofline_norm}")
 
@@ -107,20 +127,32 @@ def gemm_time_s(tokens: int, k: int, n: int, dtype_bytes: int, spec: GpuSpec,
     return kernel_time_s(flops, bytes_moved, spec, eff)
 
 
+def _p_norm(p: float) -> Callable[[float, float], float]:
+    def norm(tc: float, tm: float) -> float:
+        return float((tc**p + tm**p) ** (1.0 / p))
+    return norm
+
+
 # --- links -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Path:
     """The path data takes between two GPUs (or two groups, at its bottleneck)."""
 
     bytes_per_s: float  # per direction
-    latency_s: float | None = None  # measured latency; None: the model's link_latency_s
+    latency_s: float | None = None  # measured latency beyond the model's link_latency_s; None: none
     measured: bool = False  # True: a probe measured the bandwidth (no efficiency applied)
 
     def effective_bytes_per_s(self, eff: Efficiency) -> float:
         return self.bytes_per_s if self.measured else self.bytes_per_s * eff.link_efficiency
 
     def latency(self, eff: Efficiency) -> float:
+        """One hop over the path: the link's latency (plus what a probe measured beyond it)."""
         return eff.link_latency_s if self.latency_s is None else eff.link_latency_s + self.latency_s
+
+    def transfer_latency(self, eff: Efficiency) -> float:
+        """Fixed time of a point-to-point copy: one kernel launch (send/recv is a kernel, with
+        the same fixed cost as any other) and one hop."""
+        return eff.kernel_overhead_s + self.latency(eff)
 
 
 def transfer_time_s(bytes_moved: float, path: Path, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
@@ -130,29 +162,41 @@ def transfer_time_s(bytes_moved: float, path: Path, eff: Efficiency = DEFAULT_EF
         return math.inf
     if math.isinf(bw):
         return 0.0
-    return path.latency(eff) + bytes_moved / bw
+    return path.transfer_latency(eff) + bytes_moved / bw
 
 
 REDUCE_HBM_TOUCHES = 3  # a reduce-scatter step reads two operands and writes the sum
 
 
 def allreduce_time_s(ranks: int, bytes_moved: float, path: Path, eff: Efficiency = DEFAULT_EFFICIENCY,
-                     hbm_bytes_per_s: float = 0.0) -> float:
+                     hbm_bytes_per_s: float = 0.0, *, lanes: int = 1) -> float:
     """Ring all-reduce of `bytes_moved` over `ranks` GPUs whose slowest link is `path`.
 
-    A reduce-scatter and an all-gather: two latencies, and each rank sends 2(t-1)/t of the
-    bytes. The reduction itself streams its operands through HBM (read two, write one per
-    element, (t-1)/t of the bytes); NCCL runs it in the same few SMs as the copies, so that
-    time adds rather than overlaps. `hbm_bytes_per_s` 0 leaves it out.
+    alpha-beta, term by term:
+    * `allreduce_latency_s` once per call (launch, and the ring's synchronisation before its
+      reduce-scatter and its all-gather phase);
+    * 2(t-1) hops, each one transfer's latency over the path (`Path.latency`: `link_latency_s`,
+      plus the probed latency on a measured network link): a chunk must cross every hop of
+      the ring before the last rank has it, which is why an 8-GPU ring costs more than a
+      2-GPU one before any byte counts, and a 16-rank ring across nodes ~30 network latencies;
+    * each rank sends 2(t-1)/t of the bytes at `link_efficiency` of the path's bandwidth, even
+      on a measured path: a probe times a one-way copy, while a ring sends and receives on
+      every link at once and forwards each chunk only after reducing it;
+    * `lanes` parallel paths share the bytes (ranks of one node spread their ring channels over
+      that many network cards; 1 inside a node, where `path` is the whole NVLink/PCIe link);
+    * the reduction streams its operands through HBM (read two, write one per element,
+      (t-1)/t of the bytes); NCCL runs it in the same few SMs as the copies, so that time adds
+      rather than overlaps. `hbm_bytes_per_s` 0 leaves it out.
     """
     if ranks <= 1:
         return 0.0
-    bw = path.effective_bytes_per_s(eff)
+    bw = path.bytes_per_s * eff.link_efficiency * max(1, lanes)
     if bw <= 0:
         return math.inf
     share = (ranks - 1) / ranks * bytes_moved
     reduce_s = REDUCE_HBM_TOUCHES * share / (eff.mbu * hbm_bytes_per_s) if hbm_bytes_per_s > 0 else 0.0
-    return 2.0 * path.latency(eff) + 2.0 * share / bw + reduce_s
+    hops_s = 2.0 * (ranks - 1) * path.latency(eff)
+    return eff.allreduce_latency_s + hops_s + 2.0 * share / bw + reduce_s
 
 
 def gpu_path(snapshot: Snapshot, u: str, v: str) -> Path:
@@ -235,13 +279,17 @@ class PipelineProfile:
         self.stages = tuple(stages)
         self.eff = eff
         self.pp = len(self.stages)
-        self.signature = Key((model, eff, self.stages))
+        self.signature = content_id((model, eff, self.stages))  # equal physics, equal signature
         self._consts = [self._stage_consts(st) for st in self.stages]
 
     def _stage_consts(self, st: StageProfile) -> tuple[float, ...]:
-        """Per-stage constants. Each GEMM [T x k] @ [k x n] becomes three coefficients of its
-        token count T: t_compute = a T and t_memory = b + c T (weights once, activations per
-        token), so a kernel costs a few multiply-adds."""
+        """Per-stage constants, so that a stage's time for a batch is a few multiply-adds and
+        six square roots (the simulator's hot path).
+
+        Each GEMM [T x k] @ [k x n] becomes three coefficients of its token count T:
+        t_compute = a T and t_memory = b + c T (weights once, activations per token). The
+        attention kernel, the element-wise traffic and the two all-reduces per layer reduce to
+        per-token (or per-context-token) coefficients the same way; see `_parts`."""
         m, eff, spec = self.model, self.eff, st.spec
         t = st.tp
         d = m.dtype_bytes
@@ -252,21 +300,35 @@ class PipelineProfile:
         inter = m.intermediate_size // t
         up = (2 if m.gated_mlp else 1) * inter
         h = m.hidden_size
+        layers = float(st.layers)
         coeffs: list[float] = []
         for k, n in ((h, q + 2 * kv), (q, h), (h, up), (inter, h)):
             coeffs += [2.0 * k * n * fd, d * k * n * md, d * (k + n) * md]
         vocab = m.vocab_size // t
-        ar_bw = st.tp_path.effective_bytes_per_s(eff) if t > 1 else math.inf
+        # element-wise: two residual-add+RMSNorm (read 2, write 2 vectors of h), rotary on Q
+        # and K, SiLU-and-mul (read 2 x inter, write inter) per layer, and the embedding on
+        # the first stage; memory traffic only
+        elementwise = d * (8 * h + 2 * (q + kv) + 3 * inter) * md * layers + (h * d * md if st.first else 0.0)
+        # the two all-reduces per layer, as `allreduce_time_s` has them: fixed time (call + hops)
+        # and, per token, its bytes over the link plus the reduction's HBM traffic
+        ar_fixed = ar_per_token = 0.0
+        if t > 1:
+            ar_bw = st.tp_path.bytes_per_s * eff.link_efficiency
+            share = (t - 1) / t * h * d
+            ar_fixed = 2 * layers * (eff.allreduce_latency_s + 2.0 * (t - 1) * st.tp_path.latency(eff))
+            ar_per_token = 2 * layers * (2.0 * share / ar_bw + REDUCE_HBM_TOUCHES * share * md)
         return (
-            fd,  # 0 seconds per FLOP
-            md,  # 1 seconds per HBM byte
-            float(q),  # 2
-            float(kv),  # 3
-            float(inter),  # 4
-            *coeffs,  # 5..16: (a, b, c) of QKV, O, MLP up, MLP down
-            2.0 * h * vocab * fd, d * h * vocab * md, d * (h + vocab) * md,  # 17..19 LM head
-            st.tp_path.latency(eff) if t > 1 else 0.0,  # 20 all-reduce step latency
-            ar_bw,  # 21 all-reduce link bytes/s
+            eff.kernel_overhead_s,  # 0 fixed cost of one kernel
+            layers,  # 1
+            *coeffs,  # 2..13: (a, b, c) of QKV, O, MLP up, MLP down
+            4.0 * q * fd,  # 14 attention compute seconds per (query x context) token pair
+            2.0 * kv * d * md,  # 15 attention: seconds to read one context token's K and V
+            2.0 * q * d * md,  # 16 attention: seconds to read Q and write the output, per token
+            elementwise,  # 17 element-wise seconds per token
+            ar_fixed,  # 18 all-reduce seconds per batch
+            ar_per_token,  # 19 all-reduce seconds per token
+            2.0 * h * vocab * fd, d * h * vocab * md, d * (h + vocab) * md,  # 20..22 LM head (a, b, c)
+            1.0 if st.last else 0.0,  # 23 holds the LM head
         )
 
     def stage_time_parts(self, st: StageProfile, b: Batch) -> tuple[float, float, float, float]:
@@ -280,49 +342,26 @@ class PipelineProfile:
         tokens = prefill_tokens + decode_seqs
         if tokens == 0:
             return 0.0, 0.0, 0.0, 0.0
-        m, eff = self.model, self.eff
-        d = m.dtype_bytes
-        fd, md, q, kv, inter = c[0], c[1], c[2], c[3], c[4]
-        o = eff.kernel_overhead_s
-        p = eff.roofline_norm
-        h = float(m.hidden_size)
-        square = p == 2.0
-
-        def kernel(tc: float, tm: float) -> float:
-            if square:
-                return o + math.sqrt(tc * tc + tm * tm)
-            return o + float((tc**p + tm**p) ** (1.0 / p))
-
-        # the four GEMMs of a layer, from their coefficients (the simulator's hot path)
-        gemm = 0.0
-        for i in (5, 8, 11, 14):
-            tc = c[i] * tokens
-            tm = c[i + 1] + c[i + 2] * tokens
-            gemm += kernel(tc, tm)
-        gemm *= st.layers
+        p = self.eff.roofline_norm
+        norm: Callable[[float, float], float] = math.hypot if p == 2.0 else _p_norm(p)
+        o, layers = c[0], c[1]
+        # the four GEMMs of a layer
+        gemm = (4.0 * o + norm(c[2] * tokens, c[3] + c[4] * tokens) + norm(c[5] * tokens, c[6] + c[7] * tokens)
+                + norm(c[8] * tokens, c[9] + c[10] * tokens) + norm(c[11] * tokens, c[12] + c[13] * tokens)) * layers
         # attention: decode reads every context token's K and V; prefill chunks attend their
         # cached prefix plus (causally) themselves.
-        attn_flops = 4.0 * q * decode_context_tokens
-        attn_bytes = 2.0 * kv * d * decode_context_tokens
+        attn_pairs = float(decode_context_tokens)
+        attn_reads = float(decode_context_tokens)
         if prefill_tokens:
             chunk = prefill_tokens / max(1, prefill_seqs)
-            attn_flops += 4.0 * q * (prefill_context_tokens * chunk + prefill_tokens * (chunk + 1) / 2)
-            attn_bytes += 2.0 * kv * d * (prefill_context_tokens + prefill_tokens)
-        attn_bytes += 2.0 * q * d * tokens  # read Q, write the output
-        attention = kernel(attn_flops * fd, attn_bytes * md) * st.layers
-        # element-wise: two residual-add+RMSNorm (read 2, write 2 vectors of h), rotary on
-        # Q and K, SiLU-and-mul (read 2 x inter, write inter); memory traffic only
-        elementwise = d * tokens * (8 * h + 2 * (q + kv) + 3 * inter) * md * st.layers
-        allreduce = 0.0
-        if st.tp > 1:
-            share = (st.tp - 1) / st.tp * tokens * h * d
-            one = 2.0 * c[20] + 2.0 * share / c[21] + REDUCE_HBM_TOUCHES * share * md
-            allreduce = 2 * st.layers * one
-        if st.first:
-            elementwise += tokens * h * d * md
-        if st.last:
+            attn_pairs += prefill_context_tokens * chunk + prefill_tokens * (chunk + 1) / 2
+            attn_reads += prefill_context_tokens + prefill_tokens
+        attention = (o + norm(c[14] * attn_pairs, c[15] * attn_reads + c[16] * tokens)) * layers
+        elementwise = c[17] * tokens
+        allreduce = c[18] + c[19] * tokens
+        if c[23]:
             sampled = decode_seqs + (max(1, prefill_seqs) if prefill_tokens else 0)
-            gemm += kernel(c[17] * sampled, c[18] + c[19] * sampled)
+            gemm += o + norm(c[20] * sampled, c[21] + c[22] * sampled)
         return gemm, attention, elementwise, allreduce
 
     def iteration(self, b: Batch) -> IterationCost:
@@ -358,6 +397,11 @@ class PipelineProfile:
         tokens = prefill_tokens + decode_seqs
         if tokens == 0:
             return 0.0, 0.0
+        if self.pp == 1:  # one stage, no hand-off: latency == interval
+            g, a, e, r = self._parts(self.stages[0], self._consts[0], prefill_tokens, prefill_seqs,
+                                     prefill_context_tokens, decode_seqs, decode_context_tokens)
+            stage = g + a + e + r
+            return stage, stage
         act_bytes = tokens * self.model.activation_bytes_per_token
         latency = interval = 0.0
         for st, consts in zip(self.stages, self._consts, strict=True):
@@ -372,6 +416,20 @@ class PipelineProfile:
             interval = max(interval, stage_out)
         return latency, interval
 
+    def latency_interval_memo(self, prefill_tokens: int = 0, prefill_seqs: int = 0, prefill_context_tokens: int = 0,
+                              decode_seqs: int = 0, decode_context_tokens: int = 0) -> tuple[float, float]:
+        """`latency_interval`, memoised by the pipeline's signature: steady-state tables ask for
+        the same few batches again for every plan of the same physics (equal signatures)."""
+        key = (self.signature, prefill_tokens, prefill_seqs, prefill_context_tokens, decode_seqs,
+               decode_context_tokens)
+        hit = _ITERATION_MEMO.get(key)
+        if hit is None:
+            if len(_ITERATION_MEMO) >= 8 * _STEADY_CACHE_SIZE:
+                _ITERATION_MEMO.clear()
+            hit = _ITERATION_MEMO[key] = self.latency_interval(prefill_tokens, prefill_seqs, prefill_context_tokens,
+                                                               decode_seqs, decode_context_tokens)
+        return hit
+
     def prefill_time_s(self, prompt_tokens: int, chunk_tokens: int = MAX_BATCHED_TOKENS) -> float:
         """One prompt alone, in chunks of at most `chunk_tokens`, until its first token."""
         key = (self.signature, prompt_tokens, chunk_tokens)
@@ -381,7 +439,7 @@ class PipelineProfile:
         done, total = 0, 0.0
         while done < prompt_tokens:
             chunk = min(chunk_tokens, prompt_tokens - done)
-            total += self.latency_interval(chunk, 1, done)[0]
+            total += self.latency_interval_memo(chunk, 1, done)[0]
             done += chunk
         if len(_PREFILL_MEMO) >= _STEADY_CACHE_SIZE:
             _PREFILL_MEMO.clear()
@@ -418,7 +476,7 @@ class PlanProfile:
         self.handoff = handoff
         self.eff = eff
         # what its estimates depend on: equal signatures, equal estimates (memoisation key)
-        self.signature = Key((
+        self.signature = content_id((
             plan.mode,
             self._pipelines["prefill"].signature,
             self._pipelines["decode"].signature if plan.mode == "disaggregated" else None,
@@ -449,19 +507,23 @@ class PlanProfile:
         hit = _SINGLE_BLOCK.get(key)
         if hit is not None:
             return hit
-        stage = StageProfile(
-            layers=model.num_layers,
-            tp=tp,
-            spec=spec,
-            tp_path=Path(bytes_per_s=tp_link_bytes_per_s if tp > 1 else math.inf),
-            first=True,
-            last=True,
-            next_path=None,
-        )
-        pipe = PipelineProfile(model, [stage], eff)
+        pipe_key = key[:5]  # plans that differ only in their KV reserve share one pipeline
+        pipe = _SINGLE_BLOCK_PIPES.get(pipe_key)
+        if pipe is None:
+            stage = StageProfile(
+                layers=model.num_layers,
+                tp=tp,
+                spec=spec,
+                tp_path=Path(bytes_per_s=tp_link_bytes_per_s if tp > 1 else math.inf),
+                first=True,
+                last=True,
+                next_path=None,
+            )
+            pipe = _SINGLE_BLOCK_PIPES[pipe_key] = PipelineProfile(model, [stage], eff)
         profile = cls(plan, model, {"prefill": pipe, "decode": pipe}, None, eff)
         if len(_SINGLE_BLOCK) >= _STEADY_CACHE_SIZE:
             _SINGLE_BLOCK.clear()
+            _SINGLE_BLOCK_PIPES.clear()
         _SINGLE_BLOCK[key] = profile
         return profile
 
@@ -531,7 +593,7 @@ def kv_route(src: Sequence[Stage], dst: Sequence[Stage], model: ModelSpec, snaps
                 return KvRoute(latency_s=math.inf, s_per_token=math.inf, bytes_per_token=max(1, moved))
             if math.isfinite(bw):
                 worst_s_per_token = max(worst_s_per_token, overlap * per_layer / bw)
-            worst_latency = max(worst_latency, path.latency(eff))
+            worst_latency = max(worst_latency, path.transfer_latency(eff))
     return KvRoute(latency_s=worst_latency, s_per_token=worst_s_per_token, bytes_per_token=moved)
 
 
@@ -587,6 +649,9 @@ def max_kv_tokens(stages: Sequence[Stage], model: ModelSpec, snapshot: Snapshot,
 @dataclass(frozen=True)
 class Workload:
     """Offered load of one deployment (sliding-window statistics or a scenario's description)."""
+
+    __hash__ = cached_field_hash  # fields hashed once (memo keys)
+    __getstate__ = state_without_hash
 
     rate_rps: float  # request arrival rate
     prompt_tokens_mean: float  # mean prompt length
@@ -651,6 +716,9 @@ class Workload:
 class Slo:
     """Latency objectives of a deployment."""
 
+    __hash__ = cached_field_hash  # fields hashed once (memo keys)
+    __getstate__ = state_without_hash
+
     ttft_ms: float  # time to first token, P99 target
     tpot_ms: float  # time per output token, P99 target
 
@@ -701,6 +769,7 @@ _ESTIMATE_FIELDS = (
     "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "kv_capacity_tokens",
     "max_running_seqs", "gpus", "limit",
 )
+check_plain_dataclass(Estimate, field_names=_ESTIMATE_FIELDS)  # built with make_frozen in hot loops
 
 
 def _finite_or_none(v: object) -> object:
@@ -712,6 +781,7 @@ def _finite_or_none(v: object) -> object:
 _Z99 = 2.3263478740408408  # standard normal 0.99 quantile
 
 
+@lru_cache(maxsize=4096)
 def _lognormal_quantile(mean: float, cv: float, q: float) -> float:
     if cv <= 0:
         return mean
@@ -767,6 +837,7 @@ class SteadyState:
         self.slo = slo
         self.shape = workload
         self.max_batched_tokens = max_batched_tokens
+        self._latency_ready = False  # the TTFT/TPOT tables (`_latency_tables`), built by the first estimate
         prompt, output = workload.prompt_tokens_mean, workload.output_tokens_mean
         self.prompt, self.output = prompt, output
         self.context = prompt + output / 2
@@ -795,14 +866,23 @@ class SteadyState:
         if grid[-1] != self.running_cap:
             grid.append(self.running_cap)
         self.grid = grid
-        self.rounds = [self._round(n) for n in grid]
-        self.capacity_rps = self.running_cap / (output * self.rounds[-1])
+        # round times on the grid, computed when first needed: an estimate reads the points up
+        # to its population (and capacity the last), so light loads never touch the middle
+        self._rounds: list[float | None] = [None] * len(grid)
+        self.capacity_rps = self.running_cap / (output * self._round_at(len(grid) - 1))
         if not self.colocated:
             chunk = max_batched_tokens
-            per_chunk = self.prefill_pipe.latency_interval(chunk, max(1, int(chunk // prompt)))[1]
+            per_chunk = self.prefill_pipe.latency_interval_memo(chunk, max(1, int(chunk // prompt)))[1]
             prefill_cap = chunk / prompt / per_chunk
             if prefill_cap < self.capacity_rps:
                 self.capacity_rps, self.limit = prefill_cap, "prefill"
+        self.chunks_per_prompt = math.ceil(prompt / max_batched_tokens)
+
+    def _latency_tables(self) -> None:
+        """What latency estimates need beyond throughput: a median and a P99 prompt's prefill
+        (and KV hand-off), and the extra time of a round that carries a prefill chunk. Built
+        on first use: the planner ranks some plans by capacity alone."""
+        workload, max_batched_tokens, profile = self.shape, self.max_batched_tokens, self.profile
         p50, p99 = workload.prompt_quantile(0.5), workload.prompt_quantile(0.99)
         self.prefill50_s = self.prefill_pipe.prefill_time_s(max(1, int(p50)), max_batched_tokens)
         self.prefill99_s = self.prefill_pipe.prefill_time_s(max(1, int(p99)), max_batched_tokens)
@@ -811,11 +891,11 @@ class SteadyState:
         self.handoff50_s = profile.kv_handoff_s(int(p50))
         self.handoff99_s = profile.kv_handoff_s(int(p99))
         # a round that also carries a prompt's chunk: the chunk's extra time
-        chunk_tokens = max(1, min(max_batched_tokens, int(prompt)))
-        alone = self.decode_pipe.latency_interval(chunk_tokens, 1)[0]
-        one = self.decode_pipe.latency_interval(0, 0, 0, 1, int(self.context))[0]
+        chunk_tokens = max(1, min(max_batched_tokens, int(self.prompt)))
+        alone = self.decode_pipe.latency_interval_memo(chunk_tokens, 1)[0]
+        one = self.decode_pipe.latency_interval_memo(0, 0, 0, 1, int(self.context))[0]
         self.chunk_extra_s = max(0.0, alone - one) if self.colocated else 0.0
-        self.chunks_per_prompt = math.ceil(prompt / max_batched_tokens)
+        self._latency_ready = True
 
     def _round(self, seqs: int) -> float:
         pipe = self.decode_pipe
@@ -824,31 +904,43 @@ class SteadyState:
         decode_seqs = int(round(per_mb))
         prefill_tokens = int(round(per_mb * self.prompt / self.output)) if self.colocated else 0
         prefill_seqs = max(1, int(round(per_mb / self.output))) if prefill_tokens else 0
-        latency, interval = pipe.latency_interval(prefill_tokens, prefill_seqs, 0, decode_seqs,
+        latency, interval = pipe.latency_interval_memo(prefill_tokens, prefill_seqs, 0, decode_seqs,
                                                   int(decode_seqs * self.context))
         return max(latency, min(pp, max(1, seqs)) * interval)
 
+    def _round_at(self, i: int) -> float:
+        """Round time at grid point i."""
+        r = self._rounds[i]
+        if r is None:
+            r = self._rounds[i] = self._round(self.grid[i])
+        return r
+
+    @property
+    def rounds(self) -> list[float]:
+        """Round times at every grid point."""
+        return [self._round_at(i) for i in range(len(self.grid))]
+
     def round_s(self, seqs: float) -> float:
         """Round time at `seqs` running sequences (linear between grid points)."""
-        grid, rounds = self.grid, self.rounds
+        grid, at = self.grid, self._round_at
         if seqs <= grid[0]:
-            return rounds[0]
+            return at(0)
         for i in range(1, len(grid)):
             if seqs <= grid[i]:
                 a, b = grid[i - 1], grid[i]
-                return rounds[i - 1] + (seqs - a) * (rounds[i] - rounds[i - 1]) / (b - a)
-        return rounds[-1]
+                return at(i - 1) + (seqs - a) * (at(i) - at(i - 1)) / (b - a)
+        return at(len(grid) - 1)
 
     def population(self, rate_rps: float) -> float:
         """Running sequences n with n / (output x round(n)) == rate (capped at the cap)."""
         if rate_rps <= 0:
             return 0.0
-        grid, rounds, out = self.grid, self.rounds, self.output
-        if grid[0] / (out * rounds[0]) >= rate_rps:
-            return grid[0] * rate_rps * out * rounds[0] / grid[0]  # below one sequence: a fraction
+        grid, at, out = self.grid, self._round_at, self.output
+        if grid[0] / (out * at(0)) >= rate_rps:
+            return grid[0] * rate_rps * out * at(0) / grid[0]  # below one sequence: a fraction
         for i in range(1, len(grid)):
-            if grid[i] / (out * rounds[i]) >= rate_rps:
-                a, ra, b, rb = grid[i - 1], rounds[i - 1], grid[i], rounds[i]
+            if grid[i] / (out * at(i)) >= rate_rps:
+                a, ra, b, rb = grid[i - 1], at(i - 1), grid[i], at(i)
                 slope = (rb - ra) / (b - a)
                 lo = rate_rps * out
                 denom = 1.0 - lo * slope
@@ -860,6 +952,8 @@ class SteadyState:
         """The plan under this workload shape at `rate_rps`."""
         if self.running_cap < 1 or self.capacity_rps <= 0:
             return _dead_estimate(rate_rps, self.kv_tokens, self.gpus, "kv")
+        if not self._latency_ready:
+            self._latency_tables()
         capacity = self.capacity_rps
         served = min(rate_rps, capacity)
         util = rate_rps / capacity
@@ -892,26 +986,28 @@ class SteadyState:
         goodput = throughput
         if self.slo is not None:
             goodput = throughput * _slo_attainment(self.slo, ttft50, ttft99, tpot50, tpot99, rho)
-        return Estimate(
-            capacity_rps=capacity,
-            served_rps=served,
-            utilization=util,
-            throughput_tokens_s=throughput,
-            goodput_tokens_s=goodput,
-            ttft_p50_s=ttft50,
-            ttft_p99_s=ttft99,
-            tpot_p50_s=tpot50,
-            tpot_p99_s=tpot99,
-            kv_capacity_tokens=self.kv_tokens,
-            max_running_seqs=self.running_cap,
-            gpus=self.gpus,
-            limit=self.limit,
-        )
+        return make_frozen(Estimate, {
+            "capacity_rps": capacity,
+            "served_rps": served,
+            "utilization": util,
+            "throughput_tokens_s": throughput,
+            "goodput_tokens_s": goodput,
+            "ttft_p50_s": ttft50,
+            "ttft_p99_s": ttft99,
+            "tpot_p50_s": tpot50,
+            "tpot_p99_s": tpot99,
+            "kv_capacity_tokens": self.kv_tokens,
+            "max_running_seqs": self.running_cap,
+            "gpus": self.gpus,
+            "limit": self.limit,
+        })
 
 
 _STEADY_CACHE: OrderedDict[tuple[object, ...], SteadyState] = OrderedDict()
 _PREFILL_MEMO: dict[tuple[object, ...], float] = {}  # (pipeline signature, tokens, chunk) -> seconds
+_ITERATION_MEMO: dict[tuple[object, ...], tuple[float, float]] = {}  # see PipelineProfile.latency_interval_memo
 _SINGLE_BLOCK: dict[tuple[object, ...], PlanProfile] = {}  # see PlanProfile.single_block
+_SINGLE_BLOCK_PIPES: dict[tuple[object, ...], PipelineProfile] = {}  # its pipelines, by physics
 _STEADY_CACHE_SIZE = 4096
 
 
@@ -957,10 +1053,15 @@ def workload_shape(workload: Workload) -> Workload:
 
 
 def clear_caches() -> None:
-    """Forget memoised steady states and prefill times (benchmarks measure cold runs with it)."""
+    """Forget every memo of the cost model (benchmarks measure cold runs with it)."""
     _STEADY_CACHE.clear()
     _PREFILL_MEMO.clear()
+    _ITERATION_MEMO.clear()
+    _lognormal_quantile.cache_clear()
+    _holdings.cache_clear()
+    workload_shape.cache_clear()
     _SINGLE_BLOCK.clear()
+    _SINGLE_BLOCK_PIPES.clear()
 
 
 def estimate_plan(profile: PlanProfile, workload: Workload, slo: Slo | None = None, *,
@@ -987,12 +1088,12 @@ def _slo_attainment(slo: Slo, ttft50: float, ttft99: float, tpot50: float, tpot9
 
 
 def _dead_estimate(rate_rps: float, kv_tokens: int, gpus: int, limit: str) -> Estimate:
-    return Estimate(
-        capacity_rps=0.0, served_rps=0.0, utilization=math.inf if rate_rps > 0 else 0.0,
-        throughput_tokens_s=0.0, goodput_tokens_s=0.0, ttft_p50_s=math.inf, ttft_p99_s=math.inf,
-        tpot_p50_s=math.inf, tpot_p99_s=math.inf, kv_capacity_tokens=kv_tokens, max_running_seqs=0,
-        gpus=gpus, limit=limit,
-    )
+    return make_frozen(Estimate, {
+        "capacity_rps": 0.0, "served_rps": 0.0, "utilization": math.inf if rate_rps > 0 else 0.0,
+        "throughput_tokens_s": 0.0, "goodput_tokens_s": 0.0, "ttft_p50_s": math.inf, "ttft_p99_s": math.inf,
+        "tpot_p50_s": math.inf, "tpot_p99_s": math.inf, "kv_capacity_tokens": kv_tokens, "max_running_seqs": 0,
+        "gpus": gpus, "limit": limit,
+    })
 
 
 def estimate_gear(profiles: Sequence[PlanProfile], weights: Sequence[float], workload: Workload,
@@ -1011,33 +1112,40 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
     active = [(e, w) for e, w in zip(ests, weights, strict=True) if w > 0]
     if not active:
         return _dead_estimate(workload.rate_rps, sum(e.kv_capacity_tokens for e in ests), sum(e.gpus for e in ests), "kv")
-    capacity = min(e.capacity_rps / w for e, w in active)
-    limit = min(active, key=lambda ew: ew[0].capacity_rps / ew[1])[0].limit
+    # the first plan to saturate bounds the split (its capacity / its share), first on ties
+    e0, w0 = active[0]
+    capacity, limit = e0.capacity_rps / w0, e0.limit
+    for e, w in active[1:]:
+        c = e.capacity_rps / w
+        if c < capacity:
+            capacity, limit = c, e.limit
     lam = workload.rate_rps
     served = min(lam, capacity)
     total_w = sum(w for _, w in active)
-
-    def weighted(attr: str) -> float:
-        return float(sum(getattr(e, attr) * w for e, w in active)) / total_w
-
-    def worst(attr: str) -> float:
-        return float(max(getattr(e, attr) for e, _ in active))
-
-    return Estimate(
-        capacity_rps=capacity,
-        served_rps=served,
-        utilization=lam / capacity if capacity > 0 else math.inf,
-        throughput_tokens_s=sum(e.throughput_tokens_s for e, _ in active),
-        goodput_tokens_s=sum(e.goodput_tokens_s for e, _ in active),
-        ttft_p50_s=weighted("ttft_p50_s"),
-        ttft_p99_s=worst("ttft_p99_s"),
-        tpot_p50_s=weighted("tpot_p50_s"),
-        tpot_p99_s=worst("tpot_p99_s"),
-        kv_capacity_tokens=sum(e.kv_capacity_tokens for e in ests),
-        max_running_seqs=sum(e.max_running_seqs for e in ests),
-        gpus=sum(e.gpus for e in ests),
-        limit=limit,
-    )
+    ttft50 = tpot50 = throughput = goodput = 0.0
+    ttft99 = tpot99 = -math.inf
+    for e, w in active:  # P50s traffic-weighted, P99s the worst plan's, rates summed
+        ttft50 += e.ttft_p50_s * w
+        tpot50 += e.tpot_p50_s * w
+        ttft99 = max(ttft99, e.ttft_p99_s)
+        tpot99 = max(tpot99, e.tpot_p99_s)
+        throughput += e.throughput_tokens_s
+        goodput += e.goodput_tokens_s
+    return make_frozen(Estimate, {
+        "capacity_rps": capacity,
+        "served_rps": served,
+        "utilization": lam / capacity if capacity > 0 else math.inf,
+        "throughput_tokens_s": throughput,
+        "goodput_tokens_s": goodput,
+        "ttft_p50_s": ttft50 / total_w,
+        "ttft_p99_s": ttft99,
+        "tpot_p50_s": tpot50 / total_w,
+        "tpot_p99_s": tpot99,
+        "kv_capacity_tokens": sum(e.kv_capacity_tokens for e in ests),
+        "max_running_seqs": sum(e.max_running_seqs for e in ests),
+        "gpus": sum(e.gpus for e in ests),
+        "limit": limit,
+    })
 
 
 def capacity_weights(ests: Sequence[Estimate]) -> tuple[float, ...]:
@@ -1123,6 +1231,7 @@ _SWITCH_FIELDS = (
     "lost_cold_start_tokens", "kv_migrate_bytes", "kv_migrate_s", "migrate_seqs", "replay_seqs",
     "replay_tokens", "replay_s", "weight_load_bytes", "weight_load_s", "weight_source", "cold_start_s",
 )
+check_plain_dataclass(SwitchCost, field_names=_SWITCH_FIELDS)  # built with make_frozen
 
 DISK_BYTES_PER_S = 2e9  # stated: one NVMe drive per node, sequential read, shared by its GPUs
 COLD_START_S = 2.0  # stated: service-seconds a new plan loses warming up (vLLM graph capture is in PREPARE)
@@ -1167,12 +1276,11 @@ def switch_cost(
     * Cold start: each new plan loses `cold_start_s` of its share of the service.
     Plans present in both gears (equal plans, hence the same plan_id) cost nothing.
     """
-    cache: dict[Plan, PlanProfile] = dict(profiles or {})
+    known: Mapping[Plan, PlanProfile] = profiles or {}
 
     def profile(plan: Plan) -> PlanProfile:
-        if plan not in cache:
-            cache[plan] = PlanProfile.build(plan, model, snapshot, eff)
-        return cache[plan]
+        hit = known.get(plan)
+        return hit if hit is not None else PlanProfile.build(plan, model, snapshot, eff)
 
     # plans are values: equal plans are the same plan (cheaper than comparing plan_ids)
     old_plans = set(current.plans if current else ())
@@ -1182,32 +1290,40 @@ def switch_cost(
     new_tokens_s = target_estimate.throughput_tokens_s if target_estimate else served_tokens_s
 
     # which GPU holds which weight shard now
-    held: set[tuple[str, int, int, int, int]] = set()
-    serving: set[str] = set()
-    for plan in old_plans:
-        for st in plan.all_stages:
-            for rank, u in enumerate(st.gpu_uuids):
-                held.add((u, st.layer_start, st.layer_end, st.tp, rank))
-                serving.add(u)
+    held, serving = _holdings(current.plans if current else ())
     load_bytes = 0
     per_gpu_s: list[float] = []
     disk_per_node: dict[str, int] = {}
     contention_s = 0.0
+    gpu_by_uuid = snapshot.gpu_by_uuid
     for plan in new_plans:
         for st in plan.all_stages:
+            uuids = st.gpu_uuids
             shard = -(-model.stage_weight_bytes(st.layer_start, st.layer_end) // st.tp)
-            for rank, u in enumerate(st.gpu_uuids):
-                if (u, st.layer_start, st.layer_end, st.tp, rank) in held:
+            # only GPUs of the current gear can already hold a shard or be serving
+            touches_old = not serving.isdisjoint(uuids)
+            if not touches_old and weights_in_host_memory:
+                # the common case: every GPU of the stage loads its shard over its host link
+                load_bytes += shard * len(uuids)
+                slowest = min(snapshot.spec(m).host_link_bytes_per_s for m in {gpu_by_uuid[u].model for u in uuids})
+                per_gpu_s.append(shard / (slowest * eff.link_efficiency))
+                continue
+            slowest_host = math.inf
+            for rank, u in enumerate(uuids):
+                if touches_old and (u, st.layer_start, st.layer_end, st.tp, rank) in held:
                     continue
                 load_bytes += shard
-                spec = snapshot.spec_of(u)
+                spec = snapshot.spec(gpu_by_uuid[u].model)
                 if weights_in_host_memory:
-                    per_gpu_s.append(shard / (spec.host_link_bytes_per_s * eff.link_efficiency))
+                    slowest_host = min(slowest_host, spec.host_link_bytes_per_s)
                 else:
-                    node = snapshot.gpu_by_uuid[u].node_id
+                    node = gpu_by_uuid[u].node_id
                     disk_per_node[node] = disk_per_node.get(node, 0) + shard
-                if u in serving:
+                if touches_old and u in serving:
                     contention_s += shard / (eff.mbu * spec.hbm_bytes_per_s)
+            if weights_in_host_memory and slowest_host < math.inf:
+                # every GPU loads its shard over its own host link at once: the slowest bounds it
+                per_gpu_s.append(shard / (slowest_host * eff.link_efficiency))
     per_gpu_s.extend(b / disk_bytes_per_s for b in disk_per_node.values())
     weight_load_s = max(per_gpu_s, default=0.0)
     source: Literal["host", "disk", "none"] = (
@@ -1224,60 +1340,82 @@ def switch_cost(
         dest = max(new_plans, key=lambda p: (len(p.gpu_uuids), p.gpu_uuids))
         dest_pipe = profile(dest).pipeline("prefill")
         dest_stages = dest.decode_stages if dest.mode == "disaggregated" else dest.stages
+        replay_floor_s = dest_pipe.latency_interval_memo(1, 1)[0]
+        landing = next((u for st in dest_stages for u in st.gpu_uuids if u in serving), None)
+        landing_s_per_byte = 1.0 / (eff.mbu * snapshot.spec_of(landing).hbm_bytes_per_s) if landing else 0.0
         for plan in gone:
             seqs = running_seqs(current_estimate, shares.get(plan, 0.0), workload)
             if seqs <= 0:
                 continue
             src_stages = plan.decode_stages if plan.mode == "disaggregated" else plan.stages
             route = kv_route(src_stages, dest_stages, model, snapshot, eff)
+            if route.bytes_per_token == 0:
+                continue  # its KV stays in place
             for ctx, weight in _context_buckets(workload):
                 count = seqs * weight
-                move = migrate_or_replay(int(ctx), route, dest_pipe)
-                if move.choice == "migrate":
+                tokens = int(ctx)
+                if tokens <= 0:
+                    continue
+                # migrate_or_replay's choice. Replaying costs at least one one-token iteration
+                # per chunk (an iteration never gets faster as its batch grows), so a migration
+                # faster than that needs no prefill estimate.
+                move_s = route.time_s(tokens)
+                if move_s < -(-tokens // MAX_BATCHED_TOKENS) * replay_floor_s or move_s <= dest_pipe.prefill_time_s(
+                        tokens, MAX_BATCHED_TOKENS):
+                    moved = tokens * route.bytes_per_token
                     migrate_seqs += round(count)
-                    migrate_bytes += int(count * move.migrate_bytes)
-                    migrate_s += count * move.migrate_s
-                    landing = [u for st in dest_stages for u in st.gpu_uuids if u in serving]
+                    migrate_bytes += int(count * moved)
+                    migrate_s += count * move_s
                     if landing:
-                        contention_s += count * move.migrate_bytes / (
-                            eff.mbu * snapshot.spec_of(landing[0]).hbm_bytes_per_s)
-                elif move.choice == "replay":
+                        contention_s += count * moved * landing_s_per_byte
+                else:
                     replay_seqs += round(count)
                     replay_tokens += int(count * ctx)
         if replay_tokens:
             chunk = MAX_BATCHED_TOKENS
-            chunk_s = dest_pipe.iteration(Batch(prefill_tokens=chunk, prefill_seqs=1)).latency_s
+            chunk_s = dest_pipe.latency_interval_memo(chunk, 1)[0]
             replay_s = replay_tokens / chunk * chunk_s
     pause_s = migrate_s + replay_s
     lost_pause = served_tokens_s * pause_s
     lost_contention = served_tokens_s * contention_s / max(1, len(serving))
-    lost_cold = sum(new_tokens_s * cold_start_s * _share(target, p) for p in new_plans)
-    return SwitchCost(
-        tokens=lost_pause + lost_contention + lost_cold,
-        pause_s=pause_s,
-        prepare_s=weight_load_s,
-        time_to_effect_s=weight_load_s + pause_s,
-        lost_pause_tokens=lost_pause,
-        lost_contention_tokens=lost_contention,
-        lost_cold_start_tokens=lost_cold,
-        kv_migrate_bytes=migrate_bytes,
-        kv_migrate_s=migrate_s,
-        migrate_seqs=migrate_seqs,
-        replay_seqs=replay_seqs,
-        replay_tokens=replay_tokens,
-        replay_s=replay_s,
-        weight_load_bytes=load_bytes,
-        weight_load_s=weight_load_s,
-        weight_source=source,
-        cold_start_s=cold_start_s if new_plans else 0.0,
-    )
+    share_of: dict[Plan, float] = {}  # each plan's routing weight (the first, should it repeat)
+    for p, w in zip(target.plans, target.weights, strict=False):
+        share_of.setdefault(p, w)
+    lost_cold = sum(new_tokens_s * cold_start_s * share_of[p] for p in new_plans)
+    return make_frozen(SwitchCost, {
+        "tokens": lost_pause + lost_contention + lost_cold,
+        "pause_s": pause_s,
+        "prepare_s": weight_load_s,
+        "time_to_effect_s": weight_load_s + pause_s,
+        "lost_pause_tokens": lost_pause,
+        "lost_contention_tokens": lost_contention,
+        "lost_cold_start_tokens": lost_cold,
+        "kv_migrate_bytes": migrate_bytes,
+        "kv_migrate_s": migrate_s,
+        "migrate_seqs": migrate_seqs,
+        "replay_seqs": replay_seqs,
+        "replay_tokens": replay_tokens,
+        "replay_s": replay_s,
+        "weight_load_bytes": load_bytes,
+        "weight_load_s": weight_load_s,
+        "weight_source": source,
+        "cold_start_s": cold_start_s if new_plans else 0.0,
+    })
 
 
-def _share(gear: Gear, plan: Plan) -> float:
-    for p, w in zip(gear.plans, gear.weights, strict=False):
-        if p == plan:
-            return w
-    return 0.0
+
+@lru_cache(maxsize=64)
+def _holdings(plans: tuple[Plan, ...]) -> tuple[frozenset[tuple[str, int, int, int, int]], frozenset[str]]:
+    """(shards held as (GPU, first layer, end layer, TP, rank), GPUs serving) by these plans;
+    memoised because every candidate of one decision is priced against the same gear."""
+    held: set[tuple[str, int, int, int, int]] = set()
+    serving: set[str] = set()
+    for plan in plans:
+        for st in plan.all_stages:
+            for rank, u in enumerate(st.gpu_uuids):
+                held.add((u, st.layer_start, st.layer_end, st.tp, rank))
+                serving.add(u)
+    return frozenset(held), frozenset(serving)
 
 
 def _context_buckets(workload: Workload) -> Iterable[tuple[float, float]]:

@@ -43,6 +43,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     Efficiency,
@@ -218,6 +219,10 @@ class CandidateEval:
         )
 
 
+check_plain_dataclass(CandidateEval, field_names=("gear", "estimate", "value_tokens_s", "gain_tokens", "cost",
+                                                  "threshold_tokens", "passes", "note"))
+
+
 @dataclass(frozen=True)
 class Decision:
     """What the gearbox decided and why (audited, shown in the console)."""
@@ -308,8 +313,10 @@ def _num(v: object) -> float:
 # --- helpers ---------------------------------------------------------------------------------------
 def offered_load(window: LoadWindow, now_s: float, config: GearboxConfig = DEFAULT_CONFIG) -> Workload | None:
     """The load to plan for: the larger of the short- and long-window means."""
-    short = window.over(now_s, config.short_window_s)
-    long = window.over(now_s, config.long_window_s)
+    return _larger(window.over(now_s, config.short_window_s), window.over(now_s, config.long_window_s))
+
+
+def _larger(short: Workload | None, long: Workload | None) -> Workload | None:
     if short is None:
         return long
     if long is None:
@@ -364,7 +371,9 @@ def _evaluate_current(gear: Gear | None, model: ModelSpec, snapshot: Snapshot, w
     ok_weights = []
     profiles: dict[Plan, PlanProfile] = {}
     for plan, w in zip(gear.plans, gear.weights, strict=False):
-        if validate_plan(plan, snapshot, model, blocks=blocks, reclaimable_bytes=reclaim, policy=policy):
+        # a valid gear's plans are valid (validate_gear checked each); else check them one by one
+        if not valid and validate_plan(plan, snapshot, model, blocks=blocks, reclaimable_bytes=reclaim,
+                                       policy=policy):
             continue
         prof = PlanProfile.build(plan, model, snapshot, eff)
         profiles[plan] = prof
@@ -419,7 +428,9 @@ def decide(
     factor = config.hysteresis
     part = partition(snapshot, policy)
     blocks = part.blocks
-    window_load = offered_load(load_window, now_s, config)
+    short_load = load_window.over(now_s, config.short_window_s)
+    long_load = load_window.over(now_s, config.long_window_s)
+    window_load = _larger(short_load, long_load)  # offered_load, from the two windows read once
     workload = window_load or Workload(0.0, 512.0, 128.0)
     reclaim = gear_footprint(current_gear, spec, snapshot) if current_gear is not None else {}
     cur = _evaluate_current(current_gear, spec, snapshot, workload, deployment.slo, blocks, reclaim, policy, eff)
@@ -458,7 +469,9 @@ def decide(
         value = _value(est, rent)
         gain = (value - _value(cur.estimate, rent)) * max(0.0, config.horizon_s - cost.time_to_effect_s)
         threshold = cost.tokens * factor
-        return CandidateEval(gear, est, value, gain, cost, threshold, gain > threshold, note)
+        return make_frozen(CandidateEval, {"gear": gear, "estimate": est, "value_tokens_s": value, "gain_tokens": gain,
+                                           "cost": cost, "threshold_tokens": threshold, "passes": gain > threshold,
+                                           "note": note})
 
     def estimate_of(gear: Gear) -> Estimate:
         profiles = [cur.profiles.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]
@@ -510,8 +523,7 @@ def decide(
         return finish(Outcome.DEFERRED, None, [], reasons + ["a transition is running; decide again when it ends"])
     # load trigger: both windows agree that the current gear is over/under its watermarks
     if trigger is Trigger.PERIODIC and cur.estimate is not None and cur.estimate.capacity_rps > 0:
-        short = load_window.over(now_s, config.short_window_s)
-        long = load_window.over(now_s, config.long_window_s)
+        short, long = short_load, long_load
         if short is not None and long is not None:
             cap = cur.estimate.capacity_rps
             us, ul = short.rate_rps / cap, long.rate_rps / cap

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduler._lazy import cached_field_hash, state_without_hash
+
 Confidence = Literal["high", "medium", "low"]
 _CONFIDENCES: tuple[Confidence, ...] = ("high", "medium", "low")
 
@@ -26,6 +28,9 @@ TFLOPS = 10**12
 @dataclass(frozen=True)
 class GpuSpec:
     """What one accelerator can do, as its vendor states it (peak, not achieved)."""
+
+    __hash__ = cached_field_hash  # fields hashed once (memo keys)
+    __getstate__ = state_without_hash
 
     name: str  # catalog key, e.g. "H100-SXM"
     bf16_flops: float  # dense BF16/FP16 tensor-core peak, FLOP/s (no 2:4 sparsity)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from scheduler._lazy import lazy
+from scheduler._lazy import cached_field_hash, lazy, state_without_hash
 
 _DTYPE_BYTES: Mapping[str, int] = {
     "bfloat16": 2,
@@ -30,6 +30,9 @@ _DTYPE_BYTES: Mapping[str, int] = {
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of one model; derived sizes are properties."""
+
+    __hash__ = cached_field_hash  # fields hashed once (memo keys)
+    __getstate__ = state_without_hash
 
     name: str  # catalog key or the name given to from_hf_config
     hidden_size: int  # model width

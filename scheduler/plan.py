@@ -79,6 +79,22 @@ class Plan:
     kv_reserve_tokens: int = 0  # KV tokens each pipeline reserves memory for
     kv_partition: KvPartition = "layer_head"  # how the KV cache is split (module docstring)
 
+    def __hash__(self) -> int:
+        # Plans are set members and dict keys all through a decision (old vs new plans,
+        # profiles by plan): hash the fields once. The cached value never leaves the process
+        # (`__getstate__`), since str hashes differ between processes.
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.model, self.mode, self.stages, self.decode_stages, self.kv_reserve_tokens,
+                           self.kv_partition))
+            self.__dict__["_hash"] = cached
+        return cached
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     @property
     def pipelines(self) -> tuple[tuple[Stage, ...], ...]:
         return (self.stages, self.decode_stages) if self.mode == "disaggregated" else (self.stages,)

@@ -23,11 +23,13 @@ No fit -> `Candidates.infeasible` says why and what to relax.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
+from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     MAX_RUNNING_SEQS,
@@ -35,10 +37,12 @@ from scheduler.costmodel import (
     Estimate,
     PlanProfile,
     Slo,
+    SteadyState,
     Workload,
     combine_estimates,
-    estimate_plan,
+    steady_state,
 )
+from scheduler.costmodel import clear_caches as _clear_cost_model_caches
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import MEM_FRACTION, Gear, Plan, Stage
 from scheduler.topology import (
@@ -98,6 +102,9 @@ class Candidate:
             "stability": self.stability,
             "notes": list(self.notes),
         }
+
+
+check_plain_dataclass(Candidate, field_names=("gear", "estimate", "kind", "blocks", "stability", "notes", "profiles"))
 
 
 @dataclass(frozen=True)
@@ -164,9 +171,11 @@ class _Unit:
 class _UnitType:
     key: tuple[object, ...]
     label: str
+    order: int  # creation order: types are considered in it (deterministic)
     units: list[_Unit] = field(default_factory=list)  # disjoint instances, best first
     profile: PlanProfile | None = None
-    capacity: Estimate | None = None  # at the offered rate, as a single plan
+    state: SteadyState | None = None  # its steady state under the workload's shape
+    capacity_rps: float | None = None  # as a single plan (None: not estimated yet)
 
 
 def _min_kv_tokens(model: ModelSpec, workload: Workload, options: PlannerOptions) -> int:
@@ -231,6 +240,22 @@ def _bucket(value: int) -> int:
     return (value // step) * step
 
 
+def _cap(caps: dict[int, int], total: int, frac: float) -> int:
+    """int(frac x total), memoised per capacity (every GPU of a model reports the same)."""
+    hit = caps.get(total)
+    if hit is None:
+        hit = caps[total] = int(frac * total)
+    return hit
+
+
+def _first(pair: tuple[tuple[object, ...], _BlockRoom]) -> tuple[object, ...]:
+    return pair[0]
+
+
+def _first_of_pair(pair: tuple[tuple[float, float, int, int], _Unit]) -> tuple[float, float, int, int]:
+    return pair[0]
+
+
 def _shape(block: AtomicBlock, room: Sequence[int]) -> tuple[object, ...]:
     """Blocks with equal shapes are interchangeable for planning."""
     gib = 2**30
@@ -274,33 +299,39 @@ def plan_candidates(
     # 1. filter and order blocks
     rooms: list[_BlockRoom] = []
     unstable: list[str] = []
-    sort_keys: dict[str, tuple[object, ...]] = {}
-    preferred_blocks = {b.id for b in blocks if preferred.intersection(b.gpu_uuids)} if preferred else set()
+    sort_keys: list[tuple[tuple[object, ...], _BlockRoom]] = []
+    preferred_blocks = {b.id for b in blocks if not preferred.isdisjoint(b.gpu_uuids)} if preferred else set()
+    frac = options.mem_fraction
+    latency_critical, min_stability = options.latency_critical, options.min_stability
+    caps: dict[int, int] = {}  # capacity -> int(frac x capacity): one figure per GPU model
     for b in blocks:
-        score = stability.get(b.id, 1.0)
-        if options.latency_critical and score < options.min_stability:
+        score = stability.get(b.id, 1.0) if stability else 1.0
+        if latency_critical and score < min_stability:
             unstable.append(b.id)
             continue
-        frac = options.mem_fraction
-        # usable bytes per GPU (plan.usable_bytes, inlined: this loop runs over every GPU)
-        room = [
-            int(frac * total) - max(0, used - reclaim.get(u, 0)) if reclaim else int(frac * total) - used
-            for u, total, used in zip(b.gpu_uuids, b.mem_total_bytes, _used(snapshot, b), strict=True)
-        ]
-        has_preferred = bool(preferred) and b.id in preferred_blocks
-        if has_preferred:
-            order = sorted(range(b.size), key=lambda i: (-room[i], b.gpu_uuids[i] not in preferred, i))
-            uuids = [b.gpu_uuids[i] for i in order]
-            sorted_room = [room[i] for i in order]
-        elif all(x == room[0] for x in room):
-            uuids, sorted_room = list(b.gpu_uuids), room  # already in order
+        # usable bytes per GPU, as plan.usable_bytes counts them (used = total - free)
+        totals, frees, uuids = b.mem_total_bytes, b.mem_free_bytes, b.gpu_uuids
+        if reclaim and not reclaim.keys().isdisjoint(uuids):
+            room = [_cap(caps, t, frac) - max(0, t - f - reclaim.get(u, 0))
+                    for u, t, f in zip(uuids, totals, frees, strict=True)]
+        elif totals.count(totals[0]) == len(totals):
+            base = _cap(caps, totals[0], frac) - totals[0]
+            room = [base + f for f in frees]
         else:
-            pairs = sorted(zip((-x for x in room), range(b.size), strict=True))
-            uuids = [b.gpu_uuids[i] for _, i in pairs]
-            sorted_room = [-x for x, _ in pairs]
-        rooms.append(_BlockRoom(b, uuids, sorted_room, score, _shape(b, sorted_room)))
-        sort_keys[b.id] = (-score, not has_preferred, -sum(sorted_room), b.id)
-    rooms.sort(key=lambda r: sort_keys[r.block.id])
+            room = [_cap(caps, t, frac) - t + f for t, f in zip(totals, frees, strict=True)]
+        has_preferred = b.id in preferred_blocks
+        if has_preferred:
+            order = sorted(range(b.size), key=lambda i: (-room[i], uuids[i] not in preferred, i))
+            ordered, sorted_room = [uuids[i] for i in order], [room[i] for i in order]
+        elif room.count(room[0]) == len(room):
+            ordered, sorted_room = list(uuids), room  # already in order
+        else:
+            order = sorted(range(b.size), key=room.__getitem__, reverse=True)  # stable: ties by index
+            ordered, sorted_room = [uuids[i] for i in order], [room[i] for i in order]
+        r = _BlockRoom(b, ordered, sorted_room, score, _shape(b, sorted_room))
+        sort_keys.append(((-score, not has_preferred, -sum(sorted_room), b.id), r))
+    sort_keys.sort(key=_first)
+    rooms = [r for _, r in sort_keys]
     if unstable:
         reasons.append(
             f"{len(unstable)} block(s) left out as unstable (stability < {options.min_stability}): "
@@ -316,7 +347,7 @@ def plan_candidates(
     def add_unit(unit: _Unit, label: str, check: bool = True) -> None:
         t = types.get(unit.type_key)
         if t is None:
-            t = types[unit.type_key] = _UnitType(unit.type_key, label)
+            t = types[unit.type_key] = _UnitType(unit.type_key, label, len(types))
         if len(t.units) >= options.max_plans_per_gear:
             return  # no gear uses more instances of one type than that
         if not check:
@@ -328,7 +359,7 @@ def plan_candidates(
             used.update(unit.uuids)
 
     def colocated(uuids: tuple[str, ...], kv: int) -> Callable[[], Plan]:
-        return lambda: Plan(model.name, "colocated", (Stage(0, model.num_layers, uuids),), kv_reserve_tokens=kv)
+        return lambda: _plan(model, "colocated", (_stage(0, model.num_layers, uuids),), (), kv)
 
     # 2a. single-block TP units (groups of one block, and blocks, are disjoint by construction)
     layers = model.num_layers
@@ -337,23 +368,31 @@ def plan_candidates(
     # at least that much share a type (each still reserves its own amount)
     useful = MAX_RUNNING_SEQS * (workload.prompt_tokens_mean + workload.output_tokens_mean / 2)
     terms = {tp: _stage_terms(model, 0, layers, tp) for tp in valid_tps}
+    max_units = options.max_plans_per_gear
+    floors = {tp: terms[tp][0] + -(-(min_kv * terms[tp][1]) // terms[tp][2]) for tp in valid_tps}
     for r in rooms:
         size = len(r.uuids)
+        block = r.block
+        block_ids = (block.id,)
         for tp in valid_tps:
             if tp > size:
                 break
             weights, kv_per_token, shards = terms[tp]
-            floor_bytes = weights + -(-(min_kv * kv_per_token) // shards)
+            floor_bytes = floors[tp]
             for g in range(size // tp):
                 group_room = r.room[(g + 1) * tp - 1]  # rooms are sorted, most first
                 if group_room < floor_bytes:
                     break  # later groups of this block have less room
                 most = min(cap1, (group_room - weights) * shards // kv_per_token)
                 kv = max(_bucket(most), min(min_kv, most))
+                key = ("tp", block.gpu_model, block.link_kind, r.shape[3], tp, kv if kv < useful else "ample")
+                t = types.get(key)
+                if t is None:
+                    t = types[key] = _UnitType(key, f"TP{tp} on {block.gpu_model}", len(types))
+                elif len(t.units) >= max_units:
+                    continue  # no gear uses more instances of one type than that
                 group = tuple(r.uuids[g * tp:(g + 1) * tp])
-                key = ("tp", r.block.gpu_model, r.block.link_kind, r.shape[3], tp, kv if kv < useful else "ample")
-                add_unit(_Unit(key, group, (r.block.id,), r.stability, "tp", colocated(group, kv)),
-                         f"TP{tp} on {r.block.gpu_model}", check=False)
+                t.units.append(_Unit(key, group, block_ids, r.stability, "tp", colocated(group, kv)))
 
     # 2b. prefill/decode splits across two blocks (bounded by the few best shapes)
     if options.allow_disaggregated and len(rooms) >= 2:
@@ -376,23 +415,25 @@ def plan_candidates(
                                                      block.tp_link_bytes_per_s, eff)
             else:
                 t.profile = PlanProfile.build(first.plan, model, snapshot, eff)
-            t.capacity = estimate_plan(t.profile, workload.scaled(0.0), slo)
+            t.state = steady_state(t.profile, workload, slo)
+            t.capacity_rps = max(0.0, t.state.capacity_rps)
             estimated[key] = t
-        return [t for t in types.values() if t.capacity is not None and t.capacity.capacity_rps > 0]
+        return [t for t in types.values() if t.capacity_rps]
 
     def fill(live: Sequence[_UnitType]) -> tuple[list[_Unit], float]:
         """Greedy mixed fill: the most capacity per GPU first, disjoint GPUs, until the target."""
-        order = {t.key: i for i, t in enumerate(live)}
-        pool = sorted(
-            ((u, i) for t in live for i, u in enumerate(t.units)),
-            key=lambda ui: (
-                -_capacity(types, ui[0]) / ui[0].gpus, -ui[0].stability, order[ui[0].type_key], ui[1]
-            ),
-        )
+        # Units in order of (capacity per GPU, stability, type, index): a unit's capacity per
+        # GPU is its type's, so each type's units are sorted on their own and the types merged
+        # lazily - the fill stops after a handful.
+        def ranked(order: int, t: _UnitType) -> list[tuple[tuple[float, float, int, int], _Unit]]:
+            per_gpu = -(t.capacity_rps or 0.0) / t.units[0].gpus
+            return sorted(((per_gpu, -u.stability, order, i), u) for i, u in enumerate(t.units))
+
+        pool = heapq.merge(*(ranked(order, t) for order, t in enumerate(live)), key=_first_of_pair)
         taken: set[str] = set()
         chosen: list[_Unit] = []
         cap = 0.0
-        for u, _ in pool:
+        for _, u in pool:
             if len(chosen) >= options.max_plans_per_gear or cap >= target_rps:
                 break
             if taken.isdisjoint(u.uuids):
@@ -419,34 +460,26 @@ def plan_candidates(
                        " request); to fix: free memory or lower the prompt/output lengths")
         return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
 
-    # 3. gears: replicas of each unit type, the single unit, and the mixed fill
-    estimator = _GearEstimator(workload, slo, {t.key: t for t in live})
-    gears: dict[tuple[object, ...], Candidate] = {}
+    # 3. gears: replicas of each unit type, the single unit, and the mixed fill. Each gear is
+    # estimated and ranked as a draft (units + weights); Gear and Plan objects are built only
+    # for the candidates returned.
+    estimator = _GearEstimator(workload, slo)
+    drafts: dict[tuple[object, ...], _Draft] = {}
 
     def consider(units: Sequence[_Unit], kind: str) -> None:
         if not units:
             return
         dedupe = tuple(u.uuids for u in units) + tuple(u.type_key for u in units)
-        if dedupe in gears:
+        if dedupe in drafts:
             return
         caps = [_capacity(types, u) for u in units]
-        total = sum(caps)
         weights = _weights(caps)
-        gear = Gear(model.name, tuple(u.plan for u in units), weights)
-        est = estimator.gear_estimate(units, weights)
-        notes: list[str] = []
-        if total < workload.rate_rps:
-            notes.append(f"capacity {total:.2f} rps is below the offered {workload.rate_rps:.2f} rps")
-        blocks_used = tuple(sorted({b for u in units for b in u.blocks}))
-        profiles: dict[Plan, PlanProfile] = {}
-        for u in units:
-            prof = types[u.type_key].profile
-            if prof is not None and u is types[u.type_key].units[0]:
-                profiles[u.plan] = prof  # the type's profile was built from this unit
-        gears[dedupe] = Candidate(gear, est, kind, blocks_used, min(u.stability for u in units), tuple(notes),
-                                  profiles)
+        est = estimator.gear_estimate([types[u.type_key] for u in units], weights)
+        stability = min(u.stability for u in units)
+        rank = (-round(est.goodput_tokens_s, 6), est.gpus, -stability, tuple(u.uuids for u in units))
+        drafts[dedupe] = _Draft(rank, tuple(units), weights, est, kind, stability, sum(caps))
 
-    for t in sorted(live, key=lambda t: repr(t.key)):
+    for t in sorted(live, key=lambda t: t.order):
         chosen: list[_Unit] = []
         cap = 0.0
         for u in t.units[: options.max_plans_per_gear]:
@@ -459,12 +492,22 @@ def plan_candidates(
             consider(chosen[:1], f"one {t.label}")  # fewer GPUs that still carry the load
     consider(mixed, "mixed")
 
-    ranked = sorted(
-        gears.values(),
-        key=lambda c: (-round(c.estimate.goodput_tokens_s, 6), c.estimate.gpus, -c.stability,
-                       tuple(p.gpu_uuids for p in c.gear.plans)),
-    )
-    feasible = tuple(ranked[: options.max_candidates])
+    def candidate(d: _Draft) -> Candidate:
+        notes: list[str] = []
+        if d.capacity_rps < workload.rate_rps:
+            notes.append(f"capacity {d.capacity_rps:.2f} rps is below the offered {workload.rate_rps:.2f} rps")
+        blocks_used = tuple(sorted({b for u in d.units for b in u.blocks}))
+        profiles: dict[Plan, PlanProfile] = {}
+        for u in d.units:
+            prof = types[u.type_key].profile
+            if prof is not None:
+                profiles[u.plan] = prof  # units of one type share the physics of its profile
+        gear = Gear(model.name, tuple(u.plan for u in d.units), d.weights)
+        return make_frozen(Candidate, {"gear": gear, "estimate": d.estimate, "kind": d.kind, "blocks": blocks_used,
+                                       "stability": d.stability, "notes": tuple(notes), "profiles": profiles})
+
+    ranked = sorted(drafts.values(), key=_rank)
+    feasible = tuple(candidate(d) for d in ranked[: options.max_candidates])
     if feasible and all(c.estimate.capacity_rps < workload.rate_rps for c in feasible):
         best = max(feasible, key=lambda c: c.estimate.capacity_rps)
         reasons.append(
@@ -474,29 +517,56 @@ def plan_candidates(
     return Candidates(feasible, tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
 
 
+class _Draft:
+    """A gear before it is built: what ranks it and what builds it."""
+
+    __slots__ = ("rank", "units", "weights", "estimate", "kind", "stability", "capacity_rps")
+
+    def __init__(self, rank: tuple[object, ...], units: tuple[_Unit, ...], weights: tuple[float, ...],
+                 estimate: Estimate, kind: str, stability: float, capacity_rps: float) -> None:
+        self.rank = rank  # best first: goodput, fewer GPUs, stability, GPUs (deterministic)
+        self.units = units
+        self.weights = weights
+        self.estimate = estimate
+        self.kind = kind
+        self.stability = stability
+        self.capacity_rps = capacity_rps  # the units' capacities summed
+
+
+def _rank(d: _Draft) -> tuple[object, ...]:
+    return d.rank
+
+
+def clear_caches() -> None:
+    """Forget the planner's memos and the cost model's (a benchmark's cold run starts here)."""
+    _kv_cap_tokens.cache_clear()
+    _stage_terms.cache_clear()
+    _clear_cost_model_caches()
+
+
 def _capacity(types: Mapping[tuple[object, ...], _UnitType], unit: _Unit) -> float:
-    cap = types[unit.type_key].capacity
-    return cap.capacity_rps if cap is not None else 0.0
+    return types[unit.type_key].capacity_rps or 0.0
 
 
 class _GearEstimator:
     """Gear estimates from the unit types' steady states (memoised in the cost model), so
-    replicas of one type cost one estimate per traffic share."""
+    replicas of one type cost one estimate per traffic share: the steady state depends on the
+    workload's shape, not its rate, so a type's share is `state.estimate(rate x weight)`."""
 
-    def __init__(self, workload: Workload, slo: Slo | None, types: Mapping[tuple[object, ...], _UnitType]) -> None:
-        self.workload, self.slo, self.types = workload, slo, types
+    def __init__(self, workload: Workload, slo: Slo | None) -> None:
+        self.workload, self.slo = workload, slo
         self._memo: dict[tuple[object, ...], Estimate] = {}
 
-    def gear_estimate(self, units: Sequence[_Unit], weights: Sequence[float]) -> Estimate:
+    def gear_estimate(self, types: Sequence[_UnitType], weights: Sequence[float]) -> Estimate:
         ests = []
-        for u, w in zip(units, weights, strict=True):
-            key = (u.type_key, w)
+        for t, w in zip(types, weights, strict=True):
+            key = (t.key, w)
             est = self._memo.get(key)
             if est is None:
-                profile = self.types[u.type_key].profile
-                assert profile is not None
-                est = estimate_plan(profile, self.workload.scaled(w), self.slo)
-                self._memo[key] = est
+                if t.state is None:
+                    assert t.profile is not None
+                    t.state = steady_state(t.profile, self.workload, self.slo)
+                est = self._memo[key] = t.state.estimate(self.workload.rate_rps * w)
             ests.append(est)
         return combine_estimates(ests, weights, self.workload)
 
@@ -593,14 +663,14 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
                 return tp
         return None
 
-    def spec_of(shape: tuple[object, ...]) -> tuple[float, float]:
-        spec = snapshot.spec(by_shape[shape][0].block.gpu_model)
-        return spec.bf16_flops, spec.hbm_bytes_per_s
+    specs = {sh: snapshot.spec(rs[0].block.gpu_model) for sh, rs in by_shape.items()}
+    names = {sh: repr(sh) for sh in by_shape}  # the last tie-break, deterministic
 
     # the few shapes with the most compute (prefill) and the most bandwidth and room (decode)
-    prefill_shapes = sorted(by_shape, key=lambda sh: (-spec_of(sh)[0], -len(by_shape[sh][0].uuids), repr(sh)))[:2]
+    prefill_shapes = sorted(
+        by_shape, key=lambda sh: (-specs[sh].bf16_flops, -len(by_shape[sh][0].uuids), names[sh]))[:2]
     decode_shapes = sorted(
-        by_shape, key=lambda sh: (-spec_of(sh)[1], -sum(by_shape[sh][0].room), repr(sh)))[:2]
+        by_shape, key=lambda sh: (-specs[sh].hbm_bytes_per_s, -sum(by_shape[sh][0].room), names[sh]))[:2]
     for ps in prefill_shapes:
         for ds in decode_shapes:
             p0 = by_shape[ps][0]
@@ -633,23 +703,34 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
                 if not (_stage_fits(model, 0, model.num_layers, ptp, min(p.room[:ptp]), kv)
                         and _stage_fits(model, 0, model.num_layers, dtp, min(d.room[:dtp]), kv)):
                     continue
-                plan = Plan(
-                    model.name,
-                    "disaggregated",
-                    (Stage(0, model.num_layers, tuple(p.uuids[:ptp])),),
-                    (Stage(0, model.num_layers, tuple(d.uuids[:dtp])),),
-                    kv_reserve_tokens=kv,
-                )
+                prefill, decode = tuple(p.uuids[:ptp]), tuple(d.uuids[:dtp])
                 yield (
-                    _Unit(key, plan.gpu_uuids, (p.block.id, d.block.id), min(p.stability, d.stability), "pd",
-                          _const(plan)),
+                    _Unit(key, prefill + decode, (p.block.id, d.block.id), min(p.stability, d.stability), "pd",
+                          _disaggregated(model, prefill, decode, kv)),
                     label,
                 )
 
 
-def _used(snapshot: Snapshot, block: AtomicBlock) -> list[int]:
-    """Memory in use per GPU of the block (total - free, as the block recorded it)."""
-    return [t - f for t, f in zip(block.mem_total_bytes, block.mem_free_bytes, strict=True)]
+def _disaggregated(model: ModelSpec, prefill: tuple[str, ...], decode: tuple[str, ...], kv: int) -> Callable[[], Plan]:
+    return lambda: _plan(model, "disaggregated", (_stage(0, model.num_layers, prefill),),
+                         (_stage(0, model.num_layers, decode),), kv)
+
+
+def _stage(start: int, end: int, uuids: tuple[str, ...]) -> Stage:
+    """Stage(start, end, uuids), built the fast way (units build many)."""
+    return make_frozen(Stage, {"layer_start": start, "layer_end": end, "gpu_uuids": uuids})
+
+
+def _plan(model: ModelSpec, mode: Literal["colocated", "disaggregated"], stages: tuple[Stage, ...],
+          decode_stages: tuple[Stage, ...], kv: int) -> Plan:
+    """Plan(...) with the default KV partitioning, built the fast way."""
+    return make_frozen(Plan, {"model": model.name, "mode": mode, "stages": stages, "decode_stages": decode_stages,
+                              "kv_reserve_tokens": kv, "kv_partition": "layer_head"})
+
+
+check_plain_dataclass(Stage, field_names=("layer_start", "layer_end", "gpu_uuids"))
+check_plain_dataclass(Plan, field_names=("model", "mode", "stages", "decode_stages", "kv_reserve_tokens",
+                                         "kv_partition"))
 
 
 def _const(plan: Plan) -> Callable[[], Plan]:
@@ -705,4 +786,4 @@ def _no_fit_reasons(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_Block
     return out
 
 
-__all__ = ["Candidate", "Candidates", "DEFAULT_OPTIONS", "PlannerOptions", "plan_candidates"]
+__all__ = ["Candidate", "Candidates", "DEFAULT_OPTIONS", "PlannerOptions", "clear_caches", "plan_candidates"]

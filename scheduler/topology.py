@@ -46,9 +46,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Literal
 
+from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.hardware import CATALOG as GPU_CATALOG
 from scheduler.hardware import GpuSpec, gpu_spec
 
@@ -476,6 +478,10 @@ class AtomicBlock:
         return len(self.gpu_uuids)
 
 
+check_plain_dataclass(AtomicBlock, field_names=("id", "node_id", "rack", "gpu_model", "gpu_uuids", "mem_total_bytes",
+                                                "mem_free_bytes", "link_kind", "tp_link_bytes_per_s"))
+
+
 @dataclass(frozen=True)
 class Partition:
     """The blocks of a snapshot, and why each left-out GPU is out."""
@@ -506,8 +512,17 @@ def exclusion_reason(gpu: GpuState, node: NodeState | None, now_s: float, policy
 def partition(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> Partition:
     """Split the usable GPUs of a snapshot into atomic blocks (see the module docstring).
 
-    Cost: one pass over the GPUs plus a sort per node.
+    Cost: one pass over the GPUs plus a sort per block. A snapshot never changes, so the
+    result is kept on it per policy: every deployment decided on one snapshot shares it.
     """
+    memo: dict[BlockPolicy, Partition] = snapshot.__dict__.setdefault("_partitions", {})
+    hit = memo.get(policy)
+    if hit is None:
+        hit = memo[policy] = _partition(snapshot, policy)
+    return hit
+
+
+def _partition(snapshot: Snapshot, policy: BlockPolicy) -> Partition:
     excluded: dict[str, str] = {}
     domains: dict[tuple[str, str], list[GpuState]] = {}
     pcie: dict[tuple[str, str], list[GpuState]] = {}
@@ -516,35 +531,43 @@ def partition(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> Parti
     timeout = policy.heartbeat_timeout_s
     max_failed = policy.max_failed_checks
     has_nvlink = {m: snapshot.spec(m).intra_link_bytes_per_s > 0 for m in {g.model for g in snapshot.gpus}}
+    # nodes whose GPUs may be used at all (known, schedulable, heard from in time)
+    node_ok = {n.id for n in snapshot.nodes if n.schedulable and now_s - n.last_seen_s <= timeout}
     for gpu in snapshot.gpus:
-        node = nodes.get(gpu.node_id)
         # the common case (all fine) is decided without building a reason
         if (
-            node is None or not node.schedulable or not gpu.healthy or not gpu.schedulable
-            or gpu.failed_checks >= max_failed or now_s - node.last_seen_s > timeout
-            or now_s - gpu.last_seen_s > timeout
+            gpu.node_id not in node_ok or not gpu.healthy or not gpu.schedulable
+            or gpu.failed_checks >= max_failed or now_s - gpu.last_seen_s > timeout
         ):
-            reason = exclusion_reason(gpu, node, now_s, policy)
+            reason = exclusion_reason(gpu, nodes.get(gpu.node_id), now_s, policy)
             if reason is not None:
                 excluded[gpu.uuid] = reason
                 continue
         if gpu.nvlink_group is not None and has_nvlink[gpu.model]:
-            domains.setdefault((gpu.node_id, gpu.nvlink_group), []).append(gpu)
+            key = (gpu.node_id, gpu.nvlink_group)
+            group = domains.get(key)
+            if group is None:
+                domains[key] = [gpu]
+            else:
+                group.append(gpu)
         else:
-            pcie.setdefault((gpu.node_id, gpu.model), []).append(gpu)
+            key = (gpu.node_id, gpu.model)
+            group = pcie.get(key)
+            if group is None:
+                pcie[key] = [gpu]
+            else:
+                group.append(gpu)
 
     blocks: list[AtomicBlock] = []
-    for (node_id, group), members in domains.items():
-        members.sort(key=lambda g: g.index)
+    for (node_id, group_name), members in domains.items():
         spec = snapshot.spec(members[0].model)
         kind: LinkKind = "nvlink" if len(members) > 1 else "single"
         bw = spec.intra_link_bytes_per_s if len(members) > 1 else 0.0
-        blocks.append(_block(f"{node_id}/nvl{group}", nodes[node_id], members, kind, bw))
+        blocks.append(_block(f"{node_id}/nvl{group_name}", nodes[node_id], members, kind, bw))
     pcie_models_per_node: dict[str, int] = {}
     for node_id, _model in pcie:
         pcie_models_per_node[node_id] = pcie_models_per_node.get(node_id, 0) + 1
     for (node_id, model), members in pcie.items():
-        members.sort(key=lambda g: g.index)
         spec = snapshot.spec(model)
         suffix = "" if pcie_models_per_node[node_id] == 1 else f"-{model}"
         if len(members) > 1 and spec.host_link_bytes_per_s >= policy.min_pcie_tp_bytes_per_s:
@@ -552,24 +575,35 @@ def partition(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> Parti
                 _block(f"{node_id}/pcie{suffix}", nodes[node_id], members, "pcie", spec.host_link_bytes_per_s)
             )
         else:
-            for g in members:
+            for g in sorted(members, key=_BY_INDEX):
                 blocks.append(_block(f"{node_id}/gpu{g.index}", nodes[node_id], [g], "single", 0.0))
-    blocks.sort(key=lambda b: b.id)
+    blocks.sort(key=_block_id)
     return Partition(blocks=tuple(blocks), excluded=MappingProxyType(excluded))
 
 
-def _block(block_id: str, node: NodeState, members: Sequence[GpuState], kind: LinkKind, bw: float) -> AtomicBlock:
-    return AtomicBlock(
-        id=block_id,
-        node_id=node.id,
-        rack=node.rack,
-        gpu_model=members[0].model,
-        gpu_uuids=tuple(g.uuid for g in members),
-        mem_total_bytes=tuple(g.mem_total_bytes for g in members),
-        mem_free_bytes=tuple(g.mem_free_bytes for g in members),
-        link_kind=kind,
-        tp_link_bytes_per_s=bw,
-    )
+def _block_id(block: AtomicBlock) -> str:
+    return block.id
+
+
+def _block(block_id: str, node: NodeState, members: list[GpuState], kind: LinkKind, bw: float) -> AtomicBlock:
+    if len(members) > 1:
+        members.sort(key=_BY_INDEX)
+    totals = tuple([g.mem_total_bytes for g in members])
+    return make_frozen(AtomicBlock, {
+        "id": block_id,
+        "node_id": node.id,
+        "rack": node.rack,
+        "gpu_model": members[0].model,
+        "gpu_uuids": tuple([g.uuid for g in members]),
+        "mem_total_bytes": totals,
+        "mem_free_bytes": tuple([g.mem_total_bytes - g.mem_used_bytes if g.mem_used_bytes < g.mem_total_bytes else 0
+                                 for g in members]),
+        "link_kind": kind,
+        "tp_link_bytes_per_s": bw,
+    })
+
+
+_BY_INDEX = attrgetter("index")
 
 
 def atomic_blocks(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> list[AtomicBlock]:

@@ -10,4 +10,5 @@ export REDIS_URL="$($PY scripts/services.py redis --prefer-standard)"
 PG="$($PY scripts/services.py postgres)"
 if [ -n "$PG" ]; then export DATABASE_URL="$PG"; else unset DATABASE_URL; fi
 echo "tests: database ${DATABASE_URL:-sqlite (no PostgreSQL answered)}, redis ${REDIS_URL}"
-exec $PY -m pytest "$@"
+# Two workers: the machine has 2 cores, and the engine and browser tests wait on processes.
+exec $PY -m pytest -n "${PYTEST_WORKERS:-2}" "$@"

@@ -29,6 +29,7 @@ def launch(playwright: Any) -> Any:
 
 
 def screenshot(page: Any, name: str) -> Path:
+    """Save the whole page as artifacts/<name>.png (kept as a test artifact)."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)

@@ -14,6 +14,10 @@ import redis as redis_lib
 
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
 _WORKER_NUM = int(_WORKER[2:]) if _WORKER[2:].isdigit() else 0
+# Names unique to this run and worker: two test runs on one machine (or a stray worker left by
+# one) share the Redis server, but never a Celery queue, a channel group or a doorbell.
+_RUN = (os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"p{os.getpid()}")[:10]
+TEST_NAMESPACE = f"fptest-{_RUN}-{_WORKER_NUM}"
 
 
 def _test_redis_url() -> str:
@@ -35,19 +39,21 @@ def _isolated_services(django_test_environment: None) -> None:
         pytest.exit(f"Redis at {TEST_REDIS_URL} does not answer ({exc}); run the tests with `make test`, "
                     "which finds or starts one", returncode=3)
     settings.REDIS_URL = TEST_REDIS_URL
+    # Named people are made for most console tests; PBKDF2 (~0.3 s a password) would dominate the run.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     settings.CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [TEST_REDIS_URL], "prefix": f"fptest{_WORKER_NUM}"},
+            "CONFIG": {"hosts": [TEST_REDIS_URL], "prefix": TEST_NAMESPACE},
         }
     }
     settings.CELERY_BROKER_URL = TEST_REDIS_URL
     settings.CELERY_RESULT_BACKEND = TEST_REDIS_URL
-    settings.CELERY_TASK_DEFAULT_QUEUE = f"fptest{_WORKER_NUM}"
+    settings.CELERY_TASK_DEFAULT_QUEUE = TEST_NAMESPACE
     from console.celery import app
 
     app.conf.update(broker_url=TEST_REDIS_URL, result_backend=TEST_REDIS_URL,
-                    task_default_queue=f"fptest{_WORKER_NUM}")
+                    task_default_queue=TEST_NAMESPACE)
     from channels.layers import channel_layers
 
     channel_layers.backends.clear()

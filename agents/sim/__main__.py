@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds an agent's command poll waits on the controller")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the events
 
     if not args.join_token:
         print("agents.sim: --join-token or FLEXPIPE_ENROLL_TOKEN is required (the agents enroll with it)",

@@ -16,6 +16,12 @@ def overview(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
+def deployments_placeholder(request: HttpRequest) -> HttpResponse:
+    """Where the Deployments item of the navigation leads until the gearbox pages replace it."""
+    return render(request, "dashboard/deployments_placeholder.html")
+
+
+@login_required
 def cluster_json(request: HttpRequest) -> JsonResponse:
     """The same state the websocket sends on connect, for scripts and for a page's first paint."""
     return JsonResponse(live.cluster_state())

@@ -36,11 +36,25 @@ def _bearer(request: HttpRequest) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 def _json_body(request: HttpRequest) -> Any:
     try:
-        return json.loads(request.body or b"null")
+        body = json.loads(request.body or b"null")
     except (ValueError, UnicodeDecodeError) as exc:
         raise actions.Rejected(400, {"(body)": f"not valid JSON: {exc}"}) from exc
+    # PostgreSQL text and jsonb cannot hold U+0000: refuse it here rather than fail with a 500 on save.
+    if _has_nul(body):
+        raise actions.Rejected(400, {"(body)": "must not contain NUL (\\u0000) characters"})
+    return body
 
 
 def _authenticated_node(request: HttpRequest) -> Node:

@@ -5,32 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from console.dashboard.consumers import LiveConsumer
 from console.fleet import live
 
 
-class ClusterConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
-    groups: list[str] = []
+class ClusterConsumer(LiveConsumer):
+    group = live.CLUSTER_GROUP
+    page = "cluster"
+    required_role = None  # the Overview is for every logged-in user
 
-    async def connect(self) -> None:
-        user = self.scope.get("user")
-        if user is None or not user.is_authenticated:
-            await self.close(code=4401)
-            return
-        await self.channel_layer.group_add(live.CLUSTER_GROUP, self.channel_name)
-        await self.accept()
+    async def on_accepted(self) -> None:
+        # Also the answer to {"type": "resync"} (after a reconnect, say).
         state = await database_sync_to_async(live.cluster_state)()
         await self.send_json({"type": "snapshot", **state})
-
-    async def disconnect(self, code: int) -> None:
-        await self.channel_layer.group_discard(live.CLUSTER_GROUP, self.channel_name)
-
-    async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        # The view is read-only; a client may ask for a fresh snapshot (after a reconnect, say).
-        if isinstance(content, dict) and content.get("type") == "resync":
-            state = await database_sync_to_async(live.cluster_state)()
-            await self.send_json({"type": "snapshot", **state})
 
     async def cluster_delta(self, event: dict[str, Any]) -> None:
         await self.send_json({"type": "delta", **event["delta"]})

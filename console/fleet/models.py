@@ -35,6 +35,29 @@ class Node(models.Model):
         return self.node_id
 
 
+# What a GPU is to us right now, in this order of precedence (the Overview page uses the same words):
+#   unhealthy    its last report said it is broken (XID needing a reset, uncorrectable ECC, failed check)
+#   unreachable  its node missed the heartbeat: what we know of it is stale, so it is not capacity
+#   tenant       healthy, but its owner lent it to another tenant (not allocatable to us)
+#   ours         healthy, allocatable, on a node that reports: the planner may use it
+GPU_UNHEALTHY, GPU_UNREACHABLE, GPU_TENANT, GPU_OURS = "unhealthy", "unreachable", "tenant", "ours"
+GPU_STATES = (GPU_OURS, GPU_TENANT, GPU_UNHEALTHY, GPU_UNREACHABLE)
+GPU_STATE_Q = {
+    GPU_UNHEALTHY: models.Q(healthy=False),
+    GPU_UNREACHABLE: models.Q(healthy=True, node__schedulable=False),
+    GPU_TENANT: models.Q(healthy=True, node__schedulable=True, allocatable=False),
+    GPU_OURS: models.Q(healthy=True, node__schedulable=True, allocatable=True),
+}
+
+
+def gpu_state(*, healthy: bool, allocatable: bool, node_schedulable: bool) -> str:
+    if not healthy:
+        return GPU_UNHEALTHY
+    if not node_schedulable:
+        return GPU_UNREACHABLE
+    return GPU_OURS if allocatable else GPU_TENANT
+
+
 class Gpu(models.Model):
     """One GPU: its static facts from registration and its latest reported state."""
 
@@ -65,6 +88,10 @@ class Gpu(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node_id}:{self.index} {self.model}"
+
+    @property
+    def state(self) -> str:
+        return gpu_state(healthy=self.healthy, allocatable=self.allocatable, node_schedulable=self.node.schedulable)
 
 
 class GpuSample(models.Model):

@@ -68,15 +68,37 @@ def test_measured_links_are_used_as_measured_and_datasheet_links_derated() -> No
     eff = costmodel.DEFAULT_EFFICIENCY
     nominal, measured = Path(100e9), Path(100e9, measured=True)
     assert transfer_time_s(1e9, measured) < transfer_time_s(1e9, nominal)
-    assert transfer_time_s(1e9, nominal) == pytest.approx(eff.link_latency_s + 1e9 / (100e9 * eff.link_efficiency))
+    assert transfer_time_s(1e9, nominal) == pytest.approx(
+        eff.kernel_overhead_s + eff.link_latency_s + 1e9 / (100e9 * eff.link_efficiency))
     assert math.isinf(transfer_time_s(1.0, Path(0.0)))
 
 
 def test_an_all_reduce_moves_2_t_minus_1_over_t_of_the_bytes() -> None:
-    eff = replace(costmodel.DEFAULT_EFFICIENCY, link_latency_s=0.0)
+    eff = replace(costmodel.DEFAULT_EFFICIENCY, allreduce_latency_s=0.0, link_latency_s=0.0)
     path = Path(100e9)
     assert allreduce_time_s(1, 1e9, path, eff) == 0.0
     assert allreduce_time_s(8, 1e9, path, eff) == pytest.approx(2 * 7 / 8 * 1e9 / (100e9 * eff.link_efficiency))
+
+
+def test_a_small_all_reduce_costs_its_fixed_latency_and_large_ones_their_bytes() -> None:
+    eff = costmodel.DEFAULT_EFFICIENCY
+    nvlink = Path(300e9)
+    fixed = eff.allreduce_latency_s + 2 * 7 * eff.link_latency_s  # the call, and 14 hops of an 8-GPU ring
+    tiny = allreduce_time_s(8, 16e3, nvlink, eff)
+    assert tiny == pytest.approx(fixed, rel=0.05)  # a decode step's message: latency-bound
+    big = allreduce_time_s(8, 1e9, nvlink, eff)
+    assert big - fixed == pytest.approx(2 * 7 / 8 * 1e9 / (300e9 * eff.link_efficiency))
+    assert allreduce_time_s(2, 16e3, nvlink, eff) < tiny  # fewer hops
+
+
+def test_an_all_reduce_over_a_network_pays_the_probed_latency_per_hop_and_shares_bytes_over_cards() -> None:
+    eff = costmodel.DEFAULT_EFFICIENCY
+    net = Path(25e9, latency_s=10e-6, measured=True)
+    fixed = eff.allreduce_latency_s + 2 * 15 * (eff.link_latency_s + 10e-6)
+    one = allreduce_time_s(16, 64e6, net, eff)
+    assert one == pytest.approx(fixed + 2 * 15 / 16 * 64e6 / (25e9 * eff.link_efficiency))
+    eight = allreduce_time_s(16, 64e6, net, eff, lanes=8)
+    assert eight - fixed == pytest.approx((one - fixed) / 8)
 
 
 # --- iterations ------------------------------------------------------------------------------------
@@ -288,3 +310,30 @@ def test_a_switch_cost_round_trips_through_json() -> None:
     snap = fleet()
     cost = switch_cost(None, one_plan_gear(tp_plan(M8, ["a1-g0"], 100_000)), M8, snap, chat_workload(5.0))
     assert SwitchCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+def test_the_switch_cost_is_the_same_whether_profiles_are_handed_over_or_built() -> None:
+    snap = fleet()
+    current = one_plan_gear(tp_plan(M8, ["a1-g0"], 50_000))
+    target = Gear(M8.name, (tp_plan(M8, ["a2-g0", "a2-g1"], 50_000), tp_plan(M8, ["a1-g2", "a1-g3"], 50_000)),
+                  (0.5, 0.5))
+    workload = chat_workload(20.0)
+    est = estimate_plan(PlanProfile.build(current.plans[0], M8, snap), workload)
+    built = switch_cost(current, target, M8, snap, workload, current_estimate=est)
+    given_profiles = {p: PlanProfile.build(p, M8, snap) for p in target.plans}
+    handed = switch_cost(current, target, M8, snap, workload, current_estimate=est, profiles=given_profiles)
+    assert built == handed and built.migrate_seqs + built.replay_seqs > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(0.0, 80.0), min_size=1, max_size=6))
+def test_a_steady_state_answers_the_same_whatever_it_was_asked_before(rates: list[float]) -> None:
+    # round times are computed when first needed: the order of questions changes nothing
+    profile = PlanProfile.build(tp_plan(M8, ["a1-g0", "a1-g1"], 60_000), M8, fleet())
+    shape = chat_workload(1.0)
+    costmodel.clear_caches()
+    fresh = [costmodel.SteadyState(profile, shape, CHAT_SLO).estimate(r) for r in rates]
+    reused = costmodel.SteadyState(profile, shape, CHAT_SLO)
+    for r in reversed(rates):
+        reused.estimate(r)
+    assert [reused.estimate(r) for r in rates] == fresh

@@ -143,3 +143,14 @@ def test_validation_never_raises_on_nonsense() -> None:
     plan = Plan("other", "disaggregated", (Stage(5, 2, ("zz",)),), kv_reserve_tokens=0)
     reasons = validate_plan(plan, fleet(), M8)
     assert len(reasons) >= 4
+
+
+def test_a_plan_keeps_its_hash_only_inside_one_process() -> None:
+    import pickle
+
+    plan = pd_plan()
+    assert {plan: 1}[pd_plan()] == 1  # equal plans are the same key
+    hash(plan)
+    copy = pickle.loads(pickle.dumps(plan))
+    assert "_hash" not in copy.__dict__  # str hashes differ between processes: never pickled
+    assert copy == plan and hash(copy) == hash(plan)

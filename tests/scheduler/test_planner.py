@@ -7,7 +7,7 @@ from scheduler.costmodel import Workload
 from scheduler.hardware import CATALOG
 from scheduler.modelspec import model_spec
 from scheduler.plan import validate_gear
-from scheduler.planner import PlannerOptions, plan_candidates
+from scheduler.planner import PlannerOptions, clear_caches, plan_candidates
 from scheduler.topology import GpuState, NodeState, Snapshot, atomic_blocks
 from tests.scheduler.builders import CHAT_SLO, NodeSpec, chat_workload, make_fleet, with_gpus
 
@@ -146,3 +146,29 @@ def test_planning_is_deterministic() -> None:
     second = plan_candidates(M70, snap, Workload(3.0, 700, 150), slo=CHAT_SLO)
     assert [c.gear.gear_id for c in first.feasible] == [c.gear.gear_id for c in second.feasible]
     assert first.to_dict() == second.to_dict()
+
+
+def test_memos_change_no_answer() -> None:
+    # a cold planner (every memo cleared) and a warm one (memos from other workloads and from
+    # this one) give the same candidates: memo keys hold everything an estimate depends on
+    snap = make_fleet([NodeSpec("a1", "H100-SXM"), NodeSpec("b1", "A100-40G", rack="B"),
+                       NodeSpec("c1", "L40S", 4, nvlink=False, rack="C"), NodeSpec("d1", "H200", 4)])
+    workload = Workload(3.0, 700, 150)
+    clear_caches()
+    cold = plan_candidates(M70, snap, workload, slo=CHAT_SLO).to_dict()
+    for other in (Workload(9.0, 300, 400), Workload(3.0, 2000, 150), workload):
+        plan_candidates(M70, snap, other, slo=CHAT_SLO)
+        plan_candidates(M8, snap, other, slo=CHAT_SLO)
+    assert plan_candidates(M70, snap, workload, slo=CHAT_SLO).to_dict() == cold
+
+
+def test_every_candidate_plan_carries_a_profile_with_its_own_physics() -> None:
+    from scheduler.costmodel import PlanProfile
+
+    snap = make_fleet([NodeSpec(f"a{i}", "H100-SXM", 4) for i in range(3)] + [NodeSpec("b1", "A100-80G", 2)])
+    for cand in plan_candidates(M8, snap, chat_workload(30.0), slo=CHAT_SLO).feasible:
+        assert set(cand.profiles) == set(cand.gear.plans)
+        for plan, prof in cand.profiles.items():  # units of one type share a profile: same pipelines
+            own = PlanProfile.build(plan, M8, snap)
+            for role in ("prefill", "decode"):
+                assert prof.pipeline(role).signature == own.pipeline(role).signature  # type: ignore[arg-type]

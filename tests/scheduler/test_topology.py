@@ -184,3 +184,13 @@ def test_a_malformed_history_names_the_bad_point() -> None:
     with pytest.raises(ValueError, match=r"history\.trajectories\['a1/nvl0'\]\[1\]"):
         FragmentHistory.from_dict({"trajectories": {"a1/nvl0": [[0, 8], [10, -1]]}})
 
+
+
+def test_a_snapshot_partitions_once_per_policy_and_a_changed_one_afresh() -> None:
+    snap = small_fleet()
+    assert partition(snap) is partition(snap)  # every deployment decided on one tick shares it
+    strict = BlockPolicy(min_pcie_tp_bytes_per_s=1e12)
+    assert partition(snap, strict) is not partition(snap)
+    assert {b.id for b in partition(snap, strict).blocks} != {b.id for b in partition(snap).blocks}
+    changed = with_gpus(snap, **{"a1-g3": {"healthy": False}})
+    assert "a1-g3" in partition(changed).excluded and "a1-g3" not in partition(snap).excluded

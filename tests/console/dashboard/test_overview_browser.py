@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import pytest
-from channels.testing import ChannelsLiveServerTestCase
 from django.contrib.auth import get_user_model
 from django.test import override_settings
 from playwright.sync_api import sync_playwright
@@ -16,6 +15,7 @@ from agents.sim.cluster import TENANT
 from agents.sim.live import LiveFleet
 from agents.sim.scenario import load_scenario
 from tests.browser import launch, screenshot
+from tests.console.pagetools import LivePageTestCase
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API next to the ORM
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,8 +25,7 @@ pytestmark = [pytest.mark.browser]
 
 
 @override_settings(FLEXPIPE_ENROLL_TOKEN=JOIN)
-class OverviewInTheBrowser(ChannelsLiveServerTestCase):
-    serve_static = True
+class OverviewInTheBrowser(LivePageTestCase):
 
     def setUp(self) -> None:
         get_user_model().objects.create_user("operator", password="operator-pass-1")

@@ -196,6 +196,15 @@ class TestCommands:
         cmd.refresh_from_db()
         assert cmd.state == "ok" and cmd.result == {"load_s": 1.5}
 
+    def test_a_nul_character_anywhere_in_a_body_is_refused_not_a_server_error(self, agent: AgentHTTP) -> None:
+        # PostgreSQL's jsonb cannot store U+0000; the ack would otherwise fail with a 500 on save.
+        cmd = self.issue()
+        resp = agent.post(f"/agent/v1/commands/{cmd.pk}/ack",
+                          {"protocol": 1, "status": "ok", "result": {"sha256": "abc\x00"}})
+        assert resp.status_code == 400 and "NUL" in resp.json()["errors"]["(body)"]
+        cmd.refresh_from_db()
+        assert cmd.state == "pending"
+
     def test_an_agent_cannot_ack_another_nodes_command(self, agent: AgentHTTP, client: Client) -> None:
         enroll(client, "b1")
         cmd = self.issue("b1", key="k-b1")

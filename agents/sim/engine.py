@@ -1,0 +1,605 @@
+"""One plan's serving engine, simulated: continuous batching with chunked prefill, paged KV with
+preemption by recompute, pipeline stages and prefill/decode hand-off. Step times come from
+`scheduler.costmodel` (the same `PipelineProfile` the planner estimates with).
+
+A *round* is one scheduler step of a pipe (a pipeline of stages): every decoding sequence makes
+one token, and what is left of the token budget (`MAX_BATCHED_TOKENS` per micro-batch, vLLM's
+default) goes to prompt chunks, first of sequences already prefilling (first come first
+served), then of waiting ones as KV memory and the sequence cap allow. With PP stages the
+sequences split into `pp` micro-batches in flight; a round is then
+`max(latency, min(pp, seqs) x interval)` of one micro-batch (`costmodel.SteadyState` uses the
+same rule, so the simulator and the estimates agree by construction on what a round is).
+
+KV: a pipe holds `plan.kv_reserve_tokens` tokens (what the plan reserved from GPU memory).
+Admission reserves a sequence's whole prefill; each decode token adds one. When the next round's
+tokens do not fit, the most recently admitted sequence is preempted: its KV is dropped and it
+goes back to the head of the queue to be recomputed (prompt + generated so far), as vLLM does.
+
+The analytic shortcut (why a replay of eight hours is fast): between two things that change a
+batch - an arrival, a finish, a sequence that would overflow the KV, a hand-over - the rounds
+of a decode-only batch are identical except that each context grows by one token. Such a run of
+k rounds is advanced in one step: its round time is the cost model's time at the run's middle
+context (the attention term is linear in the context, the rest does not depend on it, so the
+error is second order), tokens are credited at its end, and a request that arrives during the
+run truncates it at the end of the round in flight. Rounds that carry prompt chunks are always
+simulated one by one. A sequence's decode progress is kept as (decode clock, context, tokens)
+at the moment it joined, so nothing is touched per sequence per round.
+
+Disaggregated plans have two pipes: the prefill pipe only runs prompt chunks; a finished prompt
+hands its KV to the decode pipe over the plan's KV route (`PlanProfile.kv_handoff_s`, one
+transfer at a time on that route), and its first token is counted when the hand-off lands, as
+the cost model counts it in TTFT.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Literal
+
+from scheduler.costmodel import MAX_BATCHED_TOKENS, MAX_RUNNING_SEQS, PipelineProfile, PlanProfile
+from scheduler.modelspec import ModelSpec
+from scheduler.plan import Plan
+
+if TYPE_CHECKING:
+    from agents.sim.fleet import EngineHost
+
+Role = Literal["both", "prefill", "decode"]
+EngineState = Literal["loading", "serving", "dead", "released"]
+
+# Event kinds: ties at one instant run in this order (cluster changes before the work they hit).
+KIND_CLUSTER = 0
+KIND_READY = 1
+KIND_LAND = 2
+KIND_ARRIVAL = 3
+KIND_BOUNDARY = 4
+KIND_TIMER = 5
+
+MAX_RUN_ROUNDS = 4096  # longest analytic run: bounds the middle-context approximation
+TIME_EPS = 1e-9  # rounding guard when a run is cut at "now"
+
+Event = tuple[float, int, Callable[[float, object], "list[Event] | None"], object]
+
+
+class Request:
+    """One request's life in the simulator. Mutable and slotted: a replay holds ~10^5 of them."""
+
+    __slots__ = (
+        "rid", "deployment", "arrival_s", "prompt", "output", "first_token_s", "finish_s",
+        "generated", "need", "done", "has_kv", "ctx0", "d0", "gen0", "epoch", "pipe", "decoding",
+        "preemptions", "replays", "migrations", "error", "engine_id", "paused_until",
+    )
+
+    def __init__(self, rid: int, deployment: str, arrival_s: float, prompt: int, output: int) -> None:
+        self.rid = rid
+        self.deployment = deployment
+        self.arrival_s = arrival_s
+        self.prompt = prompt
+        self.output = output
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+        self.generated = 0  # tokens emitted so far (exact while not decoding; see tokens_now)
+        self.need = prompt  # tokens the current prefill pass computes (prompt, or prompt + generated)
+        self.done = 0  # of those, computed so far
+        self.has_kv = False  # its KV is in place: it can decode without a prefill
+        self.ctx0 = 0  # while decoding: context when it joined the decoding set
+        self.d0 = 0  # ... the pipe's decode clock then
+        self.gen0 = 0  # ... and its tokens then
+        self.epoch = 0  # bumps whenever it leaves a pipe: finish-heap entries of older epochs are stale
+        self.pipe: Pipe | None = None  # the pipe that runs it (None while queued outside engines)
+        self.decoding = False  # in its pipe's decoding set
+        self.preemptions = 0  # KV dropped for lack of memory (recomputed)
+        self.replays = 0  # KV lost or dropped by a gear change (recomputed on another plan)
+        self.migrations = 0  # KV moved to another plan
+        self.error: str | None = None  # set when it ends with an explicit error
+        self.engine_id = 0  # the engine that owns it (0: none)
+        self.paused_until = 0.0  # a migration in flight lands then
+
+    def tokens_now(self) -> int:
+        """Tokens emitted so far (reads the pipe's decode clock while decoding)."""
+        if self.decoding and self.pipe is not None:
+            return self.gen0 + self.pipe.clock - self.d0
+        return self.generated
+
+    def context(self) -> int:
+        """Tokens in its KV cache (or to recompute): prompt + what it generated."""
+        return self.prompt + self.tokens_now()
+
+    def drop_kv(self) -> None:
+        """Forget its KV: the next pass recomputes prompt + generated tokens."""
+        self.has_kv = False
+        self.need = self.prompt + self.generated
+        self.done = 0
+
+
+class Pipe:
+    """A pipeline of stages running rounds (module docstring). One per colocated plan; two
+    (prefill, decode) per disaggregated plan."""
+
+    def __init__(self, engine: PlanEngine, role: Role, profile: PipelineProfile, kv_cap: int,
+                 kv_bytes_per_token: float, gpus: int) -> None:
+        self.engine = engine
+        self.role = role
+        self.prof = profile
+        self.pp = profile.pp
+        self.budget = MAX_BATCHED_TOKENS * self.pp
+        self.seq_cap = MAX_RUNNING_SEQS * self.pp
+        self.kv_cap = kv_cap
+        self.kv_bytes_per_token = kv_bytes_per_token  # over all GPUs of the pipe (for memory use)
+        self.gpus = gpus
+        self.max_run = engine.host.max_run_rounds  # longest analytic run (1: every round simulated)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # admission order: the last one is preempted first
+        self.prefilling: list[Request] = []  # prefill passes in progress, first come first served
+        self.n_dec = 0  # decoding sequences
+        self.ctx_base = 0  # sum over decoding of (ctx0 - d0): their context is ctx_base + n_dec x clock
+        self.kv_pre = 0  # KV reserved by prefill passes
+        self.clock = 0  # decode clock: rounds that carried decodes
+        self.fin: list[tuple[int, int, int, Request]] = []  # (clock at finish, rid, epoch, request)
+        # the round (or run of rounds) in flight
+        self.busy = False
+        self.t0 = 0.0
+        self.step = 0.0
+        self.k = 0
+        self.run_n = 0  # decoding sequences in it
+        self.chunks: list[tuple[Request, int]] = []
+        self.version = 0  # bumps when the scheduled boundary changes: older events are stale
+        self.handover: Callable[[Pipe, float], list[Event]] | None = None  # at the next boundary
+        # accounting
+        self.busy_s = 0.0  # time it ran rounds
+        self.kv_token_s = 0.0  # integral of KV tokens in use over time
+        self.tokens_done = 0  # tokens it computed (prompt chunks and decode steps), for compute use
+
+    # --- state ----------------------------------------------------------------------------
+    @property
+    def kv_used(self) -> int:
+        return self.ctx_base + self.n_dec * self.clock + self.kv_pre
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def empty(self) -> bool:
+        return not self.waiting and not self.running and not self.chunks
+
+    # --- entry points -------------------------------------------------------------------
+    def enqueue(self, req: Request, t: float, front: bool = False) -> list[Event]:
+        """Queue a request (a prefill pass, or decode-ready when it has its KV) and wake the pipe."""
+        req.pipe = self
+        req.engine_id = self.engine.engine_id
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+        return self.poke(t)
+
+    def poke(self, t: float) -> list[Event]:
+        """New work: start a round now when idle, or cut a decode-only run at the round in flight."""
+        if self.engine.state != "serving":
+            return []
+        if not self.busy:
+            return self._start_round(t)
+        if self.k > 1:
+            done = math.ceil((t - self.t0) / self.step - TIME_EPS) if self.step > 0 else 1
+            done = max(1, min(self.k, done))
+            if done < self.k:
+                self.k = done
+                self.version += 1
+                return [(self.t0 + done * self.step, KIND_BOUNDARY, self.on_boundary, self.version)]
+        return []
+
+    def on_boundary(self, t: float, version: object) -> list[Event]:
+        if version != self.version or not self.busy:
+            return []
+        self.busy = False
+        out = self._finish_round(t, self.k)
+        if self.handover is not None:
+            hand, self.handover = self.handover, None
+            out += hand(self, t)
+        out += self._start_round(t)
+        if not self.busy and self.empty():
+            out += self.engine.host.pipe_idle(self.engine, t)
+        return out
+
+    # --- a round ----------------------------------------------------------------------------
+    def _finish_round(self, t: float, k: int) -> list[Event]:
+        """Credit the round(s) that ended at t: decode tokens, finishes, completed prompt chunks."""
+        out: list[Event] = []
+        host = self.engine.host
+        n = self.run_n
+        span = t - self.t0
+        self.busy_s += span
+        kv_start = self.ctx_base + self.n_dec * self.clock + self.kv_pre
+        self.tokens_done += n * k
+        if self.chunks:
+            self.tokens_done += sum(c for _, c in self.chunks)
+        if n and k:
+            self.clock += k
+            clock = self.clock
+            self.kv_token_s += span * (kv_start + n * k / 2)
+            host.tokens(self.engine, self.t0, t, n * k)
+            fin = self.fin
+            while fin and fin[0][0] <= clock:
+                _, _, epoch, req = heapq.heappop(fin)
+                if req.epoch == epoch and req.decoding and req.pipe is self:
+                    self._leave_decoding(req)
+                    del self.running[req.rid]
+                    req.generated = req.output
+                    out += host.finished(req, t)
+        else:
+            self.kv_token_s += span * kv_start
+        if self.chunks:
+            chunks, self.chunks = self.chunks, []
+            sampled = 0
+            for req, c in chunks:
+                req.done += c
+                if req.done < req.need:
+                    continue
+                # the pass is complete: it samples one token
+                self.prefilling.remove(req)
+                self.kv_pre -= req.need
+                req.generated += 1
+                req.has_kv = True
+                sampled += 1
+                if req.generated >= req.output:
+                    del self.running[req.rid]
+                    req.epoch += 1
+                    if req.first_token_s is None:
+                        req.first_token_s = t
+                    out += host.finished(req, t)
+                elif self.role == "prefill":
+                    del self.running[req.rid]
+                    req.epoch += 1
+                    out += self.engine.hand_off(req, t)
+                else:
+                    if req.first_token_s is None:
+                        req.first_token_s = t
+                    self._join_decoding(req)
+            if sampled:
+                host.tokens(self.engine, t, t, sampled)
+        self.run_n = 0
+        return out
+
+    def _join_decoding(self, req: Request) -> None:
+        req.ctx0 = req.prompt + req.generated
+        req.d0 = self.clock
+        req.gen0 = req.generated
+        req.decoding = True
+        self.n_dec += 1
+        self.ctx_base += req.ctx0 - self.clock
+        heapq.heappush(self.fin, (self.clock + req.output - req.generated, req.rid, req.epoch, req))
+
+    def _leave_decoding(self, req: Request) -> None:
+        req.generated = req.gen0 + self.clock - req.d0
+        req.decoding = False
+        req.epoch += 1
+        self.n_dec -= 1
+        self.ctx_base -= req.ctx0 - req.d0
+
+    def _preempt_last(self, t: float) -> list[Event]:
+        """Drop the KV of the most recently admitted sequence; it is recomputed later."""
+        _, req = self.running.popitem()
+        if req.decoding:
+            self._leave_decoding(req)
+        else:
+            self.prefilling.remove(req)
+            self.kv_pre -= req.need
+            req.epoch += 1
+        req.preemptions += 1
+        req.drop_kv()
+        return self.engine.requeue_front(self, req, t)
+
+    def _start_round(self, t: float) -> list[Event]:
+        """Form the next round at time t and schedule its end (module docstring)."""
+        out: list[Event] = []
+        cap = self.kv_cap
+        role = self.role
+        # 1. the decode tokens of this round must fit in the KV cache
+        preempted = False
+        while self.n_dec and self.ctx_base + self.n_dec * (self.clock + 1) + self.kv_pre > cap:
+            out += self._preempt_last(t)
+            preempted = True
+        n_dec = self.n_dec
+        budget = self.budget - n_dec if role == "both" else (self.budget if role == "prefill" else 0)
+        chunks: list[tuple[Request, int]] = []
+        pre_tokens = pre_ctx = 0
+        # 2. prefill passes in progress, first come first served
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            c = min(req.need - req.done, budget)
+            chunks.append((req, c))
+            pre_ctx += req.done
+            pre_tokens += c
+            budget -= c
+        # 3. admit waiting sequences while the budget, the sequence cap and the KV allow - the KV
+        # check counts this round's decode tokens. Not after a preemption (vLLM does the same):
+        # the sequence just preempted would be readmitted at once and thrash.
+        waiting, running = self.waiting, self.running
+        if waiting and not preempted:
+            # KV this round needs so far: what is held plus one token per decoding sequence
+            need_kv = self.ctx_base + n_dec * (self.clock + 1) + self.kv_pre
+            seq_cap = self.seq_cap
+            while waiting and len(running) < seq_cap:
+                req = waiting[0]
+                if req.has_kv:
+                    ctx = req.prompt + req.generated
+                    if need_kv + ctx + 1 > cap or (role == "both" and budget < 1):
+                        break
+                    waiting.popleft()
+                    running[req.rid] = req
+                    self._join_decoding(req)
+                    need_kv += ctx + 1
+                    budget -= 1
+                    continue
+                if budget <= 0 or role == "decode":
+                    break
+                need = req.need
+                if need > cap:
+                    waiting.popleft()
+                    out += self.engine.host.failed(
+                        req, t, f"needs {need} KV tokens; plan {self.engine.plan.plan_id} holds {cap}")
+                    continue
+                if need_kv + need > cap:
+                    break
+                waiting.popleft()
+                running[req.rid] = req
+                self.prefilling.append(req)
+                self.kv_pre += need
+                need_kv += need
+                c = min(need, budget)
+                chunks.append((req, c))
+                pre_tokens += c
+                budget -= c
+        n = self.n_dec
+        if not chunks and not n:
+            return out
+        ctx = self.ctx_base + n * self.clock
+        if chunks:
+            k = 1
+            step = self._round_s(pre_tokens, len(chunks), pre_ctx, n, ctx)
+        else:
+            k_fin = self._next_finish() - self.clock
+            k_kv = (cap - ctx - self.kv_pre) // n
+            k = max(1, min(k_fin, k_kv, self.max_run))
+            step = self._round_s(0, 0, 0, n, ctx + n * (k - 1) // 2)
+        self.busy = True
+        self.t0 = t
+        self.step = step
+        self.k = k
+        self.run_n = n
+        self.chunks = chunks
+        self.version += 1
+        out.append((t + k * step, KIND_BOUNDARY, self.on_boundary, self.version))
+        return out
+
+    def _next_finish(self) -> int:
+        fin = self.fin
+        while fin:
+            d, _, epoch, req = fin[0]
+            if req.epoch == epoch and req.decoding and req.pipe is self:
+                return d
+            heapq.heappop(fin)
+        return self.clock + MAX_RUN_ROUNDS
+
+    def _round_s(self, pre_tokens: int, pre_seqs: int, pre_ctx: int, dec: int, dec_ctx: int) -> float:
+        """A round's time by the cost model, slowed by `engine.share` when plans share a GPU."""
+        pp = self.pp
+        if pp == 1:
+            return self.prof.latency_interval(pre_tokens, pre_seqs, pre_ctx, dec, dec_ctx)[0] * self.engine.share
+        latency, interval = self.prof.latency_interval(
+            -(-pre_tokens // pp), -(-pre_seqs // pp), pre_ctx // pp, -(-dec // pp), dec_ctx // pp)
+        return max(latency, min(pp, max(1, dec + pre_seqs)) * interval) * self.engine.share
+
+    # --- leaving ------------------------------------------------------------------------------
+    def settle(self, t: float) -> list[Event]:
+        """Bring a run in flight up to t (rounds completed by then are credited; the round in
+        flight is lost). Used when the pipe is stopped between boundaries."""
+        if not self.busy:
+            return []
+        out: list[Event] = []
+        if self.chunks or self.step <= 0:
+            done = 1 if t >= self.t0 + self.step * self.k - TIME_EPS else 0
+        else:
+            done = max(0, min(self.k, int((t - self.t0) / self.step + TIME_EPS)))
+        self.busy = False
+        self.version += 1
+        if done:
+            end = self.t0 + done * self.step
+            out += self._finish_round(end, done)
+            self.busy_s += t - end
+        else:
+            self.busy_s += t - self.t0
+            self.chunks = []
+            self.run_n = 0
+        return out
+
+    def evict(self, keep_kv: bool) -> list[Request]:
+        """Take every sequence out (running in admission order, then the queue). Without
+        `keep_kv` their KV is gone and they will be recomputed."""
+        out: list[Request] = []
+        for req in self.running.values():
+            if req.decoding:
+                self._leave_decoding(req)
+            else:
+                req.epoch += 1
+            out.append(req)
+        out.extend(self.waiting)
+        self.running = {}
+        self.prefilling = []
+        self.waiting = deque()
+        self.kv_pre = 0
+        self.fin = []
+        self.chunks = []
+        for req in out:
+            req.pipe = None
+            req.engine_id = 0
+            if not (keep_kv and req.has_kv):
+                req.drop_kv()
+        return out
+
+    def take_running(self, keep: Callable[[Request], bool]) -> list[Request]:
+        """At a boundary: take the sequences that `keep` does not keep (decoding ones keep their
+        KV flag, prefilling ones restart their pass). Nothing may be in flight."""
+        out: list[Request] = []
+        for rid, req in list(self.running.items()):
+            if req.decoding:
+                if keep(req):
+                    continue
+                self._leave_decoding(req)
+            else:
+                self.prefilling.remove(req)
+                self.kv_pre -= req.need
+                req.epoch += 1
+                req.drop_kv()
+            del self.running[rid]
+            req.pipe = None
+            req.engine_id = 0
+            out.append(req)
+        return out
+
+
+class PlanEngine:
+    """One plan of one deployment: its pipes, its state and its counters."""
+
+    def __init__(self, engine_id: int, deployment: str, plan: Plan, profile: PlanProfile, model: ModelSpec,
+                 host: EngineHost, *, state: EngineState = "loading", ready_s: float = 0.0) -> None:
+        self.engine_id = engine_id
+        self.deployment = deployment
+        self.plan = plan
+        self.profile = profile
+        self.model = model
+        self.host = host
+        self.state: EngineState = state
+        self.ready_s = ready_s
+        self.accepting = False  # in the routing table
+        self.weight = 1.0  # routing weight
+        self.release_when_empty = False  # draining: released when its last sequence leaves
+        # plans on its busiest GPU (1: it has its GPUs to itself). Plans that share a GPU (two
+        # fit in its memory, or an old and a new plan overlap during a gear change) time-slice
+        # it; we charge each the whole share, as if the others were always busy (conservative).
+        self.share = 1.0
+        self.started_s = 0.0  # when it began serving
+        self.launched_s = 0.0  # when it began holding its GPUs (loading)
+        kv_cap = plan.kv_reserve_tokens
+        if plan.mode == "disaggregated":
+            self.prefill = Pipe(self, "prefill", profile.pipeline("prefill"), kv_cap,
+                                _kv_bytes(plan.stages, model), _gpus(plan.stages))
+            self.decode = Pipe(self, "decode", profile.pipeline("decode"), kv_cap,
+                               _kv_bytes(plan.decode_stages, model), _gpus(plan.decode_stages))
+            self.pipes: tuple[Pipe, ...] = (self.prefill, self.decode)
+        else:
+            self.prefill = self.decode = Pipe(self, "both", profile.pipeline("prefill"), kv_cap,
+                                              _kv_bytes(plan.stages, model), _gpus(plan.stages))
+            self.pipes = (self.prefill,)
+        self.handoff_free_s = 0.0  # disaggregated: the KV route is busy until then
+        self.in_flight: dict[int, Request] = {}  # hand-offs and migrations on their way here
+        self.weight_bytes = sum(-(-model.stage_weight_bytes(s.layer_start, s.layer_end) // s.tp) * s.tp
+                                for s in plan.all_stages)
+        # report counters (reset by each report)
+        self.rep_tokens = 0
+        self.rep_finished = 0
+        self.rep_arrivals = 0
+        self.rep_ttft: list[float] = []
+        self.rep_tpot: list[float] = []
+        self.rep_prompt: list[int] = []
+        self.rep_output: list[int] = []
+        self.rep_since_s = 0.0
+
+    @property
+    def load(self) -> int:
+        """Sequences it holds or has on their way (what the router balances)."""
+        first = self.pipes[0]
+        n = len(first.waiting) + len(first.running) + len(self.in_flight)
+        if len(self.pipes) > 1:
+            second = self.pipes[1]
+            n += len(second.waiting) + len(second.running)
+        return n
+
+    def empty(self) -> bool:
+        return not self.in_flight and all(p.empty() for p in self.pipes)
+
+    def submit(self, req: Request, t: float) -> list[Event]:
+        """A request routed here: a prefill pass (or straight to decoding when its KV is here)."""
+        pipe = self.decode if req.has_kv else self.prefill
+        return pipe.enqueue(req, t)
+
+    def requeue_front(self, pipe: Pipe, req: Request, t: float) -> list[Event]:
+        """A preempted sequence: it recomputes on this plan before anything newer."""
+        target = self.prefill
+        req.pipe = target
+        target.waiting.appendleft(req)
+        return target.poke(t) if target is not pipe else []
+
+    def hand_off(self, req: Request, t: float) -> list[Event]:
+        """Disaggregated: a finished prompt's KV travels to the decode pipe, one transfer at a
+        time on the plan's KV route; its first token counts when it lands (costmodel's TTFT)."""
+        start = max(t, self.handoff_free_s)
+        self.handoff_free_s = start + self.profile.kv_handoff_s(req.need)
+        return self.expect(req, self.handoff_free_s)
+
+    def expect(self, req: Request, land_s: float) -> list[Event]:
+        """A sequence whose KV is on its way here (hand-off or migration) lands at `land_s`."""
+        req.pipe = None
+        req.engine_id = self.engine_id
+        req.paused_until = land_s
+        self.in_flight[req.rid] = req
+        return [(land_s, KIND_LAND, self.on_land, req)]
+
+    def on_land(self, t: float, arg: object) -> list[Event]:
+        req = arg
+        assert isinstance(req, Request)  # noqa: S101 - events carry what their handler expects
+        if self.in_flight.pop(req.rid, None) is None:
+            return []  # the engine stopped meanwhile: the request was handed back then
+        if req.first_token_s is None:
+            req.first_token_s = t
+        return self.decode.enqueue(req, t)
+
+    def start(self, t: float) -> list[Event]:
+        """Loading is over: serve what is queued."""
+        self.state = "serving"
+        self.started_s = t
+        out: list[Event] = []
+        for pipe in self.pipes:
+            out += pipe.poke(t)
+        return out
+
+    def stop(self, t: float, keep_kv: bool = False) -> tuple[list[Request], list[Event]]:
+        """Stop at once (GPUs lost, or a free move): every sequence leaves, hand-offs in flight
+        too; rounds completed by t are credited. Returns the requests and the events that the
+        credited rounds produced (finishes)."""
+        events: list[Event] = []
+        for pipe in self.pipes:
+            events += pipe.settle(t)
+        reqs: list[Request] = []
+        for pipe in self.pipes:
+            reqs += pipe.evict(keep_kv)
+        for req in self.in_flight.values():
+            req.engine_id = 0
+            if not keep_kv:
+                req.drop_kv()
+            reqs.append(req)
+        self.in_flight = {}
+        self.state = "dead"
+        self.accepting = False
+        return reqs, events
+
+    def memory_bytes_in_use(self) -> float:
+        """Weights plus the KV actually held now (not the reserve)."""
+        return self.weight_bytes + sum(p.kv_used * p.kv_bytes_per_token for p in self.pipes)
+
+
+def _kv_bytes(stages: Iterable[object], model: ModelSpec) -> float:
+    """KV bytes one token takes over every GPU of a pipeline (replicated where TP > KV heads)."""
+    total = 0.0
+    for st in stages:
+        layers = st.layer_end - st.layer_start  # type: ignore[attr-defined]
+        tp = st.tp  # type: ignore[attr-defined]
+        total += layers * model.kv_bytes_per_token_per_layer * tp / model.kv_shards(tp)
+    return total
+
+
+def _gpus(stages: Iterable[object]) -> int:
+    return sum(st.tp for st in stages)  # type: ignore[attr-defined]

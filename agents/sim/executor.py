@@ -1,0 +1,474 @@
+"""FlexPipe's gear changes in the simulator, through the production transition executor.
+
+`TransitionDriver` runs `scheduler.transition.Executor` - the three-phase state machine that
+production runs from Celery - over the in-memory ports of `scheduler.transition_memory` (store,
+versioned routing table, agent mailbox), with the `FleetSim` playing every agent: it takes the
+commands queued for each node and carries them out on its engines, with modelled durations,
+then acks them as agent protocol v1 says (the same answers `agents.sim.memory_fleet` gives):
+
+* prepare_plan: the plan's engine starts loading (it holds its memory at once); acked when it
+  serves - weights from host memory over each GPU's host link (costmodel.switch_cost's PREPARE
+  time, shards already in place free) - or failed ("preempted") when its GPUs are gone.
+* freeze_plan: the plan stops admitting; the ack lists its sequences (context, tokens so far,
+  running or waiting) and its current round time.
+* move_sequences: at the end of the source pipe's round in flight (a safe boundary), each listed
+  sequence finishes where it is, migrates (its KV crosses the link at the capped bandwidth, one
+  migration at a time per source node) or replays (recomputed on the target). Acked when the
+  last migration has landed.
+* release_plan: the plan drains what it kept, then frees its GPUs; sequences still there after
+  the drain timeout are recomputed on the routed plans (the fleet never drops a request).
+* abort_plan: the plan stops at once; its sequences are recomputed on the routed plans.
+* thaw_plan: it admits again (the routing table says how much).
+
+After every executor pass the simulator's routing follows the committed routing table (weight
+> 0 and not frozen: takes new requests). The executor is advanced whenever an ack arrives,
+after a cluster change, and at the times it asks to be woken (a canary dwell, a timeout).
+Transition events and effects go to an `EventLog` (no per-sequence events: an eight-hour run
+would hold millions), so `scheduler.invariants.check` can verify invariant 3 over a run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents.sim.cluster import Change
+from agents.sim.engine import Pipe, PlanEngine, Request
+from agents.sim.fleet import FleetSim
+from agents.sim.metrics import SwitchRecord
+from scheduler.costmodel import kv_route
+from scheduler.invariants import EventLog, LogEvent
+from scheduler.modelspec import model_spec
+from scheduler.plan import Gear, Plan
+from scheduler.transition import (
+    DEFAULT_TRANSITION_CONFIG,
+    CommandIntent,
+    CommandKind,
+    Executor,
+    Kind,
+    Phase,
+    Route,
+    Step,
+    TransitionConfig,
+    TransitionRecord,
+    plan_nodes,
+)
+from scheduler.transition_memory import ManualClock, MemoryWorld
+
+Finished = Callable[[TransitionRecord, float], None]
+
+
+@dataclass
+class _Move:
+    """One move_sequences command being carried out."""
+
+    cmd: CommandIntent
+    engine_id: int
+    directives: dict[str, Mapping[str, object]]  # seq_id -> directive
+    pipes_left: int  # source pipes that have not reached their boundary yet
+    landing: int = 0  # migrations in flight
+    results: list[dict[str, object]] = field(default_factory=list)
+
+
+Ack = Callable[[CommandIntent, bool, str, Mapping[str, object]], None]
+
+
+class SimAgents:
+    """Every agent of the simulated cluster: carries out agent protocol v1's transition commands
+    on the simulator's engines (module docstring) and answers each through `ack` when it is done.
+
+    The transition driver feeds it from the in-memory mailbox; the live fleet can feed it the
+    commands the console sends (a protocol Command maps onto a CommandIntent: key = command id,
+    node_id, kind, payload, deployment, transition seq, step) and ack over HTTP. The simulator's
+    listener must forward `on_ready` and `on_stopped` (engines coming up, stopping, released).
+    """
+
+    def __init__(self, sim: FleetSim, ack: Ack, *, config: TransitionConfig = DEFAULT_TRANSITION_CONFIG,
+                 log: EventLog | None = None) -> None:
+        self.sim = sim
+        self.ack = ack
+        self.config = config
+        self.log = log if log is not None else EventLog(record_decodes=False)
+        self._prepares: dict[int, list[CommandIntent]] = {}  # engine id -> prepare commands to ack at ready
+        self._releases: dict[int, list[CommandIntent]] = {}  # engine id -> release commands to ack at release
+        self._link_free: dict[str, float] = {}  # source node -> its outgoing KV link is busy until then
+
+    def execute(self, cmd: CommandIntent) -> None:
+        """Carry out one command (acked now or when it is done)."""
+        self._execute(cmd)
+
+    def listener(self) -> _AgentsListener:
+        """A SimListener that tells these agents when engines come up or stop (give it to the
+        FleetSim when nothing else listens)."""
+        return _AgentsListener(self)
+
+    def _ack(self, cmd: CommandIntent, ok: bool, detail: str = "", result: Mapping[str, object] | None = None
+             ) -> None:
+        self.ack(cmd, ok, detail, dict(result or {}))
+
+    def _engine(self, cmd: CommandIntent) -> PlanEngine | None:
+        return self.sim.engine_of(cmd.deployment_id, str(cmd.payload.get("plan_id", "")))
+
+    def _execute(self, cmd: CommandIntent) -> None:
+        kind = cmd.kind
+        if kind is CommandKind.PREPARE_PLAN:
+            self._prepare(cmd)
+        elif kind is CommandKind.FREEZE_PLAN:
+            self._freeze(cmd)
+        elif kind is CommandKind.THAW_PLAN:
+            self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id")})
+        elif kind is CommandKind.MOVE_SEQUENCES:
+            self._move(cmd)
+        elif kind is CommandKind.RELEASE_PLAN:
+            self._release(cmd)
+        elif kind is CommandKind.ABORT_PLAN:
+            self._abort(cmd)
+
+    def _prepare(self, cmd: CommandIntent) -> None:
+        plan = Plan.from_dict(cmd.payload["plan"])
+        engine = self.sim.engine_of(cmd.deployment_id, plan.plan_id)
+        if engine is not None and engine.state == "serving":
+            self._ack(cmd, True, result={"plan_id": plan.plan_id, "load_s": 0.0})
+            return
+        if engine is None:
+            lost = [u for u in plan.gpu_uuids if not self.sim.gpu_usable(u)]
+            if lost:
+                self._ack(cmd, False, f"preempted: GPU(s) {', '.join(lost[:3])} are not ours",
+                          {"reason": "preempted", "gpus": lost})
+                return
+            engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
+            self.log.add(LogEvent(self.sim.now_s, "plan_prepared", node=cmd.node_id, plan_id=plan.plan_id))
+        self._prepares.setdefault(engine.engine_id, []).append(cmd)
+        if engine.state == "serving":
+            self.on_ready(engine)
+
+    def on_ready(self, engine: PlanEngine) -> None:
+        for cmd in self._prepares.pop(engine.engine_id, []):
+            self._ack(cmd, True, result={"plan_id": engine.plan.plan_id,
+                                         "load_s": round(engine.ready_s - engine.started_s, 6)})
+
+    def on_stopped(self, engine: PlanEngine) -> None:
+        """An engine stopped (lost GPUs, aborted) or was released: answer what waited on it."""
+        reason = "preempted" if engine.state == "dead" else "failed"
+        for cmd in self._prepares.pop(engine.engine_id, []):
+            self._ack(cmd, False, f"plan {engine.plan.plan_id} stopped while loading", {"reason": reason})
+        for cmd in self._releases.pop(engine.engine_id, []):
+            self.log.add(LogEvent(self.sim.now_s, "plan_released", node=cmd.node_id, plan_id=engine.plan.plan_id))
+            self._ack(cmd, True, result={"plan_id": engine.plan.plan_id, "failed": []})
+
+    def _freeze(self, cmd: CommandIntent) -> None:
+        engine = self._engine(cmd)
+        pid = cmd.payload.get("plan_id")
+        if engine is None or engine.state != "serving":
+            self._ack(cmd, True, result={"plan_id": pid, "sequences": []})
+            return
+        engine.accepting = False
+        seqs = []
+        for req, running in _sequences(engine):
+            tokens = req.tokens_now()
+            seqs.append({"seq_id": str(req.rid), "context_tokens": req.prompt + tokens if req.has_kv or req.decoding
+                         else 0, "generated_tokens": tokens, "max_tokens": req.output,
+                         "state": "running" if running else "waiting", "kv_lost": False})
+        step = max((p.step for p in engine.pipes if p.busy), default=0.0) or engine.profile.pipeline(
+            "decode").decode_step_s(1, 512)
+        self._ack(cmd, True, result={"plan_id": pid, "sequences": seqs, "decode_step_s": step})
+
+    def _move(self, cmd: CommandIntent) -> None:
+        engine = self._engine(cmd)
+        raw = cmd.payload.get("moves", [])
+        directives = {str(m.get("seq_id")): m for m in raw if isinstance(m, Mapping)} if isinstance(raw, list) else {}
+        if engine is None or engine.state != "serving":
+            self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "moved": [
+                {"seq_id": s, "action": m.get("action"), "outcome": "gone", "ok": True}
+                for s, m in directives.items()]})
+            return
+        job = _Move(cmd, engine.engine_id, directives, pipes_left=len(engine.pipes))
+        for pipe in engine.pipes:
+            if pipe.busy:
+                pipe.handover = lambda p, t, job=job: self._hand_over(job, p, t)
+            else:
+                self.sim.push_events(self._hand_over(job, pipe, self.sim.now_s))
+
+    def _hand_over(self, job: _Move, pipe: Pipe, t: float) -> list[Any]:
+        """At the pipe's safe boundary: the listed sequences leave it, or stay to finish."""
+        out: list[Any] = []
+        mine = {str(r.rid): r for r in list(pipe.running.values()) + list(pipe.waiting)}
+        wanted = {sid for sid, m in job.directives.items() if m.get("action") != "finish" and sid in mine}
+        for sid in [s for s, m in job.directives.items() if m.get("action") == "finish" and s in mine]:
+            job.results.append({"seq_id": sid, "action": "finish", "ok": True,
+                                "context_tokens": mine[sid].context()})
+        taken = pipe.take_running(lambda r: str(r.rid) not in wanted)
+        queued = [r for r in pipe.waiting if str(r.rid) in wanted]
+        for r in queued:
+            pipe.waiting.remove(r)
+            r.pipe = None
+            r.engine_id = 0
+        src = pipe.engine
+        for req in taken + queued:
+            m = job.directives[str(req.rid)]
+            out += self._send(job, src, req, m, t)
+        job.pipes_left -= 1
+        self._maybe_done(job)
+        return out
+
+    def _send(self, job: _Move, src: PlanEngine, req: Request, m: Mapping[str, object], t: float) -> list[Any]:
+        dst = self.sim.engine_of(src.deployment, str(m.get("target_plan", "")))
+        action = str(m.get("action"))
+        ctx = req.prompt + req.generated
+        if dst is None or dst.state != "serving":
+            # the target cannot take it: it is recomputed wherever the router sends it
+            if req.has_kv:
+                req.drop_kv()
+            req.replays += 1
+            job.results.append({"seq_id": str(req.rid), "action": action, "ok": False, "reason": "target_refused",
+                                "error": f"target plan {m.get('target_plan')} is not serving"})
+            return self.sim.dispatch(src.deployment, req, t)
+        if action == "migrate" and req.has_kv:
+            src_stages = src.plan.decode_stages if src.plan.mode == "disaggregated" else src.plan.stages
+            dst_stages = dst.plan.decode_stages if dst.plan.mode == "disaggregated" else dst.plan.stages
+            route = kv_route(src_stages, dst_stages, src.model, self.sim.snapshot(), self.sim.eff)
+            cap = float(m.get("bw_cap_bytes_per_s", 0.0) or 0.0)  # type: ignore[arg-type]
+            per_token = route.s_per_token
+            if cap > 0 and route.bytes_per_token:
+                per_token = max(per_token, route.bytes_per_token / cap)
+            dur = 0.0 if route.bytes_per_token == 0 else route.latency_s + ctx * per_token
+            if not math.isfinite(dur):
+                action = "replay"
+            else:
+                node = self.sim.plan_nodes(src.plan)[0]
+                start = max(t, self._link_free.get(node, 0.0))
+                land = start + dur
+                self._link_free[node] = land
+                req.migrations += 1
+                job.landing += 1
+                job.results.append({"seq_id": str(req.rid), "action": "migrate", "ok": True, "context_tokens": ctx,
+                                    "kv_bytes": ctx * route.bytes_per_token, "replay_tokens": 0,
+                                    "stall_s": round(land - t, 6)})
+
+                def landed(now: float, job: _Move = job) -> None:
+                    job.landing -= 1
+                    self._maybe_done(job)
+
+                self.sim.call_at(land, landed)
+                return dst.expect(req, land)
+        # replay (or a sequence that held no KV): recomputed on the target
+        if req.has_kv:
+            req.drop_kv()
+        if req.generated or req.done:
+            req.replays += 1
+        est = dst.profile.pipeline("prefill").prefill_time_s(max(1, ctx))
+        job.results.append({"seq_id": str(req.rid), "action": "replay", "ok": True, "context_tokens": ctx,
+                            "kv_bytes": 0, "replay_tokens": ctx, "stall_s": round(est, 6)})
+        return dst.submit(req, t)
+
+    def _maybe_done(self, job: _Move) -> None:
+        if job.pipes_left > 0 or job.landing > 0:
+            return
+        done = {str(r.get("seq_id")) for r in job.results}
+        for sid, m in job.directives.items():
+            if sid not in done:
+                job.results.append({"seq_id": sid, "action": m.get("action"), "outcome": "gone", "ok": True})
+        failed = [r for r in job.results if not r.get("ok", True)]
+        result = {"plan_id": job.cmd.payload.get("plan_id"), "moved": job.results}
+        if failed:
+            self._ack(job.cmd, False, f"{len(failed)} sequence(s) could not be handed over",
+                      {**result, "reason": "target_refused"})
+        else:
+            self._ack(job.cmd, True, result=result)
+
+    def _release(self, cmd: CommandIntent) -> None:
+        engine = self._engine(cmd)
+        if engine is None or engine.state != "serving":
+            self.log.add(LogEvent(self.sim.now_s, "plan_released", node=cmd.node_id,
+                                  plan_id=str(cmd.payload.get("plan_id", ""))))
+            self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "noop": True})
+            return
+        self._releases.setdefault(engine.engine_id, []).append(cmd)
+        if len(self._releases[engine.engine_id]) > 1:
+            return  # another node's release of the same plan: one drain serves both
+        raw = cmd.payload.get("drain_timeout_s", 2 * self.config.drain_budget_s)
+        drain_s = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else 0.0
+        self.sim.retire(engine, "drain")
+
+        def deadline(now: float) -> None:
+            if engine.state == "serving":
+                self.sim.retire(engine, "stop")  # what is left is recomputed on the routed plans
+
+        self.sim.call_at(self.sim.now_s + drain_s, deadline)
+
+    def _abort(self, cmd: CommandIntent) -> None:
+        engine = self._engine(cmd)
+        if engine is not None and engine.state in ("serving", "loading"):
+            self.sim.retire(engine, "stop")
+        self.log.add(LogEvent(self.sim.now_s, "plan_aborted", node=cmd.node_id,
+                              plan_id=str(cmd.payload.get("plan_id", "")),
+                              detail=str(cmd.payload.get("reason", "aborted"))))
+        self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "failed": []})
+
+
+class TransitionDriver:
+    """The production executor, advanced on the simulator's clock (module docstring)."""
+
+    def __init__(self, sim: FleetSim, *, config: TransitionConfig = DEFAULT_TRANSITION_CONFIG,
+                 on_finished: Finished | None = None) -> None:
+        self.sim = sim
+        self.config = config
+        self.on_finished = on_finished
+        self.clock = ManualClock(sim.now_s)
+        self.log = EventLog(record_decodes=False)
+        self.world = MemoryWorld(self.clock, sim.snapshot, self.log)
+        self.executor = Executor(self.world.store, self.world.agents, self.world.routing, self._now,
+                                 config=config, models=model_spec, eff=sim.eff)
+        self.records: dict[str, SwitchRecord] = {}  # "<deployment>/<seq>" -> what the report shows
+        self._versions: dict[str, int] = {}  # deployment -> routing version the simulator follows
+        self._wakes: dict[str, set[float]] = {}  # deployment -> advances already scheduled
+        self.agents = SimAgents(sim, self._ack, config=config, log=self.log)
+
+    def _now(self) -> float:
+        return self.sim.now_s
+
+    # --- state --------------------------------------------------------------------------------
+    def running(self, deployment: str) -> bool:
+        return self.world.store.active(deployment) is not None
+
+    def current_gear(self, deployment: str) -> Gear | None:
+        return self.world.store.current_gear(deployment)
+
+    def seed(self, deployment: str, gear: Gear) -> None:
+        """A deployment already running `gear` (started before the scenario): its stable gear
+        and routing table, as a past transition would have left them."""
+        snap = self.sim.snapshot()
+        self.world.store.gears[deployment] = gear
+        table = self.world.routing.seed(deployment, [Route(p, w, nodes=plan_nodes(p, snap))
+                                                     for p, w in zip(gear.plans, gear.weights, strict=True)])
+        self._versions[deployment] = table.version
+
+    # --- starting and advancing -----------------------------------------------------------------
+    def start(self, deployment: str, target: Gear, trigger: str, decision_ref: str | None = None
+              ) -> TransitionRecord | None:
+        self.clock.set(self.sim.now_s)
+        current = self.current_gear(deployment)
+        rec = self.executor.start(deployment, target, kind=Kind.AUTO, decision_ref=decision_ref)
+        if rec is None:
+            return None
+        record = SwitchRecord(deployment, self.sim.now_s, from_shape=current.shape() if current else "none",
+                              to_shape=target.shape(), trigger=trigger)
+        self.records[f"{deployment}/{rec.seq}"] = record
+        self.sim.recorder.switches.append(record)
+        # advance at once (reserve, prepare): its new plans hold their memory before the next
+        # deployment decides on the same snapshot
+        self._advance(deployment, self.sim.now_s)
+        return rec
+
+    def kick(self, deployment: str, at_s: float | None = None) -> None:
+        """Advance the deployment's transition at `at_s` (default now), once per instant."""
+        t = self.sim.now_s if at_s is None else max(self.sim.now_s, at_s)
+        wakes = self._wakes.setdefault(deployment, set())
+        if t in wakes:
+            return
+        wakes.add(t)
+        self.sim.call_at(t, lambda now: self._advance(deployment, now))
+
+    def kick_all(self) -> None:
+        for dep in self.sim.deployments:
+            if self.running(dep):
+                self.kick(dep)
+
+    def _advance(self, deployment: str, t: float) -> None:
+        self._wakes.get(deployment, set()).discard(t)
+        self.clock.set(t)
+        before = self.world.store.active(deployment)
+        adv = self.executor.advance(deployment)
+        self._follow_routing(deployment)
+        self._carry_out()
+        rec = adv.record
+        if rec is None:
+            return
+        switch = self.records.get(f"{deployment}/{rec.seq}")
+        if switch is not None:
+            # the canary's routing commit (or, without one, the flip's) is when the new plans take requests
+            canary = any(not a.intent.noop for a in rec.attempts(Step.CANARY))
+            if switch.serving_s is None and rec.phase is not Phase.ROLLBACK and (canary or rec.done(Step.FLIP)):
+                switch.serving_s = t  # the canary (or the flip): the new gear takes requests
+            switch.migrated = rec.moved.seqs_migrated
+            switch.replayed = rec.moved.seqs_replayed
+            switch.stayed = rec.moved.seqs_finished
+        if adv.finished or (before is not None and not rec.active):
+            if switch is not None:
+                switch.done_s = t
+                switch.outcome = "done" if rec.phase is Phase.DONE else "rolled_back"
+                if rec.phase is not Phase.DONE:
+                    switch.serving_s = None
+            if self.on_finished is not None:
+                self.on_finished(rec, t)
+            return
+        if adv.wake_at_s is not None and math.isfinite(adv.wake_at_s):
+            self.kick(deployment, adv.wake_at_s)
+
+    def _follow_routing(self, deployment: str) -> None:
+        """The simulator routes as the committed table says (weight > 0 and not frozen)."""
+        table = self.world.routing.current(deployment)
+        if self._versions.get(deployment) == table.version:
+            return
+        self._versions[deployment] = table.version
+        weights: dict[int, float] = {}
+        for route in table.routes:
+            engine = self.sim.engine_of(deployment, route.plan_id)
+            if engine is not None and route.weight > 0 and not route.frozen:
+                weights[engine.engine_id] = route.weight
+        self.sim.set_routing(deployment, weights)
+
+    # --- the mailbox ---------------------------------------------------------------------------------
+    def _carry_out(self) -> None:
+        mailbox = self.world.agents
+        for node in sorted(self.sim.cluster.nodes):
+            for cmd in mailbox.take(node):
+                self.agents.execute(cmd)
+
+    def _ack(self, cmd: CommandIntent, ok: bool, detail: str, result: Mapping[str, object]) -> None:
+        self.world.agents.ack(cmd.key, "ok" if ok else "failed", detail, dict(result))
+        self.kick(cmd.deployment_id)
+
+    def on_ready(self, engine: PlanEngine) -> None:
+        self.agents.on_ready(engine)
+
+    def on_stopped(self, engine: PlanEngine) -> None:
+        self.agents.on_stopped(engine)
+
+
+class _AgentsListener:
+    def __init__(self, agents: SimAgents) -> None:
+        self.agents = agents
+
+    def on_cluster_change(self, sim: FleetSim, t: float, changes: Sequence[Change],
+                          broke: Mapping[str, Sequence[PlanEngine]]) -> None:
+        return None
+
+    def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        self.agents.on_ready(engine)
+
+    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        self.agents.on_stopped(engine)
+
+
+def _sequences(engine: PlanEngine) -> list[tuple[Request, bool]]:
+    """Every sequence an engine holds, with whether it is in the running batch."""
+    out: list[tuple[Request, bool]] = []
+    seen: set[int] = set()
+    for pipe in engine.pipes:
+        for req in pipe.running.values():
+            if req.rid not in seen:
+                seen.add(req.rid)
+                out.append((req, True))
+    for pipe in engine.pipes:
+        for req in pipe.waiting:
+            if req.rid not in seen:
+                seen.add(req.rid)
+                out.append((req, False))
+    for req in engine.in_flight.values():
+        if req.rid not in seen:
+            seen.add(req.rid)
+            out.append((req, True))
+    return out

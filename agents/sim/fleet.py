@@ -1,0 +1,998 @@
+"""The discrete-event fleet simulator: a scenario's cluster, its deployments' plans and their
+engines, the routing between them, on a virtual clock.
+
+One event heap, ordered by (time, kind, sequence): cluster changes first at an instant, then
+plans coming up, KV landing, arrivals, round boundaries, timers (`engine.KIND_*`). Handlers
+return the events they create; the loop pushes them. The public methods below (the driver API)
+push theirs directly, so a caller outside the loop - a replay policy, or the live fleet driven
+by the console - can call them at any time between `advance_to` calls.
+
+Driver API (what the live fleet and the replay policies use):
+
+    sim = FleetSim(scenario)                      # cluster at t=0, no plans, no load
+    sim.start_baselines()                         # each deployment's baseline plan, warm at t=0
+    sim.feed(build_workload(scenario).arrivals)   # or sim.submit(deployment, prompt, output)
+    handle = sim.add_plan("chat", plan)           # comes up after its modelled weight load
+    sim.remove_plan("chat", plan_id)              # stops routing to it; its sequences move or finish
+    sim.set_weights("chat", {plan_id: 0.7, ...})
+    sim.advance_to(t_s)                           # run every event up to t_s
+    sim.engine_reports()                          # per plan: EngineReport (agents.protocol) + nodes
+    sim.gpu_load()                                # (node, gpu index) -> (memory fraction, utilisation)
+    sim.snapshot()                                # scheduler.topology.Snapshot of the cluster now
+
+For the live fleet (`python -m agents.sim`, driven by the console): build one FleetSim from the
+scenario, `start_baselines()`, `feed()` the scenario's workload, and on every pass
+`advance_to(wall-clock elapsed x time_scale)`. Ownership of every GPU is `sim.cluster` (the same
+SimCluster the agents report today), new cluster changes are `sim.change_log[n:]`, what each GPU
+holds and how busy it is is `gpu_load()`, and `engine_reports()` gives one EngineReport per plan
+to attach to the report of the plan's first node. The console's transition commands
+(prepare_plan, freeze_plan, move_sequences, release_plan, abort_plan, thaw_plan) are carried out
+by `agents.sim.executor.SimAgents(sim, ack)` - build a `scheduler.transition.CommandIntent` from
+each protocol Command and `ack` it back over HTTP; routing weights come from `set_weights()`.
+
+Losses: a plan that loses a GPU (preempted, failed, node gone) stops at once, as a real engine
+crashes when one of its ranks disappears; its memory is freed, and its requests go back to the
+deployment's router to be recomputed elsewhere (their KV was on those GPUs). Requests that no
+serving plan can take wait in the deployment's queue: nothing admitted is ever dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from agents.protocol import EngineReport
+from agents.sim.cluster import FAILED, TENANT, US, Change, SimCluster
+from agents.sim.engine import (
+    KIND_ARRIVAL,
+    KIND_CLUSTER,
+    KIND_READY,
+    KIND_TIMER,
+    MAX_RUN_ROUNDS,
+    Event,
+    Pipe,
+    PlanEngine,
+    Request,
+)
+from agents.sim.metrics import Recorder, SwitchRecord, check_conservation
+from agents.sim.scenario import ModelDeploymentSpec, Scenario, baseline_stage_nodes
+from agents.sim.workload import Arrival
+from scheduler.costmodel import (
+    COLD_START_S,
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    KvRoute,
+    PlanProfile,
+    Slo,
+    Workload,
+    kv_route,
+    max_kv_tokens,
+    migrate_or_replay,
+    switch_cost,
+)
+from scheduler.gearbox import LoadSample
+from scheduler.hardware import gpu_spec
+from scheduler.modelspec import ModelSpec, model_spec
+from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu
+from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
+
+IDLE_MEM_BYTES = 600 * 2**20  # a CUDA context with nothing loaded (as agents/sim/live.py reports)
+LoadSource = Literal["warm", "host", "disk"]
+RetireMode = Literal["drain", "move", "stop", "free"]
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Knobs of the simulated fleet; defaults are stated assumptions, not fits."""
+
+    bin_s: float = 60.0  # resolution of the time series
+    report_delay_s: float = 1.0  # agents report a change at once; the controller acts this much later
+    stay_tokens: int = 32  # at a gear change, sequences this close to done finish on the old plan
+    drain_limit_s: float = 7 * 86400.0  # after duration_s, requests still in the system get this long
+    disk_cold_start_s: float = COLD_START_S  # a plan started from disk (a restarted pod) also starts its process
+    max_run_rounds: int = MAX_RUN_ROUNDS  # longest analytic run of identical rounds (1: simulate each round)
+
+
+DEFAULT_OPTIONS = SimOptions()
+
+
+class SimListener(Protocol):
+    """What a policy hears from the simulator (all optional to act on)."""
+
+    def on_cluster_change(self, sim: FleetSim, t: float, changes: Sequence[Change],
+                          broke: Mapping[str, Sequence[PlanEngine]]) -> None: ...
+
+    def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None: ...
+
+    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        """The engine no longer holds GPUs: released after a drain, stopped, or lost with its GPUs."""
+        ...
+
+
+class _Silent:
+    def on_cluster_change(self, sim: FleetSim, t: float, changes: Sequence[Change],
+                          broke: Mapping[str, Sequence[PlanEngine]]) -> None:
+        return None
+
+    def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        return None
+
+    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
+        return None
+
+
+class EngineHost(Protocol):
+    """What engines call back into (FleetSim implements it)."""
+
+    max_run_rounds: int  # longest analytic run of identical rounds
+
+    def tokens(self, engine: PlanEngine, t0: float, t1: float, n: int) -> None: ...
+
+    def finished(self, req: Request, t: float) -> list[Event]: ...
+
+    def failed(self, req: Request, t: float, reason: str) -> list[Event]: ...
+
+    def pipe_idle(self, engine: PlanEngine, t: float) -> list[Event]: ...
+
+
+@dataclass
+class DeploymentRuntime:
+    """One deployment inside the simulator."""
+
+    spec: ModelDeploymentSpec
+    model: ModelSpec
+    slo: Slo
+    index: int
+    engines: list[PlanEngine] = field(default_factory=list)  # loading or serving (incl. draining)
+    pending: deque[Request] = field(default_factory=deque)  # admitted, no serving plan to take them yet
+    baseline: Plan | None = None
+    # load since the last sample (for the gearbox's LoadWindow)
+    win_arrivals: int = 0
+    win_prompt: float = 0.0
+    win_prompt_sq: float = 0.0
+    win_finished: int = 0
+    win_output: float = 0.0
+    win_output_sq: float = 0.0
+    win_since_s: float = 0.0
+    last_output_mean: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.deployment
+
+    def routed(self) -> list[PlanEngine]:
+        return [e for e in self.engines if e.accepting]
+
+
+@dataclass(frozen=True)
+class PlanMetrics:
+    """One plan's engine metrics over the last report interval, and where it runs."""
+
+    deployment: str
+    node_ids: tuple[str, ...]  # nodes hosting its GPUs, in stage order (the agents that report it)
+    report: EngineReport  # agents.protocol's shape
+
+
+class FleetSim:
+    """The simulator (module docstring). Deterministic: the scenario seed drives the cluster's
+    draws; nothing reads a wall clock or a global random state."""
+
+    def __init__(self, scenario: Scenario, *, options: SimOptions = DEFAULT_OPTIONS,
+                 eff: Efficiency = DEFAULT_EFFICIENCY, listener: SimListener | None = None) -> None:
+        self.scenario = scenario
+        self.options = options
+        self.eff = eff
+        self.cluster = SimCluster(scenario, random.Random(scenario.seed))
+        # another tenant's memory on the GPUs it holds, fixed per GPU (as agents/sim/live.py draws it)
+        tenant_rng = random.Random(scenario.seed ^ 0x5EED)
+        self.tenant_fraction = {(n.id, i): tenant_rng.uniform(0.55, 0.95)
+                                for n in scenario.all_nodes() for i in range(n.gpus)}
+        self.listener: SimListener = listener or _Silent()
+        self.max_run_rounds = options.max_run_rounds
+        # a plan that loses a GPU: its sequences keep their KV (only the oracle, which moved
+        # them away just before the loss it knew of, sets this)
+        self.kv_survives_loss = False
+        self.now_s = 0.0
+        self._heap: list[tuple[float, int, int, Callable[[float, Any], list[Event] | None], Any]] = []
+        self._seq = itertools.count()
+        self._engine_ids = itertools.count(1)
+        self._rids = itertools.count()
+        self.deployments: dict[str, DeploymentRuntime] = {}
+        for i, m in enumerate(scenario.models):
+            self.deployments[m.deployment] = DeploymentRuntime(
+                m, model_spec(m.model), Slo(m.ttft_ms, m.tpot_ms), i)
+        self.engines: dict[int, PlanEngine] = {}  # every engine ever made (accounting)
+        self.live: dict[int, PlanEngine] = {}  # loading or serving
+        self.in_system: dict[int, Request] = {}  # admitted, neither finished nor failed
+        self.change_log: list[Change] = []  # every cluster change applied so far (the live fleet reads it)
+        self.preemptions = 0  # KV preemptions (recompute) of the requests that finished
+        self.shared_launches = 0  # times an engine started sharing a GPU with another one
+        self.recorder = Recorder(list(self.deployments),
+                                 {d: (r.slo.ttft_ms / 1e3, r.slo.tpot_ms / 1e3) for d, r in self.deployments.items()},
+                                 scenario.duration_s, options.bin_s)
+        self._snapshot: Snapshot | None = None
+        self._footprint: dict[int, dict[str, int]] = {}  # engine id -> uuid -> bytes (weights + KV reserve)
+        self._arrivals: Sequence[Arrival] = ()
+        self._next_arrival = 0
+        self._routes: dict[tuple[int, int], tuple[KvRoute, float]] = {}  # (src, dst) -> (route, busy until)
+        self._ended_s: dict[int, float] = {}  # engine id -> when it stopped holding memory
+        self._avail_t = 0.0
+        self._avail_mem_byte_s = 0.0
+        self._avail_flop = 0.0  # peak FLOPs of the GPUs we held, over time
+        self._gpu_busy_mark: dict[int, float] = {}  # engine id -> busy seconds at the last gpu_load()
+        self._gpu_load_t = 0.0
+        self._links: tuple[LinkState, ...] | None = None
+        # every GPU uuid the scenario can ever have -> (node, index): uuids derive from both
+        self._gpu_home = {self.cluster.gpu_uuid(n.id, i): (n.id, i)
+                          for n in scenario.all_nodes() for i in range(n.gpus)}
+        self._push_cluster()
+        self._push(scenario.duration_s, KIND_TIMER, self._mark_duration, None)
+
+    # ======================================================================================
+    # the loop
+    # ======================================================================================
+    def _push(self, t: float, kind: int, fn: Callable[[float, Any], list[Event] | None], arg: Any) -> None:
+        heapq.heappush(self._heap, (t, kind, next(self._seq), fn, arg))
+
+    def push_events(self, events: Iterable[Event] | None) -> None:
+        """Queue events made outside the loop (engine methods return them)."""
+        self._push_all(events)
+
+    def _push_all(self, events: Iterable[Event] | None) -> None:
+        if events:
+            for t, kind, fn, arg in events:
+                heapq.heappush(self._heap, (t, kind, next(self._seq), fn, arg))
+
+    def advance_to(self, t_s: float) -> None:
+        """Run every event due at or before `t_s`; the clock ends at `t_s`."""
+        self._run(t_s)
+        self.now_s = max(self.now_s, t_s)
+
+    def _run(self, t_s: float, until_empty: bool = False) -> None:
+        """The event loop: events due at or before `t_s` in (time, kind, seq) order; with
+        `until_empty`, stop as soon as no admitted request is left in the system."""
+        heap = self._heap
+        pop, push, seq = heapq.heappop, heapq.heappush, self._seq
+        in_system = self.in_system
+        while heap and heap[0][0] <= t_s:
+            if until_empty and not in_system:
+                return
+            t, _, _, fn, arg = pop(heap)
+            self.now_s = t
+            new = fn(t, arg)
+            if new:
+                for ev in new:
+                    push(heap, (ev[0], ev[1], next(seq), ev[2], ev[3]))
+
+    def call_at(self, t_s: float, fn: Callable[[float], None]) -> None:
+        """A timer: `fn(t)` runs at `t_s` (after everything else due then)."""
+        self._push(t_s, KIND_TIMER, lambda t, _: fn(t), None)
+
+    def run_to_completion(self) -> None:
+        """Run the scenario, then drain: no arrivals after duration_s; requests still in the
+        system get `drain_limit_s` more, then end with an explicit error (never silently)."""
+        self.advance_to(self.scenario.duration_s)
+        self._run(self.scenario.duration_s + self.options.drain_limit_s, until_empty=True)
+        for req in list(self.in_system.values()):
+            self._fail(req, self.now_s, "not finished within the drain limit after the scenario ended"
+                       " (no plan could serve it)")
+        check_conservation(self.recorder, len(self.in_system))
+
+    # ======================================================================================
+    # arrivals
+    # ======================================================================================
+    def feed(self, arrivals: Sequence[Arrival]) -> None:
+        """The workload to replay (time-ordered). One feed per simulator."""
+        if self._arrivals:
+            raise ValueError("feed: this simulator already has a workload")
+        self._arrivals = arrivals
+        self._next_arrival = 0
+        if arrivals:
+            self._push(arrivals[0].t_s, KIND_ARRIVAL, self._on_arrival, None)
+
+    def _on_arrival(self, t: float, _: object) -> list[Event]:
+        a = self._arrivals[self._next_arrival]
+        self._next_arrival += 1
+        out = self._admit(a.deployment, a.prompt_tokens, a.output_tokens, t)
+        if self._next_arrival < len(self._arrivals):
+            out.append((self._arrivals[self._next_arrival].t_s, KIND_ARRIVAL, self._on_arrival, None))
+        return out
+
+    def submit(self, deployment: str, prompt_tokens: int, output_tokens: int) -> int:
+        """Admit one request now (the live fleet's entry); returns its id."""
+        if deployment not in self.deployments:
+            raise ValueError(f"deployment: unknown {deployment!r}; known: {', '.join(self.deployments)}")
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise ValueError("prompt_tokens, output_tokens: must be >= 1")
+        rid = next(self._rids)
+        self._push_all(self._admit(deployment, prompt_tokens, output_tokens, self.now_s, rid=rid))
+        return rid
+
+    def _admit(self, deployment: str, prompt: int, output: int, t: float, rid: int | None = None) -> list[Event]:
+        dep = self.deployments[deployment]
+        req = Request(next(self._rids) if rid is None else rid, deployment, t, prompt, output)
+        self.in_system[req.rid] = req
+        self.recorder.admitted[dep.index] += 1
+        dep.win_arrivals += 1
+        dep.win_prompt += prompt
+        dep.win_prompt_sq += prompt * prompt
+        return self._dispatch(dep, req, t, new=True)
+
+    # ======================================================================================
+    # routing
+    # ======================================================================================
+    def _route(self, dep: DeploymentRuntime) -> PlanEngine | None:
+        """Least loaded relative to its routing weight, among serving plans in the routing table."""
+        best: PlanEngine | None = None
+        best_score = math.inf
+        for e in dep.engines:
+            if e.accepting and e.state == "serving":
+                score = (e.load + 1) / e.weight
+                if score < best_score:
+                    best, best_score = e, score
+        return best
+
+    def dispatch(self, deployment: str, req: Request, t: float) -> list[Event]:
+        """Route a request that left its plan (the router's choice, or the deployment's queue)."""
+        return self._dispatch(self._dep(deployment), req, t)
+
+    def _dispatch(self, dep: DeploymentRuntime, req: Request, t: float, new: bool = False) -> list[Event]:
+        engine = self._route(dep)
+        if engine is None:
+            req.pipe = None
+            req.engine_id = 0
+            dep.pending.append(req)
+            return []
+        if new:
+            engine.rep_arrivals += 1
+            engine.rep_prompt.append(req.prompt)
+        return engine.submit(req, t)
+
+    def _flush(self, dep: DeploymentRuntime, t: float) -> list[Event]:
+        out: list[Event] = []
+        while dep.pending and self._route(dep) is not None:
+            out += self._dispatch(dep, dep.pending.popleft(), t)
+        return out
+
+    # ======================================================================================
+    # EngineHost
+    # ======================================================================================
+    def tokens(self, engine: PlanEngine, t0: float, t1: float, n: int) -> None:
+        self.recorder.tokens(t0, t1, n)
+        engine.rep_tokens += n
+
+    def finished(self, req: Request, t: float) -> list[Event]:
+        req.finish_s = t
+        req.pipe = None
+        del self.in_system[req.rid]
+        first = req.first_token_s if req.first_token_s is not None else t
+        self.recorder.finished(req.deployment, req.arrival_s, first, t, req.output, req.replays)
+        self.preemptions += req.preemptions
+        dep = self.deployments[req.deployment]
+        dep.win_finished += 1
+        dep.win_output += req.output
+        dep.win_output_sq += req.output * req.output
+        engine = self.engines.get(req.engine_id)
+        if engine is not None:
+            engine.rep_finished += 1
+            engine.rep_ttft.append(first - req.arrival_s)
+            if req.output > 1:
+                engine.rep_tpot.append((t - first) / (req.output - 1))
+            engine.rep_output.append(req.output)
+        req.engine_id = 0
+        return []
+
+    def failed(self, req: Request, t: float, reason: str) -> list[Event]:
+        self._fail(req, t, reason)
+        return []
+
+    def _fail(self, req: Request, t: float, reason: str) -> None:
+        req.error = reason
+        req.pipe = None
+        self.in_system.pop(req.rid, None)
+        self.recorder.failed.append((req.rid, req.deployment, t, reason))
+
+    def pipe_idle(self, engine: PlanEngine, t: float) -> list[Event]:
+        if engine.release_when_empty and engine.empty() and engine.state == "serving":
+            self._release(engine, t)
+        return []
+
+    # ======================================================================================
+    # plans
+    # ======================================================================================
+    def plans(self, deployment: str) -> list[PlanEngine]:
+        """The deployment's engines that hold GPUs now (loading, serving, draining)."""
+        return list(self._dep(deployment).engines)
+
+    def engine_of(self, deployment: str, plan_id: str) -> PlanEngine | None:
+        for e in self._dep(deployment).engines:
+            if e.plan.plan_id == plan_id:
+                return e
+        return None
+
+    def gear_of(self, deployment: str) -> Gear | None:
+        """The gear in the routing table now (serving or loading plans that take traffic)."""
+        routed = self._dep(deployment).routed()
+        if not routed:
+            return None
+        total = sum(e.weight for e in routed)
+        return Gear(routed[0].plan.model, tuple(e.plan for e in routed),
+                    tuple(round(e.weight / total, 6) for e in routed))
+
+    def _dep(self, deployment: str) -> DeploymentRuntime:
+        try:
+            return self.deployments[deployment]
+        except KeyError:
+            raise ValueError(f"deployment: unknown {deployment!r}; known: {', '.join(self.deployments)}") from None
+
+    def load_time_s(self, deployment: str, plan: Plan, source: LoadSource) -> float:
+        """How long `plan` takes to come up: its weights from host memory over each GPU's host
+        link, or from disk per node (costmodel.switch_cost's PREPARE time; shards the
+        deployment already holds in place cost nothing), plus a process start from disk."""
+        if source == "warm":
+            return 0.0
+        dep = self._dep(deployment)
+        current = [e.plan for e in dep.engines if e.state != "dead"]
+        held = Gear(plan.model, tuple(current), tuple(1.0 / len(current) for _ in current)) if current else None
+        cost = switch_cost(held, Gear(plan.model, (plan,), (1.0,)), dep.model, self.snapshot(),
+                           Workload(0.0, 1.0, 1.0), weights_in_host_memory=source == "host", eff=self.eff)
+        return cost.prepare_s + (self.options.disk_cold_start_s if source == "disk" else 0.0)
+
+    def launch(self, deployment: str, plan: Plan, *, source: LoadSource = "host", accepting: bool = False,
+               weight: float = 1.0, ready_in_s: float | None = None) -> PlanEngine:
+        """PREPARE a plan: it holds its GPUs' memory at once and serves after its load time.
+        `accepting`: it joins the routing table (takes traffic once it serves)."""
+        dep = self._dep(deployment)
+        if plan.model != dep.model.name:
+            raise ValueError(f"plan.model: {plan.model!r} is not {deployment}'s model {dep.model.name!r}")
+        if any(e.plan == plan for e in dep.engines):
+            raise ValueError(f"plan: {plan.plan_id} already runs for {deployment}")
+        lost = [u for u in plan.gpu_uuids if not self._gpu_usable(u)]
+        if lost:
+            raise ValueError(f"plan.gpus: {', '.join(lost[:3])} not usable now (taken, failed or gone)")
+        delay = self.load_time_s(deployment, plan, source) if ready_in_s is None else ready_in_s
+        t = self.now_s
+        profile = PlanProfile.build(plan, dep.model, self.snapshot(), self.eff)
+        engine = PlanEngine(next(self._engine_ids), deployment, plan, profile, dep.model, self, ready_s=t + delay)
+        engine.launched_s = t
+        engine.accepting = accepting
+        engine.weight = max(weight, 1e-9)
+        self.engines[engine.engine_id] = engine
+        self.live[engine.engine_id] = engine
+        dep.engines.append(engine)
+        fp: dict[str, int] = {}
+        for st in plan.all_stages:
+            need = stage_bytes_per_gpu(st, dep.model, plan.kv_reserve_tokens)
+            for u in st.gpu_uuids:
+                fp[u] = fp.get(u, 0) + need
+        self._footprint[engine.engine_id] = fp
+        self._reshare()
+        self._snapshot = None
+        if delay <= 0:
+            self._push_all(self._on_ready(t, engine))
+        else:
+            self._push(t + delay, KIND_READY, self._on_ready, engine)
+        return engine
+
+    def _on_ready(self, t: float, arg: object) -> list[Event]:
+        engine = arg
+        assert isinstance(engine, PlanEngine)  # noqa: S101 - events carry what their handler expects
+        if engine.state != "loading":
+            return []  # stopped while loading
+        out = engine.start(t)
+        dep = self.deployments[engine.deployment]
+        if engine.accepting:
+            out += self._flush(dep, t)
+            self._gear_changed(dep, t)
+        self.listener.on_ready(self, t, engine)
+        return out
+
+    def set_routing(self, deployment: str, weights: Mapping[int, float]) -> None:
+        """The routing table of a deployment: engine id -> weight. Engines left out stop taking
+        new requests (what they hold stays with them)."""
+        dep = self._dep(deployment)
+        ids = {e.engine_id for e in dep.engines}
+        unknown = [i for i in weights if i not in ids]
+        if unknown:
+            raise ValueError(f"weights: engines {unknown} are not plans of {deployment}")
+        for e in dep.engines:
+            e.accepting = e.engine_id in weights
+            if e.accepting:
+                e.weight = max(float(weights[e.engine_id]), 1e-9)
+        self._push_all(self._flush(dep, self.now_s))
+        routed = dep.routed()
+        if routed and all(e.state == "serving" for e in routed):
+            self._gear_changed(dep, self.now_s)
+
+    def _gear_changed(self, dep: DeploymentRuntime, t: float, *, serving: bool = True) -> None:
+        """Record what the deployment serves with now; `serving`: a new gear took traffic (it
+        closes what earlier changes broke), else what a loss left of the gear."""
+        routed = [e for e in dep.routed() if e.state == "serving"]
+        shape = " + ".join(e.plan.shape() for e in routed) if routed else "none"
+        gpus = sum(len(e.plan.gpu_uuids) for e in routed)
+        if serving:
+            self.recorder.gear_serving(dep.name, t, shape, gpus)
+        else:
+            self.recorder.gear_timeline.append((t, dep.name, shape, gpus))
+
+    def retire(self, engine: PlanEngine, mode: RetireMode, record: SwitchRecord | None = None) -> None:
+        """Take a plan out of service.
+
+        * drain: no new requests; what it holds finishes there; released when empty.
+        * move: no new requests; its queue moves at once to the routed plans, and at its next
+          round boundary its sequences move too - each the cheaper of migrating its KV (along
+          `costmodel.kv_route`, one at a time per route) or recomputing it on the new plan
+          (`costmodel.migrate_or_replay`) - except those within `stay_tokens` of done, which
+          finish where they are (seed 000 section 5.3).
+        * stop: at once; KV dropped, everything recomputed elsewhere.
+        * free: at once, and every sequence arrives on the routed plans with its KV, at no cost
+          (the oracle's switch).
+        """
+        t = self.now_s
+        dep = self.deployments[engine.deployment]
+        engine.accepting = False
+        if engine.state == "dead" or engine.engine_id not in self.live:
+            return
+        if mode in ("stop", "free") or engine.state == "loading":
+            reqs, events = engine.stop(t, keep_kv=mode == "free")
+            self._push_all(events)
+            self._drop(engine, t)
+            out: list[Event] = []
+            for req in reqs:
+                if mode != "free" and (req.generated or req.done):
+                    req.replays += 1
+                out += self._dispatch(dep, req, t)
+            self._push_all(out)
+            if record is not None:
+                if mode == "free":
+                    record.migrated += len(reqs)
+                else:
+                    record.replayed += len(reqs)
+            return
+        engine.release_when_empty = True
+        out = []
+        for pipe in engine.pipes:
+            queued = list(pipe.waiting)
+            pipe.waiting.clear()
+            for req in queued:
+                out += self._dispatch(dep, req, t)
+        if mode == "move":
+            for pipe in engine.pipes:
+                hand = self._hand_over_fn(dep, record)
+                if pipe.busy:
+                    pipe.handover = hand
+                else:
+                    out += hand(pipe, t)
+        self._push_all(out)
+        if engine.empty():
+            self._release(engine, t)
+
+    def _hand_over_fn(self, dep: DeploymentRuntime, record: SwitchRecord | None
+                      ) -> Callable[[Pipe, float], list[Event]]:
+        stay = self.options.stay_tokens
+
+        def keep(req: Request) -> bool:
+            return req.output - req.tokens_now() <= stay
+
+        def hand(pipe: Pipe, t: float) -> list[Event]:
+            out: list[Event] = []
+            taken = pipe.take_running(keep)
+            taken += list(pipe.waiting)
+            pipe.waiting.clear()
+            if record is not None:
+                record.stayed += len(pipe.running)
+            for req in taken:
+                out += self._move(dep, pipe.engine, req, t, record)
+            return out
+
+        return hand
+
+    def _move(self, dep: DeploymentRuntime, src: PlanEngine, req: Request, t: float,
+              record: SwitchRecord | None) -> list[Event]:
+        """One sequence leaves `src` for a routed plan: KV migrated or recomputed, the cheaper."""
+        dst = self._route(dep)
+        if dst is None or not req.has_kv:
+            if req.has_kv:
+                req.drop_kv()
+            if req.generated or req.done:
+                req.replays += 1
+                if record is not None:
+                    record.replayed += 1
+            return self._dispatch(dep, req, t)
+        key = (src.engine_id, dst.engine_id)
+        hit = self._routes.get(key)
+        if hit is None:
+            src_stages = src.plan.decode_stages if src.plan.mode == "disaggregated" else src.plan.stages
+            dst_stages = dst.plan.decode_stages if dst.plan.mode == "disaggregated" else dst.plan.stages
+            hit = (kv_route(src_stages, dst_stages, dep.model, self.snapshot(), self.eff), t)
+        route, free_s = hit
+        move = migrate_or_replay(req.prompt + req.generated, route, dst.profile.pipeline("prefill"))
+        if move.choice == "replay":
+            req.drop_kv()
+            req.replays += 1
+            if record is not None:
+                record.replayed += 1
+            return dst.submit(req, t)
+        start = max(t, free_s)
+        land = start + move.migrate_s
+        self._routes[key] = (route, land)
+        req.migrations += 1
+        if record is not None:
+            record.migrated += 1
+        return dst.expect(req, land)
+
+    def _reshare(self) -> None:
+        """Each engine's slowdown: how many engines hold memory on its busiest GPU. A round in
+        flight keeps its time; the next one uses the new share."""
+        holders: dict[str, int] = {}
+        for fp in self._footprint.values():
+            for u in fp:
+                holders[u] = holders.get(u, 0) + 1
+        for engine in self.live.values():
+            share = float(max((holders.get(u, 1) for u in engine.plan.gpu_uuids), default=1))
+            if share > 1 and engine.share == 1.0:
+                self.shared_launches += 1
+            engine.share = share
+
+    def _release(self, engine: PlanEngine, t: float) -> None:
+        engine.state = "released"
+        self._drop(engine, t)
+
+    def _drop(self, engine: PlanEngine, t: float) -> None:
+        """The engine no longer holds GPU memory (released, stopped or lost): the listener hears."""
+        dep = self.deployments[engine.deployment]
+        if engine in dep.engines:
+            dep.engines.remove(engine)
+        self.live.pop(engine.engine_id, None)
+        self._footprint.pop(engine.engine_id, None)
+        self._ended_s[engine.engine_id] = t
+        self._reshare()
+        self._snapshot = None
+        self.listener.on_released(self, t, engine)
+
+    # -- the driver API in plan ids (what the console's commands name) ----------------------
+    def add_plan(self, deployment: str, plan: Plan | Mapping[str, Any], *, weight: float = 1.0,
+                 route: bool = True, source: LoadSource = "host") -> PlanEngine:
+        """Start a commanded plan: it comes up after its modelled weight load, then takes
+        traffic (with `route`) at `weight` relative to the others."""
+        p = plan if isinstance(plan, Plan) else Plan.from_dict(plan, "plan")
+        return self.launch(deployment, p, source=source, accepting=route, weight=weight)
+
+    def remove_plan(self, deployment: str, plan_id: str, *, mode: RetireMode = "move") -> None:
+        """Stop a plan: by default its sequences move to the other routed plans (or finish where
+        they are when no other plan serves)."""
+        engine = self.engine_of(deployment, plan_id)
+        if engine is None:
+            raise ValueError(f"plan_id: {plan_id!r} is not a running plan of {deployment}")
+        if mode == "move" and not any(e is not engine and e.accepting and e.state == "serving"
+                                      for e in self._dep(deployment).engines):
+            mode = "drain"
+        self.retire(engine, mode)
+
+    def set_weights(self, deployment: str, weights: Mapping[str, float]) -> None:
+        """Routing weights by plan id; plans not named stop taking new requests."""
+        ids: dict[int, float] = {}
+        for plan_id, w in weights.items():
+            engine = self.engine_of(deployment, plan_id)
+            if engine is None:
+                raise ValueError(f"weights.{plan_id}: not a running plan of {deployment}")
+            ids[engine.engine_id] = w
+        self.set_routing(deployment, ids)
+
+    # ======================================================================================
+    # the cluster
+    # ======================================================================================
+    def _push_cluster(self) -> None:
+        nxt = self.cluster.next_change_s()
+        if nxt is not None:
+            self._push(nxt, KIND_CLUSTER, self._on_cluster, None)
+
+    def gpu_usable(self, uuid: str) -> bool:
+        """The GPU is ours now (not another tenant's, not failed, its node present)."""
+        return self._gpu_usable(uuid)
+
+    def _gpu_usable(self, uuid: str) -> bool:
+        g = self._gpus_by_uuid().get(uuid)
+        return g is not None and g.owner == US
+
+    def _gpus_by_uuid(self) -> dict[str, Any]:
+        return {g.uuid: g for n in self.cluster.nodes.values() for g in n.gpus}
+
+    def _account_availability(self, t: float) -> None:
+        span = min(t, self.scenario.duration_s) - self._avail_t
+        if span > 0:
+            ours = [g for n in self.cluster.nodes.values() for g in n.gpus if g.owner == US]
+            self._avail_mem_byte_s += span * sum(gpu_spec(g.model).mem_bytes for g in ours)
+            self._avail_flop += span * sum(gpu_spec(g.model).bf16_flops for g in ours)
+            self._avail_t = min(t, self.scenario.duration_s)
+
+    def _on_cluster(self, t: float, _: object) -> list[Event]:
+        self._account_availability(t)
+        changes = self.cluster.advance_to(t)
+        self.change_log.extend(changes)
+        self._snapshot = None
+        self._links = None
+        gpus = self._gpus_by_uuid()
+        out: list[Event] = []
+        broke: dict[str, list[PlanEngine]] = {}
+        broke_nodes: dict[str, set[str]] = {}  # node -> deployments whose serving plan it broke
+        for engine in list(self.live.values()):
+            gone = [u for u in engine.plan.gpu_uuids if u not in gpus or gpus[u].owner != US]
+            if not gone:
+                continue
+            serving = engine.state == "serving"
+            out += self._kill(engine, t)
+            if serving:
+                broke.setdefault(engine.deployment, []).append(engine)
+                for u in gone:
+                    broke_nodes.setdefault(self._gpu_home[u][0], set()).add(engine.deployment)
+        if any(c.kind in ("degrade_link", "link_restored", "join", "leave") for c in changes):
+            snap = self.snapshot()
+            for engine in self.live.values():
+                if len(set(self._plan_nodes(engine.plan))) > 1:
+                    engine.profile = PlanProfile.build(engine.plan, engine.model, snap, self.eff)
+                    for pipe, role in zip(engine.pipes, ("prefill", "decode"), strict=False):
+                        pipe.prof = engine.profile.pipeline(role)  # type: ignore[arg-type]
+                    self._routes = {k: v for k, v in self._routes.items() if engine.engine_id not in k}
+        # each broken deployment is charged to the change that took its GPUs' node
+        for c in changes:
+            hit = sorted(broke_nodes.pop(c.node or "", set())) if c.kind in ("preempt", "fail", "leave") else []
+            self.recorder.change(c.at_s, c.kind, c.node, c.text, hit)
+        self.listener.on_cluster_change(self, t, changes, broke)
+        self._push_cluster()
+        return out
+
+    def plan_nodes(self, plan: Plan) -> list[str]:
+        return self._plan_nodes(plan)
+
+    def _plan_nodes(self, plan: Plan) -> list[str]:
+        """The node of each stage, in pipeline order (prefill stages, then decode stages)."""
+        return [self._gpu_home[st.gpu_uuids[0]][0] for st in plan.all_stages]
+
+    def _kill(self, engine: PlanEngine, t: float) -> list[Event]:
+        """A plan lost a GPU: it stops now, its KV is gone, its requests are recomputed."""
+        dep = self.deployments[engine.deployment]
+        was_routed = engine.accepting
+        reqs, out = engine.stop(t, keep_kv=self.kv_survives_loss)
+        self._drop(engine, t)
+        if was_routed:
+            self._gear_changed(dep, t, serving=False)
+        for req in reqs:
+            if (req.generated or req.done) and not req.has_kv:
+                req.replays += 1
+            out += self._dispatch(dep, req, t)
+        return out
+
+    # ======================================================================================
+    # what the controller sees
+    # ======================================================================================
+    def snapshot(self) -> Snapshot:
+        """The cluster as agents would report it now: our plans' memory (weights + KV reserve)
+        on their GPUs, other tenants' GPUs unschedulable, failed GPUs unhealthy."""
+        if self._snapshot is not None and self._snapshot.now_s == self.now_s:
+            return self._snapshot
+        now = self.now_s
+        used: dict[str, int] = {}
+        for fp in self._footprint.values():
+            for u, b in fp.items():
+                used[u] = used.get(u, 0) + b
+        nodes: list[NodeState] = []
+        gpus: list[GpuState] = []
+        for node_id in sorted(self.cluster.nodes):
+            node = self.cluster.nodes[node_id]
+            nodes.append(NodeState(id=node_id, rack=node.spec.rack, schedulable=True, last_seen_s=now))
+            for g in node.gpus:
+                total = gpu_spec(g.model).mem_bytes
+                if g.owner == TENANT:
+                    mem = int(self.tenant_fraction[(node_id, g.index)] * total)
+                else:
+                    mem = min(total, IDLE_MEM_BYTES + used.get(g.uuid, 0))
+                gpus.append(GpuState(
+                    uuid=g.uuid, node_id=node_id, index=g.index, model=g.model, mem_total_bytes=total,
+                    mem_used_bytes=mem, healthy=g.owner != FAILED, schedulable=g.owner != TENANT,
+                    nvlink_group=g.nvlink_group, xid_errors=g.xid_errors, ecc_errors=g.ecc_errors,
+                    last_seen_s=now))
+        net = self.scenario.network
+        self._snapshot = Snapshot(
+            now_s=now, nodes=tuple(nodes), gpus=tuple(gpus), links=self._link_states(),
+            intra_rack_gbps=net.intra_rack_gbps, inter_rack_gbps=net.inter_rack_gbps)
+        return self._snapshot
+
+    def _link_states(self) -> tuple[LinkState, ...]:
+        """Node pairs whose bandwidth differs from the rack rule (explicit links, degradations)."""
+        if self._links is None:
+            ids = sorted(self.cluster.nodes)
+            net = self.scenario.network
+            out = []
+            for i, a in enumerate(ids):
+                for b in ids[i + 1:]:
+                    na, nb = self.cluster.nodes[a].spec, self.cluster.nodes[b].spec
+                    default = net.intra_rack_gbps if na.rack == nb.rack else net.inter_rack_gbps
+                    gbps = self.cluster.link_gbps(a, b)
+                    if gbps != default:
+                        out.append(LinkState(a=a, b=b, bw_gbps=gbps))
+            self._links = tuple(out)
+        return self._links
+
+    def load_sample(self, deployment: str, t: float) -> LoadSample | None:
+        """The deployment's load since the previous sample (what its agents' engine reports sum
+        to): arrivals per second, prompt lengths of the arrivals, output lengths of the requests
+        that finished. None for an empty interval."""
+        dep = self._dep(deployment)
+        span = t - dep.win_since_s
+        if span <= 0:
+            return None
+        n, f = dep.win_arrivals, dep.win_finished
+        prompt_mean = dep.win_prompt / n if n else 1.0
+        if f:
+            dep.last_output_mean = dep.win_output / f
+        output_mean = dep.last_output_mean or _expected_output(self.scenario, deployment)
+        sample = LoadSample(
+            t_s=t, rate_rps=n / span, prompt_tokens_mean=max(1.0, prompt_mean),
+            output_tokens_mean=max(1.0, output_mean),
+            prompt_tokens_cv=_cv(n, dep.win_prompt, dep.win_prompt_sq, 1.0),
+            output_tokens_cv=_cv(f, dep.win_output, dep.win_output_sq, 0.6),
+        )
+        dep.win_arrivals = dep.win_finished = 0
+        dep.win_prompt = dep.win_prompt_sq = dep.win_output = dep.win_output_sq = 0.0
+        dep.win_since_s = t
+        return sample
+
+    def engine_reports(self) -> list[PlanMetrics]:
+        """Per serving plan, its engine metrics since the previous call (agents.protocol's
+        EngineReport), with the nodes that host it."""
+        t = self.now_s
+        out: list[PlanMetrics] = []
+        for engine in sorted(self.live.values(), key=lambda e: e.engine_id):
+            if engine.state != "serving":
+                continue
+            span = t - max(engine.rep_since_s, engine.started_s)
+            running = sum(len(p.running) for p in engine.pipes) + len(engine.in_flight)
+            waiting = sum(len(p.waiting) for p in engine.pipes)
+            kv = max(p.kv_used / p.kv_cap if p.kv_cap else 0.0 for p in engine.pipes)
+            report = EngineReport(
+                plan_id=engine.plan.plan_id, running=running, waiting=waiting,
+                tokens_per_s=round(engine.rep_tokens / span, 3) if span > 0 else 0.0,
+                kv_usage=round(min(1.0, kv), 4),
+                ttft_p50_ms=_ms(engine.rep_ttft, 50), ttft_p95_ms=_ms(engine.rep_ttft, 95),
+                tpot_p50_ms=_ms(engine.rep_tpot, 50), tpot_p95_ms=_ms(engine.rep_tpot, 95),
+                finished=engine.rep_finished, arrivals=engine.rep_arrivals,
+                prompt_tokens_mean=_mean(engine.rep_prompt), output_tokens_mean=_mean(engine.rep_output))
+            nodes = tuple(dict.fromkeys(self._plan_nodes(engine.plan)))
+            out.append(PlanMetrics(engine.deployment, nodes, report))
+            engine.rep_tokens = engine.rep_finished = engine.rep_arrivals = 0
+            engine.rep_ttft, engine.rep_tpot, engine.rep_prompt, engine.rep_output = [], [], [], []
+            engine.rep_since_s = t
+        return out
+
+    def gpu_load(self) -> dict[tuple[str, int], tuple[float, float]]:
+        """(node, GPU index) -> (memory used fraction, utilisation) for every GPU of a plan: the
+        shape agents/sim/live.py's LoadModel.gpu_load returns. Utilisation is the share of the
+        time since the previous call in which the plan ran rounds."""
+        t = self.now_s
+        span = t - self._gpu_load_t
+        by_uuid = self._gpus_by_uuid()
+        out: dict[tuple[str, int], tuple[float, float]] = {}
+        for engine in self.live.values():
+            busy = sum(p.busy_s for p in engine.pipes)
+            prev = self._gpu_busy_mark.get(engine.engine_id, busy if engine.state != "serving" else 0.0)
+            util = min(1.0, max(0.0, (busy - prev) / span)) if span > 0 else 0.0
+            self._gpu_busy_mark[engine.engine_id] = busy
+            for u, b in self._footprint.get(engine.engine_id, {}).items():
+                g = by_uuid.get(u)
+                if g is None:
+                    continue
+                total = gpu_spec(g.model).mem_bytes
+                out[(g.node_id, g.index)] = (min(1.0, (IDLE_MEM_BYTES + b) / total), round(util, 3))
+        self._gpu_load_t = t
+        return out
+
+    # ======================================================================================
+    # baselines
+    # ======================================================================================
+    def baseline_plan(self, deployment: str, taken: Mapping[str, set[int]] | None = None) -> Plan:
+        """The deployment's baseline plan on the GPUs that are ours now: its stages fill the
+        listed nodes in order on their first free GPUs (as agents/sim/live.py places it), layers
+        split evenly, KV reserve = all that fits under 92% of each GPU."""
+        dep = self._dep(deployment)
+        base = dep.spec.baseline
+        taken = taken or {}
+        free = {n: [g.index for g in self.cluster.our_gpus(n) if g.index not in taken.get(n, set())]
+                for n in base.nodes}
+        stage_nodes = baseline_stage_nodes(base, {n: len(v) for n, v in free.items()})
+        path = f"models[{dep.index}].baseline"
+        if stage_nodes is None:
+            raise ValueError(f"{path}: {base.pp} stage(s) of tp={base.tp} do not fit on the free GPUs of"
+                             f" {', '.join(base.nodes)} now")
+        model = dep.model
+        per_stage = [model.num_layers // base.pp + (1 if i < model.num_layers % base.pp else 0)
+                     for i in range(base.pp)]
+        used_here: dict[str, int] = {}
+        stages: list[Stage] = []
+        start = 0
+        for node_id, n_layers in zip(stage_nodes, per_stage, strict=True):
+            k = used_here.get(node_id, 0)
+            idx = free[node_id][k:k + base.tp]
+            used_here[node_id] = k + base.tp
+            stages.append(Stage(start, start + n_layers, tuple(self.cluster.gpu_uuid(node_id, i) for i in idx)))
+            start += n_layers
+        kv = max_kv_tokens(stages, model, self.snapshot())
+        if kv < model.max_context_tokens // 4:
+            raise ValueError(f"{path}: tp={base.tp} x pp={base.pp} of {model.name} leaves {kv} tokens of KV cache"
+                             f" on {', '.join(base.nodes)} (weights barely fit); raise tp or pp")
+        return Plan(model.name, "colocated", tuple(stages), kv_reserve_tokens=kv)
+
+    def start_baselines(self) -> dict[str, PlanEngine]:
+        """Every deployment's baseline plan, warm and serving now (what runs before the scenario
+        starts). Deployments are placed in file order, each on GPUs the earlier ones left."""
+        taken: dict[str, set[int]] = {}
+        out: dict[str, PlanEngine] = {}
+        for name, dep in self.deployments.items():
+            plan = self.baseline_plan(name, taken)
+            dep.baseline = plan
+            for u in plan.gpu_uuids:
+                node, index = self._gpu_home[u]
+                taken.setdefault(node, set()).add(index)
+            out[name] = self.launch(name, plan, source="warm", accepting=True)
+        return out
+
+    # ======================================================================================
+    # accounting
+    # ======================================================================================
+    def _mark_duration(self, t: float, _: object) -> list[Event]:
+        """At duration_s: freeze the utilisation figures (the drain does not count)."""
+        self._account_availability(t)
+        flop = kv_byte_s = weight_byte_s = gpu_s = 0.0
+        for engine in self.engines.values():
+            per_token = float(engine.model.linear_flops_per_token)
+            for pipe in engine.pipes:
+                flop += pipe.tokens_done * per_token
+                kv_byte_s += pipe.kv_token_s * pipe.kv_bytes_per_token
+            up = engine.started_s if engine.state != "loading" else t
+            end = min(self._ended_s.get(engine.engine_id, t), t)
+            if engine.state in ("serving", "released", "dead") and end > up:
+                weight_byte_s += engine.weight_bytes * (end - up)
+            # GPUs held: from launch (memory is held while loading) to release, within [0, t]
+            held_end = min(self._ended_s.get(engine.engine_id, t), t)
+            gpu_s += len(engine.plan.gpu_uuids) * max(0.0, held_end - engine.launched_s)
+        mem = (weight_byte_s + kv_byte_s) / self._avail_mem_byte_s if self._avail_mem_byte_s else 0.0
+        compute = flop / self._avail_flop if self._avail_flop else 0.0
+        self.recorder.util = (min(1.0, mem), min(1.0, compute))
+        self.recorder.gpu_hours = gpu_s / 3600
+        return []
+
+
+def _cv(n: int, total: float, sq: float, default: float) -> float:
+    if n < 2 or total <= 0:
+        return default
+    mean = total / n
+    var = max(0.0, sq / n - mean * mean)
+    return math.sqrt(var) / mean
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    i = min(len(s) - 1, max(0, int(math.ceil(q / 100 * len(s))) - 1))
+    return round(s[i] * 1e3, 3)
+
+
+def _mean(values: list[int]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None
+
+
+def _expected_output(scenario: Scenario, deployment: str) -> float:
+    for w in scenario.workload:
+        if w.deployment == deployment:
+            if w.output_tokens is not None:
+                return max(1.0, w.output_tokens.expected())
+            if w.trace:
+                return sum(r.output_tokens for r in w.trace) / len(w.trace)
+    return 128.0

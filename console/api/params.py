@@ -1,0 +1,82 @@
+"""Reading query parameters for list filters: every bad value is collected and reported by name.
+
+    q = QueryParams(request.query_params)
+    actor = q.text("actor")
+    since = q.datetime("since")
+    q.raise_if_any()          # 400 {"since": ["..."], ...}; nothing was queried
+
+Strings are refused when they hold a NUL character (PostgreSQL text cannot store one, so the
+query would fail with a 500) or exceed their length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from rest_framework.exceptions import ValidationError
+
+MAX_BIGINT = 2**63 - 1
+
+
+class QueryParams:
+    def __init__(self, params: Mapping[str, str]) -> None:
+        self._params = params  # request.query_params (DRF) or request.GET (a page)
+        self.errors: dict[str, list[str]] = {}
+
+    def fail(self, name: str, reason: str) -> None:
+        self.errors.setdefault(name, []).append(reason)
+
+    def text(self, name: str, *, max_len: int = 200) -> str | None:
+        raw = self._params.get(name)
+        if raw is None or raw == "":
+            return None
+        if "\x00" in raw:
+            self.fail(name, "must not contain a NUL character")
+            return None
+        if len(raw) > max_len:
+            self.fail(name, f"must be at most {max_len} characters; got {len(raw)}")
+            return None
+        return str(raw)
+
+    def choice(self, name: str, choices: Sequence[str]) -> str | None:
+        raw = self.text(name)
+        if raw is not None and raw not in choices:
+            self.fail(name, f"must be one of {', '.join(choices)}; got {raw[:40]!r}")
+            return None
+        return raw
+
+    def integer(self, name: str, *, low: int = 0, high: int = MAX_BIGINT) -> int | None:
+        raw = self.text(name, max_len=30)
+        if raw is None:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            self.fail(name, f"must be an integer; got {raw!r}")
+            return None
+        if not low <= value <= high:
+            self.fail(name, f"must be between {low} and {high}; got {value}")
+            return None
+        return value
+
+    def datetime(self, name: str) -> datetime | None:
+        raw = self.text(name, max_len=64)
+        if raw is None:
+            return None
+        try:
+            value = parse_datetime(raw.replace(" ", "+"))  # a literal '+' in a query string arrives as ' '
+        except ValueError:
+            value = None
+        if value is None:
+            self.fail(name, f"must be an ISO 8601 date-time such as 2026-11-29T12:00:00Z; got {raw!r}")
+            return None
+        if timezone.is_naive(value):
+            value = timezone.make_aware(value, UTC)
+        return value
+
+    def raise_if_any(self) -> None:
+        if self.errors:
+            raise ValidationError(self.errors)

@@ -1,0 +1,47 @@
+"""The console's navigation bar: one list, rendered by templates/base.html on every page.
+
+To add a page: give its URL pattern a name and add a `NavItem` here (or point an existing item at
+it: "Deployments" points at a placeholder until the gearbox pages exist). `matches` lists the URL
+names under which the item is highlighted (a deployment's detail page highlights "Deployments").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.urls import NoReverseMatch, reverse
+
+from console.accounts.roles import role_of
+
+
+@dataclass(frozen=True)
+class NavItem:
+    key: str  # data-nav attribute, for tests and styling
+    label: str
+    url_name: str
+    matches: tuple[str, ...] = ()  # further URL names that light this item up
+
+
+NAV: tuple[NavItem, ...] = (
+    NavItem("overview", "Overview", "overview"),
+    NavItem("deployments", "Deployments", "deployments", matches=("deployment-detail", "decision-detail")),
+    NavItem("audit", "Audit", "audit-page"),
+    NavItem("registry", "Registry", "registry-page"),
+)
+
+
+def navigation(request: Any) -> dict[str, Any]:
+    """Template context: `nav` (items with href and active flag) and `role` (the user's role or None)."""
+    match = getattr(request, "resolver_match", None)
+    current = match.url_name if match else None
+    items = []
+    for item in NAV:
+        try:
+            href = reverse(item.url_name)
+        except NoReverseMatch:
+            continue  # a page not wired in this build is simply not offered
+        items.append({"key": item.key, "label": item.label, "href": href,
+                      "active": current in (item.url_name, *item.matches)})
+    user = getattr(request, "user", None)
+    return {"nav": items, "role": role_of(user) if user is not None else None}

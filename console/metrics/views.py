@@ -1,0 +1,77 @@
+"""GET /metrics: Prometheus text format.
+
+Protected: it names nodes, models and deployments, which the console shows only to its users.
+Scrape with a viewer's API token — Prometheus sends it natively:
+
+    scrape_configs:
+      - job_name: flexpipe
+        metrics_path: /metrics
+        authorization: {type: Bearer, credentials_file: /etc/prometheus/flexpipe-token}
+
+(`manage.py create_api_token prometheus` for a user in the viewer group; revocable like any token.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.utils import extend_schema
+from prometheus_client import ProcessCollector, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from rest_framework import renderers
+from rest_framework.negotiation import BaseContentNegotiation
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from console.accounts.auth import IsViewer
+from console.metrics import REGISTRY
+from console.metrics import websockets as _websockets  # noqa: F401 - registers the websocket metrics
+from console.metrics.collectors import AuditCollector, FleetCollector, ModelRegistryCollector
+from console.metrics.gearbox import GearboxCollector
+
+_registered = False
+
+
+def register_collectors() -> None:
+    global _registered
+    if _registered:
+        return
+    for collector in (FleetCollector(), ModelRegistryCollector(), AuditCollector(), GearboxCollector()):
+        REGISTRY.register(collector)
+    ProcessCollector(registry=REGISTRY)
+    _registered = True
+
+
+class PrometheusTextRenderer(renderers.BaseRenderer):
+    media_type = "text/plain"
+    format = "prometheus"
+    charset = "utf-8"
+
+    def render(self, data: Any, accepted_media_type: str | None = None, renderer_context: Any = None) -> bytes:
+        if isinstance(data, bytes):
+            return data
+        # An error (401/403): DRF's {"detail": ...} as one plain line.
+        detail = data.get("detail", data) if isinstance(data, dict) else data
+        return f"{detail}\n".encode()
+
+
+class AlwaysText(BaseContentNegotiation):
+    """Prometheus asks for OpenMetrics first and text second; we always answer the classic text format."""
+
+    def select_parser(self, request: Any, parsers: Any) -> Any:
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request: Any, renderers: Any, format_suffix: Any = None) -> Any:
+        return renderers[0], renderers[0].media_type
+
+
+@extend_schema(exclude=True)
+class MetricsView(APIView):
+    renderer_classes = [PrometheusTextRenderer]
+    content_negotiation_class = AlwaysText
+    permission_classes = [IsViewer]
+
+    def get(self, request: Request) -> Response:
+        register_collectors()
+        return Response(generate_latest(REGISTRY), content_type=CONTENT_TYPE_PLAIN_0_0_4)

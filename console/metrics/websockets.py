@@ -1,0 +1,25 @@
+"""Connected websocket clients, counted by the consumers themselves (per process: Prometheus sums
+the web processes). `page` is the consumer's page: cluster, audit, registry, ..."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+from console.metrics import REGISTRY
+
+CLIENTS = Gauge("flexpipe_websocket_clients", "Websocket clients connected now, per page (this process)",
+                ["page"], registry=REGISTRY)
+CONNECTS = Counter("flexpipe_websocket_connects", "Websocket connections accepted, per page", ["page"],
+                   registry=REGISTRY)
+DISCONNECTS = Counter("flexpipe_websocket_disconnects", "Accepted websocket connections that ended, per page",
+                      ["page"], registry=REGISTRY)
+
+
+def connected(page: str) -> None:
+    CLIENTS.labels(page=page).inc()
+    CONNECTS.labels(page=page).inc()
+
+
+def disconnected(page: str) -> None:
+    CLIENTS.labels(page=page).dec()
+    DISCONNECTS.labels(page=page).inc()

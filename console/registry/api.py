@@ -1,0 +1,152 @@
+"""REST API of the registry: viewers list and read versions; admins register and retire them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+    extend_schema_view,
+)
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from console.accounts.auth import ReadViewerWriteAdmin
+from console.api.params import QueryParams
+from console.api.serializers import StrictSerializer, refused_response
+from console.audit.chain import actor_of
+from console.registry import actions
+from console.registry.architecture import HF_REQUIRED_KEYS, MAX_NAME_LEN, validate_architecture
+from console.registry.models import ModelVersion
+from console.registry.weights import parse_weights_uri
+
+MAX_GPU_MEM_BYTES = 4 * 1024**4  # the agent protocol's bound: catches GiB-for-bytes mistakes
+MAX_CONTEXT_TOKENS = 10_000_000
+MAX_WARMUP_TOKENS = 1_000_000
+
+
+@extend_schema_field({
+    "oneOf": [
+        {"type": "string", "minLength": 1, "maxLength": MAX_NAME_LEN, "description": "a model catalog name"},
+        {"type": "object", "description": "a Hugging Face config.json", "required": list(HF_REQUIRED_KEYS),
+         "properties": {k: {"type": "integer", "minimum": 1} for k in HF_REQUIRED_KEYS},
+         "additionalProperties": True},
+    ]
+})
+class ArchitectureField(serializers.JSONField):
+    pass
+
+
+class ModelVersionSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
+    architecture = ArchitectureField(read_only=True)
+
+    class Meta:
+        model = ModelVersion
+        fields = ["id", "name", "version", "engine", "architecture", "weights_uri", "sha256", "tokenizer",
+                  "max_context", "min_gpu_mem_bytes", "warmup_tokens", "status", "status_detail", "weights_bytes",
+                  "registered_at", "registered_by", "verified_at", "verified_by", "observed_sha256",
+                  "quarantined_at", "quarantined_by", "retired_at", "retired_by"]
+        read_only_fields = fields
+
+
+class RegisterSerializer(StrictSerializer):
+    name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._/:+-]{0,127}$", max_length=128, error_messages={
+        "invalid": "1-128 letters, digits or . _ / : + -, starting with a letter or digit"})
+    version = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$", max_length=64, error_messages={
+        "invalid": "1-64 letters, digits or . _ + -, starting with a letter or digit"})
+    engine = serializers.ChoiceField(choices=ModelVersion.ENGINES)
+    architecture = ArchitectureField(help_text="a name of the scheduler's model catalog, or the model's "
+                                               "Hugging Face config.json as an object")
+    weights_uri = serializers.CharField(max_length=1024, help_text=(
+        "file:///abs/path or /abs/path (hashed by the console), or http(s)://, s3://, hf:// (hashed by the agent "
+        "that downloads it)"))
+    sha256 = serializers.RegexField(r"^[0-9a-f]{64}$", error_messages={
+        "invalid": "must be 64 lowercase hexadecimal digits (the SHA256 of the weights file)"})
+    tokenizer = serializers.CharField(max_length=1024, help_text="this model's own tokenizer: a path, URI or name")
+    max_context = serializers.IntegerField(min_value=1, max_value=MAX_CONTEXT_TOKENS)
+    min_gpu_mem_bytes = serializers.IntegerField(min_value=1, max_value=MAX_GPU_MEM_BYTES)
+    warmup_tokens = serializers.IntegerField(min_value=0, max_value=MAX_WARMUP_TOKENS)
+
+    def validate_architecture(self, value: Any) -> Any:
+        try:
+            return validate_architecture(value).value
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
+
+    def validate_weights_uri(self, value: str) -> str:
+        try:
+            parse_weights_uri(value)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
+        return value
+
+
+class RetireSerializer(StrictSerializer):
+    reason = serializers.CharField(max_length=300, required=False, allow_blank=True, default="")
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Model versions", parameters=[
+        OpenApiParameter("status", str, enum=list(ModelVersion.STATUSES)),
+        OpenApiParameter("name", str), OpenApiParameter("engine", str, enum=list(ModelVersion.ENGINES)),
+        OpenApiParameter("sha256", str, description="registered digest")]),
+    retrieve=extend_schema(summary="One model version"),
+)
+class ModelVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
+    serializer_class = ModelVersionSerializer
+    permission_classes = [ReadViewerWriteAdmin]
+    lookup_value_regex = r"[0-9]{1,18}"
+
+    def get_queryset(self) -> QuerySet[ModelVersion]:
+        qs = ModelVersion.objects.order_by("name", "-registered_at", "-id")
+        if self.action != "list":
+            return qs
+        q = QueryParams(self.request.query_params)
+        wanted = {"status": q.choice("status", ModelVersion.STATUSES), "name": q.text("name", max_len=128),
+                  "engine": q.choice("engine", ModelVersion.ENGINES), "sha256": q.text("sha256", max_len=64)}
+        q.raise_if_any()
+        return qs.filter(**{k: v for k, v in wanted.items() if v is not None})
+
+    @extend_schema(
+        summary="Register a model version (admin)",
+        request=RegisterSerializer,
+        responses={201: ModelVersionSerializer,
+                   200: OpenApiResponse(ModelVersionSerializer, description="the identical version was registered "
+                                        "before: returned unchanged"),
+                   400: OpenApiResponse(description="a field is invalid: the body names it"),
+                   409: OpenApiResponse(description="conflicts with a registered version: the body names the field")},
+        description=(
+            "A local weights file is streamed through SHA256 now (small files; the answer says verified or "
+            "quarantined) or by the Celery task registry.verify_weights (status verifying). Remote weights wait "
+            "for the agent that loads them (status awaiting_agent). A digest mismatch quarantines the version. "
+            "The same name with other weights is another version."),
+    )
+    def create(self, request: Request) -> Response:
+        body = RegisterSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            reg = actions.do_register_model_version(actions.VersionSpec(**body.validated_data),
+                                                    actor=actor_of(request.user), user=request.user)
+        except actions.Refused as exc:
+            return refused_response(exc.status, exc.errors)
+        return Response(ModelVersionSerializer(reg.version).data,
+                        status=status.HTTP_201_CREATED if reg.created else status.HTTP_200_OK)
+
+    @extend_schema(summary="Retire a model version (admin; idempotent)", request=RetireSerializer,
+                   responses={200: ModelVersionSerializer})
+    @action(detail=True, methods=["post"])
+    def retire(self, request: Request, pk: str | None = None) -> Response:
+        version = self.get_object()
+        body = RetireSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        actions.do_retire_model_version(version, actor=actor_of(request.user), user=request.user,
+                                        reason=body.validated_data["reason"])
+        version.refresh_from_db()
+        return Response(ModelVersionSerializer(version).data)

@@ -1,0 +1,81 @@
+"""OpenAPI 3 at /api/schema/, Swagger UI at /api/docs/ with local assets, and schemathesis over it all."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import schemathesis
+from django.core.signals import request_finished, request_started
+from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections
+from django.test import Client
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from tests.console.people import Person
+
+pytestmark = pytest.mark.django_db
+
+OPERATIONS = {
+    ("/api/v1/models", "get"), ("/api/v1/models", "post"), ("/api/v1/models/{id}", "get"),
+    ("/api/v1/models/{id}/retire", "post"), ("/api/v1/audit", "get"), ("/api/v1/audit/{seq}", "get"),
+    ("/api/v1/audit/verify", "get"), ("/api/v1/nodes", "get"), ("/api/v1/nodes/{node_id}", "get"),
+    ("/api/v1/gpus", "get"), ("/api/v1/gpus/{uuid}", "get"), ("/api/v1/me", "get"),
+}
+
+
+def test_the_schema_is_openapi_3_and_lists_every_operation(db: None) -> None:
+    resp = Client().get("/api/schema/", {"format": "json"})
+    assert resp.status_code == 200
+    schema = resp.json()
+    assert schema["openapi"].startswith("3.")
+    found = {(path, method) for path, ops in schema["paths"].items() for method in ops}
+    assert found == OPERATIONS
+    assert schema["components"]["securitySchemes"]["apiToken"] == {
+        "type": "http", "scheme": "bearer", "bearerFormat": "fpu_…",
+        "description": "A user's API token (manage.py create_api_token USER). Agent tokens are refused here."}
+    register = schema["components"]["schemas"]["RegisterRequest"]
+    assert {"sha256", "weights_uri", "architecture", "tokenizer", "warmup_tokens"} <= set(register["required"])
+
+
+def test_swagger_ui_loads_every_asset_from_this_server(db: None) -> None:
+    client = Client()
+    page = client.get("/api/docs/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+    assert assets and not [a for a in assets if a.startswith(("http:", "https:", "//"))], assets
+    assert any("swagger-ui-bundle.js" in a for a in assets)
+    for asset in assets:
+        assert client.get(asset).status_code == 200, asset
+    assert "/api/schema/" in html
+
+
+# Loaded at collection: the schema view is public and touches no database. Requests then run in-process
+# through the WSGI app, inside each test's transaction, authenticated as the admin.
+openapi = schemathesis.openapi.from_wsgi("/api/schema/?format=json", get_wsgi_application())
+
+
+@pytest.fixture
+def in_test_transaction() -> Iterator[None]:
+    """Keep the test's database connection across WSGI requests, as Django's own test client does:
+    the handler's close_old_connections would otherwise close it (autocommit is off inside a test)."""
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        yield
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
+
+
+@openapi.parametrize()
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.filter_too_much])
+def test_no_generated_request_makes_the_api_answer_with_a_server_error(case: Any, admin: Person,
+                                                                      in_test_transaction: None) -> None:
+    case.call_and_validate(headers={"Authorization": f"Bearer {admin.token}"}, checks=[not_a_server_error])
