@@ -100,8 +100,9 @@ def _gpu(uuid: str, fleet: FleetView | None) -> dict[str, Any]:
     info = fleet.gpus.get(uuid) if fleet is not None else None
     if info is None:
         return {"uuid": uuid, "node": None, "index": None, "model": None, "in_block": None, "out_reason": None}
+    known = fleet is not None and fleet.blocks is not None  # blocks unknown: say so, not "out"
     return {"uuid": uuid, "node": info["node"], "index": info["index"], "model": info["model"],
-            "in_block": uuid in fleet.block_of if fleet is not None else None,
+            "in_block": uuid in fleet.block_of if known and fleet is not None else None,
             "out_reason": fleet.excluded.get(uuid) if fleet is not None else None}
 
 
@@ -589,3 +590,78 @@ def _candidate(c: Mapping[str, Any], factor: float) -> dict[str, Any]:
 def decisions_with_links() -> Any:
     return Decision.objects.select_related("deployment", "approved_by").prefetch_related(
         Prefetch("transitions", queryset=Transition.objects.only("id", "seq", "decision_id").order_by("seq")))
+
+
+# --- what pages and their websockets send ------------------------------------------------------------
+RECENT_SWITCHES = 12
+PAGE_ROWS = 25
+
+
+def recent_switches(limit: int = RECENT_SWITCHES, deployment: Deployment | None = None) -> list[dict[str, Any]]:
+    qs = transitions_with_steps().order_by("-id")
+    if deployment is not None:
+        qs = qs.filter(deployment=deployment)
+    now = timezone.now()
+    return [transition_payload(t, now=now) for t in qs[:limit]]
+
+
+def recent_decisions(deployment: Deployment, limit: int = PAGE_ROWS) -> list[dict[str, Any]]:
+    return [decision_payload(d) for d in decisions_with_links().filter(deployment=deployment).order_by("-id")[:limit]]
+
+
+def fleet_payload(fleet: FleetView) -> dict[str, Any]:
+    """The atomic blocks and why each left-out GPU is out (the Overview groups its heatmap by them)."""
+    return {"blocks": fleet.blocks, "excluded": fleet.excluded, "fleet_error": fleet.error}
+
+
+def overview_state() -> dict[str, Any]:
+    """The Overview's and the Deployments list's gearbox part: deployments, holders, blocks, switches."""
+    deps = list(Deployment.objects.order_by("-priority", "name"))
+    ctx = DeploymentContext.load(deps)
+    return {"deployments": [deployment_payload(d, ctx) for d in deps],
+            "holders": gpu_holders(deps, ctx.active), "switches": recent_switches(), **fleet_payload(ctx.fleet)}
+
+
+def deployments_state(fleet: FleetView | None = None) -> dict[str, Any]:
+    deps = list(Deployment.objects.order_by("-priority", "name"))
+    ctx = DeploymentContext.load(deps, fleet)
+    return {"deployments": [deployment_payload(d, ctx) for d in deps], "holders": gpu_holders(deps, ctx.active)}
+
+
+def gears_state(dep: Deployment, fleet: FleetView, active: Transition | None) -> dict[str, Any]:
+    """The gears a deployment page draws (stages on GPUs), and every GPU of the nodes they touch."""
+    gears: dict[str, Any] = {}
+    for key, raw in (("current", dep.current_gear), ("baseline", dep.baseline_gear),
+                     ("target", active.to_gear if active is not None else None)):
+        gear = parse_gear(raw)
+        gears[key] = gear_detail(gear, fleet) if gear is not None else None
+    nodes = {g["node"] for gear in gears.values() if gear for p in gear["plans"] for s in p["stages"]
+             for g in s["gpus"] if g["node"]}
+    gpus = [{"uuid": u, **info, "in_block": u in fleet.block_of if fleet.blocks is not None else None,
+             "out_reason": fleet.excluded.get(u)} for u, info in fleet.gpus.items() if info["node"] in nodes]
+    return {"gears": gears, "gpus": gpus}
+
+
+def deployment_state(dep: Deployment) -> dict[str, Any]:
+    """Everything the Deployment page shows, as its websocket sends it on connect."""
+    ctx = DeploymentContext.load([dep])
+    return {"deployment": deployment_payload(dep, ctx), "transitions": recent_switches(PAGE_ROWS, dep),
+            "decisions": recent_decisions(dep), "load": load_history(dep),
+            **gears_state(dep, ctx.fleet, ctx.active.get(dep.pk))}
+
+
+def deployment_update(dep: Deployment, fleet: FleetView | None = None) -> dict[str, Any]:
+    """What changes with an event: the deployment, the gears it draws, its load window."""
+    ctx = DeploymentContext.load([dep], fleet)
+    return {"deployment": deployment_payload(dep, ctx), "load": load_history(dep),
+            **gears_state(dep, ctx.fleet, ctx.active.get(dep.pk))}
+
+
+def transition_detail(deployment: str, seq: int, fleet: FleetView | None = None) -> dict[str, Any] | None:
+    t = transitions_with_steps().filter(deployment__name=deployment, seq=seq).first()
+    return transition_payload(t, detail=True, fleet=fleet or fleet_view()) if t is not None else None
+
+
+def decision_detail(pk: int, fleet: FleetView | None = None) -> dict[str, Any] | None:
+    d = decisions_with_links().filter(pk=pk).first()
+    return decision_payload(d, detail=True, fleet=fleet or fleet_view()) if d is not None else None
