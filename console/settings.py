@@ -67,8 +67,8 @@ INSTALLED_APPS = [
     "console.accounts",
     "console.audit",
     "console.fleet",
-    "console.gearbox",
     "console.registry",
+    "console.gearbox",
     "console.dashboard",
 ]
 
@@ -171,6 +171,9 @@ FLEXPIPE_ENROLL_TOKEN = os.environ.get("FLEXPIPE_ENROLL_TOKEN", "")
 FLEXPIPE_REPORT_INTERVAL_S = float(os.environ.get("FLEXPIPE_REPORT_INTERVAL_S", "15"))
 FLEXPIPE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("FLEXPIPE_HEARTBEAT_TIMEOUT_S", "45"))
 FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
+# Local weights files up to this size are hashed during the registration request; bigger ones by the
+# Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
+FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))
 FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
 FLEXPIPE_CANARY_SHARE = float(os.environ.get("FLEXPIPE_CANARY_SHARE", "0.1"))
 FLEXPIPE_CANARY_DWELL_S = float(os.environ.get("FLEXPIPE_CANARY_DWELL_S", "2"))
@@ -179,9 +182,6 @@ FLEXPIPE_PREPARE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_PREPARE_TIMEOUT_S", 
 FLEXPIPE_STEP_TIMEOUT_S = float(os.environ.get("FLEXPIPE_STEP_TIMEOUT_S", "30"))
 FLEXPIPE_MOVE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_MOVE_TIMEOUT_S", "120"))
 FLEXPIPE_RETRY_BACKOFF_S = float(os.environ.get("FLEXPIPE_RETRY_BACKOFF_S", "2"))
-# Local weights files up to this size are hashed during the registration request; bigger ones by the
-# Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
-FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))
 # How many reports per GPU the bounded history keeps (at 15 s per report: ~1 hour).
 FLEXPIPE_GPU_HISTORY = int(os.environ.get("FLEXPIPE_GPU_HISTORY", "240"))
 

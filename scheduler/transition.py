@@ -96,7 +96,6 @@ from scheduler.costmodel import (
     kv_route,
     migrate_or_replay,
 )
-from scheduler.gearbox import Decision
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu
 from scheduler.topology import Snapshot
@@ -718,9 +717,14 @@ class RoutingTable(Protocol):
 Clock = Callable[[], float]
 Probe = Callable[[str], None]
 ModelResolver = Callable[[str], ModelSpec]
+WeightsResolver = Callable[[str], "str | None"]  # model name -> SHA-256 of the weights to load (None: unknown)
 
 
 def _no_probe(point: str) -> None:
+    return None
+
+
+def _no_digest(model: str) -> str | None:
     return None
 
 
@@ -951,7 +955,8 @@ class Executor:
 
     def __init__(self, store: TransitionStore, agents: AgentPort, routing: RoutingTable, clock: Clock, *,
                  config: TransitionConfig = DEFAULT_TRANSITION_CONFIG, probe: Probe = _no_probe,
-                 models: ModelResolver = model_spec, eff: Efficiency = DEFAULT_EFFICIENCY) -> None:
+                 models: ModelResolver = model_spec, eff: Efficiency = DEFAULT_EFFICIENCY,
+                 weights: WeightsResolver = _no_digest) -> None:
         self.store = store
         self.agents = agents
         self.routing = routing
@@ -960,6 +965,7 @@ class Executor:
         self.probe = probe
         self.models = models
         self.eff = eff
+        self.weights = weights
 
     # -- starting --------------------------------------------------------------------------
     def start(self, deployment_id: str, to_gear: Gear, *, kind: Kind = Kind.AUTO, model: str | None = None,
@@ -1273,7 +1279,7 @@ class Executor:
         body.update({
             "plan": plan.to_dict(),
             "model": rec.model,
-            "weights_sha256": None,
+            "weights_sha256": self.weights(rec.model),
             "role": "leader" if nodes and nodes[0] == node else "member",
             "stages": stages,
             "reserve_bytes": {u: memory[u] for u in sorted(mine)},
@@ -1516,16 +1522,6 @@ def _shape(gear: Gear | None) -> str:
     return gear.shape() if gear is not None else "nothing"
 
 
-# --- decisions to transitions ---------------------------------------------------------------------
-def kind_for(decision: Decision, *, approved: bool = False) -> Kind:
-    """The transition kind a decision leads to."""
-    if decision.trigger.value == "emergency":
-        return Kind.EMERGENCY
-    if decision.trigger.value == "manual":
-        return Kind.MANUAL
-    return Kind.APPROVED if approved else Kind.AUTO
-
-
 # --- small readers (records come back from JSON) ---------------------------------------------------
 def _obj(d: object, path: str) -> Mapping[str, object]:
     if not isinstance(d, Mapping):
@@ -1563,5 +1559,5 @@ __all__ = [
     "MoveStats", "PHASE_EDGES", "Phase", "Probe", "ROLLBACK_TABLE", "Route", "RoutingState", "RoutingTable",
     "STEP_DEFS", "SeqInfo", "StaleGuard", "Stage", "Step", "StepDef", "StepRecord", "StepState", "TABLE",
     "TERMINAL_PHASES", "TransitionConfig", "TransitionEvent", "TransitionRecord", "TransitionStore",
-    "crash_points", "kind_for", "lost_gpus", "node_stages", "plan_memory", "plan_moves", "plan_nodes",
+    "crash_points", "lost_gpus", "node_stages", "plan_memory", "plan_moves", "plan_nodes",
 ]

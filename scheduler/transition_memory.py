@@ -239,6 +239,10 @@ class InMemoryAgents:
     def data_addr(self, node_id: str) -> str:
         return self.addrs.get(node_id, f"{node_id}:7070")
 
+    def inject(self, command: CommandIntent) -> None:
+        """Queue a command outside any transition (benches, tests of the agents alone)."""
+        self.queued.setdefault(command.key, _Queued(command))
+
     # -- the agents' side --------------------------------------------------------------------------
     def take(self, node_id: str) -> list[CommandIntent]:
         out = []

@@ -362,7 +362,7 @@ def do_request_gear(deployment: Deployment | str, gear: Mapping[str, object] | G
         raise Rejected(400, {field: why or str(exc)}) from None
     now = timezone.now()
     running = _active(dep) is not None
-    d = _decide(dep, fleet_snapshot(now), _held_map(), now, Trigger.MANUAL, requested=wanted, running=running)
+    d = _decide(dep, fleet_snapshot(now), held_gpus(), now, Trigger.MANUAL, requested=wanted, running=running)
     row = do_record_decision(dep, d, actor=actor, now=now, note=reason)
     if d.outcome is not Outcome.SWITCH or d.target is None:
         return row, None
@@ -490,10 +490,6 @@ def held_gpus() -> dict[str, set[str]]:
     for r in GpuReservation.objects.select_related("deployment"):
         out.setdefault(r.deployment.name, set()).add(r.gpu_uuid)
     return out
-
-
-def _held_map() -> dict[str, set[str]]:
-    return held_gpus()
 
 
 def _held_by_others(dep: Deployment) -> set[str]:

@@ -30,9 +30,18 @@ def transition_config() -> TransitionConfig:
     )
 
 
+def registry_weights(model: str) -> str | None:
+    """The SHA-256 of the weights prepare_plan loads: the model's newest version in the registry
+    that may be loaded (verified, or awaiting the first agent's hash); None when it has none."""
+    from console.registry.models import ModelVersion
+
+    return ModelVersion.objects.filter(name=model, status__in=(ModelVersion.VERIFIED, ModelVersion.AWAITING_AGENT)) \
+        .order_by("-registered_at", "-id").values_list("sha256", flat=True).first()
+
+
 def build_executor(*, actor: str = "system:transitions") -> Executor:
     return Executor(DjangoStore(actor=actor), DjangoAgentPort(), DjangoRouting(actor=actor), time.time,
-                    config=transition_config(), probe=crashpoints.probe)
+                    config=transition_config(), probe=crashpoints.probe, weights=registry_weights)
 
 
 def advance(deployment: str, seq: int | None = None) -> Advance:

@@ -125,3 +125,22 @@ def test_a_booking_of_another_deployments_gpu_is_refused_and_rolled_back() -> No
     assert row.phase == Phase.ROLLED_BACK.value and "booked by deployment other" in row.error
     assert Deployment.objects.get(name="other").current_gear == gear("a1", [2, 3]).to_dict()
     assert_clean(django_log("chat", agents.log), complete=False)
+
+
+def test_prepare_names_the_weights_the_registry_lets_load() -> None:
+    from console.fleet.models import AgentCommand
+    from console.registry.models import ModelVersion
+
+    enroll_fleet()
+    make_deployment()
+    now = timezone.now()
+    common = {"name": "Llama-3-8B", "engine": "vllm", "architecture": "Llama-3-8B", "weights_uri": "/w",
+              "tokenizer": "tok", "max_context": 8192, "min_gpu_mem_bytes": 1, "warmup_tokens": 8,
+              "registered_by": "user:alice"}
+    ModelVersion.objects.create(version="1", sha256="a" * 64, status="verified", registered_at=now, **common)
+    ModelVersion.objects.create(version="2", sha256="b" * 64, status="quarantined", registered_at=now, **common)
+    ex = build_executor()
+    ex.start("chat", gear("a1", [0, 1]))
+    ex.advance("chat")
+    prepare = AgentCommand.objects.get(kind="prepare_plan")
+    assert prepare.payload["weights_sha256"] == "a" * 64  # the newest loadable one, never a quarantined one

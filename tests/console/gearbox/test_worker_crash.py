@@ -31,12 +31,12 @@ from console.gearbox.executor import build_executor
 from console.gearbox.models import Deployment, GpuReservation, Transition
 from scheduler.invariants import assert_clean
 from scheduler.transition import ROLLBACK_TABLE, TABLE
-from tests.conftest import _WORKER_NUM, TEST_REDIS_URL
+from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL
 from tests.console.gearbox.harness import SimAgents, django_log, enroll_fleet, gear, make_deployment
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[3]
-KEY = f"fptest{_WORKER_NUM}:crashpoint"
+KEY = f"{TEST_NAMESPACE}:crashpoint"
 # Through Celery every step is crashed twice: saved as running with nothing done yet, and with its
 # effects issued but its outcome not saved. (`completed` - outcome saved, next step not started -
 # is crashed in memory, tests/scheduler/test_transition.py, with every other probe point.)
@@ -63,7 +63,7 @@ class Workers:
         self.started = 0
         self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings", "DATABASE_URL": database_url(),
                     "REDIS_URL": TEST_REDIS_URL, "FLEXPIPE_QUEUE": app.conf.task_default_queue,
-                    "FLEXPIPE_CHANNEL_PREFIX": f"fptest{_WORKER_NUM}", "FLEXPIPE_CRASHPOINT_KEY": KEY,
+                    "FLEXPIPE_CHANNEL_PREFIX": TEST_NAMESPACE, "FLEXPIPE_CRASHPOINT_KEY": KEY,
                     "FLEXPIPE_CANARY_DWELL_S": "0.2", "FLEXPIPE_RETRY_BACKOFF_S": "0.2",
                     "FLEXPIPE_DRAIN_BUDGET_S": "1", "FLEXPIPE_STEP_TIMEOUT_S": "5", "FLEXPIPE_MOVE_TIMEOUT_S": "10",
                     "FLEXPIPE_PREPARE_TIMEOUT_S": "10", "PYTHONPATH": str(ROOT)}
@@ -73,7 +73,7 @@ class Workers:
         go = f"{KEY}:go:{n}:{time.monotonic_ns()}"
         out = open(self.logs / f"worker-{n}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("standby_worker.py")), go,
-                                 app.conf.task_default_queue, f"crash{n}-{_WORKER_NUM}@%h"],
+                                 app.conf.task_default_queue, f"crash{n}-{TEST_NAMESPACE}@%h"],
                                 cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         return proc, go
 
