@@ -147,7 +147,7 @@ class DeploymentSerializer(PayloadSerializer):
     model_version = inline_serializer("DeploymentModelVersion", {
         "id": serializers.IntegerField(), "version": serializers.CharField(), "sha256": serializers.CharField(),
         "status": serializers.CharField(), "engine": serializers.CharField()}, allow_null=True,
-        help_text="the registry version of this model: the newest verified one, else the newest not retired")
+        help_text="the registry version its transitions prepare: the newest verified (or awaiting-agent) one")
     slo = inline_serializer("Slo", {"ttft_ms": serializers.FloatField(), "tpot_ms": serializers.FloatField()})
     priority = serializers.IntegerField()
     mode = serializers.ChoiceField(choices=[m for m, _ in Deployment.MODES])

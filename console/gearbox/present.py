@@ -311,17 +311,16 @@ def gpu_holders(deployments: Iterable[Deployment], active: Mapping[int, Transiti
 
 # --- deployments -----------------------------------------------------------------------------------
 def model_versions(names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """model name -> the registry version that serves it: the newest verified one of that name, else
-    the newest not retired. Deployments name a catalog model; the registry keys versions by name."""
+    """model name -> the registry version a transition prepares now: the newest that may be loaded
+    (verified, or awaiting the first agent's hash) - the rule of executor.registry_weights."""
     from console.registry.models import ModelVersion
 
     out: dict[str, dict[str, Any]] = {}
-    rows = (ModelVersion.objects.filter(name__in=set(names)).exclude(status=ModelVersion.RETIRED)
+    rows = (ModelVersion.objects.filter(name__in=set(names),
+                                        status__in=(ModelVersion.VERIFIED, ModelVersion.AWAITING_AGENT))
             .order_by("name", "-registered_at", "-id").values("id", "name", "version", "sha256", "status", "engine"))
     for row in rows:
-        have = out.get(row["name"])
-        if have is None or (have["status"] != ModelVersion.VERIFIED and row["status"] == ModelVersion.VERIFIED):
-            out[row["name"]] = {k: row[k] for k in ("id", "version", "sha256", "status", "engine")}
+        out.setdefault(row["name"], {k: row[k] for k in ("id", "version", "sha256", "status", "engine")})
     return out
 
 
