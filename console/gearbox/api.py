@@ -17,6 +17,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
+    OpenApiExample,
     OpenApiParameter,
     OpenApiResponse,
     extend_schema,
@@ -324,6 +325,8 @@ EmergencyResult = inline_serializer("EmergencyResult", {
     "deployment": DeploymentSerializer(),
 })
 
+NAME = OpenApiParameter("name", str, OpenApiParameter.PATH, description="the deployment's name",
+                        examples=[OpenApiExample("the demo's chat deployment", value="chat-8b")])
 REFUSALS = {400: OpenApiResponse(description="a field is invalid: the body names it; nothing changed"),
             403: OpenApiResponse(description="needs the operator role"),
             404: OpenApiResponse(description="no such deployment"),
@@ -352,7 +355,7 @@ def _not_nul(value: str) -> str:
         OpenApiParameter("model", str, description="model name"),
         OpenApiParameter("pinned", bool, description="only pinned (true) or unpinned (false) deployments")]),
     retrieve=extend_schema(summary="One deployment: SLO, mode, gears, routing table, health",
-                           responses=DeploymentSerializer),
+                           responses=DeploymentSerializer, parameters=[NAME]),
 )
 class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
     serializer_class = DeploymentSerializer
@@ -398,7 +401,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         return dict(body.validated_data)
 
     @extend_schema(summary="Pin a gear (operator): the gearbox never switches the deployment automatically",
-                   request=PinSerializer, responses={200: DeploymentSerializer, **REFUSALS}, description=(
+                   request=PinSerializer, responses={200: DeploymentSerializer, **REFUSALS}, parameters=[NAME], description=(
                        "Pins the gear running now. `gear_id` may name it (a known gear that is not the current "
                        "one is refused with 409: switch to it first). The emergency downshift still works on a "
                        "pinned deployment. Pinning the pinned gear again changes nothing."))
@@ -422,7 +425,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         return Response(_deployment(pinned))
 
     @extend_schema(summary="Unpin (operator): back to automatic (or advisory) mode", request=UnpinSerializer,
-                   responses={200: DeploymentSerializer, **REFUSALS})
+                   responses={200: DeploymentSerializer, **REFUSALS}, parameters=[NAME])
     @action(detail=True, methods=["post"])
     def unpin(self, request: Request, name: str | None = None) -> Response:
         dep = self.get_object()
@@ -433,7 +436,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
             return _refused(exc)
 
     @extend_schema(summary="Set the mode (operator): auto | advisory | pinned", request=ModeSerializer,
-                   responses={200: DeploymentSerializer, **REFUSALS}, description=(
+                   responses={200: DeploymentSerializer, **REFUSALS}, parameters=[NAME], description=(
                        "pinned pins the current gear (as the pin verb does); auto or advisory on a pinned "
                        "deployment unpins it."))
     @action(detail=True, methods=["post"])
@@ -452,7 +455,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         return Response(_deployment(dep))
 
     @extend_schema(summary="Emergency downshift to the baseline gear (operator; reason required; idempotent)",
-                   request=EmergencySerializer,
+                   request=EmergencySerializer, parameters=[NAME],
                    responses={202: EmergencyResult,
                               200: OpenApiResponse(EmergencyResult, description="asked before, running, or "
                                                    "already on the baseline: nothing new (audited)"),
