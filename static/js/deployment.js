@@ -169,8 +169,11 @@
                                 line("P95", x, p.map(function (q) { return q.ttft_p95_ms; })), sloLine(x, slo.ttft_ms)],
                  Object.assign({}, CHART, { title: { text: "Time to first token (ms)", font: { size: 13 } } }), cfg);
     const lx = state.load.map(function (s) { return s.at; });
+    // one sample alone would get an axis a millisecond wide: show a minute either side of it
+    const xaxis = lx.length === 1 ? { type: "date", range: [Date.parse(lx[0]) - 60000, Date.parse(lx[0]) + 60000] } : { type: "date" };
     Plotly.react("chart-load", [line("req/s", lx, state.load.map(function (s) { return s.rate_rps; }))],
-                 Object.assign({}, CHART, { title: { text: "Offered load (requests/s, the gearbox's window)", font: { size: 13 } }, showlegend: false }), cfg);
+                 Object.assign({}, CHART, { xaxis: xaxis, showlegend: false,
+                                            title: { text: "Offered load (requests/s, the gearbox's window)", font: { size: 13 } } }), cfg);
     document.getElementById("chart-throughput").dataset.points = String(p.length);
   }
 

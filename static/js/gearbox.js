@@ -119,10 +119,10 @@
     const empty = div.querySelector("p.muted");
     if (empty) empty.remove();
     Plotly.react(div, traces, {
-      barmode: "overlay", height: Math.max(160, 34 * rows.length + 90), margin: { l: 150, r: 20, t: 10, b: 40 },
+      barmode: "overlay", height: Math.max(170, 34 * rows.length + 100), margin: { l: 150, r: 20, t: 30, b: 50 },
       xaxis: { type: "date", title: { text: "wall clock (UTC)" } },
       yaxis: { type: "category", categoryorder: "array", categoryarray: labels, automargin: true },
-      legend: { orientation: "h", y: -0.3 }, showlegend: true,
+      legend: { orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom" }, showlegend: true,
     }, { displaylogo: false, responsive: true });
   }
 

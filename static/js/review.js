@@ -159,7 +159,16 @@
     const steps = t.steps || [];
     const now = Date.now();
     const labels = steps.map(function (s) { return s.step + (s.attempt > 1 ? " (" + s.attempt + ")" : ""); });
-    Plotly.react(card.querySelector(".t-steps"), [{
+    const stepsDiv = card.querySelector(".t-steps");
+    stepsDiv.dataset.steps = String(steps.length);
+    if (!steps.length) {
+      Plotly.purge(stepsDiv);
+      stepsDiv.replaceChildren(gb.el("p", { className: "muted" }, "No step has started yet."));
+    } else {
+      const waiting = stepsDiv.querySelector("p.muted");
+      if (waiting) waiting.remove();
+    }
+    if (steps.length) Plotly.react(stepsDiv, [{
       type: "bar", orientation: "h", y: labels, base: steps.map(function (s) { return s.started_at; }),
       x: steps.map(function (s) { return Math.max(30, (s.finished_at ? Date.parse(s.finished_at) : now) - Date.parse(s.started_at)); }),
       marker: { color: steps.map(function (s) { return s.state === "ok" ? gb.PHASE_COLORS[s.phase] : s.state === "running" ? "#f0c36c" : "#c0362c"; }) },

@@ -63,14 +63,19 @@ class World:
                          now=timezone.now())
 
 
-def running_deployment(*, moved: bool = True) -> World:
-    """The module docstring's "chat": baseline up, then (moved=True) moved to b1 by an operator."""
+def running_deployment(*, moved: bool = True, inflight: int = 0) -> World:
+    """The module docstring's "chat": baseline up, then (moved=True) moved to b1 by an operator -
+    with `inflight` long requests running on the baseline when it moves (they are handed over)."""
     reporter = enroll_fleet()
     make_deployment("chat", baseline=BASELINE)
     agents = SimAgents()
     out = ticks.tick()
     assert out["started"] == ["chat#1"], out
     drive(agents)
+    for _ in range(inflight):
+        agents.fleet.submit("chat", 3000, 3000)
+    if inflight:
+        agents.run(0.2)
     if moved:
         decision, started = do_request_gear("chat", MOVED, actor="system:test", reason="make room on a1")
         assert started is not None, decision.reasons
