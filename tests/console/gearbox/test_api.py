@@ -183,6 +183,9 @@ def test_transition_filters_name_each_bad_value(viewer: Person, chat: Any) -> No
                    ).json()["count"] == 0
     bad = api.get("/api/v1/transitions", {"phase": "warp", "kind": "x", "since": "yesterday", "active": "2"})
     assert bad.status_code == 400 and set(bad.json()) == {"phase", "kind", "since", "active"}
+    # an offset PostgreSQL would refuse (beyond 15:59) is read in UTC; one that leaves the calendar is refused
+    assert api.get("/api/v1/transitions", {"since": "0153-08-02T15:18:10+17:57"}).json()["count"] == 1
+    assert "until" in api.get("/api/v1/transitions", {"until": "0001-01-01T00:00:00+01:00"}).json()
     order = api.get("/api/v1/transitions", {"since": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"})
     assert order.status_code == 400 and "until" in order.json()
     last = Transition.objects.order_by("-pk").first()
