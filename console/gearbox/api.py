@@ -35,7 +35,7 @@ from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
 from console.fleet.actions import Rejected
 from console.gearbox import actions, present
-from console.gearbox.models import PHASES, Decision, Deployment, Transition
+from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
 from scheduler.gearbox import Outcome, Trigger
 
 NAME_RE = r"[^/]{1,64}"
@@ -47,10 +47,11 @@ APPROVALS = ("pending", "approved", "superseded", "none")
 
 # --- payload shapes (for the schema; the data comes from console.gearbox.present) -------------------
 class PayloadSerializer(serializers.Serializer):  # type: ignore[type-arg]
-    """Represents an object through a console.gearbox.present function given as `present`."""
+    """Describes a payload of console.gearbox.present for the schema; the views return the payloads
+    themselves, so what the schema says and what the pages receive come from one place."""
 
     def to_representation(self, instance: Any) -> Any:
-        return instance  # the views hand over payloads that present.py already built
+        return instance
 
 
 class PlanRefSerializer(PayloadSerializer):
@@ -593,7 +594,7 @@ class TransitionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
                    "created_at__gte": since, "created_at__lt": until}
         qs = qs.filter(**{k: v for k, v in filters.items() if v is not None})
         if active is not None:
-            qs = qs.filter(phase__in=present.ACTIVE_PHASES) if active else qs.exclude(phase__in=present.ACTIVE_PHASES)
+            qs = qs.filter(phase__in=ACTIVE_PHASES) if active else qs.exclude(phase__in=ACTIVE_PHASES)
         return qs  # type: ignore[no-any-return]
 
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:

@@ -32,7 +32,7 @@ from console.dashboard.consumers import LiveConsumer
 from console.fleet.live import CLUSTER_GROUP
 from console.gearbox import present
 from console.gearbox.live import GEARBOX_GROUP
-from console.gearbox.models import Deployment, Transition
+from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
 
 # audit events of changes that push nothing themselves (the transitions and decisions push their own)
 OPERATOR_EVENTS = frozenset({
@@ -169,7 +169,7 @@ def _touches(name: str, delta: dict[str, Any]) -> bool:
            if isinstance(e, dict)):
         return True
     gpus: set[str] = set()
-    active = Transition.objects.filter(deployment=dep, phase__in=present.ACTIVE_PHASES).first()
+    active = Transition.objects.filter(deployment=dep, phase__in=ACTIVE_PHASES).first()
     for raw in (dep.current_gear, dep.baseline_gear, active.to_gear if active is not None else None):
         gear = present.parse_gear(raw)
         gpus.update(gear.gpu_uuids if gear is not None else ())
