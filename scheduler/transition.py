@@ -241,7 +241,7 @@ class TransitionConfig:
     prepare_timeout_s: float = 600.0  # weights of a 70B model from disk take minutes
     step_timeout_s: float = 30.0  # routing-free agent steps: freeze, thaw, abort
     move_timeout_s: float = 120.0  # plus 2x the estimated transfer time
-    drain_budget_s: float = 30.0  # a sequence that finishes on the old plan within this stays there
+    drain_budget_s: float = 10.0  # a sequence that finishes on the old plan within this stays there
     release_timeout_s: float = 60.0  # plus the drain budget
     switch_retries: int = 2  # a failed SWITCH step is retried this often, then rolled back
     cleanup_attempts: int = 3  # CLEANUP/ROLLBACK steps: attempts before giving up

@@ -32,6 +32,7 @@ from django.utils import timezone
 from console.accounts.roles import OPERATOR, has_role
 from console.audit.chain import actor_of, record
 from console.fleet.actions import Rejected
+from console.fleet.models import AgentCommand
 from console.gearbox import live
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Transition
@@ -135,8 +136,9 @@ def _kick(deployment: str, seq: int | None = None) -> None:
 
 @dataclass(frozen=True)
 class Decided:
-    decision: Decision | None  # None: nothing was decided (a transition runs)
+    decision: Decision | None  # None: nothing was decided (a transition runs, or reports are awaited)
     transition: Transition | None  # the transition it started, if any
+    waiting_for_reports: bool = False  # decide again in a moment: the agents' reports are about to catch up
 
 
 def _decide(dep: Deployment, base: Snapshot, held: Mapping[str, set[str]], now: datetime, trigger: Trigger, *,
@@ -167,7 +169,7 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
     if active is not None:
         return Decided(None, None)
     if not _reports_mirror_last_transition(dep, base, now):
-        return Decided(None, None)
+        return Decided(None, None, waiting_for_reports=True)
     current = _gear(dep, "current_gear")
     if trigger is Trigger.PERIODIC and current is not None and any(lost_gpus(p, base) for p in current.plans):
         # whichever tick notices first, a gear that lost GPUs is a topology event (DESIGN.md)
@@ -178,7 +180,7 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
         if unreported:
             # its agents registered but have not reported yet (or not even that): decide nothing
             # on GPUs nobody has seen; a report that brings them is a topology event, a new tick
-            return Decided(None, None)
+            return Decided(None, None, waiting_for_reports=True)
         d = _decide(dep, base, held, now, Trigger.MANUAL, requested=baseline)
         if d.outcome is Outcome.SWITCH:
             outcome = Outcome.SWITCH if dep.mode != Deployment.ADVISORY else Outcome.ADVISE
@@ -200,24 +202,27 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
 
 
 def _reports_mirror_last_transition(dep: Deployment, base: Snapshot, now: datetime) -> bool:
-    """Mirror first, then decide: the GPUs the deployment's last transition touched must have
-    been reported since it ended. Before that their memory is the agents' old picture (the old
-    plan not yet freed) and the new gear would look over-full. Agents report right after a
-    command they executed, so this holds within moments; GPUs that are out (lost, cordoned) and
-    a transition older than two report intervals do not hold the decision up."""
+    """Mirror first, then decide: the GPUs the deployment's last transition touched must have been
+    reported since the agents acknowledged its last command. Before that their memory is the
+    agents' old picture (the old plan not yet freed) and the new gear would look over-full.
+    Agents report right after a command they executed, so this holds within moments; GPUs that
+    are out (lost, cordoned) and a transition older than two report intervals hold nothing up."""
     last = (Transition.objects.filter(deployment=dep, finished_at__isnull=False).order_by("-seq")
-            .values("from_gear", "to_gear", "finished_at").first())
+            .values("seq", "from_gear", "to_gear", "finished_at").first())
     if last is None:
         return True
-    ended = last["finished_at"].timestamp()
-    if now.timestamp() - ended > 2 * float(settings.FLEXPIPE_REPORT_INTERVAL_S):
+    if now.timestamp() - last["finished_at"].timestamp() > 2 * float(settings.FLEXPIPE_REPORT_INTERVAL_S):
         return True
+    acked = (AgentCommand.objects.filter(deployment=dep.name, transition_seq=last["seq"], acked_at__isnull=False)
+             .order_by("-acked_at").values_list("acked_at", flat=True).first())
+    if acked is None:
+        return True  # no agent did anything: nothing to mirror
     nodes = base.node_by_id
     for u in gear_gpus(last["from_gear"]) | gear_gpus(last["to_gear"]):
         g = base.gpu_by_uuid.get(u)
         if g is None or not g.healthy or not g.schedulable or not nodes[g.node_id].schedulable:
             continue
-        if g.last_seen_s < ended:
+        if g.last_seen_s < acked.timestamp():
             return False
     return True
 

@@ -39,9 +39,21 @@ def enqueue(task: Any, **kwargs: Any) -> None:
         log.warning("could not enqueue %s(%s): %s", task.name, kwargs, exc)
 
 
+RETICK_S = 1.0  # a deployment waiting for its agents' reports is decided again this soon
+
+
 @shared_task(name="gearbox.tick", acks_late=True)
 def tick(trigger: str = "periodic", deployment: str | None = None, **kwargs: Any) -> dict[str, object]:
-    return ticks.tick(trigger=trigger, deployment=deployment)
+    out = ticks.tick(trigger=trigger, deployment=deployment)
+    # a decision put off until the agents' reports catch up is taken as soon as they do, not at
+    # the next beat (the wait is bounded: actions._reports_mirror_last_transition)
+    waiting = out.get("waiting") or []
+    for name in waiting if isinstance(waiting, list) else []:
+        try:
+            tick.apply_async(kwargs={"trigger": trigger, "deployment": name}, countdown=RETICK_S)
+        except (OperationalError, RedisError, OSError) as exc:
+            log.warning("could not schedule a tick of %s: %s", name, exc)
+    return out
 
 
 @shared_task(name="transitions.advance", acks_late=True)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
+from django.conf import settings
 from django.utils import timezone
 
 from console.gearbox.actions import do_decide_gear, do_record_load, held_gpus
-from console.gearbox.models import Deployment
+from console.gearbox.models import Deployment, Transition
 from console.gearbox.snapshot import fleet_snapshot, gear_gpus, load_sample
 from scheduler.gearbox import Trigger
 
@@ -22,6 +23,18 @@ log = logging.getLogger(__name__)
 
 TRIGGERS = {"periodic": Trigger.PERIODIC, "topology": Trigger.TOPOLOGY, "emergency": Trigger.PERIODIC,
             "ended": Trigger.PERIODIC}
+
+
+def _load_settled(dep: Deployment, now: datetime) -> bool:
+    """Its engines' arrival counts describe its load: no transition runs, and the last one ended a
+    report interval ago (counts over an interval that straddles a switch - or the moment the
+    first plan came up - undercount what the gateway offered and would shift the gear down)."""
+    last = Transition.objects.filter(deployment=dep).order_by("-seq").values("phase", "finished_at").first()
+    if last is None:
+        return True
+    if last["finished_at"] is None:
+        return False
+    return (now - last["finished_at"]).total_seconds() >= float(settings.FLEXPIPE_REPORT_INTERVAL_S)
 
 
 def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datetime | None = None) -> dict[str, object]:
@@ -35,18 +48,21 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         log.warning("gearbox tick skipped: the fleet does not make a valid snapshot (%s)", exc)
         return {"skipped": str(exc)}
     held = held_gpus()
-    decided, started = [], []
+    decided, started, waiting = [], [], []
     deps = Deployment.objects.order_by("-priority", "name")
     if deployment is not None:
         deps = deps.filter(name=deployment)
     for dep in deps:
-        sample = load_sample([r.get("plan_id", "") for r in dep.routing if isinstance(r, dict)], now)
-        if sample is not None:
-            do_record_load(dep, sample)
+        if _load_settled(dep, now):
+            sample = load_sample([r.get("plan_id", "") for r in dep.routing if isinstance(r, dict)], now)
+            if sample is not None:
+                do_record_load(dep, sample)
         out = do_decide_gear(dep.name, trigger=TRIGGERS[trigger], now=now, base=base, held=held)
+        if out.waiting_for_reports:
+            waiting.append(dep.name)
         if out.decision is not None:
             decided.append(f"{dep.name}:{out.decision.outcome}")
         if out.transition is not None:
             started.append(f"{dep.name}#{out.transition.seq}")
             held.setdefault(dep.name, set()).update(gear_gpus(out.transition.to_gear))
-    return {"trigger": trigger, "decided": decided, "started": started}
+    return {"trigger": trigger, "decided": decided, "started": started, "waiting": waiting}

@@ -55,7 +55,7 @@ def run_until(fleet: LiveFleet, cond: Callable[[], bool], max_s: float, what: st
     deadline = time.monotonic() + max_s
     last_sweep = 0.0
     while not cond():
-        assert time.monotonic() < deadline, f"{what}: not within {max_s} s"
+        assert time.monotonic() < deadline, f"{what}: not within {max_s} s; transitions: {story()}"
         fleet.step()
         if time.monotonic() - last_sweep > 2.0:  # what beat's sweep does
             app.send_task("transitions.sweep", queue=app.conf.task_default_queue)
@@ -65,6 +65,13 @@ def run_until(fleet: LiveFleet, cond: Callable[[], bool], max_s: float, what: st
 
 def gpus_of(raw: object) -> set[str]:
     return set(Gear.from_dict(raw).gpu_uuids) if raw else set()
+
+
+def story() -> str:
+    """Every transition so far, for a failure message."""
+    return "; ".join(f"{t.deployment.name}#{t.seq} {t.kind} {t.phase}/{t.step} "
+                     f"({t.decision.trigger if t.decision else '-'}) {t.error[:60]}"
+                     for t in Transition.objects.select_related("deployment", "decision").order_by("id"))
 
 
 def test_the_demo_brings_its_baselines_up_and_shifts_gear_after_the_preemption(fleet: LiveFleet) -> None:
@@ -90,7 +97,7 @@ def test_the_demo_brings_its_baselines_up_and_shifts_gear_after_the_preemption(f
               120, "a new gear off the preempted GPUs")
     for name in hit:
         moved = Transition.objects.filter(deployment__name=name, seq__gt=1, phase="done").first()
-        assert moved is not None and moved.decision is not None and moved.decision.trigger == "topology"
+        assert moved is not None and moved.decision is not None and moved.decision.trigger == "topology", story()
     # invariants: engines (1, 2) from the fleet's log, transitions (3) from the audit chain and commands
     violations = check(fleet.log, complete=False)
     assert not violations, violations[:5]

@@ -274,3 +274,22 @@ def test_the_gearbox_waits_for_reports_that_show_what_the_last_transition_left()
     ticks.tick()
     assert Decision.objects.count() == before + 1
     assert Transition.objects.count() == 2
+
+
+def test_load_is_not_sampled_while_a_switch_runs_nor_right_after_it(settings: Any) -> None:
+    from datetime import timedelta
+
+    from console.fleet.models import Node
+
+    settings.FLEXPIPE_REPORT_INTERVAL_S = 15
+    enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    plan_id = Deployment.objects.get(name="chat").routing[0]["plan_id"]
+    Node.objects.filter(node_id="a1").update(engines=[{"plan_id": plan_id, "running": 0, "waiting": 0,
+                                                       "tokens_per_s": 0.0, "kv_usage": 0.0, "arrivals": 0}])
+    ticks.tick()
+    assert Deployment.objects.get(name="chat").load_window == {}  # the plan has just come up
+    ticks.tick(now=timezone.now() + timedelta(seconds=16))
+    assert len(Deployment.objects.get(name="chat").load_window["samples"]) == 1
