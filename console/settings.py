@@ -230,6 +230,12 @@ SPECTACULAR_SETTINGS = {
     # The schema is public (it holds no data) so tools and the Swagger page can load it; every
     # operation in it still needs a token or a session with the right role.
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    # Several choice fields are called `mode`: name each set of choices after what it is.
+    "ENUM_NAME_OVERRIDES": {
+        "DeploymentModeEnum": ["auto", "advisory", "pinned"],
+        "UnpinModeEnum": ["auto", "advisory"],
+        "PlanModeEnum": ["colocated", "disaggregated"],
+    },
 }
 
 LOGGING = {

@@ -8,15 +8,18 @@ from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
 from console.gearbox import agent_api as gearbox_agent_api
+from console.gearbox import views as gearbox_pages
 from console.metrics.views import MetricsView
 from console.registry import views as registry_pages
 
 urlpatterns = [
     path("", dashboard.overview, name="overview"),
     path("cluster.json", dashboard.cluster_json, name="cluster-json"),
-    # Pages (the navigation in console/dashboard/navigation.py lists them). The gearbox task replaces
-    # the Deployments placeholder with its own views under deployments/.
-    path("deployments/", dashboard.deployments_placeholder, name="deployments"),
+    # Pages (the navigation in console/dashboard/navigation.py lists them).
+    path("deployments/", gearbox_pages.deployments_page, name="deployments"),
+    path("deployments/<str:name>/", gearbox_pages.deployment_page, name="deployment-detail"),
+    path("deployments/<str:name>/transitions/<int:seq>/", gearbox_pages.transition_page, name="transition-detail"),
+    path("decisions/<int:pk>/", gearbox_pages.decision_page, name="decision-detail"),
     path("audit/", audit_pages.audit_page, name="audit-page"),
     path("registry/", registry_pages.registry_page, name="registry-page"),
     path("metrics", MetricsView.as_view(), name="metrics"),

@@ -75,7 +75,12 @@ class QueryParams:
             return None
         if timezone.is_naive(value):
             value = timezone.make_aware(value, UTC)
-        return value
+        try:
+            # in UTC: PostgreSQL refuses offsets beyond 15:59 (ISO 8601 allows up to 23:59) with a server error
+            return value.astimezone(UTC)
+        except OverflowError:
+            self.fail(name, f"is out of range once in UTC; got {raw!r}")
+            return None
 
     def raise_if_any(self) -> None:
         if self.errors:

@@ -1,7 +1,7 @@
 """/api/v1: every REST endpoint, one router. OpenAPI 3 at /api/schema/, Swagger UI at /api/docs/.
 
-To add endpoints (the gearbox's deployments, plans, transitions, decisions, overrides), write the
-viewset in `<app>/api.py` and register it here; the schema and Swagger UI pick it up by themselves.
+To add endpoints, write the viewset in `<app>/api.py` and register it here; the schema and Swagger UI
+pick it up by themselves.
 """
 
 from __future__ import annotations
@@ -13,6 +13,13 @@ from rest_framework.routers import SimpleRouter
 from console.accounts import api as accounts_api
 from console.audit.api import AuditEntryViewSet
 from console.fleet.api import GpuViewSet, NodeViewSet
+from console.gearbox.api import (
+    DecisionViewSet,
+    DeploymentViewSet,
+    GearViewSet,
+    PlanViewSet,
+    TransitionViewSet,
+)
 from console.registry.api import ModelVersionViewSet
 
 router = SimpleRouter(trailing_slash=False)
@@ -20,6 +27,11 @@ router.register("models", ModelVersionViewSet, basename="modelversion")
 router.register("audit", AuditEntryViewSet, basename="audit")
 router.register("nodes", NodeViewSet, basename="node")
 router.register("gpus", GpuViewSet, basename="gpu")
+router.register("deployments", DeploymentViewSet, basename="deployment")
+router.register("gears", GearViewSet, basename="gear")
+router.register("plans", PlanViewSet, basename="plan")
+router.register("transitions", TransitionViewSet, basename="transition")
+router.register("decisions", DecisionViewSet, basename="decision")
 
 urlpatterns = [
     path("api/v1/me", accounts_api.me, name="api-me"),

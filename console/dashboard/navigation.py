@@ -1,8 +1,8 @@
 """The console's navigation bar: one list, rendered by templates/base.html on every page.
 
 To add a page: give its URL pattern a name and add a `NavItem` here (or point an existing item at
-it: "Deployments" points at a placeholder until the gearbox pages exist). `matches` lists the URL
-names under which the item is highlighted (a deployment's detail page highlights "Deployments").
+it). `matches` lists the URL names under which the item is highlighted (a deployment's page and the
+review of its decisions and transitions highlight "Deployments").
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class NavItem:
 
 NAV: tuple[NavItem, ...] = (
     NavItem("overview", "Overview", "overview"),
-    NavItem("deployments", "Deployments", "deployments", matches=("deployment-detail", "decision-detail")),
+    NavItem("deployments", "Deployments", "deployments", matches=("deployment-detail", "decision-detail", "transition-detail")),
     NavItem("audit", "Audit", "audit-page"),
     NavItem("registry", "Registry", "registry-page"),
 )

@@ -5,6 +5,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 
+from console.accounts.roles import VIEWER, has_role
 from console.fleet import live
 
 
@@ -12,13 +13,9 @@ from console.fleet import live
 def overview(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/overview.html", {
         "heartbeat_timeout_s": settings.FLEXPIPE_HEARTBEAT_TIMEOUT_S,
+        # the deployments, switches and atomic blocks come from /ws/gearbox/, which needs the viewer role
+        "gearbox": has_role(request.user, VIEWER),
     })
-
-
-@login_required
-def deployments_placeholder(request: HttpRequest) -> HttpResponse:
-    """Where the Deployments item of the navigation leads until the gearbox pages replace it."""
-    return render(request, "dashboard/deployments_placeholder.html")
 
 
 @login_required

@@ -1,35 +1,148 @@
-"""Gearbox metrics — THE place for them. Empty until the gearbox app lands; it is already registered.
+"""Gearbox metrics: the gear as a first-class monitored object (seed 000, section 6.2).
 
-Fill `GearboxCollector.collect()` from the gearbox's models (state read at scrape time, like
-collectors.py), keeping these names and labels (issue 6, point 4):
+State read from the gearbox's rows at scrape time (like collectors.py): every web process answers
+the same, and a restart loses nothing. One or two queries per family; a scrape stays cheap.
 
-    flexpipe_deployment_plan_info{deployment, plan_id, gear}      gauge 1 per deployment's current plan
-    flexpipe_deployment_gear{deployment}                          gauge: current gear number
-    flexpipe_deployment_pinned{deployment}                        gauge 0/1
-    flexpipe_transition_phase{deployment, phase}                  gauge 1 for the active phase
-                                                                  (prepare|switch|cleanup|rollback|idle)
-    flexpipe_switch_duration_seconds{deployment}                  histogram of finished transitions,
-                                                                  built with HistogramMetricFamily from
-                                                                  the transition rows (buckets below)
-    flexpipe_migration_queue_length{deployment}                   gauge: KV migrations waiting
-    flexpipe_shadow_plan_status{deployment, status}               gauge 1 for the shadow plan's status
-    flexpipe_decisions{deployment, outcome, reason}               counter (CounterMetricFamily,
-                                                                  counted from the decision rows)
-
-Read everything in one or two queries per family; a scrape must stay cheap (every 15 s).
+    flexpipe_deployment_plan_info{deployment, plan_id, gear}   1 per plan of a deployment's current gear
+                                                               (gear: its gear id)
+    flexpipe_deployment_gear{deployment}                       the gear number: the seq of the transition
+                                                               that brought the current gear up (0: none
+                                                               yet) - it steps at every gear change
+    flexpipe_deployment_pinned{deployment}                     1 while pinned
+    flexpipe_deployment_routing_version{deployment}            the routing table's version
+    flexpipe_transition_phase{deployment, phase}               1 for the phase of the running transition
+                                                               (prepare | switch | cleanup | rollback),
+                                                               or for idle; 0 for the others
+    flexpipe_switch_duration_seconds{deployment}               histogram of finished switches (phase done:
+                                                               from creation to the end of CLEANUP)
+    flexpipe_migration_queue_length{deployment}                KV migrations waiting: sequences the running
+                                                               move step migrates whose command the agent
+                                                               has not acknowledged yet
+    flexpipe_shadow_plan_status{deployment, status}            1 for the status of the shadow plan (the new
+                                                               plans of the running transition): none |
+                                                               preparing | ready | canary | promoted |
+                                                               rolling_back; 0 for the others
+    flexpipe_decisions_total{deployment, outcome, reason}      decisions counted from their rows; reason is
+                                                               what triggered the decision (periodic |
+                                                               topology | load | emergency | manual)
+    flexpipe_decisions_pending_approval{deployment}            advised decisions waiting for an operator
+    flexpipe_transition_kv_migrated_bytes_total{deployment}    what moved: KV bytes migrated ...
+    flexpipe_transition_tokens_replayed_total{deployment}      ... against tokens replayed (all transitions)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
 
-from prometheus_client.core import Metric
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Max, Q, Sum
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 SWITCH_DURATION_BUCKETS_S = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+PHASE_VALUES = ("prepare", "switch", "cleanup", "rollback", "idle")
 
 
 class GearboxCollector(Collector):
     def collect(self) -> Iterator[Metric]:
-        # Nothing to report before the gearbox exists; yield the families listed above once it does.
-        return iter(())
+        from console.gearbox import present
+        from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
+
+        deps = list(Deployment.objects.order_by("name").only(
+            "name", "mode", "current_gear", "routing_version", "last_transition_seq"))
+        active = {t.deployment_id: t for t in Transition.objects.filter(phase__in=ACTIVE_PHASES)}
+        latest_done = dict(Transition.objects.filter(phase="done").values("deployment_id")
+                           .annotate(seq=Max("seq")).values_list("deployment_id", "seq"))
+
+        info = GaugeMetricFamily("flexpipe_deployment_plan_info",
+                                 "1 per plan of the deployment's current gear", labels=["deployment", "plan_id", "gear"])
+        gear = GaugeMetricFamily("flexpipe_deployment_gear", "Gear number: the seq of the transition that brought "
+                                 "the current gear up (0: nothing runs yet)", labels=["deployment"])
+        pinned = GaugeMetricFamily("flexpipe_deployment_pinned", "1 while the deployment is pinned",
+                                   labels=["deployment"])
+        routing = GaugeMetricFamily("flexpipe_deployment_routing_version", "Version of the deployment's routing table",
+                                    labels=["deployment"])
+        phase = GaugeMetricFamily("flexpipe_transition_phase", "1 for the phase of the running transition (or idle)",
+                                  labels=["deployment", "phase"])
+        queue = GaugeMetricFamily("flexpipe_migration_queue_length", "KV migrations waiting in the running move step",
+                                  labels=["deployment"])
+        shadow = GaugeMetricFamily("flexpipe_shadow_plan_status", "1 for the status of the shadow plan "
+                                   "(the running transition's new plans)", labels=["deployment", "status"])
+        for d in deps:
+            current = present.parse_gear(d.current_gear)
+            for plan in current.plans if current is not None else ():
+                info.add_metric([d.name, plan.plan_id, current.gear_id], 1.0)  # type: ignore[union-attr]
+            gear.add_metric([d.name], float(latest_done.get(d.pk, 0) if current is not None else 0))
+            pinned.add_metric([d.name], 1.0 if d.mode == Deployment.PINNED else 0.0)
+            routing.add_metric([d.name], float(d.routing_version))
+            t = active.get(d.pk)
+            now_phase = t.phase if t is not None else "idle"
+            for p in PHASE_VALUES:
+                phase.add_metric([d.name, p], 1.0 if p == now_phase else 0.0)
+            queue.add_metric([d.name], float(present.migration_queue(t)))
+            status = present.shadow_status(t)
+            for s in present.SHADOW_STATUSES:
+                shadow.add_metric([d.name, s], 1.0 if s == status else 0.0)
+        yield from (info, gear, pinned, routing, phase, queue, shadow)
+        yield self._durations()
+        yield from self._decisions(deps)
+        yield from self._moved()
+
+    def _durations(self) -> Metric:
+        from console.gearbox.models import Transition
+
+        took = ExpressionWrapper(F("finished_at") - F("created_at"), output_field=DurationField())
+        buckets = {f"le{i}": Count("id", filter=Q(took__lte=timedelta(seconds=b)))
+                   for i, b in enumerate(SWITCH_DURATION_BUCKETS_S)}
+        rows = (Transition.objects.filter(phase="done", finished_at__isnull=False).annotate(took=took)
+                .values("deployment__name").annotate(n=Count("id"), total=Sum("took"), **buckets)
+                .order_by("deployment__name"))
+        family = HistogramMetricFamily("flexpipe_switch_duration_seconds",
+                                       "Duration of finished switches, from creation to the end of CLEANUP",
+                                       labels=["deployment"])
+        for row in rows:
+            cumulative = [(_le(b), float(row[f"le{i}"])) for i, b in enumerate(SWITCH_DURATION_BUCKETS_S)]
+            total = row["total"].total_seconds() if row["total"] is not None else 0.0
+            family.add_metric([row["deployment__name"]], cumulative + [("+Inf", float(row["n"]))], sum_value=total)
+        return family
+
+    def _decisions(self, deps: list[Any]) -> Iterator[Metric]:
+        from console.gearbox.models import Decision
+
+        family = CounterMetricFamily("flexpipe_decisions", "Gearbox decisions by outcome and by what triggered them",
+                                     labels=["deployment", "outcome", "reason"])
+        for name, outcome, trigger, n in (Decision.objects.values("deployment__name", "outcome", "trigger")
+                                          .annotate(n=Count("id")).order_by("deployment__name", "outcome", "trigger")
+                                          .values_list("deployment__name", "outcome", "trigger", "n")):
+            family.add_metric([name, outcome, trigger], float(n))
+        yield family
+        pending = dict(Decision.objects.filter(approval=Decision.PENDING).values("deployment__name")
+                       .annotate(n=Count("id")).values_list("deployment__name", "n"))
+        waiting = GaugeMetricFamily("flexpipe_decisions_pending_approval",
+                                    "Advised decisions waiting for an operator's approval", labels=["deployment"])
+        for d in deps:
+            waiting.add_metric([d.name], float(pending.get(d.name, 0)))
+        yield waiting
+
+    def _moved(self) -> Iterator[Metric]:
+        from console.gearbox.models import Transition
+
+        rows = (Transition.objects.values("deployment__name").annotate(kv=Sum("kv_bytes_migrated"),
+                                                                       tokens=Sum("tokens_replayed"))
+                .order_by("deployment__name"))
+        kv = CounterMetricFamily("flexpipe_transition_kv_migrated_bytes",
+                                 "KV cache bytes handed over by migration, over all transitions", labels=["deployment"])
+        tokens = CounterMetricFamily("flexpipe_transition_tokens_replayed",
+                                     "Tokens re-prefilled on a target instead of migrating their KV",
+                                     labels=["deployment"])
+        for row in rows:
+            kv.add_metric([row["deployment__name"]], float(row["kv"] or 0))
+            tokens.add_metric([row["deployment__name"]], float(row["tokens"] or 0))
+        yield kv
+        yield tokens
+
+
+def _le(bound: float) -> str:
+    return str(float(bound))
+

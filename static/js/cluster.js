@@ -1,8 +1,11 @@
-// The Overview page: a heatmap of every GPU (rows: nodes, columns: GPU index, colour: memory
-// used) and the node list, kept current by the /ws/cluster/ websocket without reloading.
+// The Overview page: a heatmap of every GPU (colour: memory used) and the node list, kept current by
+// the /ws/cluster/ websocket without reloading. Rows are the atomic blocks (GPUs that may form one
+// TP group; scheduler.topology.partition, sent by /ws/gearbox/ through overview.js), then per node
+// the GPUs that are in no block, with why; until the blocks are known (or for a user who may not
+// read the gearbox) rows are nodes and columns GPU indexes.
 (function () {
   "use strict";
-  const state = { nodes: {}, gpus: {} };
+  const state = { nodes: {}, gpus: {}, blocks: null, holders: {} };
   const heartbeatTimeout = JSON.parse(document.getElementById("heartbeat-timeout").textContent);
   window.FlexPipe = window.FlexPipe || {};
   window.FlexPipe.cluster = state;
@@ -24,38 +27,92 @@
     render();
   }
 
-  function render() {
-    const nodeIds = Object.keys(state.nodes).sort();
+  function holderText(g) {
+    const held = state.holders[g.uuid] || [];
+    return held.length ? held.map(function (h) { return h.deployment + " " + h.plan + " stage " + h.stage + (h.role === "preparing" ? " (preparing)" : ""); }).join("; ") : "—";
+  }
+
+  function cellFor(g, where) {
+    const node = state.nodes[g.node_id];
+    const used = g.mem_used_bytes == null ? null : g.mem_used_bytes / g.mem_total_bytes;
+    const flag = !g.healthy ? "✕" : (node && !node.schedulable ? "?" : (!g.allocatable ? "T" : ""));
+    const held = state.holders[g.uuid] || [];
+    const mark = held.some(function (h) { return h.role === "serving"; }) ? "●" : (held.length ? "◐" : "");
+    return { z: used, text: state.blocks ? (flag || (String(g.index) + mark)) : flag,
+             custom: [g.uuid, g.model, gib(g.mem_used_bytes) + " / " + gib(g.mem_total_bytes), pct(g.sm_util),
+                      gpuStatus(g, node), g.temperature_c == null ? "?" : g.temperature_c + " °C", where,
+                      holderText(g), g.node_id, g.index] };
+  }
+
+  // rows: [{label, gpus: [gpu, ...], where: text}] - by block when known, else by node
+  function layout() {
     const gpus = Object.values(state.gpus);
-    const width = Math.max(1, ...gpus.map(function (g) { return g.index + 1; }));
+    if (!state.blocks) {
+      return Object.keys(state.nodes).sort().map(function (id) {
+        const row = [];
+        gpus.filter(function (g) { return g.node_id === id; }).forEach(function (g) { row[g.index] = g; });
+        return { label: id, gpus: row, where: function () { return "node " + id; } };
+      });
+    }
+    const rows = [];
+    const placed = {};
+    state.blocks.blocks.forEach(function (b) {
+      const row = b.gpus.map(function (u) { placed[u] = true; return state.gpus[u]; }).filter(Boolean);
+      rows.push({ label: b.id + " · " + b.gpu_model, gpus: row, block: b.id,
+                  where: function () { return "block " + b.id + " (" + b.link + ", " + b.gpus.length + " GPUs)"; } });
+    });
+    Object.keys(state.nodes).sort().forEach(function (id) {
+      const out = gpus.filter(function (g) { return g.node_id === id && !placed[g.uuid]; })
+                      .sort(function (a, b) { return a.index - b.index; });
+      if (out.length) {
+        rows.push({ label: id + " · out", gpus: out, where: function (g) {
+          return "in no block: " + (state.blocks.excluded[g.uuid] || "not in the snapshot"); } });
+      }
+    });
+    return rows;
+  }
+
+  function render() {
+    const rows = layout();
+    const gpus = Object.values(state.gpus);
+    const width = Math.max(1, ...rows.map(function (r) { return r.gpus.length; }));
     const z = [], text = [], custom = [];
-    nodeIds.forEach(function (id) {
+    rows.forEach(function (r) {
       const rowZ = new Array(width).fill(null), rowT = new Array(width).fill(""), rowC = new Array(width).fill(null);
-      gpus.filter(function (g) { return g.node_id === id; }).forEach(function (g) {
-        const node = state.nodes[id];
-        const used = g.mem_used_bytes == null ? null : g.mem_used_bytes / g.mem_total_bytes;
-        rowZ[g.index] = used;
-        rowT[g.index] = !g.healthy ? "✕" : (!node.schedulable ? "?" : (!g.allocatable ? "T" : ""));
-        rowC[g.index] = [g.uuid, g.model, gib(g.mem_used_bytes) + " / " + gib(g.mem_total_bytes),
-                         pct(g.sm_util), gpuStatus(g, node), g.temperature_c == null ? "?" : g.temperature_c + " °C"];
+      r.gpus.forEach(function (g, i) {
+        if (!g) return;
+        const c = cellFor(g, r.where(g));
+        rowZ[i] = c.z; rowT[i] = c.text; rowC[i] = c.custom;
       });
       z.push(rowZ); text.push(rowT); custom.push(rowC);
     });
+    const byBlock = !!state.blocks;
     const trace = {
-      type: "heatmap", z: z, x: Array.from({ length: width }, function (_, i) { return "GPU " + i; }), y: nodeIds,
+      type: "heatmap", z: z, y: rows.map(function (r) { return r.label; }),
+      x: Array.from({ length: width }, function (_, i) { return (byBlock ? "#" : "GPU ") + i; }),
       text: text, texttemplate: "%{text}", customdata: custom, zmin: 0, zmax: 1, xgap: 3, ygap: 3,
       colorscale: "YlOrRd", reversescale: true, colorbar: { title: { text: "memory used" }, tickformat: ".0%" },
-      hovertemplate: "<b>%{y} · %{x}</b><br>%{customdata[1]}<br>memory %{customdata[2]}" +
-                     "<br>utilisation %{customdata[3]}<br>%{customdata[4]}<br>%{customdata[5]}<extra></extra>",
+      hovertemplate: "<b>%{customdata[8]} · GPU %{customdata[9]}</b><br>%{customdata[1]}<br>memory %{customdata[2]}" +
+                     "<br>utilisation %{customdata[3]}<br>%{customdata[4]}<br>%{customdata[5]}<br>%{customdata[6]}" +
+                     "<br>runs: %{customdata[7]}<extra></extra>",
     };
     const el = document.getElementById("heatmap");
     Plotly.react(el, [trace], {
-      margin: { l: 90, r: 20, t: 36, b: 10 }, height: Math.max(220, 36 * nodeIds.length + 80),
-      yaxis: { autorange: "reversed", type: "category" }, xaxis: { side: "top" },
+      margin: { l: 170, r: 20, t: 36, b: 10 }, height: Math.max(220, 36 * rows.length + 80),
+      yaxis: { autorange: "reversed", type: "category" }, xaxis: { side: "top", showticklabels: !byBlock },
     }, { displaylogo: false, responsive: true });
     el.dataset.gpuCount = String(gpus.length);
-    renderNodes(nodeIds);
+    el.dataset.grouping = byBlock ? "block" : "node";
+    el.dataset.rows = String(rows.length);
+    renderNodes(Object.keys(state.nodes).sort());
   }
+
+  // overview.js hands over the blocks and what runs where, from /ws/gearbox/
+  state.setGearbox = function (blocks, holders) {
+    if (blocks !== undefined) state.blocks = blocks;
+    if (holders !== undefined) state.holders = holders || {};
+    render();
+  };
 
   function renderNodes(nodeIds) {
     const tbody = document.querySelector("#nodes tbody");

@@ -24,6 +24,12 @@ OPERATIONS = {
     ("/api/v1/models/{id}/retire", "post"), ("/api/v1/audit", "get"), ("/api/v1/audit/{seq}", "get"),
     ("/api/v1/audit/verify", "get"), ("/api/v1/nodes", "get"), ("/api/v1/nodes/{node_id}", "get"),
     ("/api/v1/gpus", "get"), ("/api/v1/gpus/{uuid}", "get"), ("/api/v1/me", "get"),
+    ("/api/v1/deployments", "get"), ("/api/v1/deployments/{name}", "get"),
+    ("/api/v1/deployments/{name}/pin", "post"), ("/api/v1/deployments/{name}/unpin", "post"),
+    ("/api/v1/deployments/{name}/mode", "post"), ("/api/v1/deployments/{name}/emergency", "post"),
+    ("/api/v1/gears", "get"), ("/api/v1/gears/{gear_id}", "get"), ("/api/v1/plans", "get"),
+    ("/api/v1/plans/{plan_id}", "get"), ("/api/v1/transitions", "get"), ("/api/v1/transitions/{id}", "get"),
+    ("/api/v1/decisions", "get"), ("/api/v1/decisions/{id}", "get"), ("/api/v1/decisions/{id}/approve", "post"),
 }
 
 
@@ -72,10 +78,22 @@ def in_test_transaction() -> Iterator[None]:
         request_finished.connect(close_old_connections)
 
 
+@pytest.fixture
+def a_gearbox() -> None:
+    """Something for the gearbox's endpoints to show and refuse: the demo's chat deployment (the schema's
+    example name, so generated verbs reach it), its baseline on the way up, and the decision that started it."""
+    from console.gearbox import ticks
+    from tests.console.gearbox.harness import enroll_fleet, make_deployment
+
+    enroll_fleet()
+    make_deployment("chat-8b")
+    assert ticks.tick()["started"] == ["chat-8b#1"]
+
+
 @openapi.parametrize()
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.filter_too_much])
-def test_no_generated_request_makes_the_api_answer_with_a_server_error(case: Any, admin: Person,
+def test_no_generated_request_makes_the_api_answer_with_a_server_error(case: Any, admin: Person, a_gearbox: None,
                                                                       in_test_transaction: None) -> None:
     case.call_and_validate(headers={"Authorization": f"Bearer {admin.token}"}, checks=[not_a_server_error])

@@ -56,7 +56,7 @@ class OverviewInTheBrowser(LivePageTestCase):
                 assert sorted(cells) == sorted(g.uuid for n in self.fleet.cluster.nodes.values() for g in n.gpus)
                 rows = page.locator("#nodes tbody tr").count()
                 assert rows == len(self.scenario.nodes)
-                screenshot(page, "overview")
+                screenshot(page, "overview-fleet")
 
                 # Another tenant takes one GPU of the L40S node: its agent reports, the page follows.
                 node = self.fleet.cluster.nodes["l40s-c"]

@@ -1,0 +1,176 @@
+"""Websockets of the gearbox pages: what they send on connect, and what each committed change pushes.
+
+    /ws/gearbox/                the Overview's gearbox part and the Deployments list (viewers)
+    /ws/deployments/<name>/     one deployment: its page and its decision / transition reviews (viewers)
+
+Both listen to three groups, each fed from `transaction.on_commit` only (what they read is stored):
+"gearbox" (console.gearbox.live: transition steps and phases, routing commits, decisions), "cluster"
+(console.fleet.live: agents' reports - GPUs, blocks, engine metrics) and "audit" (the operator verbs
+that push nothing of their own: mode, pin, unpin, emergency request, approval). Each event makes the
+consumer read the current state and send it, so a page never applies a change out of order.
+
+Messages (JSON, "type" first):
+    snapshot      on connect and on {"type": "resync"}: the whole state (present.overview_state /
+                  present.deployment_state)
+    deployments   /ws/gearbox/: every deployment's payload and which GPUs each holds
+    fleet         /ws/gearbox/: atomic blocks and left-out GPUs, after a report
+    switch        /ws/gearbox/: one transition (summary), as it moves
+    deployment    /ws/deployments/<name>/: the deployment and the gears its page draws
+    transition    /ws/deployments/<name>/: one of its transitions, with steps (present.transition_detail)
+    decision      /ws/deployments/<name>/: one of its decisions, with candidates (present.decision_detail)
+Close code 4404: no such deployment (after the role check: 4401 / 4403 as on every live page).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from channels.db import database_sync_to_async
+
+from console.audit.live import AUDIT_GROUP
+from console.dashboard.consumers import LiveConsumer
+from console.fleet.live import CLUSTER_GROUP
+from console.gearbox import present
+from console.gearbox.live import GEARBOX_GROUP
+from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
+
+# audit events of changes that push nothing themselves (the transitions and decisions push their own)
+OPERATOR_EVENTS = frozenset({
+    "gearbox.mode_set", "gearbox.gear_pinned", "gearbox.gear_unpinned", "gearbox.emergency_requested",
+    "gearbox.decision_approved", "gearbox.deployment_created", "gearbox.deployment_updated",
+    "gearbox.transition_abort_requested",
+})
+
+
+class _GearboxLive(LiveConsumer):
+    """A live page that also hears fleet reports and operator verbs (module docstring)."""
+
+    group = GEARBOX_GROUP
+    also = (CLUSTER_GROUP, AUDIT_GROUP)
+    _joined = False
+
+    async def join_all(self) -> None:
+        # Joined before the first state is read: nothing committed after that read goes unheard.
+        if not self._joined:
+            for group in self.also:
+                await self.channel_layer.group_add(group, self.channel_name)
+            self._joined = True
+
+    async def disconnect(self, code: int) -> None:
+        if self._joined:
+            self._joined = False
+            for group in self.also:
+                await self.channel_layer.group_discard(group, self.channel_name)
+        await super().disconnect(code)
+
+
+class GearboxConsumer(_GearboxLive):
+    page = "gearbox"
+
+    async def on_accepted(self) -> None:
+        await self.join_all()
+        await self.send_json({"type": "snapshot", **await database_sync_to_async(present.overview_state)()})
+
+    async def gearbox_event(self, event: dict[str, Any]) -> None:
+        ev = event["event"]
+        await self.send_json({"type": "deployments", **await database_sync_to_async(present.deployments_state)()})
+        if ev.get("kind") == "transition":
+            switch = await database_sync_to_async(_switch)(ev["deployment"], ev["seq"])
+            if switch is not None:
+                await self.send_json({"type": "switch", "transition": switch})
+
+    async def cluster_delta(self, event: dict[str, Any]) -> None:
+        fleet = await database_sync_to_async(present.fleet_view)()
+        await self.send_json({"type": "fleet", **present.fleet_payload(fleet)})
+        await self.send_json({"type": "deployments",
+                              **await database_sync_to_async(present.deployments_state)(fleet)})
+
+    async def audit_entry(self, event: dict[str, Any]) -> None:
+        if event["entry"].get("event_type") in OPERATOR_EVENTS:
+            await self.send_json({"type": "deployments", **await database_sync_to_async(present.deployments_state)()})
+
+
+def _switch(deployment: str, seq: int) -> dict[str, Any] | None:
+    t = present.transitions_with_steps().filter(deployment__name=deployment, seq=seq).first()
+    return present.transition_payload(t) if t is not None else None
+
+
+class DeploymentConsumer(_GearboxLive):
+    page = "deployment"
+
+    @property
+    def name(self) -> str:
+        return str(self.scope["url_route"]["kwargs"]["name"])
+
+    async def on_accepted(self) -> None:
+        await self.join_all()
+        state = await database_sync_to_async(_deployment_state)(self.name)
+        if state is None:
+            await self.close(code=4404)
+            return
+        await self.send_json({"type": "snapshot", **state})
+
+    async def send_all(self, messages: list[dict[str, Any]]) -> None:
+        for msg in messages:
+            await self.send_json(msg)
+
+    async def gearbox_event(self, event: dict[str, Any]) -> None:
+        ev = event["event"]
+        if ev.get("deployment") != self.name:
+            return
+        seq = ev.get("seq") if ev.get("kind") == "transition" else None
+        decision = ev.get("decision") if ev.get("kind") == "decision" else None
+        await self.send_all(await database_sync_to_async(_updates)(self.name, seq=seq, decision=decision))
+
+    async def cluster_delta(self, event: dict[str, Any]) -> None:
+        if await database_sync_to_async(_touches)(self.name, event["delta"]):
+            await self.send_all(await database_sync_to_async(_updates)(self.name))
+
+    async def audit_entry(self, event: dict[str, Any]) -> None:
+        entry = event["entry"]
+        if entry.get("deployment") != self.name or entry.get("event_type") not in OPERATOR_EVENTS:
+            return
+        await self.send_all(await database_sync_to_async(_updates)(self.name, decision=entry.get("decision_id")))
+
+
+def _deployment_state(name: str) -> dict[str, Any] | None:
+    dep = Deployment.objects.filter(name=name).first()
+    return present.deployment_state(dep) if dep is not None else None
+
+
+def _updates(name: str, *, seq: int | None = None, decision: int | None = None) -> list[dict[str, Any]]:
+    """The messages one event makes: the transition or decision it names, then the deployment -
+    all read on one view of the fleet."""
+    dep = Deployment.objects.filter(name=name).first()
+    if dep is None:
+        return []
+    fleet = present.fleet_view()
+    out: list[dict[str, Any]] = []
+    if seq is not None:
+        detail = present.transition_detail(name, seq, fleet)
+        if detail is not None:
+            out.append({"type": "transition", "transition": detail})
+    if decision is not None:
+        found = present.decision_detail(decision, fleet)
+        if found is not None and found["deployment"] == name:
+            out.append({"type": "decision", "decision": found})
+    out.append({"type": "deployment", **present.deployment_update(dep, fleet)})
+    return out
+
+
+def _touches(name: str, delta: dict[str, Any]) -> bool:
+    """Whether a fleet delta concerns the deployment: engine reports of its routed plans, or GPUs
+    of its gears (current, baseline, the running transition's target)."""
+    dep = Deployment.objects.filter(name=name).first()
+    if dep is None:
+        return False
+    plans = set(present.routed_plan_ids(dep))
+    if any(e.get("plan_id") in plans for n in delta.get("nodes", []) for e in n.get("engines") or []
+           if isinstance(e, dict)):
+        return True
+    gpus: set[str] = set()
+    active = Transition.objects.filter(deployment=dep, phase__in=ACTIVE_PHASES).first()
+    for raw in (dep.current_gear, dep.baseline_gear, active.to_gear if active is not None else None):
+        gear = present.parse_gear(raw)
+        gpus.update(gear.gpu_uuids if gear is not None else ())
+    return any(g.get("uuid") in gpus for g in delta.get("gpus", []))

@@ -1,0 +1,155 @@
+"""The gearbox pages' websockets: who may connect, the first state, and what each committed change pushes.
+
+Changes are made the way they happen (the REST API as an operator, the gearbox tick, an agent's
+report); each push arrives because its transaction committed. Every communicator disconnects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+
+from console.asgi import application
+from console.gearbox import ticks
+from tests.console.gearbox.harness import enroll_fleet
+from tests.console.gearbox.ops import MOVED, World, engine_report, running_deployment
+from tests.console.people import Person, make_person
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def communicator(path: str, user: Any | None) -> WebsocketCommunicator:
+    comm = WebsocketCommunicator(application, path, headers=[(b"origin", b"http://testserver"),
+                                                             (b"host", b"testserver")])
+    if user is not None:
+        comm.scope["user"] = user
+    return comm
+
+
+async def until(comm: WebsocketCommunicator, wanted: Callable[[dict[str, Any]], bool],
+                timeout_s: float = 5.0) -> dict[str, Any]:
+    """The first message that satisfies `wanted` (others, pushed by the same change, are skipped)."""
+    while True:
+        msg = await comm.receive_json_from(timeout=timeout_s)
+        if wanted(msg):
+            return msg  # type: ignore[no-any-return]
+
+
+def api_post(person: Person, path: str, body: dict[str, Any]) -> Any:
+    return person.api().post(path, json.dumps(body), content_type="application/json")
+
+
+@pytest.mark.parametrize("path", ["/ws/gearbox/", "/ws/deployments/chat/"])
+async def test_anonymous_and_roleless_users_are_turned_away(path: str) -> None:
+    otto = await database_sync_to_async(make_person)("otto", None)
+    for user, expected in ((None, 4401), (otto.user, 4403)):
+        comm = communicator(path, user)
+        try:
+            connected, code = await comm.connect()
+            assert not connected and code == expected
+        finally:
+            await comm.disconnect()
+
+
+async def test_an_unknown_deployment_closes_with_4404() -> None:
+    vera = await database_sync_to_async(make_person)("vera", "viewer")
+    comm = communicator("/ws/deployments/nope/", vera.user)
+    try:
+        connected, _ = await comm.connect()
+        assert connected
+        assert (await comm.receive_output(timeout=5))["code"] == 4404
+    finally:
+        await comm.disconnect()
+
+
+async def test_the_gearbox_socket_sends_deployments_blocks_and_switches_then_follows_them() -> None:
+    world: World = await database_sync_to_async(running_deployment)()
+    vera = await database_sync_to_async(make_person)("vera", "viewer")
+    oscar = await database_sync_to_async(make_person)("oscar", "operator")
+    comm = communicator("/ws/gearbox/", vera.user)
+    connected, _ = await comm.connect()
+    assert connected
+    try:
+        snap = await comm.receive_json_from(timeout=5)
+        assert snap["type"] == "snapshot"
+        assert [d["name"] for d in snap["deployments"]] == ["chat"]
+        assert snap["deployments"][0]["current_gear"]["gear_id"] == MOVED.gear_id
+        assert {b["id"] for b in snap["blocks"]} == {"a1/nvlnvl0", "b1/nvlnvl0"} and snap["excluded"] == {}
+        assert [h["deployment"] for h in snap["holders"]["GPU-b1-4"]] == ["chat"]
+        assert [(t["seq"], t["phase"]) for t in snap["switches"]] == [(2, "done"), (1, "done")]
+
+        # an operator pins through the API: the audit entry's commit wakes the page
+        assert (await database_sync_to_async(api_post)(oscar, "/api/v1/deployments/chat/pin", {})).status_code == 200
+        msg = await until(comm, lambda m: m["type"] == "deployments")
+        assert msg["deployments"][0]["mode"] == "pinned"
+
+        # another tenant takes a GPU of b1: the report moves it out of its block, the deployment degrades
+        world.reporter.gone = {"GPU-b1-5"}
+        await database_sync_to_async(world.reporter.report)("b1")
+        fleet = await until(comm, lambda m: m["type"] == "fleet")
+        assert fleet["excluded"] == {"GPU-b1-5": "not schedulable"}
+        deps = await until(comm, lambda m: m["type"] == "deployments")
+        assert deps["deployments"][0]["health"]["state"] == "degraded"
+        assert "GPU-b1-5" in deps["deployments"][0]["health"]["reasons"][0]
+
+        # the emergency: a tick starts the downshift, and the switch arrives as it is created
+        resp = await database_sync_to_async(api_post)(oscar, "/api/v1/deployments/chat/emergency",
+                                                      {"reason": "b1 preempted"})
+        assert resp.status_code == 202
+        await database_sync_to_async(ticks.tick)(trigger="emergency", deployment="chat")
+        switch = await until(comm, lambda m: m["type"] == "switch")
+        assert switch["transition"]["seq"] == 3 and switch["transition"]["kind"] == "emergency"
+        assert switch["transition"]["phases"][0]["phase"] == "prepare"
+    finally:
+        await comm.disconnect()
+
+
+async def test_the_deployment_socket_follows_its_deployment_and_ignores_others() -> None:
+    world: World = await database_sync_to_async(running_deployment)()
+    other = await database_sync_to_async(enroll_fleet)({"c1": "C"})  # a node chat has no gear on
+    vera = await database_sync_to_async(make_person)("vera", "viewer")
+    oscar = await database_sync_to_async(make_person)("oscar", "operator")
+    comm = communicator("/ws/deployments/chat/", vera.user)
+    connected, _ = await comm.connect()
+    assert connected
+    try:
+        snap = await comm.receive_json_from(timeout=5)
+        assert snap["type"] == "snapshot" and snap["deployment"]["name"] == "chat"
+        assert [t["seq"] for t in snap["transitions"]] == [2, 1] and len(snap["decisions"]) == 2
+        assert snap["gears"]["current"]["gear_id"] == MOVED.gear_id and snap["gears"]["target"] is None
+        assert {g["node"] for g in snap["gpus"]} == {"a1", "b1"} and snap["deployment"]["serving"] is None
+
+        # the engine of the routed plan reports: the page gets the serving figures
+        plan_id = MOVED.plans[0].plan_id
+        await database_sync_to_async(world.report_engines)("b1", engine_report(plan_id, tokens_per_s=1234.5))
+        msg = await until(comm, lambda m: m["type"] == "deployment")
+        assert msg["deployment"]["serving"]["tokens_per_s"] == 1234.5
+        assert msg["deployment"]["serving"]["ttft_p95_ms"] == 180.0
+
+        # a report of a node it has no gear on pushes nothing here
+        await database_sync_to_async(other.report)("c1")
+        assert await comm.receive_nothing(timeout=0.5)
+
+        # the emergency request (audited) and the transition it starts (pushed step by step)
+        resp = await database_sync_to_async(api_post)(oscar, "/api/v1/deployments/chat/emergency",
+                                                      {"reason": "TTFT alarm"})
+        assert resp.status_code == 202
+        msg = await until(comm, lambda m: m["type"] == "deployment")
+        assert msg["deployment"]["emergency"]["reason"] == "TTFT alarm"
+        await database_sync_to_async(ticks.tick)(trigger="emergency", deployment="chat")
+        decision = await until(comm, lambda m: m["type"] == "decision")
+        assert decision["decision"]["trigger"] == "emergency" and decision["decision"]["candidates"]
+        started = await until(comm, lambda m: m["type"] == "transition")
+        t = started["transition"]
+        assert (t["seq"], t["kind"], t["phase"], t["active"]) == (3, "emergency", "prepare", True)
+        assert t["to_gear_detail"]["plans"][0]["stages"][0]["gpus"][0]["node"] == "a1" and "steps" in t
+        msg = await until(comm, lambda m: m["type"] == "deployment")
+        assert msg["gears"]["target"]["gear_id"] == t["to_gear"]["gear_id"]
+        assert msg["deployment"]["active_transition"]["seq"] == 3
+    finally:
+        await comm.disconnect()

@@ -1,0 +1,91 @@
+"""The gearbox pages as the server renders them: who sees what, and that they embed what the API says."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from console.gearbox.models import Decision, Transition
+from tests.console.dashboard.test_pages import page_data
+from tests.console.gearbox.ops import MOVED, running_deployment
+from tests.console.people import Person
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def chat() -> Any:
+    return running_deployment()
+
+
+def pages() -> list[str]:
+    decision = Decision.objects.order_by("id").first()
+    assert decision is not None
+    return ["/deployments/", "/deployments/chat/", "/deployments/chat/transitions/2/", f"/decisions/{decision.pk}/"]
+
+
+def test_every_gearbox_page_needs_a_login_and_the_viewer_role(chat: Any, outsider: Person, viewer: Person) -> None:
+    for path in pages():
+        resp = Client().get(path)
+        assert resp.status_code == 302 and resp["Location"].startswith("/login/"), path
+        refused = outsider.browser().get(path)
+        assert refused.status_code == 403 and b"needs the <b>viewer</b> role" in refused.content, path
+        html = viewer.browser().get(path).content.decode()
+        assert re.search(r'data-nav="deployments" class="active"', html), path
+
+
+def test_unknown_deployments_transitions_and_decisions_are_404(chat: Any, viewer: Person) -> None:
+    browser = viewer.browser()
+    last = Decision.objects.order_by("-id").first()
+    assert last is not None
+    for path in ("/deployments/nope/", "/deployments/chat/transitions/9/", "/deployments/nope/transitions/1/",
+                 f"/decisions/{last.pk + 1000}/"):
+        assert browser.get(path).status_code == 404, path
+
+
+def test_a_viewer_gets_no_control_and_an_operator_gets_them_all(chat: Any, viewer: Person, operator: Person) -> None:
+    html = viewer.browser().get("/deployments/chat/").content.decode()
+    assert page_data(html, "deployment-data")["can_operate"] is False  # type: ignore[index]
+    for marker in ('id="controls"', 'id="emergency-button"', 'id="pin-button"', 'id="emergency-dialog"',
+                   "csrfmiddlewaretoken\" value"):
+        assert marker not in html.split("<main>")[1], marker
+    html = operator.browser().get("/deployments/chat/").content.decode()
+    assert page_data(html, "deployment-data")["can_operate"] is True  # type: ignore[index]
+    for marker in ('id="controls"', 'id="emergency-button"', 'id="pin-button"', 'id="unpin-button"',
+                   'name="reason"', 'name="confirm"', 'data-mode="pinned"'):
+        assert marker in html, marker
+
+
+def test_the_deployment_page_embeds_what_the_api_shows(chat: Any, viewer: Person) -> None:
+    data: Any = page_data(viewer.browser().get("/deployments/chat/").content.decode(), "deployment-data")
+    assert data["deployment"] == viewer.api().get("/api/v1/deployments/chat").json()
+    api_transitions = viewer.api().get("/api/v1/transitions", {"deployment": "chat"}).json()["results"]
+    assert [t["seq"] for t in data["transitions"]] == [t["seq"] for t in api_transitions] == [2, 1]
+    assert data["transitions"][0]["phases"] == api_transitions[0]["phases"]
+    assert data["gears"]["current"]["gear_id"] == MOVED.gear_id
+    assert [d["id"] for d in data["decisions"]] == list(Decision.objects.order_by("-id").values_list("id", flat=True))
+
+
+def test_the_review_pages_replay_the_decision_and_its_transition(chat: Any, viewer: Person) -> None:
+    t = Transition.objects.get(seq=2)
+    browser = viewer.browser()
+    data: Any = page_data(browser.get("/deployments/chat/transitions/2/").content.decode(), "review-data")
+    assert data["focus"] == "transition" and [x["seq"] for x in data["transitions"]] == [2]
+    assert [s["step"] for s in data["transitions"][0]["steps"]][:2] == ["reserve", "prepare"]
+    assert data["decision"]["id"] == t.decision_id and data["decision"]["trigger"] == "manual"
+    data = page_data(browser.get(f"/decisions/{t.decision_id}/").content.decode(), "review-data")
+    assert data["focus"] == "decision" and data["decision"]["candidates"][0]["gear_id"] == MOVED.gear_id
+    assert [x["seq"] for x in data["transitions"]] == [2]
+    assert data["transitions"][0] == viewer.api().get(f"/api/v1/transitions/{t.pk}").json()
+
+
+def test_the_deployments_list_and_the_overview_show_the_gearbox_to_viewers_only(chat: Any, viewer: Person,
+                                                                               outsider: Person) -> None:
+    data: Any = page_data(viewer.browser().get("/deployments/").content.decode(), "deployments-data")
+    assert [d["name"] for d in data["deployments"]] == ["chat"] and len(data["switches"]) == 2
+    assert 'id="overview-deployments"' in viewer.browser().get("/").content.decode()
+    html = outsider.browser().get("/").content.decode()  # the Overview is open to every logged-in user ...
+    assert 'id="heatmap"' in html and "overview-deployments" not in html  # ... its gearbox part is not

@@ -1,0 +1,169 @@
+"""A real browser on the gearbox pages: an operator pins and presses emergency, a viewer cannot, the
+pages follow the fleet live. Screenshots: artifacts/{deployment,deployments,decision,transition,overview}.png.
+
+The console is a live daphne; a real Celery worker (in this process) runs the gearbox tick the
+emergency request enqueues, as it does in production; the fleet is the database-backed simulated
+agents of tests/console/gearbox/ops.py (driven in setUp, idle during the browser part).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import redis
+from celery.contrib.testing.worker import start_worker
+
+from console.audit.models import AuditEntry
+from console.celery import app
+from console.gearbox import ticks
+from console.gearbox.models import Decision, Deployment, Transition
+from tests.browser import screenshot
+from tests.conftest import TEST_REDIS_URL
+from tests.console.gearbox.ops import MOVED, engine_report, running_deployment
+from tests.console.pagetools import LivePageTestCase, chromium, elsewhere, log_in
+from tests.console.people import make_person
+
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API next to the ORM
+
+pytestmark = [pytest.mark.browser]
+
+
+@contextmanager
+def celery_worker() -> Iterator[None]:
+    """A worker on this test run's queue, emptied first: what setUp's acks and reports enqueued must not run."""
+    redis.Redis.from_url(TEST_REDIS_URL).delete(app.conf.task_default_queue)
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
+                      queues=[app.conf.task_default_queue]):
+        yield
+
+
+class GearboxPagesInTheBrowser(LivePageTestCase):
+
+    def setUp(self) -> None:
+        make_person("oscar", "operator")
+        make_person("vera", "viewer")
+        self.world = running_deployment(inflight=4)  # the move to b1 hands 4 long requests over
+        self.plan_id = MOVED.plans[0].plan_id
+        self.report(tokens_per_s=850.0, ttft_p95_ms=160.0)
+
+    def report(self, **kw: float) -> None:
+        elsewhere(self.world.report_engines, "b1", engine_report(self.plan_id, **kw))
+
+    def test_an_operator_pins_the_gear_then_the_emergency_shows_in_the_timeline_within_2_s(self) -> None:
+        with celery_worker(), chromium() as browser:
+            page = log_in(browser, self.live_server_url, "oscar", "/deployments/chat/")
+            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            assert page.get_attribute("#timeline", "data-labels") == "#1 auto|#2 manual"
+
+            # engines report while the page is open: the charts grow without a reload
+            for tokens, ttft in ((910.0, 175.0), (1020.0, 190.0)):
+                points = int(page.get_attribute("#chart-throughput", "data-points") or 0)
+                self.report(tokens_per_s=tokens, ttft_p95_ms=ttft)
+                page.wait_for_function(
+                    f"document.getElementById('chart-throughput').dataset.points === '{points + 1}'", timeout=5_000)
+            assert page.evaluate("window.FlexPipe.deployment.points.at(-1).tokens_per_s") == 1020.0
+
+            page.click("#pin-button")
+            page.wait_for_selector("#mode[data-state=pinned]", timeout=5_000)
+            dep = Deployment.objects.get(name="chat")
+            assert dep.mode == "pinned" and dep.pinned_gear == MOVED.to_dict()
+            assert AuditEntry.objects.get(event_type="gearbox.gear_pinned").actor == "user:oscar"
+            assert page.is_disabled("#pin-button") and not page.is_disabled("#unpin-button")
+
+            # the emergency asks for a reason and a confirmation before anything is sent
+            page.click("#emergency-button")
+            assert page.is_visible("#emergency-dialog") and page.is_disabled("#emergency-confirm")
+            page.fill("#emergency-dialog textarea[name=reason]", "TTFT P95 above the SLO since the move to b1")
+            assert page.is_disabled("#emergency-confirm")  # a reason alone is not enough
+            page.check("#emergency-dialog input[name=confirm]")
+            assert not page.is_disabled("#emergency-confirm")
+            assert not Deployment.objects.get(name="chat").emergency_requested_at  # nothing sent yet
+            pressed = time.monotonic()
+            page.click("#emergency-confirm")
+            page.wait_for_function(
+                "() => (document.getElementById('timeline').dataset.labels || '').split('|').includes('#3 emergency')",
+                timeout=2_000)
+            took_s = time.monotonic() - pressed
+            assert took_s <= 2.0, took_s
+            assert page.is_hidden("#emergency-dialog")
+            page.wait_for_selector("#transitions tr[data-seq='3'][data-kind=emergency]", timeout=1_000)
+
+            third = Transition.objects.get(deployment__name="chat", seq=3)
+            assert third.kind == "emergency" and third.to_gear == Deployment.objects.get(name="chat").baseline_gear
+            requested = AuditEntry.objects.get(event_type="gearbox.emergency_requested")
+            assert requested.actor == "user:oscar" and "TTFT P95" in requested.summary
+            assert Deployment.objects.get(name="chat").mode == "pinned"  # the emergency works on a pinned gear
+            page.wait_for_selector("#gear-target:not([hidden])", timeout=5_000)
+            screenshot(page, "deployment")
+
+    def test_a_viewer_sees_no_control_and_the_api_refuses_the_emergency_anyway(self) -> None:
+        with chromium() as browser:
+            page = log_in(browser, self.live_server_url, "vera", "/deployments/chat/")
+            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#timeline[data-rows='2']")
+            for selector in ("#controls", "#emergency-button", "#pin-button", "#unpin-button", "#emergency-dialog",
+                             "#decisions button"):
+                assert page.locator(selector).count() == 0, selector
+            status = page.evaluate("""() => fetch('/api/v1/deployments/chat/emergency', {
+                method: 'POST', credentials: 'same-origin',
+                headers: {'Content-Type': 'application/json',
+                          'X-CSRFToken': document.querySelector('[name=csrfmiddlewaretoken]').value},
+                body: JSON.stringify({reason: 'I am only a viewer'})}).then(r => r.status)""")
+            assert status == 403
+            assert Deployment.objects.get(name="chat").emergency_requested_at is None
+
+    def test_the_list_the_reviews_and_the_overview_show_the_gearbox_live(self) -> None:
+        with chromium() as browser:
+            page = log_in(browser, self.live_server_url, "oscar", "/deployments/")
+            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#deployments tr[data-deployment=chat][data-health=ok]")
+            assert page.get_attribute("#switch-timeline", "data-rows") == "2"
+            screenshot(page, "deployments")
+
+            page.goto(f"{self.live_server_url}/deployments/chat/transitions/2/")
+            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            phases = page.get_attribute("section.transition[data-seq='2'] .t-phases", "data-phases")
+            assert phases == "prepare,switch,cleanup"
+            assert page.locator("#decision[data-decision]").is_visible()
+            moved = Transition.objects.get(deployment__name="chat", seq=2)
+            assert moved.seqs_migrated + moved.seqs_replayed == 4  # the in-flight requests were handed over
+            assert "4 sequences" in page.inner_text("section.transition[data-seq='2'] .t-facts") or \
+                f"({moved.seqs_replayed} sequences)" in page.inner_text("section.transition[data-seq='2'] .t-facts")
+            screenshot(page, "transition")
+
+            page.goto(f"{self.live_server_url}/")
+            page.wait_for_selector("#gearbox-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#heatmap[data-grouping=block][data-rows='2']")
+            page.wait_for_selector("#overview-deployments tr[data-deployment=chat][data-health=ok]")
+            assert page.locator("#recent-switches tbody tr").count() == 2
+            # another tenant takes a GPU of chat's gear: the heatmap moves it out of its block, chat degrades
+            self.world.reporter.gone = {"GPU-b1-5"}
+            self.report(tokens_per_s=640.0, ttft_p95_ms=420.0)
+            page.wait_for_selector("#heatmap[data-grouping=block][data-rows='3']", timeout=5_000)
+            page.wait_for_selector("#overview-deployments tr[data-deployment=chat][data-health=degraded]",
+                                   timeout=5_000)
+            out = page.evaluate("""() => {
+                const d = document.getElementById('heatmap').data[0];
+                const row = d.y.indexOf('b1 · out');
+                return [d.customdata[row][0][0], d.text[row][0], d.customdata[row][0][6]]; }""")
+            assert out == ["GPU-b1-5", "T", "in no block: not schedulable"]
+            # the gearbox reacts (a topology tick, once a1 too reported what the last move left there): the
+            # switch appears among the recent ones
+            elsewhere(self.world.reporter.report, "a1")
+            assert elsewhere(ticks.tick, trigger="topology")["started"] == ["chat#3"]
+            page.wait_for_selector("#recent-switches tr[data-seq='3'][data-kind=auto]", timeout=5_000)
+            screenshot(page, "overview")
+
+            # that decision replayed: the candidates it weighed, side by side
+            decision = Decision.objects.get(deployment__name="chat", trigger="topology", outcome="switch")
+            page.goto(f"{self.live_server_url}/decisions/{decision.pk}/")
+            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            cards = page.locator("#candidates .candidate").count()
+            assert cards == len(decision.candidates) >= 2
+            assert page.locator(f"#candidates .candidate.chosen[data-gear='{decision.target_gear_id}']").count() == 1
+            page.wait_for_selector("section.transition[data-seq='3']")
+            screenshot(page, "decision")
