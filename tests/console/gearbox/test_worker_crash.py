@@ -137,8 +137,10 @@ def busy_switch(agents: SimAgents) -> int:
         ex.advance("chat")
         agents.run()
         time.sleep(0.01)
+    # 8,000 tokens x 5 ms: the sequences stay in flight for ~40 s, so they are still there to be
+    # moved even when a loaded machine takes many seconds to boot each Celery worker
     for i in range(24):
-        agents.fleet.submit("chat", 300 + 120 * i, 3000)
+        agents.fleet.submit("chat", 300 + 120 * i, 8000)
     agents.run(0.05)
     rec = ex.start("chat", gear("b1", [0, 1, 2, 3]))
     assert rec is not None
@@ -187,7 +189,7 @@ def finish_and_check(workers: Workers, agents: SimAgents, seq: int) -> Transitio
             last_sweep = time.monotonic()
         time.sleep(POLL_S)
     workers.stop()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while agents.fleet.open_sequences() and time.monotonic() < deadline:
         agents.run(0.05)
         time.sleep(0.01)
