@@ -26,6 +26,9 @@ from agents.engines.torch.engine import KVState
 from agents.engines.torch.kvtransfer import encode_kv_state
 
 ACCEPT_TIMEOUT_S = 60.0
+# One pooled client for hand-overs: building a client per call costs tens of ms (its SSL context),
+# which a sequence would spend standing still. httpx.Client is safe to share between threads.
+_client = httpx.Client(timeout=ACCEPT_TIMEOUT_S)
 
 
 def base_url(addr: str) -> str:
@@ -42,7 +45,7 @@ def send_state(addr: str, state: KVState, *, deployment: str, plan_id: str, rout
     params: dict[str, str | int] = {"deployment": deployment, "plan_id": plan_id,
                                     "routing_version": routing_version, "resume_from": resume_from}
     try:
-        resp = httpx.post(f"{base_url(addr)}/data/v1/accept", params=params, content=frame,
+        resp = _client.post(f"{base_url(addr)}/data/v1/accept", params=params, content=frame,
                           headers={"Content-Type": "application/octet-stream"}, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise ConnectionError(f"target {addr}: {exc}") from exc
