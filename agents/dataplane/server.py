@@ -44,6 +44,19 @@ STREAM_IDLE_S = 300.0
 _SEQ_STREAM = re.compile(r"^/data/v1/sequences/([^/]{1,200})/stream$")
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A reader that closes its pooled keep-alive connection is routine, not a traceback.
+        import sys
+
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("data server: %s closed the connection", client_address)
+            return
+        super().handle_error(request, client_address)
+
+
 class DataServer:
     """Serves the PlanHosts of one node on `host:port` (port 0: any free port)."""
 
@@ -51,8 +64,7 @@ class DataServer:
         self._hosts: dict[tuple[str, str], PlanHost] = {}
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"dataserver": self})
-        self._httpd = ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _HTTPServer((host, port), handler)
         self._thread: threading.Thread | None = None
 
     @property

@@ -34,6 +34,7 @@ class GenerateRequest:
     messages: tuple[dict[str, str], ...] = ()  # /v1/chat/completions
     include_usage: bool = False  # stream_options.include_usage
     return_token_ids: bool = False  # vLLM's extension: the generated ids on each choice
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-text
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,8 +91,18 @@ def _common(body: Any, *, default_max_tokens: int | None) -> dict[str, Any]:
         "seed": seed,
         "stop": stops,
         "include_usage": bool((opts or {}).get("include_usage", False)),
-        "return_token_ids": bool(body.get("return_token_ids", False)),
+        "return_token_ids": _flag(body, "return_token_ids"),
+        "ignore_eos": _flag(body, "ignore_eos"),
     }
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(key, "must be true or false")
+    return v
 
 
 def parse_completion(body: Any) -> GenerateRequest:

@@ -176,7 +176,7 @@ async def _admit(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], 
                  seq_id: str) -> Admitted:
     """Open the stream on one plan (module docstring, step 2)."""
     deadline = time.monotonic() + _setting("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", 3.0)
-    sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
+    sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "ignore_eos": req.ignore_eos}
     while True:
         retry_after: float | None = None
         frozen = any_frozen(dep.routes)
@@ -300,7 +300,7 @@ async def _pieces(job: _Job, adm: Admitted, info: upstream.Followed,
     """(text piece, ids) as tokens arrive, stop strings applied; sets stats["finish"]."""
     detok, stop = tokens.Detokenizer(job.tok), tokens.StopMatcher(job.req.stop)
     t0 = time.monotonic()
-    ids: list[int] = []
+    ids: list[int] = stats.setdefault("ids", [])
     async with aclosing(upstream.follow(adm.resp, adm.seq_id, info)) as stream:
         async for tid in stream:
             now = time.monotonic()
@@ -370,17 +370,16 @@ async def _finish(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict
 
 async def _whole(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[str, Any]) -> HttpResponse:
     texts: list[str] = []
-    ids: list[int] = []
     status = 200
     try:
-        async for piece, pids in _pieces(job, adm, info, stats):
+        async for piece, _ in _pieces(job, adm, info, stats):
             texts.append(piece)
-            ids.extend(pids)
     except upstream.UpstreamError as exc:
         status = 502
         return ApiError(502, f"the data plane failed the request: {exc}", type_="server_error").response()
     finally:
         await _finish(job, adm, info, stats, status)
+    ids = stats.get("ids", [])
     choice = _choice(job, "".join(texts), stats.get("finish", "length"), ids, stream=False)
     return JsonResponse({**_envelope(job, choice, stream=False), "usage": _usage(job, len(ids))})
 
