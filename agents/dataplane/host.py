@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from queue import Empty, Queue
 from typing import Any, TypeVar
 
@@ -368,21 +369,21 @@ class PlanHost:
                 results.append({"seq_id": sid, "action": action, "ok": True, "outcome": "gone"})
                 continue
             paused_s = self.clock()
-            target = {"target_addr": str(m.get("target_addr", "")), "target_plan": str(m.get("target_plan", "")),
-                      "routing_version": routing_version}
+            target_addr, target_plan = str(m.get("target_addr", "")), str(m.get("target_plan", ""))
+            target = {"target_addr": target_addr, "target_plan": target_plan, "routing_version": routing_version}
             try:
-                if not target["target_addr"]:
+                if not target_addr:
                     raise Refused("target_addr: this data plane needs the target agent's data address")
-                send_state(target["target_addr"], state, deployment=self.deployment,
-                           plan_id=target["target_plan"], routing_version=routing_version,
+                send_state(target_addr, state, deployment=self.deployment,
+                           plan_id=target_plan, routing_version=routing_version,
                            resume_from=len(state.generated_ids))
             except (DataPlaneError, OSError) as exc:
                 reason = exc.reason if isinstance(exc, DataPlaneError) else "target_refused"
-                self._call(lambda sid=sid: engine.resume(sid))
+                self._call(partial(engine.resume, sid))
                 results.append({"seq_id": sid, "action": action, "ok": False, "reason": reason,
                                 "error": str(exc), "context_tokens": ctx})
                 continue
-            self._call(lambda sid=sid: engine.drop(sid))
+            self._call(partial(engine.drop, sid))
             with self._lock:
                 stream.close({"moved": target}, self.clock())
             results.append({"seq_id": sid, "action": action, "ok": True, "context_tokens": len(state.token_ids),

@@ -70,7 +70,7 @@ class DataServer:
     @property
     def address(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"{host}:{port}"
+        return f"{host!s}:{port}"
 
     def start(self) -> DataServer:
         if self._thread is None:

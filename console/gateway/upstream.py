@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +97,7 @@ async def _open_continue(addr: str, seq_id: str, from_index: int) -> httpx.Respo
         await asyncio.sleep(0.01)
 
 
-async def follow(resp: httpx.Response, seq_id: str, info: Followed) -> AsyncIterator[int]:
+async def follow(resp: httpx.Response, seq_id: str, info: Followed) -> AsyncGenerator[int, None]:
     """Token ids from an open generate stream, across hand-overs (module docstring)."""
     received = 0
     try:
