@@ -262,3 +262,20 @@ def test_report_counts_the_interval(tiny_model: TinyModel, make_node: Callable[[
     assert rep.prompt_tokens_mean == len(PROMPT) and rep.output_tokens_mean == 6
     assert rep.tokens_per_s > 0 and rep.ttft_p50_ms is not None and rep.tpot_p95_ms is not None
     assert host.report().finished == 0
+
+
+def test_a_reader_that_goes_away_cancels_its_sequence(tiny_model: TinyModel, make_node: Callable[[], Node]) -> None:
+    a = make_node()
+    host = a.run(tiny_model, PLAN_TP1)
+    sid = new_seq_id("gone")
+    with httpx.Client() as client, client.stream("POST", f"http://{a.addr}/data/v1/generate",
+                                                 json=gen_body(host, sid, 400)) as resp:
+        lines = resp.iter_lines()
+        assert "token" in next(lines) and "token" in next(lines)
+    # the next token the server writes finds the connection closed
+    stream = host.stream(sid)
+    assert stream is not None
+    ends = [e for e in stream.events(0, idle_timeout_s=30) if "token" not in e]
+
+    assert ends == [{"error": "cancelled: the client went away"}]
+    assert host.engine is not None and sid not in host.engine.sequence_ids()

@@ -207,3 +207,12 @@ class GatewayLive(ChannelsLiveServerTestCase):
         assert scrape.status_code == 200
         assert 'flexpipe_gateway_requests_total{deployment="tiny",endpoint="completions",status="200"}' in scrape.text
         assert "flexpipe_gateway_ttft_seconds_bucket" in scrape.text
+
+    def test_a_plan_lost_mid_stream_ends_the_stream_with_an_explicit_error(self) -> None:
+        doomed = self.hosts.run("a1", PLAN_TP2)
+        set_routes("tiny", [route(doomed, "a1")])
+        stream = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="data plane failed"):
+            for _ in stream:
+                doomed.release(drain_timeout_s=0.0, fallback=None)  # no fallback: its sequences fail
