@@ -78,6 +78,7 @@ class PlanHost:
         clock: Callable[[], float] = time.monotonic,
         num_kv_blocks: int = 256,
         device: str = "cpu",
+        gpus: Sequence[int] | None = None,
     ) -> None:
         self.deployment = deployment
         self.plan = dict(plan)
@@ -94,6 +95,7 @@ class PlanHost:
         self.clock = clock
         self.num_kv_blocks = num_kv_blocks
         self.device = device
+        self.gpus = tuple(gpus) if gpus is not None else None  # CUDA device indexes for the workers
         self.state = "new"  # new | ready | stopped | broken
         self.error = ""  # why it broke
         self.frozen = False
@@ -122,7 +124,7 @@ class PlanHost:
                 if self.state in ("stopped", "broken"):
                     raise Frozen(f"plan {self.plan_id} is {self.state}; build a new PlanHost")
                 return
-            engine = TorchEngine(self.model_dir, self.layout, device=self.device,
+            engine = TorchEngine(self.model_dir, self.layout, device=self.device, gpus=self.gpus,
                                  expected_sha256=self.weights_sha256, num_kv_blocks=self.num_kv_blocks)
             try:
                 engine.add_request(WARMUP_ID, [1], 1)
