@@ -838,11 +838,19 @@ class FleetSim:
             output_tokens_mean=max(1.0, output_mean),
             prompt_tokens_cv=_cv(n, dep.win_prompt, dep.win_prompt_sq, 1.0),
             output_tokens_cv=_cv(f, dep.win_output, dep.win_output_sq, 0.6),
+            backlog=self.backlog(deployment),
         )
         dep.win_arrivals = dep.win_finished = 0
         dep.win_prompt = dep.win_prompt_sq = dep.win_output = dep.win_output_sq = 0.0
         dep.win_since_s = t
         return sample
+
+    def backlog(self, deployment: str) -> int:
+        """Requests of the deployment waiting for admission: in its plans' queues (what their
+        engines report as waiting) and in its own queue while no plan can take them."""
+        dep = self._dep(deployment)
+        waiting = sum(len(p.waiting) for e in self.live.values() if e.deployment == deployment for p in e.pipes)
+        return waiting + len(dep.pending)
 
     def engine_reports(self) -> list[PlanMetrics]:
         """Per serving plan, its engine metrics since the previous call (agents.protocol's
