@@ -198,6 +198,9 @@ class FleetSim:
         # a plan that loses a GPU: its sequences keep their KV (only the oracle, which moved
         # them away just before the loss it knew of, sets this)
         self.kv_survives_loss = False
+        # the policy's control work still in flight (a gear change finishing its clean-up): the
+        # drain runs on while it says so, so that no transition is cut off half-done
+        self.control_busy: Callable[[], bool] | None = None
         self.now_s = 0.0
         self._heap: list[tuple[float, int, int, Callable[[float, Any], list[Event] | None], Any]] = []
         self._seq = itertools.count()
@@ -261,7 +264,7 @@ class FleetSim:
         pop, push, seq = heapq.heappop, heapq.heappush, self._seq
         in_system = self.in_system
         while heap and heap[0][0] <= t_s:
-            if until_empty and not in_system:
+            if until_empty and not in_system and (self.control_busy is None or not self.control_busy()):
                 return
             t, _, _, fn, arg = pop(heap)
             self.now_s = t

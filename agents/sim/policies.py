@@ -347,6 +347,8 @@ class FlexPipePolicy(Policy):
     def attach(self, sim: FleetSim) -> None:
         self._sim = sim
         self.driver = TransitionDriver(sim, config=self.options.transition, on_finished=self._done)
+        driver = self.driver
+        sim.control_busy = lambda: any(driver.running(name) for name in sim.deployments)
         for name, engine in sim.start_baselines().items():
             dep = sim.deployments[name]
             gear = single_plan_gear(engine.plan)
