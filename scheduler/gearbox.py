@@ -128,6 +128,7 @@ class GearboxConfig:
     min_relative_gain: float = 0.05  # a switch must gain this share of the offered output tokens/s
     backlog_drain_s: float = 60.0  # waiting requests count as arrivals spread over this long
     standing_attainment: float = 0.99  # goodput / throughput a gear needs to meet its SLOs
+    shrink_watermark: float = 0.65  # a gear with fewer GPUs than the current one stands only below this
 
     def __post_init__(self) -> None:
         if not 1.3 <= self.hysteresis <= 1.5:
@@ -145,6 +146,8 @@ class GearboxConfig:
             raise ValueError("backlog_drain_s: must be > 0")
         if not 0 < self.standing_attainment <= 1:
             raise ValueError("standing_attainment: must be within (0, 1]")
+        if not self.low_watermark <= self.shrink_watermark <= self.high_watermark:
+            raise ValueError("shrink_watermark: need low_watermark <= shrink <= high_watermark")
 
 
 DEFAULT_CONFIG = GearboxConfig()
@@ -383,14 +386,20 @@ def record_switch(deployment: Deployment, now_s: float, *, forced: bool, keep: i
     return replace(deployment, last_switch_times_s=times)
 
 
-def standing(est: Estimate | None, workload: Workload, config: GearboxConfig = DEFAULT_CONFIG) -> bool:
+def standing(est: Estimate | None, workload: Workload, config: GearboxConfig = DEFAULT_CONFIG, *,
+             shrinking: bool = False) -> bool:
     """Whether a gear meets both SLOs at this load with room to spare: served in full below
-    the high watermark, and at least `standing_attainment` of its output within the SLOs."""
+    the high watermark, and at least `standing_attainment` of its output within the SLOs. A
+    gear that would give GPUs back (`shrinking`) must stay below `shrink_watermark` instead:
+    the band between the two keeps a shrink from landing where the next rise of the load
+    calls for growing again - and the cooldown (the long one after a second switch) would
+    hold the small gear through that rise."""
     if est is None:
         return False
     if workload.rate_rps <= 0:
         return True
-    if est.capacity_rps <= 0 or est.utilization > config.high_watermark:
+    limit = config.shrink_watermark if shrinking else config.high_watermark
+    if est.capacity_rps <= 0 or est.utilization > limit:
         return False
     return est.goodput_tokens_s >= config.standing_attainment * est.throughput_tokens_s
 
@@ -501,6 +510,7 @@ def decide(
         cap_per_gpu = cur.estimate.capacity_rps * workload.output_tokens_mean / cur.estimate.gpus
     rent = config.gpu_rent * cap_per_gpu
     cur_standing = cur.valid and standing(cur.estimate, workload, config)
+    cur_gpus = cur.estimate.gpus if cur.valid and cur.estimate is not None else 0
     cool_until = cooldown_until(deployment, config)
     reasons: list[str] = []
 
@@ -536,7 +546,8 @@ def decide(
         threshold = cost.tokens * factor
         return make_frozen(CandidateEval, {"gear": gear, "estimate": est, "value_tokens_s": value, "gain_tokens": gain,
                                            "cost": cost, "threshold_tokens": threshold, "passes": gain > threshold,
-                                           "note": note, "standing": standing(est, workload, config)})
+                                           "note": note, "standing": standing(
+                                               est, workload, config, shrinking=cur_gpus > 0 and est.gpus < cur_gpus)})
 
     def estimate_of(gear: Gear) -> Estimate:
         profiles = [cur.profiles.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]

@@ -304,8 +304,9 @@ def test_a_gear_that_misses_the_slo_never_outranks_one_that_meets_it(rate: float
     assert flags == sorted(flags, reverse=True), [(c.gear.shape(), c.standing) for c in d.candidates]
     workload = offered_load(window(rate), NOW)
     assert workload is not None
+    held = d.current_estimate.gpus if d.current_valid and d.current_estimate is not None else 0
     for c in d.candidates:
-        assert c.standing == standing(c.estimate, workload)
+        assert c.standing == standing(c.estimate, workload, shrinking=0 < c.estimate.gpus < held)
     if d.outcome is Outcome.SWITCH and not d.forced and standing(d.current_estimate, workload):
         target = next(c for c in d.candidates if c.gear == d.target)
         assert target.standing  # a gear that meets the SLOs is only left for another that does
@@ -337,3 +338,18 @@ def test_a_backlog_counts_as_load() -> None:
     d = decide(deployment(), small, fleet(), behind, NOW)
     assert d.trigger is Trigger.LOAD and d.outcome is Outcome.SWITCH
     assert d.target is not None and len(d.target.gpu_uuids) > len(small.gpu_uuids)
+
+
+def test_a_gear_that_gives_gpus_back_must_stand_below_the_shrink_watermark() -> None:
+    cfg = GearboxConfig()
+    d = decide(deployment(), tp8("a1"), fleet(), window(1.0), NOW)
+    workload = offered_load(window(1.0), NOW)
+    assert workload is not None
+    meets = next(c.estimate for c in d.candidates if c.standing)
+    between = replace(meets, utilization=(cfg.shrink_watermark + cfg.high_watermark) / 2)
+    assert standing(between, workload)  # meets the SLOs with the headroom a growing gear needs
+    assert not standing(between, workload, shrinking=True)  # too close to the next rise to shrink onto
+    assert standing(replace(meets, utilization=cfg.shrink_watermark * 0.9), workload, shrinking=True)
+    if d.outcome is Outcome.SWITCH:
+        target = next(c for c in d.candidates if c.gear == d.target)
+        assert target.estimate.gpus >= 8 or target.estimate.utilization <= cfg.shrink_watermark
