@@ -386,10 +386,18 @@ def record_switch(deployment: Deployment, now_s: float, *, forced: bool, keep: i
     return replace(deployment, last_switch_times_s=times)
 
 
+def margin_load(workload: Workload, config: GearboxConfig = DEFAULT_CONFIG, *, shrinking: bool = False) -> Workload:
+    """The load a standing gear must still carry within its SLOs: the offered load over the
+    watermark (the high one; the shrink one for a gear that would give GPUs back)."""
+    return workload.scaled(1.0 / (config.shrink_watermark if shrinking else config.high_watermark))
+
+
 def standing(est: Estimate | None, workload: Workload, config: GearboxConfig = DEFAULT_CONFIG, *,
-             shrinking: bool = False) -> bool:
+             shrinking: bool = False, at_margin: Estimate | None = None) -> bool:
     """Whether a gear meets both SLOs at this load with room to spare: served in full below
-    the high watermark, and at least `standing_attainment` of its output within the SLOs. A
+    the high watermark, and at least `standing_attainment` of its output within the SLOs -
+    and, given its estimate `at_margin` (under `margin_load`), still within them there: a
+    tight TPOT is missed well before a plan saturates, so utilisation alone is no margin. A
     gear that would give GPUs back (`shrinking`) must stay below `shrink_watermark` instead:
     the band between the two keeps a shrink from landing where the next rise of the load
     calls for growing again - and the cooldown (the long one after a second switch) would
@@ -400,6 +408,9 @@ def standing(est: Estimate | None, workload: Workload, config: GearboxConfig = D
         return True
     limit = config.shrink_watermark if shrinking else config.high_watermark
     if est.capacity_rps <= 0 or est.utilization > limit:
+        return False
+    if at_margin is not None and (at_margin.overloaded or at_margin.goodput_tokens_s
+                                  < config.standing_attainment * at_margin.throughput_tokens_s):
         return False
     return est.goodput_tokens_s >= config.standing_attainment * est.throughput_tokens_s
 
@@ -509,8 +520,24 @@ def decide(
     if cur.estimate is not None and cur.estimate.gpus > 0:
         cap_per_gpu = cur.estimate.capacity_rps * workload.output_tokens_mean / cur.estimate.gpus
     rent = config.gpu_rent * cap_per_gpu
-    cur_standing = cur.valid and standing(cur.estimate, workload, config)
     cur_gpus = cur.estimate.gpus if cur.valid and cur.estimate is not None else 0
+
+    def at_load(gear: Gear, load: Workload, profiles: Mapping[Plan, PlanProfile] | None = None) -> Estimate:
+        known = {**cur.profiles, **(profiles or {})}
+        profs = [known.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]
+        return combine_estimates(
+            [estimate_plan(p, load.scaled(w), deployment.slo) for p, w in zip(profs, gear.weights, strict=True)],
+            gear.weights, load)
+
+    def stands(gear: Gear, est: Estimate, profiles: Mapping[Plan, PlanProfile] | None = None) -> bool:
+        shrinking = 0 < est.gpus < cur_gpus
+        if not standing(est, workload, config, shrinking=shrinking):
+            return False  # (the cheap test first)
+        margin = at_load(gear, margin_load(workload, config, shrinking=shrinking), profiles)
+        return standing(est, workload, config, shrinking=shrinking, at_margin=margin)
+
+    cur_standing = (cur.valid and current_gear is not None and cur.estimate is not None
+                    and stands(current_gear, cur.estimate))
     cool_until = cooldown_until(deployment, config)
     reasons: list[str] = []
 
@@ -546,14 +573,10 @@ def decide(
         threshold = cost.tokens * factor
         return make_frozen(CandidateEval, {"gear": gear, "estimate": est, "value_tokens_s": value, "gain_tokens": gain,
                                            "cost": cost, "threshold_tokens": threshold, "passes": gain > threshold,
-                                           "note": note, "standing": standing(
-                                               est, workload, config, shrinking=cur_gpus > 0 and est.gpus < cur_gpus)})
+                                           "note": note, "standing": stands(gear, est, profiles)})
 
     def estimate_of(gear: Gear) -> Estimate:
-        profiles = [cur.profiles.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]
-        return combine_estimates(
-            [estimate_plan(p, workload.scaled(w), deployment.slo) for p, w in zip(profiles, gear.weights, strict=True)],
-            gear.weights, workload)
+        return at_load(gear, workload)
 
     # 1. emergency: the baseline, now, whatever the mode
     if trigger is Trigger.EMERGENCY:
@@ -696,6 +719,6 @@ def _flapping(deployment: Deployment, config: GearboxConfig) -> bool:
 
 __all__ = [
     "CandidateEval", "DEFAULT_CONFIG", "Decision", "Deployment", "GearboxConfig", "LoadSample", "LoadWindow",
-    "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "offered_load", "record_switch",
-    "standing",
+    "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "margin_load", "offered_load",
+    "record_switch", "standing",
 ]

@@ -422,7 +422,7 @@ def plan_candidates(
             t.slo_rps = _slo_rate(t.state) if slo is not None else None
             estimated[key] = t
         live_types = [t for t in types.values() if t.capacity_rps]
-        _serve_rate(live_types, options.headroom)
+        _serve_rate(live_types)
         return live_types
 
     def fill(live: Sequence[_UnitType]) -> tuple[list[_Unit], float]:
@@ -583,20 +583,20 @@ def _slo_rate(state: SteadyState, steps: int = 12) -> float:
     return lo
 
 
-def _serve_rate(types: Sequence[_UnitType], headroom: float) -> None:
+def _serve_rate(types: Sequence[_UnitType]) -> None:
     """Set each type's sizing rate. NOTE(sizing): a gear is sized to carry the offered rate
     x headroom, and throughput capacity alone overstates what a plan serves *within its SLOs*:
     under a tight TPOT a colocated plan misses it well before it saturates. So a unit counts
-    for at most its SLO rate x headroom (then the units that carry rate x headroom together
-    meet the SLOs at the offered rate). When no unit type meets the SLOs at any rate, sizing
-    falls back to throughput capacity (serve what can be served)."""
+    for at most its SLO rate (then the units that carry rate x headroom together meet the
+    SLOs with the headroom's margin, as the gearbox's `standing` asks). When no unit type meets
+    the SLOs at any rate, sizing falls back to throughput capacity (serve what can be served)."""
     reachable = any(t.slo_rps for t in types)
     for t in types:
         cap = t.capacity_rps or 0.0
         if t.slo_rps is None or not reachable:
             t.serve_rps = cap
         else:
-            t.serve_rps = min(cap, t.slo_rps * headroom)
+            t.serve_rps = min(cap, t.slo_rps)
 
 
 class _GearEstimator:
