@@ -95,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     models = ModelStore(Path(args.models_dir))
     backend: Backend
     if args.backend == "torch":
-        backend = TorchBackend(models, data_addr)
+        torch_backend = TorchBackend(models, data_addr)
+        try:
+            torch_backend.server()  # bind the data address now: a taken port is a start-up error
+        except OSError as exc:
+            return _fail(f"--data-addr {data_addr}: {exc.strerror or exc}")
+        backend = torch_backend
     else:
         backend = VllmBackend(models, port_base=args.vllm_port_base, cpu=args.probe == "static",
                               log_dir=str(Path(".run") / "vllm"))

@@ -111,38 +111,71 @@ class TorchBackend:
     models: ModelStore
     data_addr: str
     max_waiting: int = 64
+    num_kv_blocks: int = 256  # per plan: this machine's CPU memory, not the plan's KV reserve on a GPU
     _server: Any = None
 
     def server(self) -> Any:
+        """The node's DataServer, started on first use (OSError when the address is taken)."""
         if self._server is None:
             from agents.dataplane import DataServer
 
             host, _, port = self.data_addr.rpartition(":")
-            self._server = DataServer(host or "127.0.0.1", int(port))
-            self._server.start()
+            self._server = DataServer(host or "127.0.0.1", int(port)).start()
         return self._server
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None) -> PlanEngine:
+        folder, digest = self.models.resolve(model, weights_sha256)
         try:
             from agents.dataplane import PlanHost
         except ImportError as exc:
             raise PrepareError(f"the torch data plane is not installed on this node ({exc})") from None
-        folder, digest = self.models.resolve(model, weights_sha256)
-        layout = layout_of(plan)
-        host: PlanEngine = PlanHost(deployment=deployment, plan=plan, model_dir=folder, layout=layout,
-                                    weights_sha256=digest, max_waiting=self.max_waiting)
-        self.server().add(host)
-        return host
+        host = PlanHost(deployment=deployment, plan=plan, model_dir=str(folder), layout=layout_of(plan),
+                        weights_sha256=digest, max_waiting=self.max_waiting, num_kv_blocks=self.num_kv_blocks)
+        if host.plan_id != plan_id:
+            raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
+        return _Served(host, self.server())
 
     def forget(self, engine: PlanEngine) -> None:
-        if self._server is not None:
-            self._server.remove(engine.plan_id)
+        pass
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.stop()
+            self._server.close()
             self._server = None
+
+
+class _Served:
+    """A PlanHost that the node's DataServer serves from start() until stop()."""
+
+    def __init__(self, host: Any, server: Any) -> None:
+        self.host = host
+        self.server = server
+        self.plan_id: str = host.plan_id
+
+    def start(self) -> None:
+        self.host.start()
+        self.server.add(self.host)
+
+    def freeze(self, routing_version: int) -> dict[str, Any]:
+        return self.host.freeze(routing_version)  # type: ignore[no-any-return]
+
+    def thaw(self) -> None:
+        self.host.thaw()
+
+    def move(self, moves: list[dict[str, Any]], routing_version: int) -> dict[str, Any]:
+        return self.host.move(moves, routing_version)  # type: ignore[no-any-return]
+
+    def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]:
+        return self.host.release(drain_timeout_s, fallback)  # type: ignore[no-any-return]
+
+    def report(self) -> EngineReport:
+        return self.host.report()  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        # The stopped host stays served: a reader late for a stream's end event ("moved" to the
+        # new plan) still finds it; preparing the same plan again replaces it.
+        self.host.stop()
 
 
 # -- vLLM -------------------------------------------------------------------------------------------------
