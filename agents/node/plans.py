@@ -24,11 +24,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from agents.engines.torch.layout import Layout, StageSpec
 from agents.engines.torch.weights import WEIGHTS_FILE, make_tiny_llama, sha256_file
 from agents.protocol import EngineReport
+
+if TYPE_CHECKING:
+    from agents.engines.torch.layout import Layout
 
 TINY_MODEL = "tiny-llama"  # the one model a node can make itself (agents/engines/torch/weights.py)
 
@@ -93,6 +95,7 @@ class ModelStore:
 
 def layout_of(plan: dict[str, Any]) -> Layout:
     """The torch Layout of a whole plan (Plan.to_dict()): one entry per stage, tp = its GPU count."""
+    from agents.engines.torch.layout import Layout, StageSpec  # torch: imported when a plan is built
 
     def stages(raw: Any) -> tuple[StageSpec, ...]:
         return tuple(StageSpec(int(s["layers"][0]), int(s["layers"][1]), len(s["gpus"])) for s in raw or [])
