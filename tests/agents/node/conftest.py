@@ -68,10 +68,10 @@ def make_agent(models_dir: Path) -> Iterator[Any]:
     made: list[NodeAgent] = []
 
     def make(node_id: str = "n1", spec: str = "2xA100-80G", *, controller: str = "http://127.0.0.1:9",
-             token: str = "fpj_unused", backend: bool = True, **kwargs: Any) -> NodeAgent:
+             token: str = "fpj_unused", backend: bool = True, kv_blocks: int = 256, **kwargs: Any) -> NodeAgent:
         addr = f"127.0.0.1:{free_port()}"
         agent = NodeAgent(controller=controller, join_token=token, probe=SpecProbe(spec, node_id),
-                          backend=TorchBackend(ModelStore(models_dir), addr) if backend else None,
+                          backend=TorchBackend(ModelStore(models_dir), addr, num_kv_blocks=kv_blocks) if backend else None,
                           backend_name="torch", node_id=node_id, data_addr=addr, **kwargs)
         made.append(agent)
         return agent
