@@ -70,6 +70,7 @@ INSTALLED_APPS = [
     "console.registry",
     "console.gearbox",
     "console.dashboard",
+    "console.gateway",
 ]
 
 MIDDLEWARE = [

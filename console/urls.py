@@ -7,6 +7,7 @@ from django.urls import include, path
 from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
+from console.gateway import views as gateway
 from console.gearbox import agent_api as gearbox_agent_api
 from console.gearbox import views as gearbox_pages
 from console.metrics.views import MetricsView
@@ -34,4 +35,8 @@ urlpatterns = [
     path("agent/v1/commands", agent_api.commands, name="agent-commands"),
     path("agent/v1/commands/<int:command_id>/ack", agent_api.ack, name="agent-ack"),
     path("agent/v1/routing", gearbox_agent_api.routing, name="agent-routing"),
+    # the OpenAI-compatible gateway (docs/gateway.md)
+    path("v1/completions", gateway.completions, name="gateway-completions"),
+    path("v1/chat/completions", gateway.chat_completions, name="gateway-chat"),
+    path("v1/models", gateway.models, name="gateway-models"),
 ]

@@ -1,0 +1,49 @@
+"""The data plane of a node: running plans (PlanHost) and the HTTP server in front of them.
+
+    server = DataServer("0.0.0.0", 7070).start()          # the node's data_addr
+    host = PlanHost(deployment="chat", plan=plan.to_dict(), model_dir=d, layout=None,
+                    weights_sha256=sha)
+    host.start(); server.add(host)                         # prepare_plan (on the leader)
+    host.freeze(v) / host.thaw() / host.move(moves, v) / host.release(drain_s, fallback)
+    host.report()                                          # -> agents.protocol.EngineReport
+
+The gateway sends token ids (it tokenizes) to POST /data/v1/generate on the plan leader's data
+address and reads NDJSON; server.py documents the endpoints. A hand-over sends the sequence's
+KVState (kvtransfer frame: KV for migrate, tokens only for replay) from the old leader's
+PlanHost to the new leader's data server (POST /data/v1/accept): agent to agent, never through
+the controller. The old stream then ends with {"moved": {target_addr, target_plan,
+routing_version}} and the reader continues at the target with
+GET /data/v1/sequences/<id>/stream?from=<tokens it has>.
+
+Limitation, stated plainly: a multi-node plan runs all its stage workers on its leader's
+machine. TorchEngine starts every stage and TP rank as a local worker process (gloo/nccl on one
+host); there is no cross-host worker group yet. A member node of such a plan only reserves its
+GPUs' memory (the node agent's job); it runs no workers and serves no requests.
+"""
+
+from agents.dataplane.errors import (
+    DataPlaneError,
+    Frozen,
+    NotHere,
+    Refused,
+    Saturated,
+    StaleLease,
+    UnknownPlan,
+)
+from agents.dataplane.host import PlanHost, layout_for_plan
+from agents.dataplane.server import DataServer
+from agents.dataplane.stream import SeqStream
+
+__all__ = [
+    "DataPlaneError",
+    "DataServer",
+    "Frozen",
+    "NotHere",
+    "PlanHost",
+    "Refused",
+    "Saturated",
+    "SeqStream",
+    "StaleLease",
+    "UnknownPlan",
+    "layout_for_plan",
+]

@@ -1,0 +1,1 @@
+"""OpenAI-compatible request entry (DESIGN.md: console/gateway): routes to plans, survives switches."""

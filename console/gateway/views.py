@@ -1,0 +1,430 @@
+"""The OpenAI-compatible endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+Async views (daphne/ASGI): the gateway holds one open stream per request and many requests at
+once without a thread each. A request:
+
+1. authenticates (`Authorization: Bearer fpu_...`, a user API token of any console role), parses
+   its body (400 naming `param` on anything wrong: nothing is sent anywhere before), tokenizes
+   with the deployment's own tokenizer;
+2. routes by the deployment's routing table (routing.py): a non-frozen route by weight, to its
+   leader node's data address; a plan that answers 429 passes it to the next; while the table
+   says a switch froze a route (or a leader says it is frozen), it waits up to
+   FLEXPIPE_GATEWAY_FROZEN_WAIT_S for the new table; then 429 with Retry-After;
+3. streams token ids from the data plane across hand-overs (upstream.py), detokenizes them
+   incrementally and answers as SSE (`data: {...}` ... `data: [DONE]`) or as one JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db.models import Q
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from console.gateway import metrics, tokens, upstream
+from console.gateway.requests import BadRequest, GenerateRequest, parse_chat, parse_completion
+from console.gateway.routing import Candidate, any_frozen, order_routes
+
+OUTSTANDING: Counter[str] = Counter()  # plan_id -> requests this process has open on it
+_rng = random.Random()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JsonResponse:
+        resp = JsonResponse(self.body(), status=self.status)
+        if self.retry_after_s is not None:
+            resp["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        if self.status == 401:
+            resp["WWW-Authenticate"] = 'Bearer realm="api"'
+        return resp
+
+
+def _setting(name: str, default: float) -> float:
+    return float(getattr(settings, name, default))
+
+
+# -- database lookups (sync, run in a thread) --------------------------------------------------------
+
+
+def _user_for(token: str) -> Any | None:
+    from django.utils import timezone
+
+    from console.accounts.auth import hash_token
+    from console.accounts.models import ApiToken
+    from console.accounts.roles import VIEWER, has_role
+
+    row = ApiToken.objects.select_related("user").filter(token_hash=hash_token(token), revoked_at=None).first()
+    if row is None or not has_role(row.user, VIEWER):
+        return None
+    ApiToken.objects.filter(pk=row.pk).update(last_used_at=timezone.now())
+    return row.user
+
+
+@dataclass(frozen=True)
+class _Deployment:
+    name: str
+    model_name: str
+    version: int
+    routes: list[dict[str, Any]]
+
+
+def _deployment(model: str) -> _Deployment | None:
+    from console.gearbox.models import Deployment
+
+    row = (Deployment.objects.filter(Q(name=model) | Q(model_name=model)).order_by("-priority", "name")
+           .values("name", "model_name", "routing_version", "routing").first())
+    if row is None:
+        return None
+    routes = row["routing"] if isinstance(row["routing"], list) else []
+    return _Deployment(row["name"], row["model_name"], row["routing_version"], routes)
+
+
+def _data_addr(node_id: str) -> str:
+    from console.fleet.models import Node
+
+    return Node.objects.filter(node_id=node_id).values_list("data_addr", flat=True).first() or ""
+
+
+def _tokenizer_path(dep: _Deployment) -> str | None:
+    from console.registry.models import ModelVersion
+
+    configured = getattr(settings, "FLEXPIPE_GATEWAY_TOKENIZERS", {}) or {}
+    for key in (dep.name, dep.model_name):
+        if key in configured:
+            return str(configured[key])
+    row = (ModelVersion.objects.filter(name=dep.model_name)
+           .exclude(status__in=(ModelVersion.QUARANTINED, ModelVersion.RETIRED))
+           .order_by("-registered_at").values_list("tokenizer", flat=True).first())
+    return row or None
+
+
+def _models() -> list[dict[str, Any]]:
+    from console.gearbox.models import Deployment
+
+    return [{"id": d["name"], "object": "model", "created": int(d["created_at"].timestamp()),
+             "owned_by": "flexpipe", "root": d["model_name"]}
+            for d in Deployment.objects.order_by("name").values("name", "model_name", "created_at")]
+
+
+# -- auth and parsing ----------------------------------------------------------------------------------
+
+
+async def _authenticate(request: HttpRequest) -> Any:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError(401, "send 'Authorization: Bearer fpu_...' with an API token of the console",
+                       type_="authentication_error", code="missing_api_key")
+    user = await sync_to_async(_user_for)(token)
+    if user is None:
+        raise ApiError(401, "unknown or revoked API token, or its user has no console role",
+                       type_="authentication_error", code="invalid_api_key")
+    return user
+
+
+def _json_body(request: HttpRequest) -> Any:
+    try:
+        return json.loads(request.body or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+
+
+def _bad(exc: BadRequest) -> ApiError:
+    return ApiError(400, exc.message if exc.param is None else f"{exc.param}: {exc.message}", param=exc.param)
+
+
+# -- admission -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Admitted:
+    deployment: _Deployment
+    route: Candidate
+    resp: httpx.Response
+    seq_id: str
+
+
+def _dataplane_param(param: str | None) -> str | None:
+    if param is None:
+        return None
+    return "prompt" if param.startswith("prompt_ids") else param
+
+
+async def _admit(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], max_tokens: int,
+                 seq_id: str) -> Admitted:
+    """Open the stream on one plan (module docstring, step 2)."""
+    deadline = time.monotonic() + _setting("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", 3.0)
+    sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "ignore_eos": req.ignore_eos}
+    while True:
+        retry_after: float | None = None
+        frozen = any_frozen(dep.routes)
+        for cand in order_routes(dep.routes, OUTSTANDING, _rng):
+            addr = await sync_to_async(_data_addr)(cand.leader)
+            if not addr:
+                continue
+            body = {"deployment": dep.name, "plan_id": cand.plan_id, "seq_id": seq_id, "prompt_ids": prompt_ids,
+                    "max_tokens": max_tokens, "sampling": sampling, "routing_version": dep.version}
+            try:
+                resp = await upstream.open_generate(addr, body)
+            except upstream.Refused as r:
+                if r.status == 429:
+                    retry_after = min(retry_after or r.retry_after_s, r.retry_after_s)
+                elif r.status == 409:
+                    frozen = True  # the leader froze before the table said so (or not prepared yet)
+                else:
+                    param = _dataplane_param(r.param)
+                    raise ApiError(400, str(r).replace("prompt_ids", "prompt"), param=param) from None
+                continue
+            except httpx.HTTPError:
+                continue  # the leader does not answer: try another plan
+            return Admitted(dep, cand, resp, seq_id)
+        if frozen and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            fresh = await sync_to_async(_deployment)(dep.name)
+            dep = fresh or dep
+            continue
+        if retry_after is not None:
+            raise ApiError(429, f"every plan of {dep.name} is saturated; retry after {retry_after:g} s",
+                           type_="rate_limit_error", code="rate_limit_exceeded", retry_after_s=retry_after)
+        raise ApiError(429, f"no plan of {dep.name} can take a request now (none routable"
+                            f"{', a switch is in progress' if frozen else ''})",
+                       type_="rate_limit_error", code="no_route", retry_after_s=1.0)
+
+
+# -- the endpoints -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    endpoint: str  # "completions" | "chat"
+    req: GenerateRequest
+    dep: _Deployment
+    tok: tokens.ModelTokenizer
+    prompt_ids: list[int]
+    max_tokens: int
+    id: str
+    created: int
+
+
+async def _prepare(request: HttpRequest, endpoint: str) -> _Job:
+    await _authenticate(request)
+    body = _json_body(request)
+    try:
+        req = parse_completion(body) if endpoint == "completions" else parse_chat(body)
+    except BadRequest as exc:
+        raise _bad(exc) from None
+    dep = await sync_to_async(_deployment)(req.model)
+    if dep is None:
+        raise ApiError(404, f"model: no deployment is named {req.model!r} (GET /v1/models lists them)",
+                       param="model", code="model_not_found")
+    path = await sync_to_async(_tokenizer_path)(dep)
+    if path is None:
+        raise ApiError(503, f"model: no tokenizer is registered for {dep.model_name}", type_="server_error")
+    try:
+        tok = await sync_to_async(tokens.load)(path)
+    except (OSError, ValueError) as exc:
+        raise ApiError(503, f"model: the tokenizer of {dep.model_name} cannot be loaded: {exc}",
+                       type_="server_error") from None
+    if req.prompt_ids is not None:
+        prompt_ids = list(req.prompt_ids)
+        vocab = tok.tokenizer.get_vocab_size()
+        bad = next((i for i, t in enumerate(prompt_ids) if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {prompt_ids[bad]} at {bad} is outside the vocabulary ({vocab})",
+                           param="prompt")
+    elif req.prompt_text is not None:
+        prompt_ids = tok.encode(req.prompt_text)
+    else:
+        prompt_ids = tok.encode(tok.chat_prompt(list(req.messages)))
+    if not prompt_ids:
+        raise ApiError(400, "prompt: it encodes to no tokens", param="prompt")
+    room = tok.max_context - len(prompt_ids)
+    param = "max_tokens" if req.max_tokens is not None else ("prompt" if endpoint == "completions" else "messages")
+    if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+        raise ApiError(400, f"{param}: the prompt ({len(prompt_ids)} tokens) plus max_tokens "
+                            f"({req.max_tokens}) exceeds the model's context of {tok.max_context}", param=param)
+    max_tokens = req.max_tokens if req.max_tokens is not None else room
+    prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
+    return _Job(endpoint, req, dep, tok, prompt_ids, max_tokens, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+
+def _usage(job: _Job, n_out: int) -> dict[str, int]:
+    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n_out,
+            "total_tokens": len(job.prompt_ids) + n_out}
+
+
+def _choice(job: _Job, text: str, finish: str | None, ids: list[int] | None, *, first: bool = False,
+            stream: bool) -> dict[str, Any]:
+    c: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if job.endpoint == "completions":
+        c.update(text=text, logprobs=None)
+    elif stream:
+        c["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+    else:
+        c["message"] = {"role": "assistant", "content": text}
+    if job.req.return_token_ids and ids is not None:
+        c["token_ids"] = ids
+    return c
+
+
+def _envelope(job: _Job, choice: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+    obj = ("text_completion" if job.endpoint == "completions"
+           else "chat.completion.chunk" if stream else "chat.completion")
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.dep.name, "choices": [choice]}
+
+
+async def _pieces(job: _Job, adm: Admitted, info: upstream.Followed,
+                  stats: dict[str, Any]) -> AsyncIterator[tuple[str, list[int]]]:
+    """(text piece, ids) as tokens arrive, stop strings applied; sets stats["finish"]."""
+    detok, stop = tokens.Detokenizer(job.tok), tokens.StopMatcher(job.req.stop)
+    t0 = time.monotonic()
+    ids: list[int] = stats.setdefault("ids", [])
+    async with aclosing(upstream.follow(adm.resp, adm.seq_id, info)) as stream:
+        async for tid in stream:
+            now = time.monotonic()
+            if not ids:
+                stats["ttft_s"] = now - t0
+            stats["last_s"] = now
+            ids.append(tid)
+            piece = stop.feed(detok.push(tid))
+            if stop.stopped:
+                stats["finish"] = "stop"
+                stats["n_out"] = len(ids)
+                yield piece, [tid]
+                return  # closing the stream tells the data plane to drop the sequence
+            if piece or job.req.return_token_ids:
+                yield piece, [tid]
+    stats["n_out"] = len(ids)
+    tail = stop.feed(detok.flush())
+    if not stop.stopped:
+        tail += stop.flush()
+    stats["finish"] = "stop" if stop.stopped or info.finish_reason == "stop" else "length"
+    if tail:
+        yield tail, []
+
+
+def _observe(job: _Job, info: upstream.Followed, stats: dict[str, Any], status: int) -> None:
+    name = job.dep.name
+    metrics.REQUESTS.labels(name, job.endpoint, str(status)).inc()
+    n_out = int(stats.get("n_out", 0))
+    metrics.COMPLETION_TOKENS.labels(name).inc(n_out)
+    if "ttft_s" in stats:
+        metrics.TTFT.labels(name).observe(stats["ttft_s"])
+        if n_out > 1:
+            metrics.TPOT.labels(name).observe((stats["last_s"] - stats["first_s"] - stats["ttft_s"]) / (n_out - 1))
+    for stall in info.stalls_s:
+        metrics.HANDOVERS.labels(name).inc()
+        metrics.HANDOVER_STALL.labels(name).observe(stall)
+    metrics.RECORDER.finished(name, n_out)
+
+
+async def _run(request: HttpRequest, endpoint: str) -> HttpResponse:
+    job: _Job | None = None
+    try:
+        job = await _prepare(request, endpoint)
+        adm = await _admit(job.req, job.dep, job.prompt_ids, job.max_tokens, job.id)
+    except ApiError as exc:
+        name = job.dep.name if job is not None else "-"
+        metrics.REQUESTS.labels(name, endpoint, str(exc.status)).inc()
+        return exc.response()
+    metrics.PROMPT_TOKENS.labels(job.dep.name).inc(len(job.prompt_ids))
+    metrics.RECORDER.arrived(job.dep.name, len(job.prompt_ids))
+    OUTSTANDING[adm.route.plan_id] += 1
+    info = upstream.Followed()
+    stats: dict[str, Any] = {"first_s": time.monotonic()}
+    if job.req.stream:
+        return StreamingHttpResponse(_sse(job, adm, info, stats), content_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _whole(job, adm, info, stats)
+
+
+async def _finish(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[str, Any], status: int) -> None:
+    OUTSTANDING[adm.route.plan_id] -= 1
+    if OUTSTANDING[adm.route.plan_id] <= 0:
+        del OUTSTANDING[adm.route.plan_id]
+    _observe(job, info, stats, status)
+    await sync_to_async(metrics.record_load)(job.dep.name)
+
+
+async def _whole(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[str, Any]) -> HttpResponse:
+    texts: list[str] = []
+    status = 200
+    try:
+        async for piece, _ in _pieces(job, adm, info, stats):
+            texts.append(piece)
+    except upstream.UpstreamError as exc:
+        status = 502
+        return ApiError(502, f"the data plane failed the request: {exc}", type_="server_error").response()
+    finally:
+        await _finish(job, adm, info, stats, status)
+    ids = stats.get("ids", [])
+    choice = _choice(job, "".join(texts), stats.get("finish", "length"), ids, stream=False)
+    return JsonResponse({**_envelope(job, choice, stream=False), "usage": _usage(job, len(ids))})
+
+
+def _sse_line(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[str, Any]) -> AsyncIterator[bytes]:
+    status = 200
+    first = True
+    try:
+        async for piece, pids in _pieces(job, adm, info, stats):
+            yield _sse_line(_envelope(job, _choice(job, piece, None, pids, first=first, stream=True), stream=True))
+            first = False
+        yield _sse_line(_envelope(job, _choice(job, "", stats.get("finish", "length"), [], first=first, stream=True),
+                                  stream=True))
+        if job.req.include_usage:
+            yield _sse_line({**_envelope(job, {}, stream=True), "choices": [],
+                             "usage": _usage(job, int(stats.get("n_out", 0)))})
+    except upstream.UpstreamError as exc:
+        status = 502
+        yield _sse_line(ApiError(502, f"the data plane failed the request: {exc}", type_="server_error").body())
+    finally:
+        await _finish(job, adm, info, stats, status)
+    yield b"data: [DONE]\n\n"
+
+
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return ApiError(405, "use POST").response()
+    return await _run(request, "completions")
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return ApiError(405, "use POST").response()
+    return await _run(request, "chat")
+
+
+async def models(request: HttpRequest) -> HttpResponse:
+    try:
+        await _authenticate(request)
+    except ApiError as exc:
+        return exc.response()
+    return JsonResponse({"object": "list", "data": await sync_to_async(_models)()})
