@@ -220,11 +220,14 @@ class NodeAgent:
         return self._stop.wait(timeout_s)
 
     def close(self, stop_engines: bool = True) -> None:
-        """Stop the loops; stop every engine this node runs (its GPUs come back free)."""
+        """Stop the loops; stop every engine this node runs (its GPUs come back free).
+
+        Engines first: a supervisor (honcho, systemd) gives a few seconds after SIGTERM, and the
+        poller may sit in a long poll for `long_poll_s` - it is a daemon thread, left to end with
+        the process when it does not answer within a second.
+        """
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._poller is not None:
-            self._poller.join(timeout=self.long_poll_s + 12.0)
         if stop_engines:
             with self._lock:
                 slots = list(self.plans.values())
@@ -234,6 +237,8 @@ class NodeAgent:
                     self._stop_engine(slot.engine)
         if self.backend is not None:
             self.backend.close()
+        if self._poller is not None:
+            self._poller.join(timeout=1.0)
         self.client.close()
         self.probe.close()
 

@@ -1,4 +1,4 @@
-"""manage.py register_local_model NAME DIR [--version V] [--engine torch|vllm]: register a model
+"""manage.py register_local_model NAME DIR [--model-version V] [--engine torch|vllm]: register a model
 folder on this machine (idempotent).
 
 For `make run ENGINE=torch|vllm`: the registry keys weights by SHA256, so prepare_plan carries the
@@ -24,7 +24,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("name", help="the model's catalog name, e.g. tiny-llama")
         parser.add_argument("dir", help="the model folder (model.safetensors, config.json, tokenizer.json)")
-        parser.add_argument("--version", default="local")
+        parser.add_argument("--model-version", default="local")
         parser.add_argument("--engine", default="torch", choices=("torch", "vllm"))
         parser.add_argument("--warmup-tokens", type=int, default=8)
 
@@ -35,7 +35,7 @@ class Command(BaseCommand):
             raise CommandError(f"dir: {weights} does not exist")
         config = json.loads((folder / "config.json").read_text())
         spec = VersionSpec(
-            name=options["name"], version=options["version"], engine=options["engine"],
+            name=options["name"], version=options["model_version"], engine=options["engine"],
             architecture=options["name"], weights_uri=str(weights), sha256=sha256_file(weights),
             tokenizer=str(folder), max_context=int(config.get("max_position_embeddings", 2048)),
             min_gpu_mem_bytes=1, warmup_tokens=options["warmup_tokens"])
