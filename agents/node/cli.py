@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     backend: Backend
     if args.backend == "torch":
         torch_backend = TorchBackend(models, data_addr)
+        if args.probe == "nvml":  # real GPUs: the engine's workers run on the plan's CUDA devices
+            torch_backend.device = "cuda"
+            torch_backend.gpu_index = {g.uuid: g.index for g in probe.gpus()}
         try:
             torch_backend.server()  # bind the data address now: a taken port is a start-up error
         except OSError as exc:

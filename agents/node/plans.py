@@ -22,7 +22,7 @@ drains what is left and stops the server.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -115,6 +115,8 @@ class TorchBackend:
     data_addr: str
     max_waiting: int = 64
     num_kv_blocks: int = 256  # per plan: this machine's CPU memory, not the plan's KV reserve on a GPU
+    device: str = "cpu"  # "cuda" on a GPU node (--probe nvml)
+    gpu_index: dict[str, int] = field(default_factory=dict)  # GPU uuid -> CUDA index (from the NVML probe)
     _server: Any = None
 
     def server(self) -> Any:
@@ -134,10 +136,22 @@ class TorchBackend:
         except ImportError as exc:
             raise PrepareError(f"the torch data plane is not installed on this node ({exc})") from None
         host = PlanHost(deployment=deployment, plan=plan, model_dir=str(folder), layout=layout_of(plan),
-                        weights_sha256=digest, max_waiting=self.max_waiting, num_kv_blocks=self.num_kv_blocks)
+                        weights_sha256=digest, max_waiting=self.max_waiting, num_kv_blocks=self.num_kv_blocks,
+                        device=self.device, gpus=self.cuda_indexes(plan) if self.device == "cuda" else None)
         if host.plan_id != plan_id:
             raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
         return _Served(host, self.server())
+
+    def cuda_indexes(self, plan: dict[str, Any]) -> list[int] | None:
+        """The plan's GPUs on this node as CUDA indexes, in the engine's rank order (prefill or main
+        stages, then decode stages; each stage's GPUs in rank order); None: every visible GPU."""
+        order: list[int] = []
+        for st in [*(plan.get("stages") or []), *(plan.get("decode_stages") or [])]:
+            for u in st.get("gpus", []):
+                i = self.gpu_index.get(u)
+                if i is not None and i not in order:
+                    order.append(i)
+        return order or None
 
     def forget(self, engine: PlanEngine) -> None:
         pass

@@ -104,3 +104,13 @@ def test_a_leader_with_weights_other_than_the_registry_s_fails_and_books_nothing
     ack = agent.handle(command("prepare_plan", prepare_payload(plan, "n1", weights_sha256="0" * 64)))
     assert ack.status == "failed" and ack.result["reason"] == "failed" and "sha256" in ack.detail
     assert agent.booked() == {} and not agent.plans
+
+
+def test_on_a_gpu_node_a_plan_s_gpus_become_cuda_indexes_in_rank_order(models_dir: Any) -> None:
+    from agents.node.plans import ModelStore, TorchBackend
+
+    a, b, c = gpus("n1", 3)
+    backend = TorchBackend(ModelStore(models_dir), "127.0.0.1:1", device="cuda", gpu_index={a: 4, b: 1, c: 0})
+    plan = tiny_plan([[b, a], [c]]).to_dict()
+    assert backend.cuda_indexes(plan) == [1, 4, 0]
+    assert backend.cuda_indexes(tiny_plan([gpus("elsewhere", 1)]).to_dict()) is None
