@@ -18,6 +18,7 @@ from types import FrameType
 
 from agents.node.daemon import NodeAgent, default_node_id
 from agents.node.plans import Backend, ModelStore, TorchBackend, VllmBackend
+from agents.probes import Probe
 from agents.protocol import NODE_ID_RE
 from agents.schema import SchemaError
 
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return _fail(f"--data-addr {data_addr!r}: expected HOST:PORT")
 
+    probe: Probe
     if args.probe == "nvml":
         from agents.probes import NoGpuError
         from agents.probes.nvml import NvmlProbe
