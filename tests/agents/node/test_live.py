@@ -235,3 +235,25 @@ def test_the_gearbox_prepares_a_torch_plan_and_a_manual_switch_moves_live_sequen
     assert not differ, f"(seq, reader had, moved after token, first differing token): {differ}"
     assert all(r["hops"] == [new_id] for r in moved), [r["hops"] for r in moved]
     assert {m["seq_id"] for m in move.result["moved"] if "outcome" not in m} == {r["seq_id"] for r in moved}
+
+
+def test_a_node_on_the_nvml_probe_registers_what_nvml_recorded(console: str) -> None:
+    from pathlib import Path
+
+    from agents.probes.nvml import NvmlProbe
+    from agents.probes.nvml_replay import RecordedNvml
+
+    fixture = Path(__file__).parents[1] / "probes" / "fixtures" / "nvml_hgx_h100_8gpu.json"
+    probe = NvmlProbe.open(RecordedNvml.from_file(fixture))
+    # as `python -m agents.node --probe nvml` builds it: memory as NVML measures it, nothing booked on top
+    agent = NodeAgent(controller=console, join_token=JOIN, probe=probe, backend=None, backend_name="torch",
+                      node_id="hgx1", data_addr="127.0.0.1:7999", long_poll_s=0, book_memory=False)
+    try:
+        agent.step()
+        rows = Gpu.objects.filter(node__node_id="hgx1")
+        assert rows.count() == 8 and set(rows.values_list("model", flat=True)) == {"H100-SXM"}
+        assert len(set(rows.values_list("nvlink_group", flat=True))) == 1
+        measured = {g.uuid: g.mem_used_bytes for g in probe.report()}
+        assert {g.uuid: g.mem_used_bytes for g in rows} == measured
+    finally:
+        agent.close()
