@@ -64,6 +64,7 @@ class PlanSlot:
     reserve_bytes: dict[str, int]  # GPU uuid -> bytes booked for it
     engine: PlanEngine | None = None  # the leader's engine; members hold memory only
     frozen: bool = False
+    ready: bool = False  # the engine started (a vLLM server can take a minute): it has metrics to report
     load_s: float = 0.0
     prepared_at_s: float = 0.0
 
@@ -157,7 +158,7 @@ class NodeAgent:
 
     def engine_reports(self) -> tuple[EngineReport, ...]:
         with self._lock:
-            engines = [s.engine for s in self.plans.values() if s.engine is not None]
+            engines = [s.engine for s in self.plans.values() if s.engine is not None and s.ready]
         out = []
         for engine in engines:
             try:
@@ -396,6 +397,7 @@ class NodeAgent:
             log.exception("%s: prepare of %s failed", self.node_id, plan_id)
             raise PrepareError(f"plan {plan_id}: the engine did not start: {exc}") from exc
         slot.load_s = self.clock() - t0
+        slot.ready = True
         log.info("%s: plan %s of %s prepared as %s in %.2f s", self.node_id, plan_id, deployment, slot.role,
                  slot.load_s)
         return _Outcome("ok", f"prepared ({slot.role})", {"plan_id": plan_id, "reserved_bytes": want,
