@@ -213,6 +213,9 @@ def test_the_gearbox_prepares_a_torch_plan_and_a_manual_switch_moves_live_sequen
     results = load.results()
 
     new_id = target.plans[0].plan_id
+    # the engine reports of the plans the nodes run reach the console with the node's report
+    wait_for(lambda: any(e["plan_id"] == new_id for e in Node.objects.get(node_id="n2").engines), 10,
+             "n2's engine report")
     assert ("tiny", new_id) in n2.plans and ("tiny", old_id) not in n1.plans
     for c in AgentCommand.objects.filter(state="ok"):
         check_result(c.kind, c.result)
