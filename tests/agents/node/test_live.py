@@ -186,13 +186,12 @@ class Load:
 def test_the_gearbox_prepares_a_torch_plan_and_a_manual_switch_moves_live_sequences(
         running: Callable[..., NodeAgent], worker: None) -> None:
     pytest.importorskip("agents.dataplane")
-    baseline = Gear(MODEL, (tiny_plan([gpus("n1", 1)]),), (1.0,))
+    # TP2 plans: two worker processes and an all-reduce per layer make a decode iteration slow
+    # enough on CPU that a 480-token sequence outlives the controller's freeze -> move round trip
+    baseline = Gear(MODEL, (tiny_plan([gpus("n1", 2)]),), (1.0,))
     do_sync_deployment(name="tiny", model_name=MODEL, ttft_ms=2000, tpot_ms=200, priority=1, baseline=baseline,
                        actor="system:test")
-    # n1 has KV for one sequence at a time: the tiny model decodes 480 tokens in a fraction of a
-    # second, less than the controller's freeze -> move round trip; queued behind each other,
-    # sequences are still there (waiting or running) when the move comes. n2 takes them all.
-    n1, n2 = running("n1", kv_blocks=40), running("n2")
+    n1, n2 = running("n1"), running("n2")
     wait_for(lambda: Deployment.objects.get(name="tiny").current_gear, 120, "the baseline up", story)
     dep = Deployment.objects.get(name="tiny")
     assert Gear.from_dict(dep.current_gear).gear_id == baseline.gear_id
@@ -205,7 +204,7 @@ def test_the_gearbox_prepares_a_torch_plan_and_a_manual_switch_moves_live_sequen
 
     load = Load(n1.data_addr or "", old_id)
     wait_for(lambda: len(load.futures) >= 8, 20, "sequences in flight")
-    target = Gear(MODEL, (tiny_plan([gpus("n2", 1)]),), (1.0,))
+    target = Gear(MODEL, (tiny_plan([gpus("n2", 2)]),), (1.0,))
     _, started = operator(lambda: do_request_gear("tiny", target, actor="system:test", reason="move to n2"))
     assert started is not None, story()
     wait_for(lambda: Transition.objects.get(deployment__name="tiny", seq=started.seq).phase == "done", 120,
