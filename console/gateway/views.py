@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 import uuid
@@ -38,6 +39,7 @@ from console.gateway import metrics, tokens, upstream
 from console.gateway.requests import BadRequest, GenerateRequest, parse_chat, parse_completion
 from console.gateway.routing import Candidate, any_frozen, order_routes
 
+log = logging.getLogger(__name__)
 OUTSTANDING: Counter[str] = Counter()  # plan_id -> requests this process has open on it
 _rng = random.Random()
 
@@ -306,6 +308,7 @@ async def _pieces(job: _Job, adm: Admitted, info: upstream.Followed,
             now = time.monotonic()
             if not ids:
                 stats["ttft_s"] = now - t0
+                stats["first_token_s"] = now
             stats["last_s"] = now
             ids.append(tid)
             piece = stop.feed(detok.push(tid))
@@ -333,7 +336,7 @@ def _observe(job: _Job, info: upstream.Followed, stats: dict[str, Any], status: 
     if "ttft_s" in stats:
         metrics.TTFT.labels(name).observe(stats["ttft_s"])
         if n_out > 1:
-            metrics.TPOT.labels(name).observe((stats["last_s"] - stats["first_s"] - stats["ttft_s"]) / (n_out - 1))
+            metrics.TPOT.labels(name).observe((stats["last_s"] - stats["first_token_s"]) / (n_out - 1))
     for stall in info.stalls_s:
         metrics.HANDOVERS.labels(name).inc()
         metrics.HANDOVER_STALL.labels(name).observe(stall)
@@ -353,7 +356,7 @@ async def _run(request: HttpRequest, endpoint: str) -> HttpResponse:
     metrics.RECORDER.arrived(job.dep.name, len(job.prompt_ids))
     OUTSTANDING[adm.route.plan_id] += 1
     info = upstream.Followed()
-    stats: dict[str, Any] = {"first_s": time.monotonic()}
+    stats: dict[str, Any] = {}
     if job.req.stream:
         return StreamingHttpResponse(_sse(job, adm, info, stats), content_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -376,6 +379,7 @@ async def _whole(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[
             texts.append(piece)
     except upstream.UpstreamError as exc:
         status = 502
+        log.warning("gateway: %s on %s failed after admission: %s", job.id, adm.route.plan_id, exc)
         return ApiError(502, f"the data plane failed the request: {exc}", type_="server_error").response()
     finally:
         await _finish(job, adm, info, stats, status)
@@ -402,6 +406,7 @@ async def _sse(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[st
                              "usage": _usage(job, int(stats.get("n_out", 0)))})
     except upstream.UpstreamError as exc:
         status = 502
+        log.warning("gateway: %s on %s failed after admission: %s", job.id, adm.route.plan_id, exc)
         yield _sse_line(ApiError(502, f"the data plane failed the request: {exc}", type_="server_error").body())
     finally:
         await _finish(job, adm, info, stats, status)
