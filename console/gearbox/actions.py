@@ -195,6 +195,7 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
     else:
         d = _decide(dep, base, held, now, trigger)
     with transaction.atomic():
+        _locked(dep)  # the deployment row before the audit head (lock order: ports._lock_deployment)
         row = do_record_decision(dep, d, actor=actor, now=now)
         started = None
         if d.outcome is Outcome.SWITCH and d.target is not None:

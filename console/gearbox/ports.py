@@ -69,10 +69,21 @@ def _dep_pk(name: str) -> int:
     return int(pk or 0)
 
 
+def _lock_deployment(pk: int) -> None:
+    """Lock order, in every transaction that writes transition state: the deployment row first,
+    then its transition, then GPU rows, and the audit head (console.audit.chain) last. Operator
+    actions take the deployment row first too, so a transaction of theirs and one of the
+    executor's queue behind each other instead of deadlocking (one holding the audit head and
+    waiting for the deployment, the other the reverse)."""
+    list(Deployment.objects.select_for_update().filter(pk=pk).values_list("pk", flat=True))
+
+
 def _lock(guard: Guard) -> Transition:
     """Lock the transition row if it is still at the guard's version (else StaleGuard)."""
+    dep_pk = _dep_pk(guard.deployment_id)
+    _lock_deployment(dep_pk)
     row = (Transition.objects.select_for_update()
-           .filter(deployment_id=_dep_pk(guard.deployment_id), seq=guard.seq, version=guard.version).first())
+           .filter(deployment_id=dep_pk, seq=guard.seq, version=guard.version).first())
     if row is None:
         raise StaleGuard(f"{guard.deployment_id}#{guard.seq} moved past version {guard.version}")
     return row
@@ -130,6 +141,7 @@ class DjangoStore:
         cur = rec.current
         dep_pk = _dep_pk(rec.deployment_id)
         with transaction.atomic():
+            _lock_deployment(dep_pk)
             saved = replace(rec, version=expected_version + 1)
             n = Transition.objects.filter(deployment_id=dep_pk, seq=rec.seq, version=expected_version).update(
                 version=expected_version + 1, record=saved.to_dict(), phase=rec.phase.value,
@@ -157,8 +169,10 @@ class DjangoStore:
 
     def request_abort(self, deployment_id: str, seq: int, reason: str) -> bool:
         with transaction.atomic():
+            dep_pk = _dep_pk(deployment_id)
+            _lock_deployment(dep_pk)
             row = (Transition.objects.select_for_update()
-                   .filter(deployment_id=_dep_pk(deployment_id), seq=seq, phase__in=ACTIVE_PHASES).first())
+                   .filter(deployment_id=dep_pk, seq=seq, phase__in=ACTIVE_PHASES).first())
             if row is None:
                 return False
             if not row.abort_reason:

@@ -12,12 +12,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
-from django.db import OperationalError
 
 from agents.node.daemon import NodeAgent
 from agents.protocol import check_result
@@ -30,7 +29,6 @@ from tests.agents.node.conftest import MODEL, gpus, tiny_plan
 from tests.conftest import TEST_REDIS_URL
 
 JOIN = "fpj_node-test"
-T = TypeVar("T")
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
@@ -84,20 +82,6 @@ def wait_for(cond: Callable[[], object], max_s: float, what: str, story: Callabl
             app.send_task("transitions.sweep", queue=app.conf.task_default_queue)
             last_sweep = time.monotonic()
         time.sleep(0.1)
-
-
-def operator(action: Callable[[], T]) -> T:
-    """Run an operator action, again if PostgreSQL broke a deadlock with a Celery task by aborting
-    it (the console takes the deployment row and the audit head in either order; a browser's
-    request would be retried the same way)."""
-    for attempt in range(5):
-        try:
-            return action()
-        except OperationalError as exc:
-            if "deadlock" not in str(exc) or attempt == 4:
-                raise
-            time.sleep(0.2)
-    raise AssertionError("unreachable")
 
 
 def story() -> str:
@@ -200,12 +184,12 @@ def test_the_gearbox_prepares_a_torch_plan_and_a_manual_switch_moves_live_sequen
     assert slot.engine is not None and slot.role == "leader" and not n2.plans
     prepare = AgentCommand.objects.get(kind="prepare_plan", node__node_id="n1")
     assert prepare.state == "ok" and check_result("prepare_plan", prepare.result)["load_s"] > 0
-    operator(lambda: do_pin_gear("tiny", actor="system:test"))  # only the operator moves it from here
+    do_pin_gear("tiny", actor="system:test")  # only the operator moves it from here
 
     load = Load(n1.data_addr or "", old_id)
     wait_for(lambda: len(load.futures) >= 8, 20, "sequences in flight")
     target = Gear(MODEL, (tiny_plan([gpus("n2", 2)]),), (1.0,))
-    _, started = operator(lambda: do_request_gear("tiny", target, actor="system:test", reason="move to n2"))
+    _, started = do_request_gear("tiny", target, actor="system:test", reason="move to n2")
     assert started is not None, story()
     wait_for(lambda: Transition.objects.get(deployment__name="tiny", seq=started.seq).phase == "done", 120,
              "the switch", story)
