@@ -21,6 +21,12 @@ SERVED = "tiny-llama"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_vllm_tests_without_venv(items)
+
+
+def skip_vllm_tests_without_venv(items: list[pytest.Item]) -> None:
+    """Mark every `vllm` test skipped, with the reason, when vLLM's interpreter is absent.
+    Other folders with vllm tests call it from their own conftest's collection hook."""
     if Path(VLLM_PYTHON).exists():
         return
     skip = pytest.mark.skip(reason=f"vLLM tests need vLLM's own venv: {VLLM_PYTHON} does not exist "
