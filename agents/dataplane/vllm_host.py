@@ -355,6 +355,11 @@ class VllmPlanHost:
             run = self._runs.get(seq_id)
             return run.stream if run is not None else None
 
+    def live_streams(self) -> list[SeqStream]:
+        """The sequences running or waiting here now."""
+        with self._lock:
+            return self._live()
+
     def cancel(self, seq_id: str) -> bool:
         """The client went away: abort the request in vLLM and forget it."""
         with self._lock:

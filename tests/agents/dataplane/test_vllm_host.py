@@ -7,37 +7,39 @@ the release test stops node A's plan and therefore runs last.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from agents.dataplane import DataServer, Frozen, StaleLease, VllmPlanHost, vllm_spec_for_plan
+from agents.dataplane import DataServer, Frozen, SeqStream, StaleLease, VllmPlanHost, vllm_spec_for_plan
 from agents.dataplane.client import send_state
 from agents.engines.torch.sampling import SamplingParams
 from agents.engines.vllm import RestartPolicy
 from tests.agents.dataplane.conftest import PLAN_PP2, TinyModel, new_seq_id, tiny_plan
-from tests.agents.dataplane.test_dataplane import follow, gen_body, move_when
-from tests.agents.engines.vllm.conftest import CPU_OPTIONS, free_port
+from tests.agents.dataplane.test_dataplane import follow, gen_body
+from tests.agents.engines.vllm.conftest import cpu_options, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 GREEDY = SamplingParams(ignore_eos=True)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 11]
+LONG = 480  # tokens of a sequence to be moved: 8 + 480 fill most of the tiny model's 512 positions
 PLAN_A = tiny_plan((0, 4, 1), tag="va")
 PLAN_B = tiny_plan((0, 4, 1), tag="vb")
 
 
 class VllmNode:
-    def __init__(self, model: TinyModel, plan: dict[str, Any], log_dir: Path) -> None:
+    def __init__(self, model: TinyModel, plan: dict[str, Any], log_dir: Path, index: int) -> None:
         self.server = DataServer().start()
         self.host = VllmPlanHost(deployment="tiny", plan=plan, model_dir=str(model.path),
                                  weights_sha256=model.sha256, port=free_port(), max_model_len=512,
                                  log_dir=log_dir, policy=RestartPolicy(max_restarts=0),
-                                 engine_options=CPU_OPTIONS)
+                                 engine_options=cpu_options(index))
         self.server.add(self.host)
 
     @property
@@ -53,7 +55,7 @@ class VllmNode:
 @pytest.fixture(scope="module")
 def nodes(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmNode, VllmNode]]:
     logs = tmp_path_factory.mktemp("vllm-host-logs")
-    a, b = VllmNode(tiny_model, PLAN_A, logs), VllmNode(tiny_model, PLAN_B, logs)
+    a, b = VllmNode(tiny_model, PLAN_A, logs, 0), VllmNode(tiny_model, PLAN_B, logs, 1)
     try:
         # both servers load at once: on two cores that is the slow part of the module
         a.host.launch()
@@ -96,15 +98,15 @@ def test_the_server_of_a_plan_has_its_tp_and_pp_and_splits_layers_as_the_plan_do
 def test_a_stream_handed_over_mid_way_gives_the_tokens_of_a_run_without_a_switch(
         nodes: tuple[VllmNode, VllmNode], tiny_model: TinyModel, action: str) -> None:
     a, b = nodes
-    n = 400  # vLLM decodes the tiny model fast: the move must land while the sequence runs
+    n = LONG
     expected = no_switch(a, n)
     sid = new_seq_id(action)
     move = {"seq_id": sid, "action": action, "target_plan": b.host.plan_id, "target_node": "b",
             "target_addr": b.addr}
     finished_before = b.host.engine.scrape().finished
-    on_token, box = move_when(5, lambda: a.host.move([move], routing_version=2))
+    box = when_running(a.host, sid, lambda: a.host.move([move], routing_version=2))
 
-    seen = follow(a.addr, gen_body(a.host, sid, n), on_token)
+    seen = follow(a.addr, gen_body(a.host, sid, n))
 
     box["thread"].join(30)
     result = box["result"]
@@ -128,7 +130,7 @@ def test_a_stream_handed_over_mid_way_gives_the_tokens_of_a_run_without_a_switch
 
 def test_a_frozen_plan_answers_409_and_admits_again_when_thawed(nodes: tuple[VllmNode, VllmNode]) -> None:
     a, _ = nodes
-    running = a.host.admit(new_seq_id("in-flight"), PROMPT, 480, GREEDY)
+    running = a.host.admit(new_seq_id("in-flight"), PROMPT, LONG, GREEDY)
     assert _eventually(lambda: running.generated > 0)
 
     ack = a.host.freeze(routing_version=3)
@@ -139,13 +141,13 @@ def test_a_frozen_plan_answers_409_and_admits_again_when_thawed(nodes: tuple[Vll
         a.host.admit(new_seq_id(), PROMPT, 4, GREEDY)
     assert ack["plan_id"] == a.host.plan_id and ack["decode_step_s"] >= 0
     (seq,) = [s for s in ack["sequences"] if s["seq_id"] == running.seq_id]
-    assert seq["max_tokens"] == 480 and seq["state"] == "running"
+    assert seq["max_tokens"] == LONG and seq["state"] == "running"
     assert seq["context_tokens"] == len(PROMPT) + seq["generated_tokens"]
     a.host.thaw()
     seen = follow(a.addr, gen_body(a.host, new_seq_id(), 4))
     assert seen.ends == [{"done": True, "finish_reason": "length"}] and len(seen.tokens) == 4
     list(running.events(0, idle_timeout_s=60))
-    assert running.end == {"done": True, "finish_reason": "length"} and running.generated == 480
+    assert running.end == {"done": True, "finish_reason": "length"} and running.generated == LONG
 
 
 def test_bad_input_answers_400_naming_the_field_and_an_unknown_plan_409(nodes: tuple[VllmNode, VllmNode]) -> None:
@@ -169,20 +171,22 @@ def test_a_lease_not_newer_than_the_one_held_is_refused_and_the_source_loses_not
     sid = new_seq_id("twice")
     move = {"seq_id": sid, "action": "replay", "target_plan": b.host.plan_id, "target_node": "b",
             "target_addr": b.addr}
-    first = a.host.admit(sid, PROMPT, 300, GREEDY)
+    first = a.host.admit(sid, PROMPT, LONG, GREEDY)
     assert _eventually(lambda: first.generated > 0)
-    assert a.host.move([move], routing_version=5)["moved"][0]["ok"]
+    (r,) = a.host.move([move], routing_version=5)["moved"]
+    assert r["ok"] and r.get("outcome") != "gone", r
     # the same sequence id comes back to A and is moved again under the same version: B had 5
-    stream = a.host.admit(sid, PROMPT, 480, GREEDY)
+    stream = a.host.admit(sid, PROMPT, LONG, GREEDY)
     assert _eventually(lambda: stream.generated > 2)
     again = a.host.move([move], routing_version=5)
 
     (r,) = again["moved"]
+    assert r.get("outcome") != "gone", "it finished before the move: make it longer"
     assert not r["ok"] and r["reason"] == "stale_lease" and again["reason"] == "stale_lease"
     # the refused hand-over rolled back: what A decoded meanwhile reaches its readers, in order
     ends = [e for e in stream.events(0, idle_timeout_s=60) if "token" not in e]
     assert ends == [{"done": True, "finish_reason": "length"}]
-    assert stream.tokens == no_switch(a, 480)
+    assert stream.tokens == no_switch(a, LONG)
     # the frame path refuses it the same way
     held = b.host.stream(sid)
     assert held is not None
@@ -195,7 +199,7 @@ def test_a_reader_that_goes_away_aborts_its_request_in_vllm(nodes: tuple[VllmNod
     a, _ = nodes
     sid = new_seq_id("gone")
     with httpx.Client() as client, client.stream("POST", f"http://{a.addr}/data/v1/generate",
-                                                 json=gen_body(a.host, sid, 400)) as resp:
+                                                 json=gen_body(a.host, sid, LONG)) as resp:
         lines = resp.iter_lines()
         assert "token" in next(lines) and "token" in next(lines)
     stream = a.host.stream(sid)
@@ -203,7 +207,7 @@ def test_a_reader_that_goes_away_aborts_its_request_in_vllm(nodes: tuple[VllmNod
     ends = [e for e in stream.events(0, idle_timeout_s=30) if "token" not in e]
 
     assert ends == [{"error": "cancelled: the client went away"}]
-    assert stream.generated < 400
+    assert stream.generated < LONG
     assert _eventually(lambda: a.host.engine.server_load() == 0)
 
 
@@ -226,22 +230,47 @@ def test_report_counts_the_interval_from_vllm_metrics(nodes: tuple[VllmNode, Vll
 # Last: it stops node A's plan.
 def test_release_hands_unfinished_sequences_to_the_fallback_by_replay(nodes: tuple[VllmNode, VllmNode]) -> None:
     a, b = nodes
-    n = 300  # long enough to be still running after `left` was handed over first
+    n = LONG
     expected = no_switch(b, n)
     sid = new_seq_id("rel")
     fallback = {"target_plan": b.host.plan_id, "target_node": "b", "target_addr": b.addr, "routing_version": 7}
-    left = a.host.admit(new_seq_id("left"), PROMPT, 400, GREEDY)
-    on_token, box = move_when(3, lambda: a.host.release(drain_timeout_s=0.0, fallback=fallback))
+    others: list[SeqStream] = []
 
-    seen = follow(a.addr, gen_body(a.host, sid, n), on_token)
+    def admit_another_then_release() -> dict[str, Any]:
+        others.append(a.host.admit(new_seq_id("left"), PROMPT, LONG, GREEDY))  # handed over after `sid`
+        return a.host.release(drain_timeout_s=0.0, fallback=fallback)
+
+    box = when_running(a.host, sid, admit_another_then_release)
+
+    seen = follow(a.addr, gen_body(a.host, sid, n))
 
     box["thread"].join(60)
     assert sid in box["result"]["handed_over"] and box["result"]["failed"] == []
     assert seen.ends[0]["moved"]["routing_version"] == 7
     assert seen.tokens == expected
-    assert left.end is not None and "moved" in left.end  # handed over too, not dropped
+    (left,) = others  # it may have finished before its turn; it is never dropped
+    assert left.end is not None and ("moved" in left.end or left.end.get("done"))
     assert a.host.state == "stopped" and a.host.release(0.0, None)["noop"] is True
     assert a.host.engine.leftovers() == set()
+
+
+def when_running(host: VllmPlanHost, seq_id: str, fn: Callable[[], Any], at_tokens: int = 5) -> dict[str, Any]:
+    """Run `fn` in a thread as soon as `seq_id` has `at_tokens` tokens on `host`: vLLM decodes the tiny
+    model so fast that a trigger on what the client has read could come after the sequence ended."""
+    box: dict[str, Any] = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stream = host.stream(seq_id)
+            if stream is not None and stream.generated >= at_tokens:
+                box["result"] = fn()
+                return
+            time.sleep(0.0005)
+
+    box["thread"] = threading.Thread(target=watch)
+    box["thread"].start()
+    return box
 
 
 def _eventually(cond: Any, timeout_s: float = 20.0) -> bool:
@@ -249,5 +278,5 @@ def _eventually(cond: Any, timeout_s: float = 20.0) -> bool:
     while time.monotonic() < deadline:
         if cond():
             return True
-        time.sleep(0.05)
+        time.sleep(0.001)  # the tiny model decodes a token in about a millisecond
     return bool(cond())

@@ -29,6 +29,7 @@ from tests.console.people import make_person
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 GREEDY = {"ignore_eos": True, "return_token_ids": True}
+LONG = 480  # tokens of a streamed completion that moves: most of the tiny model's 512 positions
 PLAN_A = tiny_plan((0, 4, 1), tag="gva")
 PLAN_B = tiny_plan((0, 4, 1), tag="gvb")
 
@@ -76,13 +77,26 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
         assert out.usage.completion_tokens == max_tokens
         return choice.text, list(choice.model_extra["token_ids"])
 
-    def stream(self, n: int, on_first: Any) -> tuple[str, list[int], str | None, list[float]]:
-        """Stream a completion; `on_first(chunk_id)` is started in a thread at the first chunk."""
+    def stream(self, n: int, on_running: Any) -> tuple[str, list[int], str | None, list[float]]:
+        """Stream a completion; `on_running(seq_id)` runs in a thread as soon as plan A has decoded
+        5 of its tokens. (A trigger on the client's first chunk could come after the end: vLLM
+        decodes the tiny model faster than the gateway's first chunk reaches the client.)"""
+
+        def watch() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                running = [s for s in self.a.live_streams() if s.generated >= 5]
+                if running:
+                    on_running(running[0].seq_id)
+                    return
+                time.sleep(0.0005)
+
         texts: list[str] = []
         ids: list[int] = []
         arrivals: list[float] = []
         finish = None
-        worker: threading.Thread | None = None
+        worker = threading.Thread(target=watch)
+        worker.start()
         chunks = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=n, temperature=0,
                                                 stream=True, extra_body=GREEDY)
         for chunk in chunks:
@@ -91,15 +105,11 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
             texts.append(choice.text)
             ids.extend(choice.model_extra.get("token_ids") or [])
             finish = choice.finish_reason or finish
-            if worker is None:
-                worker = threading.Thread(target=on_first, args=(chunk.id,))
-                worker.start()
-        assert worker is not None
         worker.join(60)
         return "".join(texts), ids, finish, arrivals
 
     def switched(self, action: str) -> None:
-        n = 300
+        n = LONG
         text0, ids0 = self.no_switch(n)
         box: dict[str, Any] = {}
 
@@ -155,7 +165,7 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
 
     # Named to run last: it stops plan A.
     def test_release_mid_stream_hands_the_sequence_to_the_fallback_and_the_client_sees_one_stream(self) -> None:
-        n = 300
+        n = LONG
         text0, ids0 = self.no_switch(n)
         box: dict[str, Any] = {}
         fallback = {"target_plan": self.b.plan_id, "target_node": "b1", "target_addr": self.hosts.addr("b1"),
@@ -163,8 +173,10 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
 
         def release(seq_id: str) -> None:
             try:
-                set_routes("tiny", [route(self.b, "b1")])  # the table drops A, then A is released
+                # (in a transition the table drops A first; here the release goes first, so that it
+                # finds the sequence still running: vLLM decodes the tiny model very fast)
                 box["result"] = self.a.release(drain_timeout_s=0.0, fallback=fallback)
+                set_routes("tiny", [route(self.b, "b1")])
             finally:
                 connection.close()
 

@@ -16,7 +16,7 @@ from agents.dataplane import DataServer, PlanHost, VllmPlanHost
 from agents.engines.vllm import RestartPolicy
 from console.fleet.models import Node
 from console.gearbox.models import Deployment
-from tests.agents.engines.vllm.conftest import CPU_OPTIONS, free_port
+from tests.agents.engines.vllm.conftest import cpu_options, free_port
 
 MODEL = "tiny-llama"
 
@@ -78,8 +78,8 @@ class VllmHosts:
         self.hosts = {node_id: VllmPlanHost(deployment="tiny", plan=plan, model_dir=str(model_dir),
                                             weights_sha256=sha, port=free_port(), max_model_len=512,
                                             log_dir=log_dir, policy=RestartPolicy(max_restarts=0),
-                                            engine_options=CPU_OPTIONS)
-                      for node_id, plan in plans.items()}
+                                            engine_options=cpu_options(i))
+                      for i, (node_id, plan) in enumerate(plans.items())}
         try:
             for host in self.hosts.values():
                 host.launch()

