@@ -14,10 +14,13 @@ so far (vLLM's prefix cache makes shared prefixes cheap). A `move` asked to migr
 out as replay and reported as such (action "replay", requested "migrate"). A frame that does
 carry KV (from a torch source) is accepted the same way: its KV is ignored, its tokens replayed.
 
-Ownership (invariant 2 of DESIGN.md) without pausing vLLM: while a hand-over is in flight the
-source keeps decoding but holds what it produces back from readers; the target's ack drops that
-and aborts the source request (closing the connection aborts it in vLLM), a refusal releases it
-to the stream, so a failed hand-over loses nothing and costs no recomputation.
+Ownership (invariant 2 of DESIGN.md): vLLM cannot pause a request, so a moving sequence is
+stopped at the source instead: its reader quits at vLLM's next chunk and closes the request's
+connection, which makes vLLM abort it (tokens it produced after the snapshot are dropped). Only
+when the target acknowledged is the source stream ended with `moved`; if the target refuses, the
+source continues the sequence itself by the same replay (prompt + tokens so far, cheap with the
+prefix cache): nothing is lost. Stopping rather than decoding on during the hand-over frees the
+source's share of the machine for the target, which is what the client waits for.
 
 Greedy decoding continues token for token: the target computes the next token from exactly the
 ids the source had. Seeded sampling does not: vLLM's per-request generator restarts on the
@@ -93,9 +96,7 @@ class _Run:
     stream: SeqStream
     body: dict[str, Any]  # the completions request (prompt ids here = original prompt + tokens it came with)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    held: bool = False  # a hand-over is in flight: new tokens wait in `pending`, readers do not see them
-    pending: list[int] = field(default_factory=list)
-    pending_end: dict[str, Any] | None = None
+    attempt: int = 0  # bumped to stop the current request's reader (a hand-over); a new request reads under the new value
     abandoned: bool = False  # moved away, cancelled or stopped: the reader stops at its next chunk
 
 
@@ -255,10 +256,10 @@ class VllmPlanHost:
         raise Frozen(f"plan {self.plan_id}: its vLLM server answered {resp.status_code}: {msg[:500]}")
 
     def _begin(self, run: _Run, resp: httpx.Response) -> None:
-        threading.Thread(target=self._read, args=(run, resp), daemon=True,
+        threading.Thread(target=self._read, args=(run, resp, run.attempt), daemon=True,
                          name=f"vllm-seq-{run.stream.seq_id}").start()
 
-    def _read(self, run: _Run, resp: httpx.Response) -> None:
+    def _read(self, run: _Run, resp: httpx.Response, attempt: int) -> None:
         """Thread body: the completion's SSE chunks into the stream until it ends or is abandoned."""
         end: dict[str, Any] | None = None
         try:
@@ -273,7 +274,7 @@ class VllmPlanHost:
                     end = {"error": f"plan {self.plan_id}: vLLM failed the sequence: {chunk['error']}"}
                     break
                 for choice in chunk.get("choices", []):
-                    if not self._deliver(run, choice.get("token_ids") or []):
+                    if not self._deliver(run, attempt, choice.get("token_ids") or []):
                         return
                     if choice.get("finish_reason"):
                         reason = choice["finish_reason"]
@@ -285,24 +286,18 @@ class VllmPlanHost:
         finally:
             resp.close()  # an abandoned request: vLLM aborts it when its client goes away
         with run.lock:
-            if run.abandoned:
-                return
-            if run.held:
-                run.pending_end = end
+            if run.abandoned or run.attempt != attempt:
                 return
             run.stream.close(end, self.clock())
 
-    def _deliver(self, run: _Run, token_ids: list[int]) -> bool:
-        """Append tokens (or hold them back during a hand-over); False once the run is abandoned."""
+    def _deliver(self, run: _Run, attempt: int, token_ids: list[int]) -> bool:
+        """Append tokens; False once this request was stopped (abandoned, or a hand-over began)."""
         now = self.clock()
         with run.lock:
-            if run.abandoned:
+            if run.abandoned or run.attempt != attempt:
                 return False
             for t in token_ids:
-                if run.held:
-                    run.pending.append(int(t))
-                else:
-                    run.stream.append(int(t), now)
+                run.stream.append(int(t), now)
         return True
 
     # -- admission -------------------------------------------------------------------------------
@@ -425,7 +420,7 @@ class VllmPlanHost:
                 if run.abandoned or stream.end is not None:
                     results.append({"seq_id": sid, "action": action, "ok": True, "outcome": "gone"})
                     continue
-                run.held = True  # from here on, what vLLM produces waits for the target's answer
+                run.attempt += 1  # its reader stops at vLLM's next chunk and aborts the request
                 generated = list(stream.tokens)
             paused_s = self.clock()
             state = self._export(run, generated)
@@ -440,13 +435,12 @@ class VllmPlanHost:
                 send_state(target_addr, state, deployment=self.deployment, plan_id=target_plan,
                            routing_version=routing_version, resume_from=len(generated))
             except (DataPlaneError, OSError) as exc:
-                self._unhold(run)
+                self._resume(run)
                 reason = exc.reason if isinstance(exc, DataPlaneError) else "target_refused"
                 results.append({**base, "ok": False, "reason": reason, "error": str(exc)})
                 continue
             with run.lock:
-                run.abandoned = True  # the reader stops and closes the request: vLLM aborts it
-                run.pending.clear()
+                run.abandoned = True
                 stream.close({"moved": target}, self.clock())
             results.append({**base, "ok": True, "kv_bytes": 0, "replay_tokens": len(state.token_ids),
                             "stall_s": self.clock() - paused_s})
@@ -470,17 +464,27 @@ class VllmPlanHost:
                        sampling=params, sampler_draws=0 if params.greedy else len(generated),
                        num_cached_tokens=0, keys=empty, values=empty.clone())
 
-    def _unhold(self, run: _Run) -> None:
-        """The rollback of a refused hand-over: what vLLM produced meanwhile reaches the readers."""
+    def _resume(self, run: _Run) -> None:
+        """The rollback of a refused hand-over: continue here by replay of the tokens so far."""
+        stream = run.stream
+        remaining = stream.max_tokens - stream.generated
         with run.lock:
-            run.held = False
-            now = self.clock()
-            for t in run.pending:
-                run.stream.append(t, now)
-            run.pending.clear()
-            if run.pending_end is not None:
-                run.stream.close(run.pending_end, now)
-                run.pending_end = None
+            if run.abandoned or stream.end is not None:
+                return
+            if remaining <= 0:
+                stream.close({"done": True, "finish_reason": "length"}, self.clock())
+                return
+            prompt = run.body["prompt"][: stream.prompt_tokens]
+            run.body = {**run.body, "prompt": prompt + list(stream.tokens), "max_tokens": remaining}
+        try:
+            resp = self._open(run.body)
+        except (ValueError, DataPlaneError) as exc:
+            with run.lock:
+                run.abandoned = True
+                stream.close({"error": f"plan {self.plan_id}: {stream.seq_id} could not be resumed here "
+                                       f"after a refused hand-over: {exc}"}, self.clock())
+            return
+        self._begin(run, resp)
 
     def accept(self, state: KVState, lease: tuple[str, int], resume_from: int) -> None:
         """The target side of a hand-over: continue `state` here by replay.

@@ -183,7 +183,7 @@ def test_a_lease_not_newer_than_the_one_held_is_refused_and_the_source_loses_not
     (r,) = again["moved"]
     assert r.get("outcome") != "gone", "it finished before the move: make it longer"
     assert not r["ok"] and r["reason"] == "stale_lease" and again["reason"] == "stale_lease"
-    # the refused hand-over rolled back: what A decoded meanwhile reaches its readers, in order
+    # the refused hand-over rolled back: A continues it by replay, no token lost or repeated
     ends = [e for e in stream.events(0, idle_timeout_s=60) if "token" not in e]
     assert ends == [{"done": True, "finish_reason": "length"}]
     assert stream.tokens == no_switch(a, LONG)
