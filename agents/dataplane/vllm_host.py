@@ -74,11 +74,16 @@ def vllm_spec_for_plan(plan: dict[str, Any] | Plan, *, model_dir: str, served_mo
     env = dict(options.pop("env", ()))
     if len(p.stages) > 1:
         env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(s.num_layers) for s in p.stages)
-    return VllmPlanSpec(plan_id=p.plan_id, model_dir=str(model_dir), served_model_name=served_model_name,
-                        port=port, max_model_len=max_model_len, tensor_parallel_size=tps.pop(),
-                        pipeline_parallel_size=len(p.stages),
-                        gpu_ids=tuple(str(g) for g in gpus) if gpus is not None else (),
-                        env=tuple(sorted(env.items())), **options)
+    values: dict[str, Any] = {
+        "plan_id": p.plan_id, "model_dir": str(model_dir), "served_model_name": served_model_name, "port": port,
+        "max_model_len": max_model_len, "tensor_parallel_size": tps.pop(), "pipeline_parallel_size": len(p.stages),
+        "gpu_ids": tuple(str(g) for g in gpus) if gpus is not None else (),
+    }
+    # `options` may override the parallelism too: a CPU-only node runs any plan's model in one process
+    values.update(options, env=tuple(sorted(env.items())))
+    if values["pipeline_parallel_size"] == 1:
+        values["env"] = tuple((k, v) for k, v in values["env"] if k != "VLLM_PP_LAYER_PARTITION")
+    return VllmPlanSpec(**values)
 
 
 def _vocab_size(model_dir: str) -> int | None:

@@ -16,11 +16,19 @@ from typing import Any
 import httpx
 import pytest
 
-from agents.dataplane import DataServer, Frozen, SeqStream, StaleLease, VllmPlanHost, vllm_spec_for_plan
+from agents.dataplane import (
+    DataServer,
+    Frozen,
+    PlanHost,
+    SeqStream,
+    StaleLease,
+    VllmPlanHost,
+    vllm_spec_for_plan,
+)
 from agents.dataplane.client import send_state
 from agents.engines.torch.sampling import SamplingParams
 from agents.engines.vllm import RestartPolicy
-from tests.agents.dataplane.conftest import PLAN_PP2, TinyModel, new_seq_id, tiny_plan
+from tests.agents.dataplane.conftest import PLAN_PP2, PLAN_TP1, Node, TinyModel, new_seq_id, tiny_plan
 from tests.agents.dataplane.test_dataplane import follow, gen_body
 from tests.agents.engines.vllm.conftest import cpu_options, free_port
 
@@ -86,6 +94,9 @@ def test_the_server_of_a_plan_has_its_tp_and_pp_and_splits_layers_as_the_plan_do
     assert spec.gpu_ids == ("0", "1", "2", "3") and dict(spec.env)["VLLM_PP_LAYER_PARTITION"] == "1,3"
     assert vllm_spec_for_plan(PLAN_PP2, model_dir="m", served_model_name="t", port=1, max_model_len=8).plan_id \
         == VllmPlanHost(deployment="t", plan=PLAN_PP2, model_dir="m", weights_sha256=None, port=1).plan_id
+    one_process = vllm_spec_for_plan(uneven, model_dir="m", served_model_name="t", port=1, max_model_len=8,
+                                     tensor_parallel_size=1, pipeline_parallel_size=1)  # a CPU-only node
+    assert (one_process.world_size, one_process.env) == (1, ())
     with pytest.raises(ValueError, match=r"plan.stages: vLLM runs one tensor-parallel size for every stage"):
         vllm_spec_for_plan(tiny_plan((0, 2, 1), (2, 4, 2), tag="x"), model_dir="m", served_model_name="t",
                            port=1, max_model_len=8)
@@ -126,6 +137,25 @@ def test_a_stream_handed_over_mid_way_gives_the_tokens_of_a_run_without_a_switch
     # B finished it; A dropped it (its request is aborted, not left decoding for nobody)
     assert b.host.engine.scrape().finished == finished_before + 1
     assert _eventually(lambda: a.host.engine.server_load() == 0)
+
+
+def test_a_torch_plan_migrating_to_a_vllm_plan_is_continued_by_replay_its_kv_ignored(
+        nodes: tuple[VllmNode, VllmNode], tiny_model: TinyModel, make_node: Callable[[], Node]) -> None:
+    _, b = nodes
+    torch_node = make_node()
+    src = torch_node.run(tiny_model, PLAN_TP1)
+    sid, n = new_seq_id("t2v"), LONG
+    move = {"seq_id": sid, "action": "migrate", "target_plan": b.host.plan_id, "target_node": "b",
+            "target_addr": b.addr}
+    box = when_running(src, sid, lambda: src.move([move], routing_version=2), at_tokens=20)
+
+    seen = follow(torch_node.addr, gen_body(src, sid, n))
+
+    box["thread"].join(30)
+    (moved,) = box["result"]["moved"]
+    assert moved["ok"] and moved.get("outcome") != "gone" and moved["kv_bytes"] > 0  # torch sent its KV
+    assert seen.ends[0]["moved"]["target_addr"] == b.addr and seen.ends[-1]["finish_reason"] == "length"
+    assert seen.tokens == tiny_model.reference(PROMPT, n, GREEDY)
 
 
 def test_a_frozen_plan_answers_409_and_admits_again_when_thawed(nodes: tuple[VllmNode, VllmNode]) -> None:
@@ -254,7 +284,7 @@ def test_release_hands_unfinished_sequences_to_the_fallback_by_replay(nodes: tup
     assert a.host.engine.leftovers() == set()
 
 
-def when_running(host: VllmPlanHost, seq_id: str, fn: Callable[[], Any], at_tokens: int = 5) -> dict[str, Any]:
+def when_running(host: VllmPlanHost | PlanHost, seq_id: str, fn: Callable[[], Any], at_tokens: int = 5) -> dict[str, Any]:
     """Run `fn` in a thread as soon as `seq_id` has `at_tokens` tokens on `host`: vLLM decodes the tiny
     model so fast that a trigger on what the client has read could come after the sequence ended."""
     box: dict[str, Any] = {}
