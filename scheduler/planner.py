@@ -176,6 +176,8 @@ class _UnitType:
     profile: PlanProfile | None = None
     state: SteadyState | None = None  # its steady state under the workload's shape
     capacity_rps: float | None = None  # as a single plan (None: not estimated yet)
+    slo_rps: float | None = None  # the most it carries with both SLOs met (None: no SLO given)
+    serve_rps: float = 0.0  # what sizing counts it for (`_serve_rate`)
 
 
 def _min_kv_tokens(model: ModelSpec, workload: Workload, options: PlannerOptions) -> int:
@@ -417,8 +419,11 @@ def plan_candidates(
                 t.profile = PlanProfile.build(first.plan, model, snapshot, eff)
             t.state = steady_state(t.profile, workload, slo)
             t.capacity_rps = max(0.0, t.state.capacity_rps)
+            t.slo_rps = _slo_rate(t.state) if slo is not None else None
             estimated[key] = t
-        return [t for t in types.values() if t.capacity_rps]
+        live_types = [t for t in types.values() if t.capacity_rps]
+        _serve_rate(live_types)
+        return live_types
 
     def fill(live: Sequence[_UnitType]) -> tuple[list[_Unit], float]:
         """Greedy mixed fill: the most capacity per GPU first, disjoint GPUs, until the target."""
@@ -426,7 +431,7 @@ def plan_candidates(
         # GPU is its type's, so each type's units are sorted on their own and the types merged
         # lazily - the fill stops after a handful.
         def ranked(order: int, t: _UnitType) -> list[tuple[tuple[float, float, int, int], _Unit]]:
-            per_gpu = -(t.capacity_rps or 0.0) / t.units[0].gpus
+            per_gpu = -t.serve_rps / t.units[0].gpus
             return sorted(((per_gpu, -u.stability, order, i), u) for i, u in enumerate(t.units))
 
         pool = heapq.merge(*(ranked(order, t) for order, t in enumerate(live)), key=_first_of_pair)
@@ -545,7 +550,53 @@ def clear_caches() -> None:
 
 
 def _capacity(types: Mapping[tuple[object, ...], _UnitType], unit: _Unit) -> float:
-    return types[unit.type_key].capacity_rps or 0.0
+    """What a unit counts for when gears are sized and traffic split (`_serve_rate`)."""
+    return types[unit.type_key].serve_rps
+
+
+SLO_ATTAINMENT = 0.99  # goodput / throughput at which a plan counts as meeting its SLOs
+
+
+def _slo_rate(state: SteadyState, steps: int = 12) -> float:
+    """The highest rate at which the plan meets both SLOs (attainment >= SLO_ATTAINMENT),
+    by bisection below its capacity; 0 when it misses them even nearly idle."""
+    cap = state.capacity_rps
+    if cap <= 0:
+        return 0.0
+
+    def meets(rate: float) -> bool:
+        est = state.estimate(rate)
+        return est.goodput_tokens_s >= SLO_ATTAINMENT * est.throughput_tokens_s
+
+    if meets(cap * 0.999):
+        return cap
+    lo, hi = 0.0, cap
+    if not meets(cap * 0.01):
+        return 0.0
+    lo = cap * 0.01
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if meets(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _serve_rate(types: Sequence[_UnitType]) -> None:
+    """Set each type's sizing rate. NOTE(sizing): a gear is sized to carry the offered rate
+    x headroom, and throughput capacity alone overstates what a plan serves *within its SLOs*:
+    under a tight TPOT a colocated plan misses it well before it saturates. So a unit counts
+    for at most its SLO rate (then the units that carry rate x headroom together meet the
+    SLOs with the headroom's margin, as the gearbox's `standing` asks). When no unit type meets
+    the SLOs at any rate, sizing falls back to throughput capacity (serve what can be served)."""
+    reachable = any(t.slo_rps for t in types)
+    for t in types:
+        cap = t.capacity_rps or 0.0
+        if t.slo_rps is None or not reachable:
+            t.serve_rps = cap
+        else:
+            t.serve_rps = min(cap, t.slo_rps)
 
 
 class _GearEstimator:

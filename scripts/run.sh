@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start the whole system in the foreground: web (daphne), Celery worker and beat, the fleet.
+# Start the whole system in the foreground: web (daphne), Celery worker and beat, the fleet
+# (ENGINE=sim: the simulated fleet; ENGINE=torch|vllm: real engine agents, scripts/fleet.sh).
 # Ctrl-C stops every process it started (honcho forwards the signal to all of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,13 +16,23 @@ if [ -z "${FLEXPIPE_ENROLL_TOKEN:-}" ]; then
   [ -s .run/enroll-token ] || $PY -c "import secrets; print('fpj_' + secrets.token_urlsafe(24))" > .run/enroll-token
   export FLEXPIPE_ENROLL_TOKEN="$(cat .run/enroll-token)"
 fi
-export SCENARIO="${SCENARIO:-scenarios/demo.yaml}"
 export ENGINE="${ENGINE:-sim}"
+case "$ENGINE" in
+  sim) export SCENARIO="${SCENARIO:-scenarios/demo.yaml}" ;;
+  torch|vllm) export SCENARIO="${SCENARIO:-scenarios/torch.yaml}" ;;
+  *) echo "ENGINE must be sim, torch or vllm; got '$ENGINE'" >&2; exit 2 ;;
+esac
 
 $PY manage.py migrate --noinput -v 0
 $PY manage.py ensure_demo_operator
 # The scenario's deployments and their baseline gears (idempotent); the gearbox brings them up.
 $PY manage.py load_scenario_deployments "$SCENARIO"
+if [ "$ENGINE" != sim ]; then
+  # Real engines load real weights: make the tiny model (deterministic, no download) and register
+  # it, so prepare_plan carries its SHA256 and the gateway finds its tokenizer.
+  [ -s .run/models/tiny-llama/model.safetensors ] || $PY -m agents.engines.torch.weights .run/models/tiny-llama
+  $PY manage.py register_local_model tiny-llama .run/models/tiny-llama --engine "$ENGINE"
+fi
 
 echo
 echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"

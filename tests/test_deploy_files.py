@@ -87,4 +87,7 @@ def test_the_procfile_runs_the_same_four_processes_as_make_run() -> None:
     lines = dict(line.split(":", 1) for line in (ROOT / "Procfile").read_text().splitlines() if line.strip())
     assert set(lines) == {"web", "worker", "beat", "fleet"}
     assert "console.asgi:application" in lines["web"]
-    assert shlex.split(lines["fleet"])[1:3] == ["-m", "agents.sim"]
+    # the fleet by ENGINE: the simulated one (sim) or real agent daemons (torch, vllm)
+    assert shlex.split(lines["fleet"]) == ["scripts/fleet.sh"]
+    fleet = (ROOT / "scripts" / "fleet.sh").read_text()
+    assert "-m agents.sim --scenario" in fleet and "-m agents.node" in fleet

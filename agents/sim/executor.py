@@ -336,6 +336,25 @@ class TransitionDriver:
     def current_gear(self, deployment: str) -> Gear | None:
         return self.world.store.current_gear(deployment)
 
+    def held_by_others(self, deployment: str) -> set[str]:
+        """GPUs other deployments hold: their stable gears, both gears of a transition they run,
+        and their bookings (what the console's `held_gpus` gives the gearbox, the same way)."""
+        store = self.world.store
+        out: set[str] = set()
+        for name, gear in store.gears.items():
+            if name != deployment and gear is not None:
+                out.update(gear.gpu_uuids)
+        for name in list(store.gears):
+            rec = store.active(name) if name != deployment else None
+            if rec is not None:
+                out.update(rec.to_gear.gpu_uuids)
+                if rec.from_gear is not None:
+                    out.update(rec.from_gear.gpu_uuids)
+        for u, holders in store.bookings.items():
+            if any(d != deployment for (d, _) in holders):
+                out.add(u)
+        return out
+
     def seed(self, deployment: str, gear: Gear) -> None:
         """A deployment already running `gear` (started before the scenario): its stable gear
         and routing table, as a past transition would have left them."""

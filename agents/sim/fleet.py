@@ -198,6 +198,9 @@ class FleetSim:
         # a plan that loses a GPU: its sequences keep their KV (only the oracle, which moved
         # them away just before the loss it knew of, sets this)
         self.kv_survives_loss = False
+        # the policy's control work still in flight (a gear change finishing its clean-up): the
+        # drain runs on while it says so, so that no transition is cut off half-done
+        self.control_busy: Callable[[], bool] | None = None
         self.now_s = 0.0
         self._heap: list[tuple[float, int, int, Callable[[float, Any], list[Event] | None], Any]] = []
         self._seq = itertools.count()
@@ -261,7 +264,7 @@ class FleetSim:
         pop, push, seq = heapq.heappop, heapq.heappush, self._seq
         in_system = self.in_system
         while heap and heap[0][0] <= t_s:
-            if until_empty and not in_system:
+            if until_empty and not in_system and (self.control_busy is None or not self.control_busy()):
                 return
             t, _, _, fn, arg = pop(heap)
             self.now_s = t
@@ -838,11 +841,19 @@ class FleetSim:
             output_tokens_mean=max(1.0, output_mean),
             prompt_tokens_cv=_cv(n, dep.win_prompt, dep.win_prompt_sq, 1.0),
             output_tokens_cv=_cv(f, dep.win_output, dep.win_output_sq, 0.6),
+            backlog=self.backlog(deployment),
         )
         dep.win_arrivals = dep.win_finished = 0
         dep.win_prompt = dep.win_prompt_sq = dep.win_output = dep.win_output_sq = 0.0
         dep.win_since_s = t
         return sample
+
+    def backlog(self, deployment: str) -> int:
+        """Requests of the deployment waiting for admission: in its plans' queues (what their
+        engines report as waiting) and in its own queue while no plan can take them."""
+        dep = self._dep(deployment)
+        waiting = sum(len(p.waiting) for e in self.live.values() if e.deployment == deployment for p in e.pipes)
+        return waiting + len(dep.pending)
 
     def engine_reports(self) -> list[PlanMetrics]:
         """Per serving plan, its engine metrics since the previous call (agents.protocol's

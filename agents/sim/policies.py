@@ -47,6 +47,7 @@ from scheduler.gearbox import (
     cooldown_until,
     decide,
     gear_footprint,
+    record_switch,
 )
 from scheduler.invariants import check as check_invariants
 from scheduler.plan import Gear, Plan, single_plan_gear, validate_plan
@@ -346,6 +347,8 @@ class FlexPipePolicy(Policy):
     def attach(self, sim: FleetSim) -> None:
         self._sim = sim
         self.driver = TransitionDriver(sim, config=self.options.transition, on_finished=self._done)
+        driver = self.driver
+        sim.control_busy = lambda: any(driver.running(name) for name in sim.deployments)
         for name, engine in sim.start_baselines().items():
             dep = sim.deployments[name]
             gear = single_plan_gear(engine.plan)
@@ -397,8 +400,12 @@ class FlexPipePolicy(Policy):
         sim = self._sim
         assert sim is not None  # noqa: S101
         if not self._valid(sim, rec.deployment_id) or rec.phase is not TransitionPhase.DONE:
-            # decisions deferred while it ran may be owed: decide again now
-            sim.call_at(t, lambda now: self._decide(sim, rec.deployment_id, now, Trigger.TOPOLOGY))
+            # decisions deferred while it ran may be owed: decide again now - or, after a roll
+            # back, a second later (as the console's retry does): at the same instant the same
+            # snapshot gives the same decision, and a reservation refused because another
+            # deployment booked the GPUs an instant ago would be refused again, forever
+            again = t if rec.phase is TransitionPhase.DONE else t + 1.0
+            sim.call_at(again, lambda now: self._decide(sim, rec.deployment_id, now, Trigger.TOPOLOGY))
 
     # -- the decision ---------------------------------------------------------------------------
     def _valid(self, sim: FleetSim, name: str) -> bool:
@@ -414,6 +421,17 @@ class FlexPipePolicy(Policy):
                 return False
         return True
 
+    def _decision_snapshot(self, sim: FleetSim, name: str) -> Snapshot:
+        """The snapshot with the GPUs other deployments hold marked unschedulable, as the
+        console hands it to the gearbox: a gear on another deployment's GPUs (or on GPUs it
+        just booked for its own transition) would be refused at RESERVE."""
+        assert self.driver is not None  # noqa: S101
+        snap = sim.snapshot()
+        others = self.driver.held_by_others(name)
+        if not others:
+            return snap
+        return replace(snap, gpus=tuple(replace(g, schedulable=False) if g.uuid in others else g for g in snap.gpus))
+
     def _decide(self, sim: FleetSim, name: str, t: float, trigger: Trigger) -> None:
         assert self.driver is not None  # noqa: S101
         if self.driver.running(name):
@@ -428,21 +446,15 @@ class FlexPipePolicy(Policy):
         self.calls += 1
         runtime = sim.deployments[name]
         current = self.driver.current_gear(name)
-        decision = decide(dep, current, sim.snapshot(), self.windows[name], t, trigger=trigger,
+        decision = decide(dep, current, self._decision_snapshot(sim, name), self.windows[name], t, trigger=trigger,
                           history=self.history, model=runtime.model, config=self.options.gearbox)
         if decision.outcome is Outcome.SWITCH and decision.target is not None:
             rec = self.driver.start(name, decision.target, decision.trigger.value,
                                     decision_ref=f"{name}@{t:.3f}")
             if rec is None:
                 return
-            if decision.current_valid:
-                # Only a switch the gearbox chose counts for its cooldown and anti-flapping: a
-                # forced move off a broken gear is not flapping, and counting two of them (two
-                # losses in a row) would hold the deployment on its emergency gear for the long
-                # cooldown when the GPUs come back (seed 000 section 5.3 is about load jitter).
-                self.deployments[name] = Deployment(
-                    id=dep.id, model=dep.model, slo=dep.slo, baseline=dep.baseline, priority=dep.priority,
-                    mode=dep.mode, last_switch_times_s=(*dep.last_switch_times_s[-3:], t))
+            # only a switch the gearbox chose starts a cooldown (gearbox.record_switch)
+            self.deployments[name] = record_switch(dep, t, forced=decision.forced)
             self.switches += 1
         if decision.outcome in (Outcome.SWITCH, Outcome.BLOCKED):
             self.decisions.append({

@@ -71,8 +71,12 @@ def _active(dep: Deployment) -> Transition | None:
 
 def scheduler_deployment(dep: Deployment) -> gearbox.Deployment:
     """The deployment as scheduler.gearbox.decide sees it."""
+    # only the switches the gearbox chose start a cooldown (gearbox.record_switch): not an
+    # emergency downshift, nor a forced move off a gear that had lost GPUs
     times = list(Transition.objects.filter(deployment=dep, phase="done", from_gear__isnull=False,
                                            finished_at__isnull=False)
+                 .exclude(kind=Transition.EMERGENCY)
+                 .exclude(decision__decision__current_valid=False)
                  .order_by("-seq").values_list("finished_at", flat=True)[:5])
     return gearbox.Deployment(
         id=dep.name, model=dep.model_name, slo=Slo(ttft_ms=dep.ttft_ms, tpot_ms=dep.tpot_ms),

@@ -91,8 +91,10 @@ def load_window(raw: object) -> LoadWindow:
     samples = raw.get("samples", []) if isinstance(raw, dict) else []
     out = []
     for s in samples if isinstance(samples, list) else []:
-        if isinstance(s, list) and len(s) == 6 and all(isinstance(x, int | float) for x in s):
-            out.append(LoadSample(*[float(x) for x in s]))
+        # six numbers, or seven with the backlog (requests waiting for admission)
+        if isinstance(s, list) and len(s) in (6, 7) and all(isinstance(x, int | float) for x in s):
+            backlog = int(s[6]) if len(s) == 7 else 0
+            out.append(LoadSample(*[float(x) for x in s[:6]], backlog=max(0, backlog)))
     return LoadWindow(tuple(out))
 
 
@@ -102,7 +104,7 @@ def load_sample(plan_ids: Iterable[str], now: datetime) -> LoadSample | None:
     if not wanted:
         return None
     rate = 0.0
-    arrivals = finished = 0
+    arrivals = finished = waiting = 0
     prompt_sum = output_sum = 0.0
     seen = False
     for node in Node.objects.exclude(engines=[]):
@@ -117,13 +119,15 @@ def load_sample(plan_ids: Iterable[str], now: datetime) -> LoadSample | None:
             rate += n / interval
             arrivals += n
             finished += f
+            waiting += int(e.get("waiting") or 0)
             prompt_sum += n * float(e.get("prompt_tokens_mean") or 0.0)
             output_sum += f * float(e.get("output_tokens_mean") or 0.0)
     if not seen:
         return None
     prompt = prompt_sum / arrivals if arrivals and prompt_sum else 512.0
     output = output_sum / finished if finished and output_sum else 128.0
-    return LoadSample(t_s=now.timestamp(), rate_rps=rate, prompt_tokens_mean=prompt, output_tokens_mean=output)
+    return LoadSample(t_s=now.timestamp(), rate_rps=rate, prompt_tokens_mean=prompt, output_tokens_mean=output,
+                      backlog=max(0, waiting))
 
 
 def _report_interval_s(node: Node) -> float:

@@ -219,6 +219,41 @@ def test_capacity_never_drops_with_more_hbm_bandwidth(factor: float) -> None:
     assert estimate_plan(fast, chat_workload(1.0)).capacity_rps >= estimate_plan(slow, chat_workload(1.0)).capacity_rps
 
 
+def test_a_round_that_carries_a_thin_slice_of_prompt_costs_a_decode_step_plus_its_share_of_a_chunk() -> None:
+    # long prompts, short answers: ~12 prompt tokens per decoding sequence per round. The engine
+    # puts them in whole chunks (a few rounds pay a chunk's compute, the rest are decode steps);
+    # the mean round is that mixture, not one round with a thin slice whose compute would hide
+    # under the weight reads.
+    plan = tp_plan(M8, ["a1-g0"], 200_000)
+    profile = PlanProfile.build(plan, M8, fleet())
+    rag = Workload(rate_rps=1.0, prompt_tokens_mean=6000, output_tokens_mean=500, prompt_tokens_cv=0.3,
+                   output_tokens_cv=0.3)
+    state = costmodel.steady_state(profile, rag)
+    pipe = profile.pipeline("decode")
+    seqs = 16
+    context = int(state.context * seqs)
+    slice_tokens = round(seqs * state.prompt / state.output)
+    thin = pipe.iteration(Batch(prefill_tokens=slice_tokens, prefill_seqs=1, decode_seqs=seqs,
+                                decode_context_tokens=context)).latency_s
+    plain = pipe.iteration(Batch(decode_seqs=seqs, decode_context_tokens=context)).latency_s
+    chunk = costmodel.MAX_BATCHED_TOKENS - seqs
+    cached = int(chunk * (math.ceil(state.prompt / chunk) - 1) / 2)  # a chunk's mean prefix
+    mixed = pipe.iteration(Batch(prefill_tokens=chunk, prefill_seqs=1, prefill_context_tokens=cached,
+                                 decode_seqs=seqs, decode_context_tokens=context)).latency_s
+    expected = plain + slice_tokens / chunk * (mixed - plain)
+    assert state.round_s(seqs) == pytest.approx(expected, rel=0.02)
+    assert state.round_s(seqs) > 1.1 * thin
+
+
+def test_chunk_rounds_and_the_load_a_request_lives_with_spread_tpot_p99() -> None:
+    profile = PlanProfile.build(tp_plan(M8, ["a1-g0"], 200_000), M8, fleet())
+    rag = Workload(rate_rps=2.0, prompt_tokens_mean=6000, output_tokens_mean=500, prompt_tokens_cv=0.3,
+                   output_tokens_cv=0.3)
+    est = estimate_plan(profile, rag)
+    # a request shares its ~7 s with a Poisson number of others: P99 sits a few ms above P50
+    assert est.tpot_p99_s > est.tpot_p50_s * 1.15
+
+
 def test_a_small_kv_reserve_limits_capacity_and_says_so() -> None:
     snap = fleet()
     small = estimate_plan(PlanProfile.build(tp_plan(M8, ["a1-g0"], 4000), M8, snap), chat_workload(1.0))

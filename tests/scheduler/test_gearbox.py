@@ -19,7 +19,10 @@ from scheduler.gearbox import (
     Trigger,
     cooldown_until,
     decide,
+    margin_load,
     offered_load,
+    record_switch,
+    standing,
 )
 from scheduler.modelspec import model_spec
 from scheduler.plan import Gear
@@ -268,3 +271,96 @@ def test_with_no_gear_yet_it_places_one_sized_for_the_load() -> None:
     assert d.current_gear_id is None and d.current_value_tokens_s == 0.0
     chosen = next(c for c in d.candidates if c.gear == d.target)
     assert chosen.estimate.capacity_rps >= 3.0
+
+
+# --- forced moves, standing, tiny gains, backlog ------------------------------------------------------
+def test_a_forced_move_starts_no_cooldown_and_a_load_change_after_it_switches_at_once() -> None:
+    dep = deployment()
+    moved = decide(dep, tp8("a1"), lose(fleet(), "a1-g3"), window(0.3), NOW, trigger=Trigger.TOPOLOGY)
+    assert moved.outcome is Outcome.SWITCH and moved.forced and moved.target is not None
+    after = record_switch(dep, NOW, forced=moved.forced)
+    assert after.last_switch_times_s == () and cooldown_until(after) is None
+    # a minute later the load jumps: the gearbox answers now, not after the cooldown
+    later = NOW + 60
+    d = decide(after, moved.target, replace(lose(fleet(), "a1-g3"), now_s=later), window(8.0, now=later), later)
+    assert d.outcome is Outcome.SWITCH, d.reasons
+    # a switch the gearbox chose does start one
+    chosen = record_switch(after, later, forced=d.forced)
+    assert not d.forced and cooldown_until(chosen) == later + GearboxConfig().cooldown_s
+
+
+def test_an_emergency_downshift_is_forced() -> None:
+    dep = deployment()
+    d = decide(dep, tp8("a1"), fleet(), window(3.0), NOW, trigger=Trigger.EMERGENCY)
+    assert d.outcome is Outcome.SWITCH and d.forced
+    assert record_switch(dep, NOW, forced=d.forced) == dep
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.floats(0.1, 12.0), st.lists(st.sampled_from([f"a1-g{i}" for i in range(8)]), max_size=2))
+def test_a_gear_that_misses_the_slo_never_outranks_one_that_meets_it(rate: float, lost: list[str]) -> None:
+    snap = lose(fleet(), *lost)
+    d = decide(deployment(), tp8("a1"), snap, window(rate), NOW)
+    flags = [c.standing for c in d.candidates]
+    assert flags == sorted(flags, reverse=True), [(c.gear.shape(), c.standing) for c in d.candidates]
+    workload = offered_load(window(rate), NOW)
+    assert workload is not None
+    held = d.current_estimate.gpus if d.current_valid and d.current_estimate is not None else 0
+    for c in d.candidates:  # standing needs the SLOs met at the offered load (and beyond it)
+        assert not c.standing or standing(c.estimate, workload, shrinking=0 < c.estimate.gpus < held)
+    if d.outcome is Outcome.SWITCH and not d.forced and standing(d.current_estimate, workload):
+        target = next(c for c in d.candidates if c.gear == d.target)
+        assert target.standing  # a gear that meets the SLOs is only left for another that does
+
+
+def test_a_tiny_gain_never_switches_however_cheap_the_move() -> None:
+    cfg = GearboxConfig()
+    d = decide(deployment(), tp8("a1"), fleet(), window(0.3), NOW)
+    assert d.outcome is Outcome.SWITCH
+    target = next(c for c in d.candidates if c.gear == d.target)
+    offered = 0.3 * 200
+    assert target.gain_tokens > cfg.min_relative_gain * offered * (cfg.horizon_s - target.cost.time_to_effect_s)
+    # ask for more than that gain is worth: the gearbox stays, although the gain beats the cost
+    share = target.gain_tokens / (offered * cfg.horizon_s) * 1.5
+    strict = decide(deployment(), tp8("a1"), fleet(), window(0.3), NOW, config=GearboxConfig(min_relative_gain=share))
+    assert strict.outcome is Outcome.STAY and any(c.passes for c in strict.candidates)
+
+
+def test_a_backlog_counts_as_load() -> None:
+    calm = window(1.0)
+    behind = LoadWindow(calm.samples[:-1] + (replace(calm.samples[-1], backlog=1200),))
+    cfg = GearboxConfig()
+    plain, loaded = offered_load(calm, NOW, cfg), offered_load(behind, NOW, cfg)
+    assert plain is not None and loaded is not None
+    assert loaded.rate_rps == pytest.approx(plain.rate_rps + 1200 / cfg.backlog_drain_s)
+    # the gear that carries 1 req/s is too small once the queue counts
+    small = decide(deployment(), tp8("a1"), fleet(), calm, NOW).target
+    assert small is not None
+    d = decide(deployment(), small, fleet(), behind, NOW)
+    assert d.trigger is Trigger.LOAD and d.outcome is Outcome.SWITCH, d.reasons
+    assert d.target is not None and len(d.target.gpu_uuids) > len(small.gpu_uuids)
+
+
+def test_a_gear_that_gives_gpus_back_must_stand_below_the_shrink_watermark() -> None:
+    cfg = GearboxConfig()
+    d = decide(deployment(), tp8("a1"), fleet(), window(1.0), NOW)
+    workload = offered_load(window(1.0), NOW)
+    assert workload is not None
+    meets = next(c.estimate for c in d.candidates if c.standing)
+    between = replace(meets, utilization=(cfg.shrink_watermark + cfg.high_watermark) / 2)
+    assert standing(between, workload)  # meets the SLOs with the headroom a growing gear needs
+    assert not standing(between, workload, shrinking=True)  # too close to the next rise to shrink onto
+    assert standing(replace(meets, utilization=cfg.shrink_watermark * 0.9), workload, shrinking=True)
+    if d.outcome is Outcome.SWITCH:
+        target = next(c for c in d.candidates if c.gear == d.target)
+        assert target.estimate.gpus >= 8 or target.estimate.utilization <= cfg.shrink_watermark
+
+
+def test_a_gear_must_still_meet_the_slos_with_the_watermarks_margin_of_load() -> None:
+    d = decide(deployment(), tp8("a1"), fleet(), window(1.0), NOW)
+    workload = offered_load(window(1.0), NOW)
+    assert workload is not None
+    meets = next(c.estimate for c in d.candidates if c.standing)
+    edge = replace(meets, goodput_tokens_s=0.6 * meets.throughput_tokens_s)  # 18% more load: 60% on time
+    assert standing(meets, workload) and not standing(meets, workload, at_margin=edge)
+    assert margin_load(workload).rate_rps == pytest.approx(workload.rate_rps / GearboxConfig().high_watermark)

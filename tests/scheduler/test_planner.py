@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.costmodel import Workload
+from scheduler.costmodel import Slo, Workload
 from scheduler.hardware import CATALOG
 from scheduler.modelspec import model_spec
 from scheduler.plan import validate_gear
@@ -172,3 +172,16 @@ def test_every_candidate_plan_carries_a_profile_with_its_own_physics() -> None:
             own = PlanProfile.build(plan, M8, snap)
             for role in ("prefill", "decode"):
                 assert prof.pipeline(role).signature == own.pipeline(role).signature  # type: ignore[arg-type]
+
+
+def test_a_gear_is_sized_to_meet_the_slos_not_just_to_carry_the_rate() -> None:
+    # pd.yaml's load: 6000-token prompts under a 15 ms TPOT. One H100 saturates near 2.7 req/s
+    # but meets the TPOT only up to ~1.5; a gear sized by throughput alone misses the SLO for
+    # half of the requests
+    snap = make_fleet([NodeSpec("p1", "H100-SXM", gpus=2), NodeSpec("d1", "H200", gpus=2),
+                       NodeSpec("b1", "A100-80G", gpus=2, rack="B")])
+    load = Workload(rate_rps=7.5, prompt_tokens_mean=6000, output_tokens_mean=500, prompt_tokens_cv=0.3,
+                    output_tokens_cv=0.3)
+    best = plan_candidates(M8, snap, load, slo=Slo(ttft_ms=3000, tpot_ms=15)).feasible[0]
+    assert best.estimate.goodput_tokens_s >= 0.99 * best.estimate.throughput_tokens_s, best.gear.shape()
+    assert best.estimate.capacity_rps >= load.rate_rps

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from agents.sim.fleet import FleetSim
 from agents.sim.policies import peak_workload
 from agents.sim.scenario import load_scenario
 from agents.sim.workload import build_workload
-from scheduler.costmodel import estimate_plan
+from scheduler.costmodel import Workload, estimate_plan
 from scheduler.plan import Plan, Stage
 from scheduler.planner import plan_candidates
 
@@ -54,3 +56,25 @@ def test_pd_splitting_prefill_from_decode_on_its_four_free_gpus_beats_two_coloca
         ok = sim.recorder.f_ok
         attainment[mode] = sum(ok) / len(ok)
     assert attainment["disaggregated"] > 0.98 and attainment["colocated"] < 0.93, attainment
+
+
+def test_the_cost_model_predicts_the_simulated_tpot_of_a_colocated_plan_under_pd_long_prompts() -> None:
+    # one H100 serving pd's 6000-token prompts at 2 req/s: rounds that carry a prompt chunk are
+    # several times slower than plain decode steps, and the median request's TPOT is their mix
+    scenario = load_scenario(SCENARIOS / "pd.yaml")
+    scenario = replace(scenario, duration_s=420.0, events=(),
+                       workload=(replace(scenario.workload[0], rate_points=((0.0, 2.0),)),))
+    sim = FleetSim(scenario)
+    dep = sim.deployments["rag-8b"]
+    h100 = tuple(g.uuid for g in sim.cluster.our_gpus("p1"))[:1]
+    plan = Plan("Llama-3-8B", "colocated", (Stage(0, 32, h100),), kv_reserve_tokens=200_000)
+    engine = sim.launch("rag-8b", plan, source="warm", accepting=True)
+    arrivals = build_workload(scenario).arrivals
+    sim.feed(arrivals)
+    sim.run_to_completion()
+    prompt = sum(a.prompt_tokens for a in arrivals) / len(arrivals)
+    output = sum(a.output_tokens for a in arrivals) / len(arrivals)
+    est = estimate_plan(engine.profile, Workload(2.0, prompt, output, 0.3, 0.3), dep.slo)
+    tpot = sorted(t for a, t in zip(sim.recorder.f_arrival, sim.recorder.f_tpot, strict=True) if a > 120.0)
+    median = tpot[len(tpot) // 2]
+    assert est.tpot_p50_s == pytest.approx(median, rel=0.08), (est.tpot_p50_s, median)

