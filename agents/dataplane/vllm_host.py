@@ -96,7 +96,7 @@ def _vocab_size(model_dir: str) -> int | None:
 
 @dataclass
 class _Run:
-    """One sequence's completion request on this host, and the hand-over hold around it."""
+    """One sequence on this host: its stream and the completion request that feeds it."""
 
     stream: SeqStream
     body: dict[str, Any]  # the completions request (prompt ids here = original prompt + tokens it came with)
@@ -177,18 +177,21 @@ class VllmPlanHost:
     def start(self, timeout_s: float | None = None) -> None:
         """Launch the server (if launch() did not) and wait until it serves. Idempotent."""
         self.launch()
+        if self.state == "ready":
+            return
+        # not under the lock: a big model loads for minutes, and stream() must answer meanwhile
+        try:
+            self.engine.wait_ready(timeout_s if timeout_s is not None else self.engine.policy.startup_timeout_s + 30)
+            self.engine.report()  # the first report covers what follows, not the server's start
+        except BaseException:
+            self.engine.stop(grace_s=5.0)
+            with self._lock:
+                if self.state == "new":  # (stop() during the wait leaves it "stopped")
+                    self.state = "broken"
+            raise
         with self._lock:
-            if self.state == "ready":
-                return
-            try:
-                self.engine.wait_ready(timeout_s if timeout_s is not None else
-                                       self.engine.policy.startup_timeout_s + 30)
-                self.engine.report()  # the first report covers what follows, not the server's start
-            except BaseException:
-                self.engine.stop(grace_s=5.0)
-                self.state = "broken"
-                raise
-            self.state = "ready"
+            if self.state == "new":
+                self.state = "ready"
 
     def stop(self) -> None:
         """Stop the server; streams still open end with an error. Idempotent."""

@@ -122,10 +122,16 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
             finally:
                 connection.close()  # this thread's own database connection
 
-        text, ids, finish, arrivals = self.stream(n, switch)
-
-        (moved,) = box["result"]["moved"]
-        assert moved["ok"] and moved.get("outcome") != "gone", box["result"]  # it really moved mid-stream
+        # The move must land mid-stream. On this two-core machine the test process can stall for
+        # seconds while vLLM decodes all 480 tokens, so a stream the move missed is tried again.
+        for _ in range(3):
+            box.clear()
+            text, ids, finish, arrivals = self.stream(n, switch)
+            moved = box["result"]["moved"][0] if "result" in box else {"outcome": "not started"}
+            if moved.get("outcome") is None:
+                break
+            set_routes("tiny", [route(self.a, "a1")])
+        assert moved["ok"] and moved.get("outcome") is None, box  # it really moved mid-stream
         assert moved["action"] == "replay" and moved["kv_bytes"] == 0  # vLLM: replay, whatever was asked
         assert ids == ids0
         assert text == text0
