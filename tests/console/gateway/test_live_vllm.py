@@ -82,9 +82,10 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
         5 of its tokens. (A trigger on the client's first chunk could come after the end: vLLM
         decodes the tiny model faster than the gateway's first chunk reaches the client.)"""
 
+        ended = threading.Event()
+
         def watch() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+            while not ended.is_set():
                 running = [s for s in self.a.live_streams() if s.generated >= 5]
                 if running:
                     on_running(running[0].seq_id)
@@ -105,6 +106,7 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
             texts.append(choice.text)
             ids.extend(choice.model_extra.get("token_ids") or [])
             finish = choice.finish_reason or finish
+        ended.set()
         worker.join(60)
         return "".join(texts), ids, finish, arrivals
 
