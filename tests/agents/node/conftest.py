@@ -15,6 +15,7 @@ from agents.node.gpuspec import SpecProbe, gpu_uuid
 from agents.node.plans import ModelStore, TorchBackend
 from agents.protocol import Command
 from scheduler.plan import Plan, Stage
+from tests.agents.engines.vllm.conftest import skip_vllm_tests_without_venv
 
 MODEL = "tiny-llama"
 _ids = itertools.count(1)
@@ -79,3 +80,7 @@ def make_agent(models_dir: Path) -> Iterator[Any]:
     yield make
     for agent in made:
         agent.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_vllm_tests_without_venv(items)

