@@ -26,6 +26,7 @@ from queue import Empty, Queue
 from typing import Any, TypeVar
 
 from agents.dataplane.errors import DataPlaneError, Frozen, Refused, Saturated, StaleLease
+from agents.dataplane.hosting import DrainThenHandOver
 from agents.dataplane.stream import SeqStream
 from agents.engines.torch.engine import EngineError, KVCacheFullError, KVState, StepOutput, TorchEngine
 from agents.engines.torch.layout import Layout, StageSpec
@@ -62,7 +63,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-class PlanHost:
+class PlanHost(DrainThenHandOver):
     """One plan on one node (module docstring). Thread-safe: every method may be called from any
     thread except the engine thread itself."""
 
@@ -446,39 +447,6 @@ class PlanHost:
                 else:
                     self._streams[sid] = previous
             raise Refused(f"cannot take {sid}: {exc}") from None
-
-    def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]:
-        """release_plan: let sequences finish for `drain_timeout_s`, hand the rest to `fallback` by
-        replay (or end them with an explicit error), stop. Idempotent."""
-        with self._lock:
-            if self.state != "ready":
-                return {"plan_id": self.plan_id, "noop": True, "freed_bytes": {}, "failed": [], "handed_over": []}
-            self.frozen = True
-        deadline = self.clock() + max(0.0, drain_timeout_s)
-        while self._live() and self.clock() < deadline and self.state == "ready":
-            time.sleep(0.02)
-        failed: list[str] = []
-        handed: list[str] = []
-        for stream in self._live():
-            if fallback is not None:
-                res = self.move([{"seq_id": stream.seq_id, "action": "replay",
-                                  "target_plan": fallback.get("target_plan", ""),
-                                  "target_node": fallback.get("target_node", ""),
-                                  "target_addr": fallback.get("target_addr", "")}],
-                                int(fallback.get("routing_version", 0)))
-                r = res["moved"][0]
-                if r["ok"] and r.get("outcome") != "gone":
-                    handed.append(stream.seq_id)
-                    continue
-                if r["ok"]:
-                    continue  # it finished meanwhile
-            failed.append(stream.seq_id)
-            stream.close({"error": f"plan {self.plan_id} was released before {stream.seq_id} finished"},
-                         self.clock())
-        self.stop()
-        return {"plan_id": self.plan_id, "freed_bytes": {}, "failed": failed, "handed_over": handed}
-
-    # -- metrics ---------------------------------------------------------------------------------
 
     def report(self) -> EngineReport:
         """Serving metrics over the interval since the previous report."""

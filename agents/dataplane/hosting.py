@@ -6,7 +6,8 @@ by the server; both hosts have them with the same ack shapes (agents/protocol.py
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from agents.dataplane.stream import SeqStream
@@ -45,3 +46,61 @@ class HostedPlan(Protocol):
     def report(self) -> EngineReport: ...
 
     def stop(self) -> None: ...
+
+
+class DrainThenHandOver:
+    """`release_plan`, the same for every host: stop admitting, let sequences finish for the
+    drain budget, hand what is left to the fallback plan by replay (or end it with an explicit
+    error), stop. Idempotent: a host that is not ready answers noop.
+
+    A host provides `_live`, `move` and `stop` (its own), and may override `_end_released` when
+    ending a stream needs more than closing it (VllmPlanHost abandons its vLLM request too).
+    """
+
+    plan_id: str
+    state: str
+    frozen: bool
+    clock: Callable[[], float]
+    _lock: Any
+
+    def _live(self) -> list[SeqStream]:
+        raise NotImplementedError
+
+    def move(self, moves: list[dict[str, Any]], routing_version: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _end_released(self, stream: SeqStream, end: dict[str, Any]) -> None:
+        stream.close(end, self.clock())
+
+    def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]:
+        """release_plan: let sequences finish for `drain_timeout_s`, hand the rest to `fallback` by
+        replay (or end them with an explicit error), stop. Idempotent."""
+        with self._lock:
+            if self.state != "ready":
+                return {"plan_id": self.plan_id, "noop": True, "freed_bytes": {}, "failed": [], "handed_over": []}
+            self.frozen = True
+        deadline = self.clock() + max(0.0, drain_timeout_s)
+        while self._live() and self.clock() < deadline and self.state == "ready":
+            time.sleep(0.02)
+        failed: list[str] = []
+        handed: list[str] = []
+        for stream in self._live():
+            if fallback is not None:
+                res = self.move([{"seq_id": stream.seq_id, "action": "replay",
+                                  "target_plan": fallback.get("target_plan", ""),
+                                  "target_node": fallback.get("target_node", ""),
+                                  "target_addr": fallback.get("target_addr", "")}],
+                                int(fallback.get("routing_version", 0)))
+                r = res["moved"][0]
+                if r["ok"] and r.get("outcome") != "gone":
+                    handed.append(stream.seq_id)
+                    continue
+                if r["ok"]:
+                    continue  # it finished meanwhile
+            failed.append(stream.seq_id)
+            self._end_released(stream, {"error": f"plan {self.plan_id} was released before {stream.seq_id} finished"})
+        self.stop()
+        return {"plan_id": self.plan_id, "freed_bytes": {}, "failed": failed, "handed_over": handed}

@@ -42,6 +42,7 @@ import httpx
 import torch
 
 from agents.dataplane.errors import DataPlaneError, Frozen, Refused, Saturated, StaleLease
+from agents.dataplane.hosting import DrainThenHandOver
 from agents.dataplane.stream import SeqStream
 from agents.engines.torch.engine import KVState
 from agents.engines.torch.sampling import SamplingParams
@@ -105,7 +106,7 @@ class _Run:
     abandoned: bool = False  # moved away, cancelled or stopped: the reader stops at its next chunk
 
 
-class VllmPlanHost:
+class VllmPlanHost(DrainThenHandOver):
     """One plan on one node, served by vLLM (module docstring). Thread-safe."""
 
     def __init__(
@@ -543,41 +544,13 @@ class VllmPlanHost:
             raise Refused(f"cannot take {sid}: {exc}") from None
         self._begin(run, resp)
 
-    def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]:
-        """release_plan: let sequences finish for `drain_timeout_s`, hand the rest to `fallback` by
-        replay (or end them with an explicit error), stop. Idempotent."""
+    def _end_released(self, stream: SeqStream, end: dict[str, Any]) -> None:
         with self._lock:
-            if self.state != "ready":
-                return {"plan_id": self.plan_id, "noop": True, "freed_bytes": {}, "failed": [], "handed_over": []}
-            self.frozen = True
-        deadline = self.clock() + max(0.0, drain_timeout_s)
-        while self._live() and self.clock() < deadline and self.state == "ready":
-            time.sleep(0.02)
-        failed: list[str] = []
-        handed: list[str] = []
-        for stream in self._live():
-            if fallback is not None:
-                res = self.move([{"seq_id": stream.seq_id, "action": "replay",
-                                  "target_plan": fallback.get("target_plan", ""),
-                                  "target_node": fallback.get("target_node", ""),
-                                  "target_addr": fallback.get("target_addr", "")}],
-                                int(fallback.get("routing_version", 0)))
-                r = res["moved"][0]
-                if r["ok"] and r.get("outcome") != "gone":
-                    handed.append(stream.seq_id)
-                    continue
-                if r["ok"]:
-                    continue  # it finished meanwhile
-            failed.append(stream.seq_id)
-            with self._lock:
-                run = self._runs.get(stream.seq_id)
-            if run is not None:
-                with run.lock:
-                    run.abandoned = True
-                    stream.close({"error": f"plan {self.plan_id} was released before {stream.seq_id} finished"},
-                                 self.clock())
-        self.stop()
-        return {"plan_id": self.plan_id, "freed_bytes": {}, "failed": failed, "handed_over": handed}
+            run = self._runs.get(stream.seq_id)
+        if run is not None:
+            with run.lock:
+                run.abandoned = True  # its vLLM request is dropped when the reader stops
+                stream.close(end, self.clock())
 
     # -- metrics ---------------------------------------------------------------------------------
 
