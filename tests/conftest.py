@@ -7,10 +7,18 @@ queues and doorbells of parallel workers never see each other.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import redis as redis_lib
+
+# Live servers (daphne) are forked from a test worker that may have run torch engines. Garbage
+# those left behind (cycles holding objects whose destructors expect the parent's threads) is
+# collected here, in the parent, where destroying it is safe - not by the child's first GC, where
+# it aborted the server ("Fatal Python error: Aborted" while garbage-collecting, seen once in a
+# full run). What is alive at the fork stays frozen in the child: its GC never looks at it.
+os.register_at_fork(before=lambda: (gc.collect(), gc.freeze()), after_in_parent=gc.unfreeze)
 
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
 _WORKER_NUM = int(_WORKER[2:]) if _WORKER[2:].isdigit() else 0
