@@ -7,6 +7,7 @@ by the server; both hosts have them with the same ack shapes (agents/protocol.py
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -48,12 +49,13 @@ class HostedPlan(Protocol):
     def stop(self) -> None: ...
 
 
-class DrainThenHandOver:
+class DrainThenHandOver(ABC):
     """`release_plan`, the same for every host: stop admitting, let sequences finish for the
     drain budget, hand what is left to the fallback plan by replay (or end it with an explicit
     error), stop. Idempotent: a host that is not ready answers noop.
 
-    A host provides `_live`, `move` and `stop` (its own), and may override `_end_released` when
+    A host implements the abstract `_live`, `move` and `stop` (a host missing one cannot be
+    created), and may override `_end_released` when
     ending a stream needs more than closing it (VllmPlanHost abandons its vLLM request too).
     """
 
@@ -63,14 +65,17 @@ class DrainThenHandOver:
     clock: Callable[[], float]
     _lock: Any
 
+    @abstractmethod
     def _live(self) -> list[SeqStream]:
-        raise NotImplementedError
+        """(the host's own)"""
 
+    @abstractmethod
     def move(self, moves: list[dict[str, Any]], routing_version: int) -> dict[str, Any]:
-        raise NotImplementedError
+        """(the host's own)"""
 
+    @abstractmethod
     def stop(self) -> None:
-        raise NotImplementedError
+        """(the host's own)"""
 
     def _end_released(self, stream: SeqStream, end: dict[str, Any]) -> None:
         stream.close(end, self.clock())
