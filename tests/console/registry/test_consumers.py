@@ -31,7 +31,7 @@ async def test_anonymous_and_roleless_users_are_turned_away() -> None:
     for user, expected in ((None, 4401), (otto.user, 4403)):
         comm = communicator(user)
         try:
-            connected, code = await comm.connect()
+            connected, code = await comm.connect(timeout=10)
             assert not connected and code == expected
         finally:
             await comm.disconnect()
@@ -41,19 +41,19 @@ async def test_a_viewer_gets_the_versions_then_sees_a_registration_and_its_quara
     alice = await database_sync_to_async(make_person)("alice", "admin")
     vera = await database_sync_to_async(make_person)("vera", "viewer")
     comm = communicator(vera.user)
-    connected, _ = await comm.connect()
+    connected, _ = await comm.connect(timeout=10)
     assert connected
     try:
-        assert await comm.receive_json_from(timeout=5) == {"type": "snapshot", "versions": []}
+        assert await comm.receive_json_from(timeout=10) == {"type": "snapshot", "versions": []}
         resp = await database_sync_to_async(alice.api().post)("/api/v1/models", json.dumps(model_body()),
                                                      content_type="application/json")
         assert resp.status_code == 201
-        msg = await comm.receive_json_from(timeout=5)
+        msg = await comm.receive_json_from(timeout=10)
         assert msg == {"type": "version", "version": resp.json()}
 
         version = await database_sync_to_async(ModelVersion.objects.get)(pk=resp.json()["id"])
         await database_sync_to_async(actions.do_record_weights_check)(version, observed_sha256=OTHER_SHA256, node_id="a1")
-        msg = await comm.receive_json_from(timeout=5)
+        msg = await comm.receive_json_from(timeout=10)
         assert msg["version"]["status"] == "quarantined" and msg["version"]["observed_sha256"] == OTHER_SHA256
     finally:
         await comm.disconnect()
@@ -63,9 +63,9 @@ async def test_a_refused_registration_pushes_nothing() -> None:
     alice = await database_sync_to_async(make_person)("alice", "admin")
     vera = await database_sync_to_async(make_person)("vera", "viewer")
     comm = communicator(vera.user)
-    await comm.connect()
+    await comm.connect(timeout=10)
     try:
-        await comm.receive_json_from(timeout=5)
+        await comm.receive_json_from(timeout=10)
         resp = await database_sync_to_async(alice.api().post)("/api/v1/models", json.dumps(model_body(sha256="bad")),
                                                      content_type="application/json")
         assert resp.status_code == 400
