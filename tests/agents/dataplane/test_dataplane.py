@@ -81,13 +81,39 @@ def gen_body(plan_host: PlanHost, seq_id: str, max_tokens: int, sampling: Sampli
             "prompt_ids": prompt or PROMPT, "max_tokens": max_tokens, "sampling": sampling.to_dict()}
 
 
-def move_when(n: int, fn: Callable[[], Any]) -> tuple[Callable[[int], None], dict[str, Any]]:
-    """An on_token callback that runs `fn` in a thread once `n` tokens arrived; its result lands in box."""
+def move_when(host: PlanHost, sid: str, n: int,
+              fn: Callable[[], Any]) -> tuple[Callable[[int], None], dict[str, Any]]:
+    """An on_token callback that runs `fn` in a thread once the client has read `n` tokens; its
+    result lands in box.
+
+    So that the move lands mid-stream however loaded the machine is, `host`'s engine holds its
+    step once `sid` has `n` tokens until the move thread runs, and then steps at most every 10 ms
+    until the move returned (a tiny model would otherwise finish 64 tokens before the thread starts).
+    """
     box: dict[str, Any] = {}
+    started, done = threading.Event(), threading.Event()
+    assert host.engine is not None
+    engine, step = host.engine, host.engine.step
+
+    def paced_step() -> Any:
+        stream = host.stream(sid)
+        if stream is not None and stream.generated >= n and not done.is_set():
+            started.wait(30)
+            time.sleep(0.01)
+        return step()
+
+    engine.step = paced_step  # type: ignore[method-assign]
+
+    def run() -> None:
+        started.set()
+        try:
+            box["result"] = fn()
+        finally:
+            done.set()
 
     def on_token(count: int) -> None:
         if count == n:
-            t = threading.Thread(target=lambda: box.setdefault("result", fn()))
+            t = threading.Thread(target=run)
             t.start()
             box["thread"] = t
 
@@ -109,7 +135,7 @@ def test_a_stream_handed_over_mid_way_gives_the_tokens_of_a_run_without_a_switch
     expected = tiny_model.reference(PROMPT, n, sampling)
     move = {"seq_id": sid, "action": action, "target_plan": dst.plan_id, "target_node": "b",
             "target_addr": b.addr}
-    on_token, box = move_when(5, lambda: src.move([move], routing_version=2))
+    on_token, box = move_when(src, sid, 5, lambda: src.move([move], routing_version=2))
 
     seen = follow(a.addr, gen_body(src, sid, n, sampling), on_token)
 
@@ -222,7 +248,7 @@ def test_release_hands_unfinished_sequences_to_the_fallback_by_replay(
     src, dst = a.run(tiny_model, PLAN_TP1), b.run(tiny_model, PLAN_TP2)
     sid, n = new_seq_id("rel"), 64
     fallback = {"target_plan": dst.plan_id, "target_node": "b", "target_addr": b.addr, "routing_version": 7}
-    on_token, box = move_when(3, lambda: src.release(drain_timeout_s=0.0, fallback=fallback))
+    on_token, box = move_when(src, sid, 3, lambda: src.release(drain_timeout_s=0.0, fallback=fallback))
 
     seen = follow(a.addr, gen_body(src, sid, n), on_token)
 
