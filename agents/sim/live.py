@@ -354,6 +354,15 @@ class LiveFleet:
                 self._execute(cmd)
 
     def _execute(self, cmd: CommandIntent) -> None:
+        if cmd.deployment_id not in self.sim.deployments:
+            # not a deployment of this scenario: nothing of it can run here, and nothing does
+            known = ", ".join(self.sim.deployments)
+            if cmd.kind is CommandKind.PREPARE_PLAN:
+                self._answer(cmd, False, f"deployment: {cmd.deployment_id!r} is not served by this fleet "
+                                         f"(scenario {self.scenario.name}: {known})", {"reason": "failed"})
+            else:
+                self._answer(cmd, True, "", {"plan_id": cmd.payload.get("plan_id"), "noop": True})
+            return
         fault = self._fault_for(cmd)
         if fault is not None:
             self._faulted[cmd.key] = fault
