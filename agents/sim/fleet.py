@@ -20,15 +20,18 @@ Driver API (what the live fleet and the replay policies use):
     sim.gpu_load()                                # (node, gpu index) -> (memory fraction, utilisation)
     sim.snapshot()                                # scheduler.topology.Snapshot of the cluster now
 
-For the live fleet (`python -m agents.sim`, driven by the console): build one FleetSim from the
-scenario, `start_baselines()`, `feed()` the scenario's workload, and on every pass
-`advance_to(wall-clock elapsed x time_scale)`. Ownership of every GPU is `sim.cluster` (the same
+For the live fleet (`python -m agents.sim`, driven by the console; agents/sim/live.py): build
+one FleetSim from the scenario, `feed()` the scenario's workload (no baselines: the console's
+first transitions bring the plans up), and on every pass `advance_to(wall-clock elapsed x
+time_scale)` and `expire_pending()`. Ownership of every GPU is `sim.cluster` (the same
 SimCluster the agents report today), new cluster changes are `sim.change_log[n:]`, what each GPU
 holds and how busy it is is `gpu_load()`, and `engine_reports()` gives one EngineReport per plan
 to attach to the report of the plan's first node. The console's transition commands
 (prepare_plan, freeze_plan, move_sequences, release_plan, abort_plan, thaw_plan) are carried out
 by `agents.sim.executor.SimAgents(sim, ack)` - build a `scheduler.transition.CommandIntent` from
-each protocol Command and `ack` it back over HTTP; routing weights come from `set_weights()`.
+each protocol Command and `ack` it back over HTTP; routing weights come from `set_routing()`,
+per-node engine metrics from `engine_reports(leader=node)`, and admissions, finishes and
+failures go to `events` (an EventLog) when it is set.
 
 Losses: a plan that loses a GPU (preempted, failed, node gone) stops at once, as a real engine
 crashes when one of its ranks disappears; its memory is freed, and its requests go back to the
@@ -932,9 +935,9 @@ class FleetSim:
         return broken
 
     def gpu_load(self) -> dict[tuple[str, int], tuple[float, float]]:
-        """(node, GPU index) -> (memory used fraction, utilisation) for every GPU of a plan: the
-        shape agents/sim/live.py's LoadModel.gpu_load returns. Utilisation is the share of the
-        time since the previous call in which the plan ran rounds."""
+        """(node, GPU index) -> (memory used fraction, utilisation) for every GPU of a plan (what
+        agents/sim/live.py reports as SM utilisation). Utilisation is the share of the time
+        since the previous call in which the plan ran rounds."""
         t = self.now_s
         span = t - self._gpu_load_t
         by_uuid = self._gpus_by_uuid()
