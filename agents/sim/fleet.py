@@ -20,15 +20,18 @@ Driver API (what the live fleet and the replay policies use):
     sim.gpu_load()                                # (node, gpu index) -> (memory fraction, utilisation)
     sim.snapshot()                                # scheduler.topology.Snapshot of the cluster now
 
-For the live fleet (`python -m agents.sim`, driven by the console): build one FleetSim from the
-scenario, `start_baselines()`, `feed()` the scenario's workload, and on every pass
-`advance_to(wall-clock elapsed x time_scale)`. Ownership of every GPU is `sim.cluster` (the same
+For the live fleet (`python -m agents.sim`, driven by the console; agents/sim/live.py): build
+one FleetSim from the scenario, `feed()` the scenario's workload (no baselines: the console's
+first transitions bring the plans up), and on every pass `advance_to(wall-clock elapsed x
+time_scale)` and `expire_pending()`. Ownership of every GPU is `sim.cluster` (the same
 SimCluster the agents report today), new cluster changes are `sim.change_log[n:]`, what each GPU
 holds and how busy it is is `gpu_load()`, and `engine_reports()` gives one EngineReport per plan
 to attach to the report of the plan's first node. The console's transition commands
 (prepare_plan, freeze_plan, move_sequences, release_plan, abort_plan, thaw_plan) are carried out
 by `agents.sim.executor.SimAgents(sim, ack)` - build a `scheduler.transition.CommandIntent` from
-each protocol Command and `ack` it back over HTTP; routing weights come from `set_weights()`.
+each protocol Command and `ack` it back over HTTP; routing weights come from `set_routing()`,
+per-node engine metrics from `engine_reports(leader=node)`, and admissions, finishes and
+failures go to `events` (an EventLog) when it is set.
 
 Losses: a plan that loses a GPU (preempted, failed, node gone) stops at once, as a real engine
 crashes when one of its ranks disappears; its memory is freed, and its requests go back to the
@@ -78,6 +81,7 @@ from scheduler.costmodel import (
 )
 from scheduler.gearbox import LoadSample
 from scheduler.hardware import gpu_spec
+from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu
 from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
@@ -201,6 +205,10 @@ class FleetSim:
         # the policy's control work still in flight (a gear change finishing its clean-up): the
         # drain runs on while it says so, so that no transition is cut off half-done
         self.control_busy: Callable[[], bool] | None = None
+        # where admissions, finishes and failures go as invariant-1 events (the live fleet's
+        # log); None in a replay, whose hundreds of thousands of requests the recorder counts
+        self.events: EventLog | None = None
+        self._pending_seen: dict[int, float] = {}  # request id -> first pass that saw it queued (expire_pending)
         self.now_s = 0.0
         self._heap: list[tuple[float, int, int, Callable[[float, Any], list[Event] | None], Any]] = []
         self._seq = itertools.count()
@@ -322,6 +330,8 @@ class FleetSim:
         req = Request(next(self._rids) if rid is None else rid, deployment, t, prompt, output)
         self.in_system[req.rid] = req
         self.recorder.admitted[dep.index] += 1
+        if self.events is not None:
+            self.events.add(LogEvent(t, "seq_admitted", deployment=deployment, seq_id=str(req.rid)))
         dep.win_arrivals += 1
         dep.win_prompt += prompt
         dep.win_prompt_sq += prompt * prompt
@@ -374,6 +384,8 @@ class FleetSim:
         req.finish_s = t
         req.pipe = None
         del self.in_system[req.rid]
+        if self.events is not None:
+            self.events.add(LogEvent(t, "seq_finished", deployment=req.deployment, seq_id=str(req.rid)))
         first = req.first_token_s if req.first_token_s is not None else t
         self.recorder.finished(req.deployment, req.arrival_s, first, t, req.output, req.replays)
         self.preemptions += req.preemptions
@@ -400,6 +412,9 @@ class FleetSim:
         req.pipe = None
         self.in_system.pop(req.rid, None)
         self.recorder.failed.append((req.rid, req.deployment, t, reason))
+        if self.events is not None:
+            self.events.add(LogEvent(t, "seq_failed", deployment=req.deployment, seq_id=str(req.rid),
+                                     detail=reason))
 
     def pipe_idle(self, engine: PlanEngine, t: float) -> list[Event]:
         if engine.release_when_empty and engine.empty() and engine.state == "serving":
@@ -855,13 +870,17 @@ class FleetSim:
         waiting = sum(len(p.waiting) for e in self.live.values() if e.deployment == deployment for p in e.pipes)
         return waiting + len(dep.pending)
 
-    def engine_reports(self) -> list[PlanMetrics]:
+    def engine_reports(self, leader: str | None = None) -> list[PlanMetrics]:
         """Per serving plan, its engine metrics since the previous call (agents.protocol's
-        EngineReport), with the nodes that host it."""
+        EngineReport), with the nodes that host it. With `leader`, only the plans whose first
+        node that is - the live fleet's agents report at their own times, and each must reset
+        only the counters of the plans it reports."""
         t = self.now_s
         out: list[PlanMetrics] = []
         for engine in sorted(self.live.values(), key=lambda e: e.engine_id):
             if engine.state != "serving":
+                continue
+            if leader is not None and self._plan_nodes(engine.plan)[0] != leader:
                 continue
             span = t - max(engine.rep_since_s, engine.started_s)
             running = sum(len(p.running) for p in engine.pipes) + len(engine.in_flight)
@@ -882,10 +901,43 @@ class FleetSim:
             engine.rep_since_s = t
         return out
 
+    def expire_pending(self, max_wait_s: float) -> int:
+        """Fail, with an explicit error, the requests that have waited in a deployment's own
+        queue (no serving plan routed) for more than `max_wait_s` since a call first saw them
+        there; returns how many. The live fleet calls it on every pass: before the controller
+        brings a plan up, or while a deployment has none, its requests must not wait forever
+        (invariant 1: they end, with a reason). A replay never calls it: its drain ends them."""
+        t = self.now_s
+        queued: set[int] = set()
+        expired = 0
+        for dep in self.deployments.values():
+            keep: deque[Request] = deque()
+            for req in dep.pending:
+                since = self._pending_seen.setdefault(req.rid, t)
+                if t - since > max_wait_s:
+                    self._fail(req, t, f"no plan of {dep.name} took it within {max_wait_s:g} s")
+                    expired += 1
+                else:
+                    keep.append(req)
+                    queued.add(req.rid)
+            dep.pending = keep
+        self._pending_seen = {rid: s for rid, s in self._pending_seen.items() if rid in queued}
+        return expired
+
+    def break_gpus(self, uuids: Iterable[str]) -> list[PlanEngine]:
+        """Every plan holding one of these GPUs crashes now, as when a rank dies, though the GPUs
+        stay ours (an injected fault, not a scenario event): its KV is gone and its requests go
+        back to the router to be recomputed. Returns the engines that stopped."""
+        hit = set(uuids)
+        broken = [e for e in self.live.values() if hit.intersection(e.plan.gpu_uuids)]
+        for engine in broken:
+            self._push_all(self._kill(engine, self.now_s))
+        return broken
+
     def gpu_load(self) -> dict[tuple[str, int], tuple[float, float]]:
-        """(node, GPU index) -> (memory used fraction, utilisation) for every GPU of a plan: the
-        shape agents/sim/live.py's LoadModel.gpu_load returns. Utilisation is the share of the
-        time since the previous call in which the plan ran rounds."""
+        """(node, GPU index) -> (memory used fraction, utilisation) for every GPU of a plan (what
+        agents/sim/live.py reports as SM utilisation). Utilisation is the share of the time
+        since the previous call in which the plan ran rounds."""
         t = self.now_s
         span = t - self._gpu_load_t
         by_uuid = self._gpus_by_uuid()

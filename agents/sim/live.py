@@ -1,23 +1,34 @@
 """The live simulated fleet: one agent per scenario node, over real HTTP with real tokens.
 
-It advances the scenario on wall-clock time x `time_scale`, applies its events to the
-simulated cluster (agents.sim.cluster), and has each node's agent register, report, long-poll
-its commands and acknowledge them - the controller drives it exactly as it drives real agents.
+It runs the same discrete-event simulator as `bench.replay` - agents.sim.fleet.FleetSim, whose
+agents.sim.engine.PlanEngine batches continuously with chunked prefill, pages KV and preempts by
+recompute, pipelines stages and hands prefill off to decode, with step times from
+scheduler.costmodel - advanced on every pass to sim time = (wall - t0) x `time_scale`. The
+scenario's events (its cluster) and its workload (arrivals) come from that FleetSim; each
+node's agent registers, reports, long-polls its commands and acknowledges them, so the
+controller drives it exactly as it drives real agents.
 
-What runs is what the controller commanded: the agents and engines are an
-agents.sim.memory_fleet.MemoryFleet, which executes agent protocol v1's transition commands
-with modelled durations (weights over the host link, KV over the node link at the capped
-bandwidth, replay as a prefill on the target - scheduler.costmodel) and serves requests on the
-prepared plans. The scenario's workload arrives at a gateway that routes by the controller's
-routing tables (GET /agent/v1/routing); nothing is served before the first transition brings a
-plan up. A GPU holds the memory its plans reserved; utilisation follows their batches. GPUs held
-by another tenant show that tenant's memory use, drawn per GPU from the seed; a preemption or a
-failure breaks the plans on those GPUs at once (their sequences wait, KV lost, for the
-controller to replay them elsewhere).
+What runs is what the controller commanded: agent protocol v1's transition commands go to
+agents.sim.executor.SimAgents, which carries them out on FleetSim's engines with modelled
+durations (weights over the host link, KV over the node link at the capped bandwidth, replay as
+a prefill on the target) and answers each when it is done; the answer goes back over HTTP with
+the result the controller's executor reads (scheduler/transition.py). FleetSim routes each
+deployment's requests as the controller's routing tables say (GET /agent/v1/routing: weight > 0
+and not frozen). Nothing is served before the first transition brings a plan up: requests wait
+in their deployment's queue and end with an explicit error after `admit_timeout_s` there.
+
+Reports: a GPU holds the memory its plans reserved (weights plus the KV reserve an engine
+allocates when it starts, as vLLM does), its utilisation is the share of the interval its plans
+ran rounds; GPUs held by another tenant show that tenant's memory use, drawn per GPU from the
+seed. The report of a plan's first node carries the plan's engine metrics from its PlanEngine
+(running and waiting requests, tokens/s, TTFT and TPOT percentiles, KV usage, arrivals and
+finishes over the interval: agents.protocol.EngineReport). A preemption or a failure stops the
+plans on those GPUs at once; their requests go back to the router (KV lost, recomputed).
 
 Faults (tests, demos - not part of the scenario format): `--fault NODE:KIND:ACTION[:TIMES]`
 makes the next TIMES commands of KIND (a command kind or `*`) on NODE fail, hang (never
-answered), or lose the command's GPUs half way (`lose_gpus`); tests call `fleet.fleet.inject`.
+answered), or lose the command's GPUs half way (`lose_gpus`: the plans on them crash, the GPUs
+stay ours); tests call `fleet.inject`.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
@@ -46,31 +57,40 @@ from agents.protocol import (
     check_payload,
     parse_report,
 )
-from agents.sim.cluster import TENANT, SimCluster
-from agents.sim.memory_fleet import Fault, MemoryFleet
-from agents.sim.scenario import DistSpec, Scenario, WorkloadSpec
+from agents.sim.cluster import FAILED, TENANT, SimCluster
+from agents.sim.engine import PlanEngine
+from agents.sim.executor import SimAgents
+from agents.sim.fleet import IDLE_MEM_BYTES, FleetSim
+from agents.sim.memory_fleet import Fault
+from agents.sim.scenario import Scenario
+from agents.sim.workload import build_workload
 from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog
+from scheduler.modelspec import model_spec
+from scheduler.plan import Plan
 from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
-from scheduler.transition import CommandIntent, CommandKind, CommandStatus, Route, RoutingState, Step
+from scheduler.transition import (
+    CommandIntent,
+    CommandKind,
+    CommandStatus,
+    Route,
+    RoutingState,
+    Step,
+    plan_memory,
+)
 
 log = logging.getLogger("agents.sim")
 
-AGENT_VERSION = "sim-2"
-IDLE_MEM_BYTES = 600 * 2**20  # a CUDA context with nothing loaded holds about this much
+AGENT_VERSION = "sim-3"
 FAULT_ACTIONS = ("fail", "hang", "lose_gpus")
+ADMIT_TIMEOUT_S = 120.0  # sim seconds a request may wait with no plan to take it (MemoryFleet's gateway too)
+COMMAND_S = 0.2  # sim seconds a command other than prepare_plan is taken to run (where lose_gpus strikes)
 
 
 # --- the cluster as a snapshot ---------------------------------------------------------------------
-def tenant_fractions(scenario: Scenario) -> dict[tuple[str, int], float]:
-    """Another tenant's memory use per GPU: fixed per GPU for the whole run, drawn from the seed."""
-    rng = random.Random(scenario.seed ^ 0x5EED)
-    return {(n.id, i): rng.uniform(0.55, 0.95) for n in scenario.all_nodes() for i in range(n.gpus)}
-
-
 def sim_snapshot(cluster: SimCluster, now_s: float, used_extra: Mapping[str, int]) -> Snapshot:
     """What the agents of `cluster` report at `now_s`: every GPU ours and idle (plus `used_extra`
-    bytes) - which GPUs another tenant holds is the fleet model's business (MemoryFleet.lost)."""
+    bytes), whoever holds it (manage.py load_scenario_deployments places the baselines on it)."""
     nodes, gpus = [], []
     for node in sorted(cluster.nodes.values(), key=lambda n: n.id):
         nodes.append(NodeState(node.id, node.spec.rack, True, now_s))
@@ -84,55 +104,9 @@ def sim_snapshot(cluster: SimCluster, now_s: float, used_extra: Mapping[str, int
     return Snapshot(now_s=now_s, nodes=tuple(nodes), gpus=tuple(gpus), links=links)
 
 
-# --- the scenario's load -------------------------------------------------------------------------
-def sample_tokens(dist: DistSpec | None, rng: random.Random, default: int) -> int:
-    if dist is None:
-        return default
-    if dist.dist == "fixed":
-        return max(1, int(dist.value or default))
-    if dist.dist == "uniform":
-        return rng.randint(max(1, dist.min or 1), max(1, dist.max or default))
-    mean, sigma = float(dist.mean or default), float(dist.sigma or 0.0)
-    mu = math.log(max(mean, 1.0)) - sigma * sigma / 2
-    value = int(rng.lognormvariate(mu, sigma))
-    return max(1, min(value, dist.max or value))
-
-
-@dataclass
-class Arrivals:
-    """Poisson arrivals (or a trace) of one workload entry, drawn from a seeded generator."""
-
-    spec: WorkloadSpec
-    rng: random.Random
-    next_s: float = 0.0
-    trace_at: int = 0
-
-    def due(self, until_s: float) -> list[tuple[float, int, int]]:
-        """(time, prompt tokens, output tokens) of every arrival up to `until_s`."""
-        out = []
-        if self.spec.arrival == "trace":
-            rows = self.spec.trace
-            while self.trace_at < len(rows) and rows[self.trace_at].t_s <= until_s:
-                r = rows[self.trace_at]
-                out.append((r.t_s, r.prompt_tokens, r.output_tokens))
-                self.trace_at += 1
-            return out
-        while True:
-            rate = self.spec.rate_rps(self.next_s)
-            if rate <= 0:
-                self.next_s = max(self.next_s, until_s)
-                return out
-            t = self.next_s + self.rng.expovariate(rate)
-            if t > until_s:
-                return out
-            self.next_s = t
-            out.append((t, sample_tokens(self.spec.prompt_tokens, self.rng, 512),
-                        sample_tokens(self.spec.output_tokens, self.rng, 128)))
-
-
 # --- the wire side of the agents -------------------------------------------------------------------
 class HttpMailbox:
-    """MemoryFleet's mailbox over agent protocol v1: commands the agents pulled, acks to send."""
+    """Agent protocol v1 on the fleet's side: commands the agents pulled, acks to send."""
 
     def __init__(self) -> None:
         self.inbox: dict[str, list[CommandIntent]] = {}
@@ -218,35 +192,42 @@ def parse_fault(text: str) -> Fault:
 
 
 class LiveFleet:
-    """Runs every node's agent against one controller (module docstring)."""
+    """Runs every node's agent against one controller, on FleetSim (module docstring)."""
 
     def __init__(self, scenario: Scenario, controller: str, join_token: str, *,
                  report_interval_s: float | None = None, time_scale: float | None = None,
                  faults: Sequence[Fault] = (), long_poll_s: float | None = 10.0,
-                 clock: Callable[[], float] = time.monotonic, routing_every_s: float = 0.5) -> None:
+                 clock: Callable[[], float] = time.monotonic, routing_every_s: float = 0.5,
+                 admit_timeout_s: float = ADMIT_TIMEOUT_S) -> None:
         self.scenario = scenario
         self.controller = controller
         self.join_token = join_token
         self.time_scale = time_scale or scenario.time_scale
         self.clock = clock
-        self.cluster = SimCluster(scenario, random.Random(scenario.seed))
-        self.tenant_fraction = tenant_fractions(scenario)
+        self.admit_timeout_s = admit_timeout_s
         self.agents: dict[str, SimAgent] = {}
         self.report_interval_s = report_interval_s
         self.long_poll_s = long_poll_s  # None: poll without waiting on every pass (tests)
         self.routing_every_s = routing_every_s
         self.t0 = clock()
+        # admissions, finishes and failures (FleetSim) and plans prepared or released (SimAgents):
+        # what scheduler.invariants.check reads for invariant 1
         self.log = EventLog(record_decodes=False)
         self.mailbox = HttpMailbox()
         self.routes: dict[str, RoutingState] = {}
         self._routes_wall = -math.inf
-        self.fleet = MemoryFleet(sim_snapshot(self.cluster, 0.0, {}), self.mailbox, self._routing, self.log,
-                                 rng=random.Random(scenario.seed ^ 0xF1EE7), max_dt_s=0.1)
-        for f in faults:
-            self.fleet.inject(f)
-        self.fleet.lose_gpus(self._not_ours(), "tenant")
-        self.arrivals = [Arrivals(w, random.Random(f"{scenario.seed}/load/{i}")) for i, w in
-                         enumerate(scenario.workload)]
+        # the simulator: no plan runs and nothing is routed until the controller commands it
+        self.sim = FleetSim(scenario)
+        self.sim.events = self.log
+        self.cluster: SimCluster = self.sim.cluster
+        self.executor = SimAgents(self.sim, self._answer, log=self.log)
+        self.sim.listener = self.executor.listener()  # engines up or stopped: the agents answer
+        self.sim.feed(build_workload(scenario).arrivals)
+        self.faults: list[Fault] = list(faults)
+        self._faulted: dict[str, Fault] = {}  # command key -> the fault it drew
+        self._answered: set[str] = set()  # command keys acked (or swallowed by a hang): answered once
+        self._changes_seen = 0  # cluster changes of sim.change_log already logged
+        self._gpu_util: dict[tuple[str, int], float] = {}  # (node, index) -> utilisation at the last reports
         self._stop = threading.Event()
         self._pulled: queue.Queue[tuple[str, list[Command]]] = queue.Queue()
 
@@ -254,14 +235,9 @@ class LiveFleet:
     def sim_time_s(self) -> float:
         return (self.clock() - self.t0) * self.time_scale
 
-    def _routing(self, deployment: str) -> RoutingState:
-        return self.routes.get(deployment, RoutingState(deployment, 0, ()))
-
-    def _not_ours(self) -> list[str]:
-        return [g.uuid for n in self.cluster.nodes.values() for g in n.gpus if g.owner == TENANT]
-
-    def _failed(self) -> list[str]:
-        return [g.uuid for n in self.cluster.nodes.values() for g in n.gpus if g.owner == "failed"]
+    def inject(self, fault: Fault) -> None:
+        """Make the next matching command misbehave (what --fault does)."""
+        self.faults.append(fault)
 
     def _agent(self, node_id: str) -> SimAgent:
         agent = self.agents.get(node_id)
@@ -283,17 +259,22 @@ class LiveFleet:
             agent.poller.start()
 
     def step(self) -> None:
-        """One pass: scenario events, the load, commands in, serving, acks out, reports."""
-        now_s = self.sim_time_s()
-        for change in self.cluster.advance_to(now_s):
+        """One pass: the simulator up to now (events, arrivals, serving), commands in, routing,
+        acks out, reports."""
+        self.sim.advance_to(max(self.sim.now_s, self.sim_time_s()))
+        now_s = self.sim.now_s
+        expired = self.sim.expire_pending(self.admit_timeout_s)
+        if expired:
+            log.warning("t=%6.0fs %d request(s) failed: no plan took them within %g s", now_s, expired,
+                        self.admit_timeout_s)
+        for change in self.sim.change_log[self._changes_seen:]:
             log.info("t=%6.0fs %s", change.at_s, change.text)
             if change.node in self.agents:
                 self.agents[change.node].dirty = True
-        self._sync_cluster()
+        self._changes_seen = len(self.sim.change_log)
         for gone in [n for n in self.agents if n not in self.cluster.nodes]:
             agent = self.agents.pop(gone)
-            agent.client.close()  # a node that left stops reporting
-            self.fleet.lose_node(gone)
+            agent.client.close()  # a node that left stops reporting (FleetSim stopped its plans)
         wall = self.clock()
         for node_id in sorted(self.cluster.nodes):
             agent = self._agent(node_id)
@@ -307,49 +288,27 @@ class LiveFleet:
             except httpx.HTTPError as exc:
                 log.warning("%s: controller unreachable (%s)", node_id, exc.__class__.__name__)
                 agent.dirty = True
-        self._take_pulled()
         if wall - self._routes_wall >= self.routing_every_s:
             self._fetch_routing()
-        for dep, prompt, output in self._due_requests(now_s):
-            self.fleet.submit(dep, prompt, output)
-        self.fleet.advance_to(now_s)
+        self._take_pulled()
+        self._carry_out()
+        self._follow_routing()
         self._send_acks()
         interval = self.report_interval_s or 15.0
-        for node_id in sorted(self.cluster.nodes):
+        due = [n for n in sorted(self.cluster.nodes) if self.agents[n].epoch
+               and (self.agents[n].dirty or wall - self.agents[n].last_report_wall >= interval)]
+        if due:
+            # utilisation since the previous reports, once for every report of this pass
+            self._gpu_util = {k: util for k, (_, util) in self.sim.gpu_load().items()}
+        for node_id in due:
             agent = self.agents[node_id]
-            if agent.epoch == 0:
-                continue
             try:
-                if agent.dirty or wall - agent.last_report_wall >= interval:
-                    self.report(agent, now_s)
+                self.report(agent, now_s)
             except ControllerError as exc:
                 self._recover(agent, exc)
             except httpx.HTTPError as exc:
                 log.warning("%s: controller unreachable (%s)", node_id, exc.__class__.__name__)
                 agent.dirty = True
-
-    def _sync_cluster(self) -> None:
-        """Mirror the scenario's ownership changes into the fleet model (preemptions break plans)."""
-        base_nodes = {n.id for n in self.fleet.base.nodes}
-        if set(self.cluster.nodes) - base_nodes:
-            self.fleet.set_base(sim_snapshot(self.cluster, self.sim_time_s(), {}))
-        tenant, failed = set(self._not_ours()), set(self._failed())
-        back = [u for u in self.fleet.lost if u not in tenant and u not in failed]
-        if back:
-            self.fleet.restore_gpus(back)
-        new_tenant = [u for u in tenant if self.fleet.lost.get(u) != "tenant"]
-        new_failed = [u for u in failed if self.fleet.lost.get(u) != "failed"]
-        if new_tenant:
-            self.fleet.lose_gpus(new_tenant, "tenant")
-        if new_failed:
-            self.fleet.lose_gpus(new_failed, "failed")
-
-    def _due_requests(self, now_s: float) -> list[tuple[str, int, int]]:
-        out = []
-        for arr in self.arrivals:
-            for _, prompt, output in arr.due(now_s):
-                out.append((arr.spec.deployment, prompt, output))
-        return out
 
     # -- commands ----------------------------------------------------------------------------------
     def _poll_loop(self, agent: SimAgent) -> None:
@@ -387,6 +346,113 @@ class LiveFleet:
                     log.info("%s <- %s %s (%s #%s %s)", node_id, c.id, c.kind, c.deployment, c.transition_seq, c.step)
                 self.mailbox.deliver(node_id, cmds)
 
+    def _carry_out(self) -> None:
+        """Hand every command the agents pulled to the simulated agents (a node that left answers
+        nothing: the controller sees it gone)."""
+        for node_id in sorted(self.cluster.nodes):
+            for cmd in self.mailbox.take(node_id):
+                self._execute(cmd)
+
+    def _execute(self, cmd: CommandIntent) -> None:
+        if cmd.deployment_id not in self.sim.deployments:
+            # not a deployment of this scenario: nothing of it can run here, and nothing does
+            known = ", ".join(self.sim.deployments)
+            if cmd.kind is CommandKind.PREPARE_PLAN:
+                self._answer(cmd, False, f"deployment: {cmd.deployment_id!r} is not served by this fleet "
+                                         f"(scenario {self.scenario.name}: {known})", {"reason": "failed"})
+            else:
+                self._answer(cmd, True, "", {"plan_id": cmd.payload.get("plan_id"), "noop": True})
+            return
+        fault = self._fault_for(cmd)
+        if fault is not None:
+            self._faulted[cmd.key] = fault
+            log.warning("%s: %s %s is faulted (%s)", cmd.node_id, cmd.key, cmd.kind.value, fault.action)
+        if cmd.kind in (CommandKind.FREEZE_PLAN, CommandKind.THAW_PLAN):
+            # the table that froze (or thaws) the plan was committed before this command: follow
+            # it first, so that routing does not undo what the command does
+            self._fetch_routing()
+            self._follow_routing()
+        self.executor.execute(cmd)
+        if fault is not None and fault.action == "lose_gpus":
+            engine = self._engine_of(cmd)
+            run_s = engine.ready_s - self.sim.now_s if engine is not None and engine.state == "loading" else COMMAND_S
+            self.sim.call_at(self.sim.now_s + 0.5 * max(run_s, 0.0), lambda t: self._lose_for(cmd, fault))
+
+    def _fault_for(self, cmd: CommandIntent) -> Fault | None:
+        for i, f in enumerate(self.faults):
+            if f.node == cmd.node_id and f.kind in ("*", cmd.kind.value):
+                if f.times <= 1:
+                    self.faults.pop(i)
+                else:
+                    self.faults[i] = replace(f, times=f.times - 1)
+                return f
+        return None
+
+    def _engine_of(self, cmd: CommandIntent) -> PlanEngine | None:
+        if cmd.deployment_id not in self.sim.deployments:
+            return None
+        return self.sim.engine_of(cmd.deployment_id, str(cmd.payload.get("plan_id", "")))
+
+    def _lose_for(self, cmd: CommandIntent, fault: Fault) -> None:
+        """lose_gpus half way through the command: the plans on the command's GPUs on its node
+        crash (what MemoryFleet's fault does); the command, if still open, fails "preempted"."""
+        node = self.cluster.nodes.get(cmd.node_id)
+        mine = {g.uuid for g in node.gpus} if node is not None else set()
+        raw = cmd.payload.get("plan")
+        engine = self._engine_of(cmd)
+        plan = Plan.from_dict(raw) if isinstance(raw, Mapping) else engine.plan if engine is not None else None
+        gpus = [u for u in (plan.gpu_uuids if plan is not None else ()) if u in mine] or sorted(mine)
+        if fault.uuids:
+            gpus = list(fault.uuids)
+        elif fault.gpus:
+            gpus = gpus[:fault.gpus]
+        broken = self.sim.break_gpus(gpus)
+        log.warning("%s: injected loss of %d GPU(s) stopped %d plan(s)", cmd.node_id, len(gpus), len(broken))
+        if cmd.kind is not CommandKind.MOVE_SEQUENCES:
+            self._answer(cmd, False, f"preempted: {len(gpus)} GPU(s) of {cmd.node_id} taken",
+                         {"reason": "preempted", "gpus": gpus})
+
+    def _answer(self, cmd: CommandIntent, ok: bool, detail: str, result: Mapping[str, object]) -> None:
+        """SimAgents' ack: once per command, through the command's fault, completed with what
+        agent protocol v1 says the result holds, then out over HTTP on the next pass."""
+        if cmd.key in self._answered:
+            return
+        self._answered.add(cmd.key)
+        if cmd.node_id not in self.cluster.nodes:
+            return  # the node left: nobody is there to answer
+        fault = self._faulted.pop(cmd.key, None)
+        if fault is not None and fault.action == "hang":
+            return  # it never answers
+        status: CommandStatus = "ok" if ok else "failed"
+        out = dict(result)
+        if fault is not None and fault.action == "fail" and ok:
+            status, detail = "failed", f"injected failure of {cmd.kind.value}"
+            out = {"reason": fault.reason or "failed"}
+        elif ok:
+            out = self._complete(cmd, out)
+        self.mailbox.ack(cmd.key, status, detail, out)
+
+    def _complete(self, cmd: CommandIntent, result: dict[str, object]) -> dict[str, object]:
+        """The parts of an ok result that this node's agent adds (agents/protocol.py): the memory
+        a prepare reserved and a release freed on this node's GPUs."""
+        if cmd.kind not in (CommandKind.PREPARE_PLAN, CommandKind.RELEASE_PLAN) or result.get("noop"):
+            return result
+        raw = cmd.payload.get("plan")
+        engine = self._engine_of(cmd)
+        plan = Plan.from_dict(raw) if isinstance(raw, Mapping) else engine.plan if engine is not None else None
+        node = self.cluster.nodes.get(cmd.node_id)
+        if plan is None or node is None:
+            return result
+        mine = {g.uuid for g in node.gpus}
+        held = {u: b for u, b in plan_memory(plan, model_spec(plan.model)).items() if u in mine}
+        if cmd.kind is CommandKind.PREPARE_PLAN:
+            result.setdefault("reserved_bytes", held)
+        else:
+            result.setdefault("freed_bytes", held)
+            result.setdefault("failed", [])
+            result.setdefault("handed_over", [])
+        return result
+
     def _send_acks(self) -> None:
         for node_id, cid, ack in self.mailbox.acks():
             agent = self.agents.get(node_id)
@@ -403,6 +469,7 @@ class LiveFleet:
                             exc.__class__.__name__)
                 self.mailbox.outbox.append((node_id, cid, ack))
 
+    # -- routing -----------------------------------------------------------------------------------
     def _fetch_routing(self) -> None:
         agent = next((a for a in self.agents.values() if a.epoch), None)
         if agent is None:
@@ -421,12 +488,28 @@ class LiveFleet:
                 continue
             self.routes[d["name"]] = RoutingState(d["name"], int(d["version"]), routes)
 
+    def _follow_routing(self) -> None:
+        """FleetSim routes as the controller's tables say: a plan with weight > 0, not frozen,
+        takes new requests (executor.TransitionDriver._follow_routing does the same in memory).
+        Compared with what FleetSim routes now, not with the last table: an engine that came up
+        (or was relaunched) after its table arrived joins, and one the fleet stopped routing to
+        comes back when the table says so."""
+        for name, table in self.routes.items():
+            if name not in self.sim.deployments:
+                continue  # a deployment this scenario does not serve
+            want: dict[int, float] = {}
+            for route in table.routes:
+                engine = self.sim.engine_of(name, route.plan_id)
+                if engine is not None and route.weight > 0 and not route.frozen:
+                    want[engine.engine_id] = max(float(route.weight), 1e-9)
+            now = {e.engine_id: e.weight for e in self.sim.plans(name) if e.accepting}
+            if now != want:
+                self.sim.set_routing(name, want)
+
     # -- reports -----------------------------------------------------------------------------------
     def report(self, agent: SimAgent, now_s: float) -> None:
         agent.seq += 1
         node_id = agent.node_id
-        interval = max(1e-3, now_s - agent.last_report_sim) if agent.last_report_sim else (
-            self.report_interval_s or 15.0) * self.time_scale
         body = Report(
             node_id=node_id,
             epoch=agent.epoch,
@@ -434,34 +517,28 @@ class LiveFleet:
             gpus=tuple(self.gpu_reports(node_id, agent.rng)),
             links=tuple(LinkReport(peer, bw) for peer, bw in self.cluster.links_of(node_id)),
         ).to_dict()
-        body["engines"] = self.fleet.engine_reports(node_id, interval)
+        # the plans this node leads, from their PlanEngines, since this node's previous report
+        body["engines"] = [asdict(m.report) for m in self.sim.engine_reports(leader=node_id)]
         agent.client.report(parse_report(body))
         agent.dirty = False
         agent.last_report_wall = self.clock()
         agent.last_report_sim = now_s
 
     def gpu_reports(self, node_id: str, rng: random.Random) -> list[GpuReport]:
-        snap = self.fleet.snapshot()
-        busy: dict[str, float] = {}
-        for inst in self.fleet.nodes[node_id].instances.values() if node_id in self.fleet.nodes else ():
-            if inst.state in ("ready", "frozen", "draining"):
-                leader = next((i for n in self.fleet.nodes.values() for i in n.instances.values()
-                               if i.leader and i.plan.plan_id == inst.plan.plan_id), None)
-                load = min(1.0, len(leader.seqs) / 64.0) if leader else 0.0
-                for u in inst.reserved:
-                    busy[u] = max(busy.get(u, 0.0), 0.1 + 0.85 * load)
+        snap = self.sim.snapshot()
         reports: list[GpuReport] = []
         for g in self.cluster.nodes[node_id].gpus:
             total = gpu_spec(g.model).mem_bytes
             state = snap.gpu_by_uuid.get(g.uuid)
             if g.owner == TENANT:
-                used, util = int(self.tenant_fraction[(node_id, g.index)] * total), rng.uniform(0.3, 0.9)
+                used, util = int(self.sim.tenant_fraction[(node_id, g.index)] * total), rng.uniform(0.3, 0.9)
             else:
-                used = state.mem_used_bytes if state is not None else IDLE_MEM_BYTES
-                util = min(1.0, max(0.0, busy.get(g.uuid, 0.0) + (rng.uniform(-0.04, 0.04) if g.uuid in busy else 0)))
+                # weights plus KV reserve of the plans on it (FleetSim's footprint), or an idle context
+                used = state.mem_used_bytes if state is not None and state.schedulable else IDLE_MEM_BYTES
+                util = self._gpu_util.get((node_id, g.index), 0.0) if g.owner != FAILED else 0.0
             reports.append(GpuReport(
                 uuid=g.uuid, mem_used_bytes=min(total, used), mem_total_bytes=total, sm_util=round(util, 3),
-                temperature_c=round(32.0 + 50.0 * util, 1), healthy=g.owner != "failed", allocatable=g.owner != TENANT,
+                temperature_c=round(32.0 + 50.0 * util, 1), healthy=g.owner != FAILED, allocatable=g.owner != TENANT,
                 xid_errors=g.xid_errors, ecc_errors=g.ecc_errors))
         return reports
 
@@ -500,5 +577,5 @@ def wait_for_controller(url: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-__all__ = ["Arrivals", "HttpMailbox", "IDLE_MEM_BYTES", "LiveFleet", "parse_fault", "register_request",
-           "sample_tokens", "sim_snapshot", "tenant_fractions", "wait_for_controller"]
+__all__ = ["ADMIT_TIMEOUT_S", "HttpMailbox", "IDLE_MEM_BYTES", "LiveFleet", "parse_fault", "register_request",
+           "sim_snapshot", "wait_for_controller"]

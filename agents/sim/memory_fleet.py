@@ -18,8 +18,8 @@ One `MemoryFleet` plays every node's agent and engines, and a gateway in front o
 
 Everything it does goes to an `EventLog`, so `scheduler.invariants.check` can verify
 invariants 1-2 over it (and 3 with the in-memory ports' log). Faults - a command that fails,
-hangs, or loses its GPUs half way - are injected with `Fault` (tests) or by the live fleet's
-`--fault` flag. Deterministic: time is injected, randomness comes from the seeded `rng`.
+hangs, or loses its GPUs half way - are injected with `Fault` (tests; the live fleet, which
+runs agents.sim.fleet instead, applies the same `Fault`s from its `--fault` flag). Deterministic: time is injected, randomness comes from the seeded `rng`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ WARMUP_S = 1.0  # stated: CUDA graph capture and a first batch on a freshly load
 
 class Mailbox(Protocol):
     """Where the agents' commands come from and their answers go (scheduler.transition_memory.
-    InMemoryAgents in memory; agents.sim.live's HTTP mailbox against a real controller)."""
+    InMemoryAgents in memory, or any mailbox of the same shape)."""
 
     def take(self, node_id: str) -> list[CommandIntent]: ...
 

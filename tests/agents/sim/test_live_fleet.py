@@ -8,9 +8,14 @@ from typing import Any
 
 import pytest
 
+from agents.protocol import Command
 from agents.sim.live import LiveFleet
+from agents.sim.memory_fleet import Fault
 from agents.sim.scenario import load_scenario
 from console.fleet.models import Gpu, Node
+from scheduler.modelspec import model_spec
+from scheduler.plan import Plan
+from scheduler.transition import node_stages, plan_memory
 
 ROOT = Path(__file__).resolve().parents[3]
 JOIN = "fpj_fleet-test"
@@ -68,7 +73,6 @@ def test_a_fault_flag_names_what_is_wrong() -> None:
 
 
 def test_a_command_with_a_bad_payload_is_refused_naming_the_field() -> None:
-    from agents.protocol import Command
     from agents.sim.live import HttpMailbox
 
     box = HttpMailbox()
@@ -78,3 +82,49 @@ def test_a_command_with_a_bad_payload_is_refused_naming_the_field() -> None:
     assert acks[7].status == "failed" and "payload.routing_version" in acks[7].detail
     assert acks[8].status == "failed" and "kind" in acks[8].detail
     assert box.take("h100-a") == []
+
+
+def prepare(fleet: LiveFleet, cid: int, plan: Plan, node: str) -> Command:
+    """A prepare_plan command as the controller's executor writes it (scheduler/transition.py)."""
+    memory = plan_memory(plan, model_spec(plan.model))
+    stages = node_stages(plan, node, fleet.sim.snapshot())
+    return Command(cid, "prepare_plan", {
+        "plan_id": plan.plan_id, "deployment": "chat-8b", "plan": plan.to_dict(), "model": plan.model,
+        "weights_sha256": None, "role": "leader", "stages": stages, "peers": {},
+        "reserve_bytes": {u: memory[u] for u in plan.gpu_uuids}}, deployment="chat-8b", transition_seq=1,
+        step="prepare")
+
+
+def test_injected_faults_strike_the_commands_the_simulator_carries_out(fleet: LiveFleet) -> None:
+    fleet.step()
+    plan = fleet.sim.baseline_plan("chat-8b")
+    common = {"plan_id": plan.plan_id, "deployment": "chat-8b"}
+    fleet.inject(Fault(node="h100-a", kind="prepare_plan", action="lose_gpus"))
+    fleet.inject(Fault(node="h100-a", kind="freeze_plan", action="fail"))
+    fleet.inject(Fault(node="h100-a", kind="thaw_plan", action="hang"))
+
+    # lose_gpus: half way through the load the plan's GPUs crash it; the prepare fails "preempted"
+    fleet.mailbox.deliver("h100-a", [prepare(fleet, 1, plan, "h100-a")])
+    fleet._carry_out()
+    engine = fleet.sim.engine_of("chat-8b", plan.plan_id)
+    assert engine is not None and engine.state == "loading"
+    fleet.sim.advance_to(engine.ready_s + 1.0)
+    assert engine.engine_id not in fleet.sim.live  # it crashed: it holds no GPU and serves nothing
+    acks = {cid: ack for _, cid, ack in fleet.mailbox.acks()}
+    assert acks[1].status == "failed" and acks[1].result["reason"] == "preempted"
+
+    # a clean prepare brings it up and says what it reserved on this node; freeze fails, thaw hangs
+    fleet.mailbox.deliver("h100-a", [prepare(fleet, 2, plan, "h100-a")])
+    fleet._carry_out()
+    again = fleet.sim.engine_of("chat-8b", plan.plan_id)
+    assert again is not None
+    fleet.sim.advance_to(again.ready_s + 1.0)
+    fleet.mailbox.deliver("h100-a", [Command(3, "freeze_plan", {**common, "routing_version": 1}, "chat-8b"),
+                                     Command(4, "thaw_plan", dict(common), "chat-8b"),
+                                     Command(5, "abort_plan", {"plan_id": "p-x", "deployment": "other"}, "other")])
+    fleet._carry_out()
+    acks = {cid: ack for _, cid, ack in fleet.mailbox.acks()}
+    assert acks[2].status == "ok" and acks[2].result["reserved_bytes"] == plan_memory(plan, model_spec(plan.model))
+    assert acks[3].status == "failed" and "injected failure" in acks[3].detail
+    assert 4 not in acks  # hung: never answered
+    assert acks[5].status == "ok" and acks[5].result["noop"]  # not a deployment of this fleet: nothing to undo
