@@ -307,6 +307,20 @@ class FleetSim:
         if arrivals:
             self._push(arrivals[0].t_s, KIND_ARRIVAL, self._on_arrival, None)
 
+    def feed_more(self, arrivals: Sequence[Arrival]) -> None:
+        """More of the workload, after what was fed so far (the live fleet repeats its scenario's
+        workload period after period; a replay feeds once)."""
+        if not arrivals:
+            return
+        last = self._arrivals[-1].t_s if self._arrivals else -math.inf
+        if arrivals[0].t_s < last:
+            raise ValueError(f"feed_more: arrivals start at {arrivals[0].t_s:g} s, before the last fed ({last:g} s)")
+        exhausted = self._next_arrival >= len(self._arrivals)
+        self._arrivals = list(self._arrivals[self._next_arrival:]) + list(arrivals)
+        self._next_arrival = 0
+        if exhausted:
+            self._push(max(self.now_s, self._arrivals[0].t_s), KIND_ARRIVAL, self._on_arrival, None)
+
     def _on_arrival(self, t: float, _: object) -> list[Event]:
         a = self._arrivals[self._next_arrival]
         self._next_arrival += 1

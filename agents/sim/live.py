@@ -84,6 +84,7 @@ log = logging.getLogger("agents.sim")
 AGENT_VERSION = "sim-3"
 FAULT_ACTIONS = ("fail", "hang", "lose_gpus")
 ADMIT_TIMEOUT_S = 120.0  # sim seconds a request may wait with no plan to take it (MemoryFleet's gateway too)
+LOOKAHEAD_S = 60.0  # sim seconds of workload fed ahead of the clock once the scenario runs out
 COMMAND_S = 0.2  # sim seconds a command other than prepare_plan is taken to run (where lose_gpus strikes)
 
 
@@ -223,6 +224,7 @@ class LiveFleet:
         self.executor = SimAgents(self.sim, self._answer, log=self.log)
         self.sim.listener = self.executor.listener()  # engines up or stopped: the agents answer
         self.sim.feed(build_workload(scenario).arrivals)
+        self._periods_fed = 1  # the workload repeats after duration_s (_feed_ahead)
         self.faults: list[Fault] = list(faults)
         self._faulted: dict[str, Fault] = {}  # command key -> the fault it drew
         self._answered: set[str] = set()  # command keys acked (or swallowed by a hang): answered once
@@ -261,6 +263,7 @@ class LiveFleet:
     def step(self) -> None:
         """One pass: the simulator up to now (events, arrivals, serving), commands in, routing,
         acks out, reports."""
+        self._feed_ahead(self.sim_time_s())
         self.sim.advance_to(max(self.sim.now_s, self.sim_time_s()))
         now_s = self.sim.now_s
         expired = self.sim.expire_pending(self.admit_timeout_s)
@@ -309,6 +312,17 @@ class LiveFleet:
             except httpx.HTTPError as exc:
                 log.warning("%s: controller unreachable (%s)", node_id, exc.__class__.__name__)
                 agent.dirty = True
+
+    def _feed_ahead(self, until_s: float) -> None:
+        """A live fleet outlives its scenario: past duration_s the workload starts over (a fresh
+        draw from the seed for each period, the same rates shifted by whole periods), so a
+        console left running keeps seeing load. The events happen once."""
+        period = self.scenario.duration_s
+        while period > 0 and until_s + LOOKAHEAD_S >= self._periods_fed * period:
+            k = self._periods_fed
+            again = build_workload(replace(self.scenario, seed=self.scenario.seed + 7919 * k))
+            self.sim.feed_more([replace(a, t_s=a.t_s + k * period) for a in again.arrivals])
+            self._periods_fed += 1
 
     # -- commands ----------------------------------------------------------------------------------
     def _poll_loop(self, agent: SimAgent) -> None:

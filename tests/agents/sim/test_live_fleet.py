@@ -128,3 +128,14 @@ def test_injected_faults_strike_the_commands_the_simulator_carries_out(fleet: Li
     assert acks[3].status == "failed" and "injected failure" in acks[3].detail
     assert 4 not in acks  # hung: never answered
     assert acks[5].status == "ok" and acks[5].result["noop"]  # not a deployment of this fleet: nothing to undo
+
+
+def test_the_workload_goes_on_after_the_scenario_ends(fleet: LiveFleet) -> None:
+    fleet.step()
+    end = fleet.scenario.duration_s
+    fleet.t0 = time.monotonic() - (end + 120) / fleet.time_scale  # two simulated minutes past its end
+    fleet.step()
+    # nothing serves (no transition brought a plan up), so what arrived waits in the queues
+    waiting = [r.arrival_s for d in fleet.sim.deployments.values() for r in d.pending]
+    assert max(waiting) > end + 60
+    assert min(waiting) < end  # the first period's arrivals are still there, in time order before them
