@@ -109,6 +109,7 @@ FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_l
 # Generous upper bounds that catch unit mistakes (bytes vs GiB) without limiting real hardware.
 _MAX_MEM_BYTES = 4 * 1024**4  # 4 TiB per GPU
 _MAX_GPUS_PER_NODE = 64
+_MAX_PLANS_PER_NODE = 1024
 
 
 __all__ = [
@@ -157,12 +158,20 @@ class RegisterRequest:
     rack: str | None = None  # racks set the default link bandwidth between nodes
     backends: tuple[str, ...] = ("sim",)  # engine backends this agent can run
     data_addr: str | None = None  # host:port where this agent receives KV cache from its peers
+    # The plans this agent runs right now, as leader or member (after a restart: none). The
+    # controller drops from its gears the plans it placed on this node that are not listed
+    # (console.fleet.actions.do_register_node). None: not said - nothing is reconciled.
+    plans: tuple[str, ...] | None = None
     protocol: int = PROTOCOL_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["gpus"] = [asdict(g) for g in self.gpus]
         d["backends"] = list(self.backends)
+        if self.plans is None:
+            del d["plans"]
+        else:
+            d["plans"] = list(self.plans)
         return d
 
 
@@ -299,6 +308,15 @@ def parse_register(body: Any) -> RegisterRequest:
                 problems.add(path, f"must be one of {', '.join(ENGINE_BACKENDS)}; got {item!r}")
             else:
                 backends.append(item)
+    plans: list[str] | None = None
+    plist = r.list("plans", None, max_len=_MAX_PLANS_PER_NODE)
+    if plist is not None:
+        plans = []
+        for path, item in plist.items():
+            if not isinstance(item, str) or not 1 <= len(item) <= 64:
+                problems.add(path, f"must be a plan id (a string of 1 to 64 characters); got {item!r}")
+            else:
+                plans.append(item)
     gpus: list[GpuInfo] = []
     seen_uuids: dict[str, str] = {}
     seen_index: dict[int, str] = {}
@@ -336,6 +354,7 @@ def parse_register(body: Any) -> RegisterRequest:
         rack=rack,
         backends=tuple(backends),
         data_addr=data_addr,
+        plans=None if plans is None else tuple(plans),
     )
 
 

@@ -128,9 +128,12 @@ class NodeAgent:
 
     # -- registration and reports -----------------------------------------------------------------
     def register(self) -> None:
+        with self._lock:
+            # what runs here now (nothing after a restart): the controller drops the rest from its gears
+            held = tuple(sorted({slot.plan_id for slot in self.plans.values()}))
         req = RegisterRequest(node_id=self.node_id, hostname=self.hostname[:255], agent_version=AGENT_VERSION,
                               gpus=self.probe.gpus(), rack=self.rack, backends=(self.backend_name,),
-                              data_addr=self.data_addr)
+                              data_addr=self.data_addr, plans=held)
         with self._http_lock:
             resp = self.client.register(req)
         with self._lock:

@@ -89,6 +89,11 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
     node.last_seen_at = now
     node.schedulable = True
     node.unschedulable_reason = ""
+    # An agent that lists what it runs (None: it does not say; nothing is assumed lost)
+    lost: dict[str, int] = {}
+    if req.plans is not None:
+        lost = {pid: node.epoch for pid in sorted(_plans_routed_to(node.node_id) - set(req.plans))}
+    node.lost_plans = lost
     node.save()
 
     # A GPU that moved to this node from another one (re-racked) keeps its uuid: re-home it.
@@ -113,8 +118,26 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
                    f"epoch {node.epoch}",
            data={"epoch": node.epoch, "enrolled": bool(issued), "hostname": req.hostname,
                  "agent_version": req.agent_version, "gpus": [g.uuid for g in req.gpus]})
+    if lost:
+        record("fleet.plans_lost", actor=actor_of(agent=node.node_id), at=now,
+               summary=f"{node.node_id} came back without {len(lost)} plan(s) it ran: {', '.join(lost)}",
+               data={"epoch": node.epoch, "plans": list(lost), "listed": list(req.plans or ())})
+    # a topology event: the gearbox ticks, drops the lost plans from their gears and replaces them
     transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=True))
     return Registration(node, issued)
+
+
+def _plans_routed_to(node_id: str) -> set[str]:
+    """Plans some deployment's routing table says run (partly) on this node."""
+    from console.gearbox.models import Deployment  # the gearbox builds on the fleet, not the reverse
+
+    out: set[str] = set()
+    for routing in Deployment.objects.values_list("routing", flat=True):
+        for route in routing or ():
+            if isinstance(route, dict) and node_id in (route.get("nodes") or ()):
+                out.add(str(route.get("plan_id", "")))
+    out.discard("")
+    return out
 
 
 @transaction.atomic

@@ -27,6 +27,10 @@ class Node(models.Model):
     schedulable = models.BooleanField(default=True)
     unschedulable_reason = models.CharField(max_length=200, blank=True, default="")
     engines = models.JSONField(default=list)  # latest EngineReports, as sent
+    # Plans the deployments' routing placed here that the agent did not list when it registered
+    # last (it restarted without them): plan_id -> that registration's epoch. The gearbox drops
+    # them from its gears (console.gearbox.actions.drop_lost_plans).
+    lost_plans = models.JSONField(default=dict)
 
     class Meta:
         ordering = ["node_id"]

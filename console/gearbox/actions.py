@@ -32,10 +32,10 @@ from django.utils import timezone
 from console.accounts.roles import OPERATOR, has_role
 from console.audit.chain import actor_of, record
 from console.fleet.actions import Rejected
-from console.fleet.models import AgentCommand
+from console.fleet.models import AgentCommand, Node
 from console.gearbox import live
 from console.gearbox.executor import build_executor
-from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Transition
+from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, GpuReservation, Transition
 from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
 from scheduler import gearbox
 from scheduler.costmodel import Slo
@@ -168,6 +168,9 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
     name = deployment if isinstance(deployment, str) else deployment.name
     dep = Deployment.objects.get(name=name)
     active = _active(dep)
+    if active is None and drop_lost_plans(dep, now=now):
+        dep = Deployment.objects.get(name=name)
+        trigger = Trigger.TOPOLOGY  # what an agent lost is replaced at once, like lost GPUs
     if dep.emergency_requested_at is not None:
         return _emergency_tick(dep, active, base, held, now, actor)
     if active is not None:
@@ -204,6 +207,77 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
                 row.note = "not started: another transition claimed the deployment first"
                 row.save(update_fields=["note"])
     return Decided(row, started)
+
+
+def lost_plans(dep: Deployment) -> dict[str, list[str]]:
+    """Plans of the deployment's routing whose node came back without them: plan_id -> nodes.
+
+    A node's `lost_plans` is what its agent did not list at its last registration; a plan that
+    has been prepared there again since (plan ids are content hashes: the gearbox may well bring
+    the same plan back) is alive, not lost."""
+    on: dict[str, list[str]] = {}
+    for r in dep.routing or ():
+        if isinstance(r, dict) and r.get("plan_id"):
+            on[str(r["plan_id"])] = [str(n) for n in r.get("nodes") or ()]
+    if not on:
+        return {}
+    out: dict[str, list[str]] = {}
+    nodes = Node.objects.filter(node_id__in={n for ns in on.values() for n in ns})
+    for node in nodes.only("pk", "node_id", "lost_plans", "registered_at"):
+        for pid in node.lost_plans or {}:
+            if node.node_id not in on.get(pid, ()):
+                continue
+            revived = AgentCommand.objects.filter(node=node, kind="prepare_plan", payload__plan_id=pid,
+                                                  state=AgentCommand.OK, acked_at__gte=node.registered_at)
+            if not revived.exists():
+                out.setdefault(pid, []).append(node.node_id)
+    return out
+
+
+def drop_lost_plans(deployment: Deployment | str, *, now: datetime, actor: str = GEARBOX) -> list[str]:
+    """Take the plans an agent came back without (it restarted) out of the deployment's gear and
+    routing, and free what they had booked; returns their ids.
+
+    Their sequences died with the agent's processes; what is left of the gear keeps serving with
+    the weights renormalised, and the decision that follows (a topology event) replaces what was
+    lost - bringing a gear up from nothing when no plan is left. Never while a transition runs:
+    its commands to that agent fail and it rolls back first."""
+    name = deployment if isinstance(deployment, str) else deployment.name
+    with transaction.atomic():
+        row = _locked(name)
+        if _active(row) is not None:
+            return []
+        lost = lost_plans(row)
+        if not lost:
+            return []
+        routes = [r for r in row.routing if isinstance(r, dict) and r.get("plan_id") not in lost]
+        open_weight = sum(float(r.get("weight", 0.0)) for r in routes if not r.get("frozen"))
+        for r in routes:
+            if not r.get("frozen"):
+                w = float(r.get("weight", 0.0))
+                r["weight"] = w / open_weight if open_weight > 0 else 1.0 / max(1, len(routes))
+        current = _gear(row, "current_gear")
+        kept = [(p, w) for p, w in zip(current.plans, current.weights, strict=True)
+                if p.plan_id not in lost] if current is not None else []
+        total = sum(w for _, w in kept)
+        gear = (Gear(current.model, tuple(p for p, _ in kept),
+                     tuple(w / total if total > 0 else 1.0 / len(kept) for _, w in kept))
+                if current is not None and kept else None)
+        before = {"version": row.routing_version, "current_gear_id": current.gear_id if current else None}
+        row.routing, row.routing_version = routes, row.routing_version + 1
+        row.current_gear = gear.to_dict() if gear is not None else None
+        row.updated_at = now
+        row.save(update_fields=["routing", "routing_version", "current_gear", "updated_at"])
+        GpuReservation.objects.filter(deployment=row, plan_id__in=list(lost)).delete()
+        where = ", ".join(f"{p} on {'/'.join(n)}" for p, n in sorted(lost.items()))
+        left = f"{gear.shape()} keeps serving" if gear is not None else "nothing serves until a new gear is up"
+        record("gearbox.plans_lost", actor=actor, at=now, deployment=name,
+               summary=f"{name}: dropped {len(lost)} plan(s) whose agent came back without them ({where}); {left}",
+               data={"plans": {p: n for p, n in sorted(lost.items())}},
+               before=before,
+               after={"version": row.routing_version, "current_gear_id": gear.gear_id if gear else None})
+    transaction.on_commit(lambda: live.push_routing(name))
+    return sorted(lost)
 
 
 def _reports_mirror_last_transition(dep: Deployment, base: Snapshot, now: datetime) -> bool:
@@ -490,8 +564,6 @@ def _gear_id(raw: object) -> str | None:
 
 def held_gpus() -> dict[str, set[str]]:
     """deployment name -> GPUs it holds: its current gear, its running transition's gears, its bookings."""
-    from console.gearbox.models import GpuReservation
-
     out: dict[str, set[str]] = {}
     for dep in Deployment.objects.all():
         out[dep.name] = gear_gpus(dep.current_gear)

@@ -223,6 +223,35 @@ def test_the_gearbox_prepares_a_torch_plan_and_a_manual_switch_moves_live_sequen
     assert {m["seq_id"] for m in move.result["moved"] if "outcome" not in m} == {r["seq_id"] for r in moved}
 
 
+def test_an_agent_that_restarts_without_its_plan_gets_one_back_from_the_gearbox(
+        running: Callable[..., NodeAgent], worker: None) -> None:
+    from console.audit.models import AuditEntry
+
+    baseline = Gear(MODEL, (tiny_plan([gpus("n1", 1)]),), (1.0,))
+    do_sync_deployment(name="tiny", model_name=MODEL, ttft_ms=2000, tpot_ms=200, priority=1, baseline=baseline,
+                       actor="system:test")
+    first = running("n1")
+    wait_for(lambda: Deployment.objects.get(name="tiny").current_gear, 120, "the baseline up", story)
+    pid = baseline.plans[0].plan_id
+    assert first.plans[("tiny", pid)].engine is not None
+
+    first.close()  # the daemon dies, and its engines with it; a new one starts on the node
+    again = running("n1")
+
+    def serving() -> bool:
+        slot = again.plans.get(("tiny", pid))
+        return slot is not None and slot.engine is not None and Deployment.objects.get(name="tiny").current_gear
+    wait_for(serving, 120, "the plan prepared again on the new agent", story)
+    assert AuditEntry.objects.filter(event_type="fleet.plans_lost").count() == 1
+    assert AuditEntry.objects.filter(event_type="gearbox.plans_lost").count() == 1
+    routes = Deployment.objects.get(name="tiny").routing
+    assert [(r["plan_id"], r["nodes"]) for r in routes] == [(pid, ["n1"])]
+    load = Load(again.data_addr or "", pid, streams=1)
+    wait_for(lambda: load.futures and load.futures[0].done(), 30, "a sequence on the plan brought back")
+    result = load.results()[0]
+    assert result["end"] == {"done": True, "finish_reason": "length"} and len(result["tokens"]) == Load.MAX_TOKENS
+
+
 def test_a_node_on_the_nvml_probe_registers_what_nvml_recorded(console: str) -> None:
     from pathlib import Path
 

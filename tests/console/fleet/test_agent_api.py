@@ -54,6 +54,33 @@ class TestRegister:
         agent.post("/agent/v1/register", register_body("a1", gpus=2))
         assert list(Gpu.objects.filter(present=True).values_list("index", flat=True)) == [0, 1]
 
+    @pytest.mark.parametrize("plans,field", [("p-1", "plans"), ([7], "plans[0]"), (["p-1", ""], "plans[1]"),
+                                             (["x" * 65], "plans[0]")])
+    def test_a_bad_plans_list_is_refused_naming_the_item(self, agent: AgentHTTP, plans: Any, field: str) -> None:
+        before = Node.objects.values_list("epoch", "lost_plans").get()
+        resp = agent.post("/agent/v1/register", {**register_body("a1"), "plans": plans})
+        assert resp.status_code == 400 and field in resp.json()["errors"], resp.json()
+        assert Node.objects.values_list("epoch", "lost_plans").get() == before
+
+    def test_the_plans_it_does_not_list_are_noted_lost_and_a_silent_agent_loses_none(self, agent: AgentHTTP) -> None:
+        from console.gearbox.models import Deployment
+        from tests.console.gearbox.harness import gear, make_deployment
+
+        placed = gear("a1", [0, 1]).plans[0]
+        dep = make_deployment("chat", baseline=gear("a1", [0, 1]))
+        Deployment.objects.filter(pk=dep.pk).update(routing=[
+            {"plan_id": placed.plan_id, "plan": placed.to_dict(), "weight": 1.0, "frozen": False, "nodes": ["a1"]},
+            {"plan_id": "p-elsewhere", "plan": placed.to_dict(), "weight": 0.0, "frozen": False, "nodes": ["b1"]}])
+        resp = agent.post("/agent/v1/register", {**register_body("a1"), "plans": ["p-other"]})
+        assert resp.status_code == 200
+        assert Node.objects.get(node_id="a1").lost_plans == {placed.plan_id: resp.json()["epoch"]}
+        # it lists what it runs: nothing lost
+        agent.post("/agent/v1/register", {**register_body("a1"), "plans": [placed.plan_id]})
+        assert Node.objects.get(node_id="a1").lost_plans == {}
+        # an agent that does not say (older agents, the simulated fleet): nothing is assumed lost
+        agent.post("/agent/v1/register", register_body("a1"))
+        assert Node.objects.get(node_id="a1").lost_plans == {}
+
     def test_enrollment_is_closed_without_a_join_token(self, client: Client, settings: Any) -> None:
         settings.FLEXPIPE_ENROLL_TOKEN = ""
         resp = client.post("/agent/v1/register", register_body("a1"), content_type="application/json",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -23,7 +24,8 @@ from console.gearbox.actions import (
 from console.gearbox.executor import build_executor
 from console.gearbox.models import Decision, Deployment, Transition
 from scheduler.invariants import assert_clean
-from tests.console.gearbox.harness import SimAgents, django_log, enroll_fleet, gear, make_deployment
+from scheduler.plan import Gear
+from tests.console.gearbox.harness import M8, SimAgents, django_log, enroll_fleet, gear, make_deployment
 
 pytestmark = pytest.mark.django_db
 
@@ -102,6 +104,78 @@ def test_a_lost_gpu_makes_the_next_topology_tick_move_the_gear_at_once() -> None
     # a forced move starts no cooldown: the next load change may move the gear at once
     assert scheduler_deployment(Deployment.objects.get(name="chat")).last_switch_times_s == ()
     assert_clean(django_log("chat", agents.log), complete=False)
+
+
+def restart_agent(node_id: str, runs: tuple[str, ...] = ()) -> int:
+    """The agent of `node_id` comes back (a new process: a new epoch), running `runs`."""
+    from agents.protocol import GpuInfo, RegisterRequest
+    from console.fleet.actions import do_register_node
+    from tests.builders import JOIN_TOKEN
+
+    req = RegisterRequest(node_id, f"{node_id}.test", "test", tuple(
+        GpuInfo(f"GPU-{node_id}-{i}", i, "H100-SXM", 80 * 2**30, "nvl0") for i in range(8)),
+        rack="A", data_addr=f"{node_id}.test:7070", plans=runs)
+    return do_register_node(req, token=JOIN_TOKEN, now=timezone.now()).node.epoch
+
+
+def test_a_plan_its_agent_came_back_without_leaves_the_gear_and_the_gearbox_brings_one_up() -> None:
+    from console.fleet.models import Node
+    from console.gearbox.models import GpuReservation
+
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    dep = Deployment.objects.get(name="chat")
+    lost = Gear.from_dict(dep.current_gear).plans[0].plan_id
+    assert GpuReservation.objects.filter(plan_id=lost).count() == 2
+    epoch = restart_agent("a1")
+    assert Node.objects.get(node_id="a1").lost_plans == {lost: epoch} and audits("fleet.plans_lost") == 1
+    rep.report("a1")
+
+    out = ticks.tick(trigger="topology")
+
+    # dropped (routing bumped, bookings freed), and with nothing left the baseline comes up again
+    entry = json.loads(AuditEntry.objects.get(event_type="gearbox.plans_lost").body)
+    assert entry["before"]["version"] == dep.routing_version and entry["after"] == {
+        "version": dep.routing_version + 1, "current_gear_id": None}
+    assert out["started"] == ["chat#2"], out
+    row = drive(agents)
+    assert row.phase == "done" and row.from_gear is None and row.decision.trigger == "topology"  # type: ignore[union-attr]
+    assert Deployment.objects.get(name="chat").current_gear == dep.current_gear  # the same plan, prepared again
+    # prepared again after the registration: alive, not lost a second time
+    assert ticks.tick()["started"] == [] and audits("gearbox.plans_lost") == 1
+    assert GpuReservation.objects.filter(plan_id=lost).count() == 2
+
+
+def test_of_two_plans_the_one_left_takes_all_the_traffic_and_a_running_transition_goes_first() -> None:
+    from console.gearbox.actions import drop_lost_plans
+
+    rep = enroll_fleet()
+    two = Gear(M8.name, gear("a1", [0, 1]).plans + gear("b1", [0, 1]).plans, (0.5, 0.5))
+    make_deployment(baseline=two)
+    agents = SimAgents()
+    bring_up(agents)
+    do_pin_gear("chat", actor="system:test")  # only the loss moves it
+    restart_agent("b1")
+    rep.report("b1")
+    _, started = do_request_gear("chat", gear("a1", [2, 3]), actor="system:test", reason="busy")
+    assert started is not None
+    assert drop_lost_plans("chat", now=timezone.now()) == []  # not while a transition runs
+    drive(agents)
+    dep = Deployment.objects.get(name="chat")
+    assert [r["nodes"] for r in dep.routing] == [["a1"]]  # it ended on a1's plan: nothing of b1 left to drop
+
+    do_request_gear("chat", two, actor="system:test", reason="back to two")
+    drive(agents)
+    restart_agent("b1")
+    rep.report("b1")
+    b1_plan = two.plans[1].plan_id
+    assert drop_lost_plans("chat", now=timezone.now()) == [b1_plan]
+    dep = Deployment.objects.get(name="chat")
+    assert [(r["nodes"], r["weight"]) for r in dep.routing] == [(["a1"], 1.0)]
+    assert Gear.from_dict(dep.current_gear) == Gear(M8.name, two.plans[:1], (1.0,))
+    assert drop_lost_plans("chat", now=timezone.now()) == []  # idempotent
 
 
 def test_a_pinned_deployment_is_never_switched_automatically() -> None:
