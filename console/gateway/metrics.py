@@ -36,6 +36,9 @@ COMPLETION_TOKENS = Counter("flexpipe_gateway_completion_tokens", "Tokens stream
                             registry=REGISTRY)
 HANDOVERS = Counter("flexpipe_gateway_handovers", "Streams continued at another plan after a switch",
                     ["deployment"], registry=REGISTRY)
+FAILOVERS = Counter("flexpipe_gateway_failovers",
+                    "Streams resumed on another plan (by replay) after their plan failed mid-way",
+                    ["deployment"], registry=REGISTRY)
 HANDOVER_STALL = Histogram("flexpipe_gateway_handover_stall_seconds",
                            "From a stream's `moved` end to the continued stream being open", ["deployment"],
                            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5), registry=REGISTRY)

@@ -56,6 +56,7 @@ class Followed:
 
     handovers: list[dict[str, Any]] = field(default_factory=list)  # each `moved` target
     stalls_s: list[float] = field(default_factory=list)  # gap around each hand-over, as this reader saw it
+    failovers: list[str] = field(default_factory=list)  # why each resume on another plan was needed
     finish_reason: str | None = None
 
 

@@ -11,7 +11,13 @@ once without a thread each. A request:
    says a switch froze a route (or a leader says it is frozen), it waits up to
    FLEXPIPE_GATEWAY_FROZEN_WAIT_S for the new table; then 429 with Retry-After;
 3. streams token ids from the data plane across hand-overs (upstream.py), detokenizes them
-   incrementally and answers as SSE (`data: {...}` ... `data: [DONE]`) or as one JSON body.
+   incrementally and answers as SSE (`data: {...}` ... `data: [DONE]`) or as one JSON body;
+4. when the plan fails mid-stream (its agent or node died: the stream breaks or ends with an
+   error), resumes it on a plan of the routing table by replay - prompt plus the tokens already
+   sent as the new prompt, the rest of max_tokens - waiting up to FLEXPIPE_GATEWAY_FAILOVER_WAIT_S
+   for the gearbox to put a plan up, at most MAX_FAILOVERS times. Greedy decoding continues with
+   exactly the tokens it would have made; a seeded sample continues validly but with fresh
+   draws. Only then does the client get an error (nothing admitted is dropped silently).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from console.gateway.routing import Candidate, any_frozen, order_routes
 
 log = logging.getLogger(__name__)
 OUTSTANDING: Counter[str] = Counter()  # plan_id -> requests this process has open on it
+MAX_FAILOVERS = 3  # resumes of one request after its plan failed (step 4 of the module docstring)
 _rng = random.Random()
 
 
@@ -297,28 +304,57 @@ def _envelope(job: _Job, choice: dict[str, Any], *, stream: bool) -> dict[str, A
     return {"id": job.id, "object": obj, "created": job.created, "model": job.dep.name, "choices": [choice]}
 
 
+async def _resume(job: _Job, adm: Admitted, ids: list[int], why: str) -> None:
+    """Step 4 of the module docstring: re-admit the rest of the request elsewhere, in place of `adm`.
+    Raises UpstreamError when no plan takes it within the wait."""
+    deadline = time.monotonic() + _setting("FLEXPIPE_GATEWAY_FAILOVER_WAIT_S", 30.0)
+    seq_id = f"{job.id}-r{uuid.uuid4().hex[:8]}"
+    while True:
+        dep = await sync_to_async(_deployment)(job.dep.name) or job.dep
+        try:
+            new = await _admit(job.req, dep, job.prompt_ids + ids, job.max_tokens - len(ids), seq_id)
+            break
+        except ApiError as exc:
+            if exc.status != 429 or time.monotonic() > deadline:
+                raise upstream.UpstreamError(f"{why}; resuming it elsewhere failed: {exc}") from None
+            await asyncio.sleep(0.25)
+    _release(adm.route.plan_id)
+    OUTSTANDING[new.route.plan_id] += 1
+    adm.route, adm.resp, adm.seq_id = new.route, new.resp, new.seq_id
+
+
 async def _pieces(job: _Job, adm: Admitted, info: upstream.Followed,
                   stats: dict[str, Any]) -> AsyncIterator[tuple[str, list[int]]]:
     """(text piece, ids) as tokens arrive, stop strings applied; sets stats["finish"]."""
     detok, stop = tokens.Detokenizer(job.tok), tokens.StopMatcher(job.req.stop)
     t0 = time.monotonic()
     ids: list[int] = stats.setdefault("ids", [])
-    async with aclosing(upstream.follow(adm.resp, adm.seq_id, info)) as stream:
-        async for tid in stream:
-            now = time.monotonic()
-            if not ids:
-                stats["ttft_s"] = now - t0
-                stats["first_token_s"] = now
-            stats["last_s"] = now
-            ids.append(tid)
-            piece = stop.feed(detok.push(tid))
-            if stop.stopped:
-                stats["finish"] = "stop"
-                stats["n_out"] = len(ids)
-                yield piece, [tid]
-                return  # closing the stream tells the data plane to drop the sequence
-            if piece or job.req.return_token_ids:
-                yield piece, [tid]
+    while True:
+        try:
+            async with aclosing(upstream.follow(adm.resp, adm.seq_id, info)) as stream:
+                async for tid in stream:
+                    now = time.monotonic()
+                    if not ids:
+                        stats["ttft_s"] = now - t0
+                        stats["first_token_s"] = now
+                    stats["last_s"] = now
+                    ids.append(tid)
+                    piece = stop.feed(detok.push(tid))
+                    if stop.stopped:
+                        stats["finish"] = "stop"
+                        stats["n_out"] = len(ids)
+                        yield piece, [tid]
+                        return  # closing the stream tells the data plane to drop the sequence
+                    if piece or job.req.return_token_ids:
+                        yield piece, [tid]
+            break
+        except (upstream.UpstreamError, httpx.TransportError) as exc:
+            why = f"plan {adm.route.plan_id} failed after {len(ids)} tokens: {exc or exc.__class__.__name__}"
+            if len(info.failovers) >= MAX_FAILOVERS or len(ids) >= job.max_tokens:
+                raise upstream.UpstreamError(why) from None
+            log.warning("gateway: %s: %s; resuming it by replay on another plan", job.id, why)
+            info.failovers.append(why)
+            await _resume(job, adm, ids, why)
     stats["n_out"] = len(ids)
     tail = stop.feed(detok.flush())
     if not stop.stopped:
@@ -340,6 +376,8 @@ def _observe(job: _Job, info: upstream.Followed, stats: dict[str, Any], status: 
     for stall in info.stalls_s:
         metrics.HANDOVERS.labels(name).inc()
         metrics.HANDOVER_STALL.labels(name).observe(stall)
+    if info.failovers:
+        metrics.FAILOVERS.labels(name).inc(len(info.failovers))
     metrics.RECORDER.finished(name, n_out)
 
 
@@ -363,10 +401,14 @@ async def _run(request: HttpRequest, endpoint: str) -> HttpResponse:
     return await _whole(job, adm, info, stats)
 
 
+def _release(plan_id: str) -> None:
+    OUTSTANDING[plan_id] -= 1
+    if OUTSTANDING[plan_id] <= 0:
+        del OUTSTANDING[plan_id]
+
+
 async def _finish(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[str, Any], status: int) -> None:
-    OUTSTANDING[adm.route.plan_id] -= 1
-    if OUTSTANDING[adm.route.plan_id] <= 0:
-        del OUTSTANDING[adm.route.plan_id]
+    _release(adm.route.plan_id)
     _observe(job, info, stats, status)
     await sync_to_async(metrics.record_load)(job.dep.name)
 

@@ -6,6 +6,7 @@ PlanHosts (torch workers) and their data servers run in the test process, on two
 
 from __future__ import annotations
 
+import re
 import tempfile
 import threading
 import time
@@ -45,7 +46,8 @@ class GatewayLive(ChannelsLiveServerTestCase):
         cls.model_dir = Path(tempfile.mkdtemp(prefix="tiny-llama-"))
         cls.sha = make_tiny_llama(cls.model_dir)
         cls._gw = override_settings(FLEXPIPE_GATEWAY_TOKENIZERS={"tiny-llama": str(cls.model_dir)},
-                                    FLEXPIPE_GATEWAY_FROZEN_WAIT_S=10.0, FLEXPIPE_GATEWAY_LOAD_INTERVAL_S=0.0)
+                                    FLEXPIPE_GATEWAY_FROZEN_WAIT_S=10.0, FLEXPIPE_GATEWAY_LOAD_INTERVAL_S=0.0,
+                                    FLEXPIPE_GATEWAY_FAILOVER_WAIT_S=2.0)
         cls._gw.enable()
         super().setUpClass()  # forks daphne with these settings
         cls.hosts = Hosts(cls.model_dir, cls.sha)
@@ -208,11 +210,37 @@ class GatewayLive(ChannelsLiveServerTestCase):
         assert 'flexpipe_gateway_requests_total{deployment="tiny",endpoint="completions",status="200"}' in scrape.text
         assert "flexpipe_gateway_ttft_seconds_bucket" in scrape.text
 
-    def test_a_plan_lost_mid_stream_ends_the_stream_with_an_explicit_error(self) -> None:
+    def test_a_stream_whose_plan_dies_mid_way_resumes_on_the_routed_plan_with_the_same_tokens(self) -> None:
+        n = 300
+        _, ids0 = self.no_switch(n)
+        failovers = self.failovers()
+        doomed = self.hosts.run("a1", PLAN_TP2)
+        set_routes("tiny", [route(doomed, "a1")])
+        ids: list[int] = []
+        finish = None
+        stream = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=n, temperature=0,
+                                                stream=True, extra_body=GREEDY)
+        for chunk in stream:
+            if not ids:
+                # the plan's node dies with the sequence on it; the gearbox routes to another plan
+                set_routes("tiny", [route(self.a, "a1")])
+                doomed.stop()
+            ids.extend(chunk.choices[0].model_extra.get("token_ids") or [])
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and ids == ids0  # resumed by replay: the tokens of a run without the loss
+        assert self.failovers() == failovers + 1
+
+    def failovers(self) -> float:
+        scrape = httpx.get(f"{self.live_server_url}/metrics", headers={"Authorization": f"Bearer {self.token}"})
+        found = re.search(r'^flexpipe_gateway_failovers_total\{deployment="tiny"\} ([0-9.e+]+)$', scrape.text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def test_a_plan_lost_mid_stream_with_nothing_to_resume_on_ends_the_stream_with_an_explicit_error(self) -> None:
         doomed = self.hosts.run("a1", PLAN_TP2)
         set_routes("tiny", [route(doomed, "a1")])
         stream = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True})
         with pytest.raises(openai.APIError, match="data plane failed"):
             for _ in stream:
+                set_routes("tiny", [])  # and no plan takes its place within FLEXPIPE_GATEWAY_FAILOVER_WAIT_S
                 doomed.release(drain_timeout_s=0.0, fallback=None)  # no fallback: its sequences fail
