@@ -61,8 +61,8 @@ def stages_problem(body: Any) -> tuple[str, str] | None:
     host, _, port = listener.rpartition(":") if isinstance(listener, str) else ("", "", "")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return "listener", "must be 'host:port'"
-    key = body.get("authkey")
-    if not isinstance(key, str) or len(key) != 64 or not all(c in "0123456789abcdef" for c in key):
+    authkey = body.get("authkey")
+    if not isinstance(authkey, str) or len(authkey) != 64 or not all(c in "0123456789abcdef" for c in authkey):
         return "authkey", "must be 64 lowercase hex digits"
     sha = body.get("weights_sha256")
     if not isinstance(sha, str) or len(sha) != 64:

@@ -212,7 +212,7 @@ class WorkerGroup:
             names = [self.names[r] for r in missing]
             raise self._fail(f"start: no connection within {self.timeout_s:g} s from rank(s) {missing} {names}")
         hosts = ["" for _ in keys]  # "" = this node
-        gpus = list(self.rank_gpus) if self.rank_gpus else [None] * len(keys)
+        gpus: list[int | None] = list(self.rank_gpus) if self.rank_gpus else [None] * len(keys)
         for rank in conns:
             hello = got[keys[rank]][0]
             hosts[rank] = hello.host

@@ -51,7 +51,10 @@ class RemoteStart:
 class RemoteSite(Protocol):
     """A node that can start a group's ranks (the leader's view of one member)."""
 
-    name: str  # the node id, in error messages and as the host key of its ranks
+    @property
+    def name(self) -> str:
+        """The node id, in error messages and as the host key of its ranks."""
+        ...
 
     def start_workers(self, request: RemoteStart) -> list[tuple[int, int]]:
         """Start those of request.ranks placed on this node; return them. Raises RuntimeError
