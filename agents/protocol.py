@@ -46,7 +46,8 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     [{pipeline: main|prefill|decode, index, layers: [start, end), tp, gpus: [the stage's GPU
     uuids, rank order], ranks: [the ranks on this node]}]), reserve_bytes ({gpu uuid: bytes to
     reserve: weight shard + KV reserve}), peers ({node id: data_addr} of the plan's other nodes,
-    for its communication groups).
+    for its communication groups: a torch leader asks each peer's data server to start the
+    stage workers that peer's own `stages` place on it - agents/dataplane/stages.py).
     The agent reserves the memory, loads the weights, builds the communication groups, warms
     up (graph capture, a first batch), then acks ok with {plan_id, reserved_bytes, load_s}.
     Already prepared: ack ok at once. GPUs not ours: ack failed, reason "preempted".

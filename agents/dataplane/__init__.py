@@ -18,10 +18,9 @@ GET /data/v1/sequences/<id>/stream?from=<tokens it has>.
 VllmPlanHost is the same face over one supervised vLLM OpenAI server per plan; its hand-overs
 are replay only (vllm_host.py says why).
 
-Limitation, stated plainly: a multi-node plan runs all its stage workers on its leader's
-machine. TorchEngine starts every stage and TP rank as a local worker process (gloo/nccl on one
-host); there is no cross-host worker group yet. A member node of such a plan only reserves its
-GPUs' memory (the node agent's job); it runs no workers and serves no requests.
+A plan whose stages span nodes runs each stage on its own node: the leader's engine asks each
+member at POST /data/v1/stages to start the workers of its GPUs (stages.py; the engine side is
+agents/engines/torch/remote.py). Only the leader's PlanHost serves requests and moves KV.
 """
 
 from agents.dataplane.errors import (

@@ -19,7 +19,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
 from queue import Empty, Queue
@@ -30,6 +30,7 @@ from agents.dataplane.hosting import DrainThenHandOver
 from agents.dataplane.stream import SeqStream
 from agents.engines.torch.engine import EngineError, KVCacheFullError, KVState, StepOutput, TorchEngine
 from agents.engines.torch.layout import Layout, StageSpec
+from agents.engines.torch.remote import Placement
 from agents.engines.torch.sampling import SamplingParams
 from agents.protocol import EngineReport
 from scheduler.plan import Plan
@@ -80,7 +81,10 @@ class PlanHost(DrainThenHandOver):
         num_kv_blocks: int = 256,
         device: str = "cpu",
         gpus: Sequence[int] | None = None,
+        placement: Mapping[str, Placement] | None = None,
     ) -> None:
+        """`placement`: for a plan whose stages span nodes, which ranks of each worker group run
+        here and which member nodes start the others (TorchEngine's argument); None: all here."""
         self.deployment = deployment
         self.plan = dict(plan)
         self.plan_id: str = Plan.from_dict({k: v for k, v in plan.items() if k != "plan_id"}).plan_id
@@ -97,6 +101,7 @@ class PlanHost(DrainThenHandOver):
         self.num_kv_blocks = num_kv_blocks
         self.device = device
         self.gpus = tuple(gpus) if gpus is not None else None  # CUDA device indexes for the workers
+        self.placement = dict(placement) if placement else None
         self.state = "new"  # new | ready | stopped | broken
         self.error = ""  # why it broke
         self.frozen = False
@@ -126,7 +131,8 @@ class PlanHost(DrainThenHandOver):
                     raise Frozen(f"plan {self.plan_id} is {self.state}; build a new PlanHost")
                 return
             engine = TorchEngine(self.model_dir, self.layout, device=self.device, gpus=self.gpus,
-                                 expected_sha256=self.weights_sha256, num_kv_blocks=self.num_kv_blocks)
+                                 expected_sha256=self.weights_sha256, num_kv_blocks=self.num_kv_blocks,
+                                 placement=self.placement)
             try:
                 engine.add_request(WARMUP_ID, [1], 1)
                 while engine.has_unfinished():

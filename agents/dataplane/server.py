@@ -17,6 +17,9 @@ Endpoints (NDJSON over chunked HTTP/1.1: one JSON object per line):
     POST /data/v1/accept?deployment=&plan_id=&routing_version=&resume_from=
          body: one KV frame (agents.engines.torch.kvtransfer) - the hand-over, agent to agent.
          200 {"ok": true}; 409 {"error", "reason": "stale_lease" | "target_refused"}; 400 bad frame.
+    POST /data/v1/stages
+         a plan's leader asks this member to start its stage workers (stages.py documents it):
+         200 {"started", "pids"}; 409 not_prepared | weights; 400 bad input ({"error", "param"}).
     GET  /data/v1/health   the plans served here and their state
 
 A client that goes away mid-stream cancels its sequence (it is dropped from the engine).
@@ -34,6 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from agents.dataplane.errors import DataPlaneError, Saturated, UnknownPlan
 from agents.dataplane.hosting import HostedPlan
+from agents.dataplane.stages import MemberRegistry, NotPrepared, stages_problem
 from agents.dataplane.stream import SeqStream
 from agents.engines.torch.kvtransfer import KVTransferError, decode_kv_state
 
@@ -63,6 +67,8 @@ class DataServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._hosts: dict[tuple[str, str], HostedPlan] = {}
         self._lock = threading.Lock()
+        # Member side of cross-node groups (stages.py); a node without a torch backend has none.
+        self.members: MemberRegistry | None = None
         handler = type("Handler", (_Handler,), {"dataserver": self})
         self._httpd = _HTTPServer((host, port), handler)
         self._thread: threading.Thread | None = None
@@ -206,6 +212,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._generate(body)
         elif url.path == "/data/v1/accept":
             self._accept(url.query, body)
+        elif url.path == "/data/v1/stages":
+            self._stages(body)
         else:
             self._send_json(404, {"error": f"no endpoint {url.path}"})
 
@@ -231,6 +239,26 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(400, {"error": str(exc), "param": param if reason else None})
             return
         self._stream(host, stream, 0)
+
+    def _stages(self, raw: bytes) -> None:
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError as exc:
+            self._send_json(400, {"error": f"body: not JSON ({exc})", "param": "body"})
+            return
+        problem = stages_problem(body)
+        if problem is not None:
+            self._send_json(400, {"error": f"{problem[0]}: {problem[1]}", "param": problem[0]})
+            return
+        members = self.dataserver.members
+        try:
+            if members is None:
+                raise NotPrepared("this node runs no torch stage workers for other nodes")
+            started = members.start(body)
+        except DataPlaneError as exc:
+            self._send_json(409, {"error": str(exc), "reason": exc.reason})
+            return
+        self._send_json(200, started)
 
     def _accept(self, query: str, frame: bytes) -> None:
         q = {k: v[0] for k, v in parse_qs(query).items()}

@@ -62,7 +62,8 @@ class PlanSlot:
     plan_id: str
     role: str  # leader | member
     reserve_bytes: dict[str, int]  # GPU uuid -> bytes booked for it
-    engine: PlanEngine | None = None  # the leader's engine; members hold memory only
+    engine: PlanEngine | None = None  # the leader's engine
+    part: Any = None  # a member's stage workers of the plan (torch: agents.dataplane.stages.MemberStages)
     frozen: bool = False
     ready: bool = False  # the engine started (a vLLM server can take a minute): it has metrics to report
     load_s: float = 0.0
@@ -239,6 +240,7 @@ class NodeAgent:
             for slot in slots:
                 if slot.engine is not None:
                     self._stop_engine(slot.engine)
+                self._leave(slot)
         if self.backend is not None:
             self.backend.close()
         if self._poller is not None:
@@ -387,14 +389,22 @@ class NodeAgent:
             if slot.role == "leader":
                 if self.backend is None:
                     raise PrepareError(f"this node runs no engine backend ({self.backend_name})")
-                engine = self.backend.make(deployment, p["plan"], plan_id, str(p["model"]), p.get("weights_sha256"))
+                engine = self.backend.make(deployment, p["plan"], plan_id, str(p["model"]), p.get("weights_sha256"),
+                                           stages=list(p.get("stages") or []), peers=dict(p.get("peers") or {}))
                 slot.engine = engine
                 engine.start()
+            elif self.backend is not None:
+                # Registered before the ack: the leader's engine asks for our ranks as soon as its own
+                # prepare runs, and is told to retry (409) until this point.
+                slot.part = self.backend.join(deployment, p["plan"], plan_id, str(p["model"]),
+                                              p.get("weights_sha256"), stages=list(p.get("stages") or []),
+                                              node_id=self.node_id)
         except Exception as exc:
             with self._lock:
                 self.plans.pop(key, None)
             if slot.engine is not None:
                 self._stop_engine(slot.engine)
+            self._leave(slot)
             if isinstance(exc, PrepareError):
                 raise
             log.exception("%s: prepare of %s failed", self.node_id, plan_id)
@@ -431,6 +441,15 @@ class NodeAgent:
         if self.backend is not None:
             self.backend.forget(engine)
 
+    def _leave(self, slot: PlanSlot) -> None:
+        """Stop a member's stage workers of `slot`'s plan (none: nothing to do)."""
+        part, slot.part = slot.part, None
+        if part is not None and self.backend is not None:
+            try:
+                self.backend.leave(part)
+            except Exception:  # noqa: BLE001 - stopping must go on for the other plans
+                log.exception("%s: the stage workers of plan %s did not stop cleanly", self.node_id, slot.plan_id)
+
     def _drop(self, key: tuple[str, str]) -> PlanSlot | None:
         with self._lock:
             return self.plans.pop(key, None)
@@ -444,6 +463,7 @@ class NodeAgent:
             r = slot.engine.release(float(p.get("drain_timeout_s", 0.0)), None)
             failed = [str(s) for s in r.get("failed", [])]
             self._stop_engine(slot.engine)
+        self._leave(slot)
         self._drop(key)
         return _Outcome("ok", f"aborted: {p.get('reason', '')}"[:200], {"plan_id": key[1], "failed": failed})
 
@@ -489,6 +509,7 @@ class NodeAgent:
         if slot.engine is not None:
             result = dict(slot.engine.release(float(p.get("drain_timeout_s", 0.0)), p.get("fallback")))
             self._stop_engine(slot.engine)
+        self._leave(slot)
         self._drop(key)
         freed = sum(slot.reserve_bytes.values())
         return _Outcome("ok", f"released, {freed} bytes freed", {**result, "plan_id": key[1], "freed_bytes": freed})

@@ -9,9 +9,17 @@
     PlanEngine.stop()
 
 torch: `agents.dataplane.PlanHost` (the torch reference engine behind the node's DataServer: the
-gateway streams tokens from it, KV moves agent to agent through it). One engine holds every stage
-of the plan in this node's worker processes, so only the plan's leader builds one; a member node
-reserves its GPUs' memory and holds nothing else.
+gateway streams tokens from it, KV moves agent to agent through it). The plan's leader builds the
+engine and runs the worker processes of its own GPUs; each member node runs the workers of its
+GPUs. A member's prepare_plan books its GPUs' memory, checks its copy of the weights against the
+registry's SHA256 and registers the plan's ranks (`TorchBackend.join`); the leader's engine then
+asks every peer (prepare_plan's `peers`: node id -> data address) at POST /data/v1/stages to
+start the ranks it holds, and those connect back to the leader's listener and store
+(agents/engines/torch/remote.py). Hidden states between stages and TP collectives go over
+torch.distributed between the hosts. Release or abort of the plan on a member stops its workers;
+they also stop on their own when the leader goes away. Between nodes, the leader's TCPStore port
+and listener port (both picked by the OS, on the leader's data host) and every node's data port
+must be reachable, and so must gloo's/NCCL's own connections between the worker processes.
 
 vllm: `agents.dataplane.VllmPlanHost`, one supervised vLLM server per plan behind the same
 DataServer: the gateway streams from it as from a torch plan; sequences move agent to agent by
@@ -20,6 +28,7 @@ replay only (vLLM cannot export or import KV), a migrate is carried out and acke
 
 from __future__ import annotations
 
+import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,26 +133,85 @@ class TorchBackend:
     device: str = "cpu"  # "cuda" on a GPU node (--probe nvml)
     gpu_index: dict[str, int] = field(default_factory=dict)  # GPU uuid -> CUDA index (from the NVML probe)
     _server: Any = None
+    _members: Any = None  # agents.dataplane.stages.MemberRegistry, made with the server
 
     def server(self) -> Any:
-        """The node's DataServer, started on first use (OSError when the address is taken)."""
+        """The node's DataServer, started on first use (OSError when the address is taken); it
+        also answers leaders that ask this node to start its stage workers."""
         if self._server is None:
+            from agents.dataplane.stages import MemberRegistry
+
+            self._members = MemberRegistry()
             self._server = _data_server(self.data_addr)
+            self._server.members = self._members
         return self._server
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
-             weights_sha256: str | None) -> PlanEngine:
+             weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
+             peers: dict[str, str] | None = None) -> PlanEngine:
+        """The leader's engine. `stages` (this node's part, prepare_plan's) and `peers` place the
+        ranks of other nodes there; without peers every rank runs here (a one-node plan, or a
+        controller that names no peers)."""
         folder, digest = self.models.resolve(model, weights_sha256)
         try:
             from agents.dataplane import PlanHost
         except ImportError as exc:
             raise PrepareError(f"the torch data plane is not installed on this node ({exc})") from None
+        placement = self.placement(deployment, plan, plan_id, digest, stages or [], peers or {})
         host = PlanHost(deployment=deployment, plan=plan, model_dir=str(folder), layout=layout_of(plan),
                         weights_sha256=digest, max_waiting=self.max_waiting, num_kv_blocks=self.num_kv_blocks,
-                        device=self.device, gpus=self.cuda_indexes(plan) if self.device == "cuda" else None)
+                        device=self.device, gpus=self.cuda_indexes(plan) if self.device == "cuda" else None,
+                        placement=placement)
         if host.plan_id != plan_id:
             raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
         return _Served(host, self.server())
+
+    def placement(self, deployment: str, plan: dict[str, Any], plan_id: str, digest: str,
+                  stages: list[dict[str, Any]], peers: dict[str, str]) -> dict[str, Any] | None:
+        """Per engine group, the ranks this node runs and the peers to ask for the rest; None when
+        every rank is here (no listener, nothing extra: the one-node path)."""
+        from agents.dataplane.stages import HttpStageSite
+        from agents.engines.torch.remote import Placement
+
+        addrs = {n: a for n, a in sorted(peers.items()) if a}
+        if not addrs:
+            return None
+        here = local_ranks(plan, stages)
+        worlds = {g: sum(len(s.get("gpus", [])) for s in raw) for g, raw in pipelines(plan).items()}
+        if all(len(here.get(g, set())) == w for g, w in worlds.items()):
+            return None
+        sites = tuple(HttpStageSite(n, a, deployment, plan_id, digest) for n, a in addrs.items())
+        return {g: Placement(frozenset(here.get(g, set())), sites, self.bind_host()) for g in worlds}
+
+    def bind_host(self) -> str:
+        """Where the leader's store and listener listen: the data host, or this machine's name
+        when the data server listens on every interface (a wildcard is no address to dial)."""
+        host = self.data_addr.rpartition(":")[0].strip("[]")
+        return host if host not in ("", "0.0.0.0", "::") else socket.getfqdn()
+
+    def join(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, weights_sha256: str | None,
+             *, stages: list[dict[str, Any]], node_id: str) -> Any:
+        """A member's part of a plan: check the weights (the same SHA256 as the leader's, or the
+        prepare fails), and let the leader start this node's ranks through the data server."""
+        from agents.dataplane.stages import MemberStages
+
+        folder, digest = self.models.resolve(model, weights_sha256)
+        ranks: dict[str, dict[tuple[int, int], int | None]] = {}
+        for st in stages:
+            gpus = list(st.get("gpus", []))
+            for r in st.get("ranks", []):
+                gpu = self.gpu_index.get(gpus[r]) if self.device == "cuda" and r < len(gpus) else None
+                ranks.setdefault(str(st["pipeline"]), {})[(int(st["index"]), int(r))] = gpu
+        part = MemberStages(deployment, plan_id, node_id, str(folder), digest, ranks)
+        self.server()
+        self._members.add(part)
+        return part
+
+    def leave(self, part: Any) -> None:
+        """Stop a member's workers of one plan (release, abort) and stop answering for it."""
+        if self._members is not None:
+            self._members.remove(part.deployment, part.plan_id)
+        part.stop()
 
     def cuda_indexes(self, plan: dict[str, Any]) -> list[int] | None:
         """The plan's GPUs on this node as CUDA indexes, in the engine's rank order (prefill or main
@@ -160,9 +228,31 @@ class TorchBackend:
         pass
 
     def close(self) -> None:
+        if self._members is not None:
+            self._members.close()
         if self._server is not None:
             self._server.close()
             self._server = None
+
+
+def pipelines(plan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The plan's stage lists by engine group (= prepare_plan's pipeline names)."""
+    if plan.get("mode") == "disaggregated":
+        return {"prefill": list(plan.get("stages") or []), "decode": list(plan.get("decode_stages") or [])}
+    return {"main": list(plan.get("stages") or [])}
+
+
+def local_ranks(plan: dict[str, Any], stages: list[dict[str, Any]]) -> dict[str, set[int]]:
+    """Group -> the global ranks (stage order, then TP rank) that prepare_plan's `stages` put here."""
+    firsts = {g: [sum(len(s.get("gpus", [])) for s in raw[:i]) for i in range(len(raw))]
+              for g, raw in pipelines(plan).items()}
+    out: dict[str, set[int]] = {}
+    for st in stages:
+        base = firsts.get(str(st.get("pipeline")), [])
+        i = int(st.get("index", -1))
+        if 0 <= i < len(base):
+            out.setdefault(str(st["pipeline"]), set()).update(base[i] + int(r) for r in st.get("ranks", []))
+    return out
 
 
 class _Served:
@@ -242,7 +332,9 @@ class VllmBackend:
                             gpu_ids=gpus, dtype="float32" if self.cpu else "auto", enforce_eager=self.cpu, env=env)
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
-             weights_sha256: str | None) -> PlanEngine:
+             weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
+             peers: dict[str, str] | None = None) -> PlanEngine:
+        """(`stages`, `peers`: unused - a vLLM plan runs on its leader's machine)"""
         from agents.dataplane import VllmPlanHost
         from agents.engines.vllm import RestartPolicy
 
@@ -262,6 +354,14 @@ class VllmBackend:
             raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
         return _Served(host, self.server())
 
+    def join(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, weights_sha256: str | None,
+             *, stages: list[dict[str, Any]], node_id: str) -> Any:
+        """A vLLM member holds memory only: its plan's server runs on the leader."""
+        return None
+
+    def leave(self, part: Any) -> None:
+        pass
+
     def forget(self, engine: PlanEngine) -> None:
         pass
 
@@ -273,7 +373,13 @@ class VllmBackend:
 
 class Backend(Protocol):
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
-             weights_sha256: str | None) -> PlanEngine: ...
+             weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
+             peers: dict[str, str] | None = None) -> PlanEngine: ...
+
+    def join(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, weights_sha256: str | None,
+             *, stages: list[dict[str, Any]], node_id: str) -> Any: ...
+
+    def leave(self, part: Any) -> None: ...
 
     def forget(self, engine: PlanEngine) -> None: ...
 

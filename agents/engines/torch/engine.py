@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -31,6 +31,7 @@ from agents.engines.torch.group import EngineError, WorkerGroup
 from agents.engines.torch.kvcache import KVCacheFullError
 from agents.engines.torch.layout import Layout
 from agents.engines.torch.model import ModelConfig, SeqChunk
+from agents.engines.torch.remote import Placement
 from agents.engines.torch.sampling import SamplingParams, draws_after
 from agents.engines.torch.weights import WEIGHTS_FILE, sha256_file
 from agents.engines.torch.worker import StepPlan
@@ -133,7 +134,11 @@ class TorchEngine:
         timeout_s: float = 120.0,
         num_threads: int = 1,
         start_method: str = "forkserver",
+        placement: Mapping[str, Placement] | None = None,
     ) -> None:
+        """`placement`: per group name (main, or prefill and decode), which of its ranks run here
+        and which nodes to ask for the others (agents/engines/torch/remote.py). A group without
+        an entry runs every rank on this node, as a one-node plan does."""
         self.model_dir = str(model_dir)
         self.cfg = ModelConfig.from_dir(model_dir)
         self.layout = layout if isinstance(layout, Layout) else Layout.from_dict(layout)
@@ -161,12 +166,21 @@ class TorchEngine:
         self._forget: dict[str, list[str]] = {}
         # GPUs go round-robin over every worker of the engine, prefill group first, so a
         # disaggregated engine with enough GPUs keeps its two groups apart.
-        placement = itertools.count()
+        # Ranks on other nodes take no GPU of this one (-1: their node fills in its own).
+        where = dict(placement or {})
+        for name in where:
+            if name not in self.layout.groups:
+                raise ValueError(f"placement: no group {name!r} in this layout ({sorted(self.layout.groups)})")
+        turn = itertools.count()
         try:
             for name, stages in self.layout.groups.items():
                 world = sum(s.tp for s in stages)
+                here = where.get(name)
                 rank_gpus = (
-                    tuple(self.gpus[next(placement) % len(self.gpus)] for _ in range(world))
+                    tuple(
+                        self.gpus[next(turn) % len(self.gpus)] if here is None or rank in here.local else -1
+                        for rank in range(world)
+                    )
                     if self.gpus
                     else ()
                 )
@@ -183,6 +197,7 @@ class TorchEngine:
                     timeout_s=float(timeout_s),
                     num_threads=num_threads,
                     start_method=start_method,
+                    placement=here,
                 )
                 self._forget[name] = []
         except BaseException:

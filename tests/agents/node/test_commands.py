@@ -114,3 +114,22 @@ def test_on_a_gpu_node_a_plan_s_gpus_become_cuda_indexes_in_rank_order(models_di
     plan = tiny_plan([[b, a], [c]]).to_dict()
     assert backend.cuda_indexes(plan) == [1, 4, 0]
     assert backend.cuda_indexes(tiny_plan([gpus("elsewhere", 1)]).to_dict()) is None
+
+
+def test_a_plan_on_one_node_gets_no_placement_and_a_split_one_asks_its_peers(models_dir: Any) -> None:
+    from agents.node.plans import ModelStore, TorchBackend
+
+    backend = TorchBackend(ModelStore(models_dir), "127.0.0.1:1")
+    a, b = gpus("n1", 1)[0], gpus("n2", 1)[0]
+    one = tiny_plan([[a], [gpus("n1")[1]]])
+    here = prepare_payload(one, "n1")
+    # every rank here: the one-node path (no listener), whatever peers say
+    assert backend.placement("tiny", one.to_dict(), one.plan_id, "0" * 64, here["stages"], {"n2": "h:1"}) is None
+    split = tiny_plan([[a], [b]])
+    lead = prepare_payload(split, "n1", node_of={a: "n1", b: "n2"})
+    assert backend.placement("tiny", split.to_dict(), split.plan_id, "0" * 64, lead["stages"], {}) is None
+    placed = backend.placement("tiny", split.to_dict(), split.plan_id, "0" * 64, lead["stages"], {"n2": "h:7"})
+    assert placed is not None and set(placed) == {"main"}
+    main = placed["main"]
+    assert main.local == {0} and main.bind_host == "127.0.0.1"
+    assert [(s.name, s.addr) for s in main.sites] == [("n2", "h:7")]
