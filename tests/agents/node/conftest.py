@@ -15,6 +15,7 @@ from agents.node.gpuspec import SpecProbe, gpu_uuid
 from agents.node.plans import ModelStore, TorchBackend
 from agents.protocol import Command
 from scheduler.plan import Plan, Stage
+from tests.agents.engines.conftest import tiny_model  # noqa: F401 - the fixture, for tests here
 from tests.agents.engines.vllm.conftest import skip_vllm_tests_without_venv
 
 MODEL = "tiny-llama"

@@ -18,6 +18,7 @@ import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
 
+from agents.engines.torch.sampling import SamplingParams
 from agents.node.daemon import NodeAgent
 from agents.protocol import check_result
 from console.celery import app
@@ -25,6 +26,7 @@ from console.fleet.models import AgentCommand, Gpu, Node
 from console.gearbox.actions import do_pin_gear, do_request_gear, do_sync_deployment
 from console.gearbox.models import Deployment, Transition
 from scheduler.plan import Gear
+from tests.agents.engines.conftest import TinyModel
 from tests.agents.node.conftest import MODEL, gpus, tiny_plan
 from tests.conftest import TEST_REDIS_URL
 
@@ -250,6 +252,24 @@ def test_an_agent_that_restarts_without_its_plan_gets_one_back_from_the_gearbox(
     wait_for(lambda: load.futures and load.futures[0].done(), 30, "a sequence on the plan brought back")
     result = load.results()[0]
     assert result["end"] == {"done": True, "finish_reason": "length"} and len(result["tokens"]) == Load.MAX_TOKENS
+
+
+def test_the_gearbox_brings_up_a_plan_whose_stages_are_on_two_nodes_and_it_serves(
+        running: Callable[..., NodeAgent], worker: None, tiny_model: TinyModel) -> None:
+    baseline = Gear(MODEL, (tiny_plan([gpus("n1", 1), gpus("n2", 1)]),), (1.0,))
+    do_sync_deployment(name="tiny", model_name=MODEL, ttft_ms=2000, tpot_ms=200, priority=1, baseline=baseline,
+                       actor="system:test")
+    n1, n2 = running("n1"), running("n2")
+    wait_for(lambda: Deployment.objects.get(name="tiny").current_gear, 120, "the cross-node baseline up", story)
+    pid = baseline.plans[0].plan_id
+    assert n1.plans[("tiny", pid)].role == "leader" and n2.plans[("tiny", pid)].role == "member"
+    prepares = AgentCommand.objects.filter(kind="prepare_plan").order_by("node__node_id")
+    assert [(c.node.node_id, c.state) for c in prepares] == [("n1", "ok"), ("n2", "ok")]
+    load = Load(n1.data_addr or "", pid, streams=1)
+    wait_for(lambda: load.futures and load.futures[0].done(), 60, "a sequence on the cross-node plan")
+    result = load.results()[0]
+    reference = tiny_model.reference(Load.PROMPT, Load.MAX_TOKENS, SamplingParams(ignore_eos=True))
+    assert result["end"] == {"done": True, "finish_reason": "length"} and result["tokens"] == reference
 
 
 def test_a_node_on_the_nvml_probe_registers_what_nvml_recorded(console: str) -> None:
