@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
 
 import pytest
 import redis as redis_lib
@@ -70,3 +71,17 @@ def _isolated_services(django_test_environment: None) -> None:
 @pytest.fixture
 def redis_client() -> redis_lib.Redis:
     return redis_lib.Redis.from_url(TEST_REDIS_URL)
+
+
+@pytest.fixture
+def worker() -> Iterator[None]:
+    """A real Celery worker (solo pool, in this process) on this test worker's own queue, emptied
+    first: tasks that earlier tests' signals queued (ticks, advances) must not run here."""
+    from celery.contrib.testing.worker import start_worker
+
+    from console.celery import app
+
+    redis_lib.Redis.from_url(TEST_REDIS_URL).delete(app.conf.task_default_queue)
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
+                      queues=[app.conf.task_default_queue]):
+        yield

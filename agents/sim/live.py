@@ -61,7 +61,7 @@ from agents.sim.cluster import FAILED, TENANT, SimCluster
 from agents.sim.engine import PlanEngine
 from agents.sim.executor import SimAgents
 from agents.sim.fleet import IDLE_MEM_BYTES, FleetSim
-from agents.sim.memory_fleet import Fault
+from agents.sim.memory_fleet import Fault, take_fault
 from agents.sim.scenario import Scenario
 from agents.sim.workload import build_workload
 from scheduler.hardware import gpu_spec
@@ -377,7 +377,7 @@ class LiveFleet:
             else:
                 self._answer(cmd, True, "", {"plan_id": cmd.payload.get("plan_id"), "noop": True})
             return
-        fault = self._fault_for(cmd)
+        fault = take_fault(self.faults, cmd)
         if fault is not None:
             self._faulted[cmd.key] = fault
             log.warning("%s: %s %s is faulted (%s)", cmd.node_id, cmd.key, cmd.kind.value, fault.action)
@@ -391,16 +391,6 @@ class LiveFleet:
             engine = self._engine_of(cmd)
             run_s = engine.ready_s - self.sim.now_s if engine is not None and engine.state == "loading" else COMMAND_S
             self.sim.call_at(self.sim.now_s + 0.5 * max(run_s, 0.0), lambda t: self._lose_for(cmd, fault))
-
-    def _fault_for(self, cmd: CommandIntent) -> Fault | None:
-        for i, f in enumerate(self.faults):
-            if f.node == cmd.node_id and f.kind in ("*", cmd.kind.value):
-                if f.times <= 1:
-                    self.faults.pop(i)
-                else:
-                    self.faults[i] = replace(f, times=f.times - 1)
-                return f
-        return None
 
     def _engine_of(self, cmd: CommandIntent) -> PlanEngine | None:
         if cmd.deployment_id not in self.sim.deployments:

@@ -234,6 +234,18 @@ class Fault:
     reason: str = ""  # fail: the reason the ack carries (default: failed)
 
 
+def take_fault(faults: list[Fault], cmd: CommandIntent) -> Fault | None:
+    """The first fault that strikes `cmd` (its node, its kind or "*"), used up by one."""
+    for i, f in enumerate(faults):
+        if f.node == cmd.node_id and f.kind in ("*", cmd.kind.value):
+            if f.times <= 1:
+                faults.pop(i)
+            else:
+                faults[i] = replace(f, times=f.times - 1)
+            return f
+    return None
+
+
 @dataclass
 class _Job:
     cmd: CommandIntent
@@ -513,14 +525,7 @@ class MemoryFleet:
                 self._start(job)
 
     def _fault_for(self, cmd: CommandIntent) -> Fault | None:
-        for i, f in enumerate(self.faults):
-            if f.node == cmd.node_id and f.kind in ("*", cmd.kind.value):
-                if f.times <= 1:
-                    self.faults.pop(i)
-                else:
-                    self.faults[i] = replace(f, times=f.times - 1)
-                return f
-        return None
+        return take_fault(self.faults, cmd)
 
     def _ack(self, job: _Job, status: Literal["ok", "failed"], detail: str = "",
              result: Mapping[str, object] | None = None) -> None:

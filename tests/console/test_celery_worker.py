@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from celery.contrib.testing.worker import start_worker
 from django.utils import timezone
 
-from console.celery import app
 from console.fleet.models import Node
 from console.fleet.tasks import sweep_heartbeats
 from tests.console.conftest import enroll
@@ -17,11 +14,6 @@ from tests.console.conftest import enroll
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture
-def worker() -> Iterator[None]:
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
-                      queues=[app.conf.task_default_queue]):
-        yield
 
 
 def test_the_heartbeat_sweep_runs_on_a_worker(worker: None, client) -> None:  # type: ignore[no-untyped-def]

@@ -15,8 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
-import redis
-from celery.contrib.testing.worker import start_worker
 
 from agents.engines.torch.sampling import SamplingParams
 from agents.node.daemon import NodeAgent
@@ -28,18 +26,11 @@ from console.gearbox.models import Deployment, Transition
 from scheduler.plan import Gear
 from tests.agents.engines.conftest import TinyModel
 from tests.agents.node.conftest import MODEL, gpus, tiny_plan
-from tests.conftest import TEST_REDIS_URL
 
 JOIN = "fpj_node-test"
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
-@pytest.fixture
-def worker() -> Iterator[None]:
-    redis.Redis.from_url(TEST_REDIS_URL).delete(app.conf.task_default_queue)
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
-                      queues=[app.conf.task_default_queue]):
-        yield
 
 
 @pytest.fixture

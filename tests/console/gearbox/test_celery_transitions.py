@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
-from celery.contrib.testing.worker import start_worker
 
 from console.celery import app
 from console.gearbox import tasks
@@ -25,12 +24,6 @@ def purge_queue() -> None:
     client.delete(app.conf.task_default_queue)
 
 
-@pytest.fixture
-def worker() -> Iterator[None]:
-    purge_queue()
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
-                      queues=[app.conf.task_default_queue]):
-        yield
 
 
 def until(cond: Callable[[], bool], agents: SimAgents, max_s: float = 45.0) -> None:

@@ -9,69 +9,34 @@ scenario's preemption at t=45 s takes four H100s and the gearbox moves the gear 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
-from celery.contrib.testing.worker import start_worker
-from django.core.management import call_command
 
 from agents.sim.live import LiveFleet
-from agents.sim.scenario import load_scenario
-from console.celery import app
 from console.gearbox.models import Deployment, Transition
 from scheduler.invariants import check
 from scheduler.plan import Gear
-from tests.conftest import TEST_REDIS_URL
 from tests.console.gearbox.harness import django_log
+from tests.demo_fleet import demo_fleet, run_until, story
 
-ROOT = Path(__file__).resolve().parents[3]
 JOIN = "fpj_end-to-end"
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
-@pytest.fixture
-def worker() -> Iterator[None]:
-    redis.Redis.from_url(TEST_REDIS_URL).delete(app.conf.task_default_queue)
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
-                      queues=[app.conf.task_default_queue]):
-        yield
 
 
 @pytest.fixture
 def fleet(live_server: Any, settings: Any, worker: None) -> Iterator[LiveFleet]:
     settings.FLEXPIPE_ENROLL_TOKEN = JOIN
-    call_command("load_scenario_deployments", str(ROOT / "scenarios" / "demo.yaml"))
-    f = LiveFleet(load_scenario(ROOT / "scenarios" / "demo.yaml"), live_server.url, JOIN, report_interval_s=1.0,
-                  long_poll_s=2.0)
+    f = demo_fleet(live_server.url, JOIN)
     yield f
     f.close()
 
 
-def run_until(fleet: LiveFleet, cond: Callable[[], bool], max_s: float, what: str) -> None:
-    deadline = time.monotonic() + max_s
-    last_sweep = 0.0
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}: not within {max_s} s; transitions: {story()}"
-        fleet.step()
-        if time.monotonic() - last_sweep > 2.0:  # what beat's sweep does
-            app.send_task("transitions.sweep", queue=app.conf.task_default_queue)
-            last_sweep = time.monotonic()
-        time.sleep(0.05)
-
-
 def gpus_of(raw: object) -> set[str]:
     return set(Gear.from_dict(raw).gpu_uuids) if raw else set()
-
-
-def story() -> str:
-    """Every transition so far, for a failure message."""
-    return "; ".join(f"{t.deployment.name}#{t.seq} {t.kind} {t.phase}/{t.step} "
-                     f"({t.decision.trigger if t.decision else '-'}) {t.error[:60]}"
-                     for t in Transition.objects.select_related("deployment", "decision").order_by("id"))
 
 
 def test_the_demo_brings_its_baselines_up_and_shifts_gear_after_the_preemption(fleet: LiveFleet) -> None:

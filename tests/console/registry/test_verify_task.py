@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from celery.contrib.testing.worker import start_worker
 
 from console.audit.models import AuditEntry
-from console.celery import app
 from console.registry import actions
 from console.registry.models import ModelVersion
 from console.registry.tasks import verify_weights
 from tests.console.people import Person
 from tests.console.registry.conftest import OTHER_SHA256, TinyWeights, model_body
-
-
-@pytest.fixture
-def worker() -> Iterator[None]:
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
-                      queues=[app.conf.task_default_queue]):
-        yield
 
 
 @pytest.fixture
