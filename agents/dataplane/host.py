@@ -26,7 +26,7 @@ from queue import Empty, Queue
 from typing import Any, TypeVar
 
 from agents.dataplane.errors import DataPlaneError, Frozen, Refused, Saturated, StaleLease
-from agents.dataplane.hosting import DrainThenHandOver
+from agents.dataplane.hosting import DrainThenHandOver, put_back
 from agents.dataplane.stream import SeqStream
 from agents.engines.torch.engine import EngineError, KVCacheFullError, KVState, StepOutput, TorchEngine
 from agents.engines.torch.layout import Layout, StageSpec
@@ -444,14 +444,8 @@ class PlanHost(DrainThenHandOver):
             fut.result(OP_TIMEOUT_S)
         except (ValueError, KVCacheFullError, DataPlaneError) as exc:
             with self._lock:
-                if held is None:
-                    self._leases.pop(sid, None)
-                else:
-                    self._leases[sid] = held
-                if previous is None:
-                    self._streams.pop(sid, None)
-                else:
-                    self._streams[sid] = previous
+                put_back(self._leases, sid, held)
+                put_back(self._streams, sid, previous)
             raise Refused(f"cannot take {sid}: {exc}") from None
 
     def report(self) -> EngineReport:

@@ -109,3 +109,10 @@ class DrainThenHandOver(ABC):
             self._end_released(stream, {"error": f"plan {self.plan_id} was released before {stream.seq_id} finished"})
         self.stop()
         return {"plan_id": self.plan_id, "freed_bytes": {}, "failed": failed, "handed_over": handed}
+
+def put_back(table: dict[Any, Any], key: Any, previous: Any) -> None:
+    """Undo one write of a refused hand-over: `key` holds what it held before, or nothing."""
+    if previous is None:
+        table.pop(key, None)
+    else:
+        table[key] = previous

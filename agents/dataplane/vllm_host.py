@@ -42,7 +42,7 @@ import httpx
 import torch
 
 from agents.dataplane.errors import DataPlaneError, Frozen, Refused, Saturated, StaleLease
-from agents.dataplane.hosting import DrainThenHandOver
+from agents.dataplane.hosting import DrainThenHandOver, put_back
 from agents.dataplane.stream import SeqStream
 from agents.engines.torch.engine import KVState
 from agents.engines.torch.sampling import SamplingParams
@@ -533,14 +533,8 @@ class VllmPlanHost(DrainThenHandOver):
             resp = self._open(run.body)
         except (ValueError, DataPlaneError) as exc:
             with self._lock:
-                if held is None:
-                    self._leases.pop(sid, None)
-                else:
-                    self._leases[sid] = held
-                if previous is None:
-                    self._runs.pop(sid, None)
-                else:
-                    self._runs[sid] = previous
+                put_back(self._leases, sid, held)
+                put_back(self._runs, sid, previous)
             raise Refused(f"cannot take {sid}: {exc}") from None
         self._begin(run, resp)
 
