@@ -978,10 +978,8 @@ class SteadyState:
                 return min(max(n, float(a)), float(b))
         return float(grid[-1])
 
-    def estimate(self, rate_rps: float) -> Estimate:
-        """The plan under this workload shape at `rate_rps`."""
-        if self.running_cap < 1 or self.capacity_rps <= 0:
-            return _dead_estimate(rate_rps, self.kv_tokens, self.gpus, "kv")
+    def _latencies(self, rate_rps: float) -> tuple[float, float, float, float, float, float, float]:
+        """(served, utilisation, rho, TTFT P50, P99, TPOT P50, P99) at `rate_rps` (a live plan)."""
         if not self._latency_ready:
             self._latency_tables()
         capacity = self.capacity_rps
@@ -1017,6 +1015,25 @@ class SteadyState:
                 base99 = max(base99, self.chunks99 * tpot99)
             ttft50 = base50 + self.handoff50_s + wait(0.5)
             ttft99 = base99 + self.handoff99_s + wait(0.99)
+        return served, util, rho, ttft50, ttft99, tpot50, tpot99
+
+    def meets_slo(self, rate_rps: float, attainment: float) -> bool:
+        """Whether goodput >= attainment x throughput at `rate_rps`: `estimate(rate_rps)`'s
+        verdict without building the Estimate (the planner asks it a dozen times per plan)."""
+        if self.running_cap < 1 or self.capacity_rps <= 0 or self.slo is None:
+            est = self.estimate(rate_rps)
+            return est.goodput_tokens_s >= attainment * est.throughput_tokens_s
+        served, _, rho, ttft50, ttft99, tpot50, tpot99 = self._latencies(rate_rps)
+        throughput = served * self.output
+        goodput = throughput * _slo_attainment(self.slo, ttft50, ttft99, tpot50, tpot99, rho)
+        return goodput >= attainment * throughput
+
+    def estimate(self, rate_rps: float) -> Estimate:
+        """The plan under this workload shape at `rate_rps`."""
+        if self.running_cap < 1 or self.capacity_rps <= 0:
+            return _dead_estimate(rate_rps, self.kv_tokens, self.gpus, "kv")
+        capacity = self.capacity_rps
+        served, util, rho, ttft50, ttft99, tpot50, tpot99 = self._latencies(rate_rps)
         throughput = served * self.output
         goodput = throughput
         if self.slo is not None:

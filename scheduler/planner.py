@@ -565,8 +565,7 @@ def _slo_rate(state: SteadyState, steps: int = 12) -> float:
         return 0.0
 
     def meets(rate: float) -> bool:
-        est = state.estimate(rate)
-        return est.goodput_tokens_s >= SLO_ATTAINMENT * est.throughput_tokens_s
+        return state.meets_slo(rate, SLO_ATTAINMENT)
 
     if meets(cap * 0.999):
         return cap
