@@ -229,12 +229,14 @@ def test_an_agent_that_restarts_without_its_plan_gets_one_back_from_the_gearbox(
     assert first.plans[("tiny", pid)].engine is not None
 
     first.close()  # the daemon dies, and its engines with it; a new one starts on the node
+    restarted = time.monotonic()
     again = running("n1")
 
     def serving() -> bool:
         slot = again.plans.get(("tiny", pid))
         return slot is not None and slot.engine is not None and Deployment.objects.get(name="tiny").current_gear
     wait_for(serving, 120, "the plan prepared again on the new agent", story)
+    print(f"\nagent restart -> its plan serving again: {time.monotonic() - restarted:.1f} s")
     assert AuditEntry.objects.filter(event_type="fleet.plans_lost").count() == 1
     assert AuditEntry.objects.filter(event_type="gearbox.plans_lost").count() == 1
     routes = Deployment.objects.get(name="tiny").routing

@@ -217,10 +217,12 @@ class GatewayLive(ChannelsLiveServerTestCase):
         doomed = self.hosts.run("a1", PLAN_TP2)
         set_routes("tiny", [route(doomed, "a1")])
         ids: list[int] = []
+        arrivals: list[float] = []
         finish = None
         stream = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=n, temperature=0,
                                                 stream=True, extra_body=GREEDY)
         for chunk in stream:
+            arrivals.append(time.monotonic())
             if not ids:
                 # the plan's node dies with the sequence on it; the gearbox routes to another plan
                 set_routes("tiny", [route(self.a, "a1")])
@@ -229,6 +231,8 @@ class GatewayLive(ChannelsLiveServerTestCase):
             finish = chunk.choices[0].finish_reason or finish
         assert finish == "length" and ids == ids0  # resumed by replay: the tokens of a run without the loss
         assert self.failovers() == failovers + 1
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+        print(f"\nfailover by replay after a plan died: largest gap between chunks {1000 * max(gaps):.0f} ms")
 
     def failovers(self) -> float:
         scrape = httpx.get(f"{self.live_server_url}/metrics", headers={"Authorization": f"Bearer {self.token}"})
