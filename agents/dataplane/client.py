@@ -51,10 +51,11 @@ def send_state(addr: str, state: KVState, *, deployment: str, plan_id: str, rout
         raise ConnectionError(f"target {addr}: {exc}") from exc
     if resp.status_code == 200:
         return len(frame)
-    raise error_from(resp.status_code, _json(resp), resp.headers)
+    raise error_from(resp.status_code, json_body(resp), resp.headers)
 
 
-def _json(resp: httpx.Response) -> dict[str, Any]:
+def json_body(resp: httpx.Response) -> dict[str, Any]:
+    """A data server's answer as an object; text that is not one becomes {"error": text}."""
     try:
         body = resp.json()
     except ValueError:
@@ -91,7 +92,7 @@ def stream_tokens(addr: str, *, generate: dict[str, Any] | None = None, seq_id: 
         try:
             if resp.status_code != 200:
                 resp.read()
-                raise error_from(resp.status_code, _json(resp), resp.headers)
+                raise error_from(resp.status_code, json_body(resp), resp.headers)
             for line in resp.iter_lines():
                 if line.strip():
                     yield json.loads(line)

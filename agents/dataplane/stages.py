@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from agents.dataplane.client import base_url
+from agents.dataplane.client import base_url, json_body
 from agents.dataplane.errors import DataPlaneError
 from agents.engines.torch.remote import RemoteStart, StageProcesses
 
@@ -162,7 +162,7 @@ class HttpStageSite:
             except httpx.HTTPError as exc:
                 last = f"{self.addr} unreachable ({exc.__class__.__name__})"
             else:
-                answer = _json(resp)
+                answer = json_body(resp)
                 if resp.status_code == 200:
                     return [(int(a), int(b)) for a, b in answer.get("started", [])]
                 if not (resp.status_code == 409 and answer.get("reason") == NotPrepared.reason):
@@ -171,11 +171,3 @@ class HttpStageSite:
             if time.monotonic() + RETRY_S >= deadline:
                 raise RuntimeError(f"not ready within {request.timeout_s:g} s: {last}")
             time.sleep(RETRY_S)
-
-
-def _json(resp: httpx.Response) -> dict[str, Any]:
-    try:
-        body = resp.json()
-    except ValueError:
-        return {"error": resp.text[:500]}
-    return body if isinstance(body, dict) else {"error": str(body)[:500]}

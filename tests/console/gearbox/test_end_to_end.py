@@ -25,8 +25,6 @@ JOIN = "fpj_end-to-end"
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
-
-
 @pytest.fixture
 def fleet(live_server: Any, settings: Any, worker: None) -> Iterator[LiveFleet]:
     settings.FLEXPIPE_ENROLL_TOKEN = JOIN
