@@ -152,12 +152,12 @@ def test_live_reports_follow_the_server(vllm_engine: VllmEngine) -> None:
 def test_live_gauges_show_running_requests(vllm_engine: VllmEngine) -> None:
     # NOTE: on this 2-core machine vLLM's API server sometimes takes in the engine's step outputs
     # (tokens for the streams, stats for the gauges) only in bulk at the end of a burst, so one
-    # burst may pass without a gauge moving. Up to three bursts of eight requests are given.
+    # burst may pass without a gauge moving. Up to six bursts of eight requests are given.
     body = {"model": SERVED, "prompt": list(range(5, 105)), "max_tokens": 400, "temperature": 0,
             "ignore_eos": True}
     seen: VllmMetrics | None = None
     bursts = 0
-    while seen is None and bursts < 3:
+    while seen is None and bursts < 6:
         bursts += 1
         results: list[int] = []
 
