@@ -1028,6 +1028,17 @@ class SteadyState:
         goodput = throughput * _slo_attainment(self.slo, ttft50, ttft99, tpot50, tpot99, rho)
         return goodput >= attainment * throughput
 
+    def slo_margin(self, rate_rps: float) -> float:
+        """How far the worse P99 is past its objective at `rate_rps`: max(TTFT P99 / ttft,
+        TPOT P99 / tpot) - 1 (<= 0: both met). Continuous and increasing in the rate, so a
+        root-finder can look for the SLO rate on it (`planner._slo_rate`). With attainment
+        0.99, `meets_slo` is true exactly where this is <= 0: `_attainment` interpolates from
+        0.5 at P50 to 0.99 at P99 and is 1 only at or past P99. A live plan with an SLO only."""
+        if self.slo is None or self.running_cap < 1 or self.capacity_rps <= 0:
+            raise ValueError("slo_margin: needs a live plan with an SLO")
+        _, _, _, _, ttft99, _, tpot99 = self._latencies(rate_rps)
+        return max(ttft99 * 1e3 / self.slo.ttft_ms, tpot99 * 1e3 / self.slo.tpot_ms) - 1.0
+
     def estimate(self, rate_rps: float) -> Estimate:
         """The plan under this workload shape at `rate_rps`."""
         if self.running_cap < 1 or self.capacity_rps <= 0:

@@ -1,15 +1,15 @@
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from scheduler.costmodel import Slo, Workload
+from scheduler.costmodel import PlanProfile, Slo, Workload, steady_state
 from scheduler.hardware import CATALOG
 from scheduler.modelspec import model_spec
 from scheduler.plan import validate_gear
-from scheduler.planner import PlannerOptions, clear_caches, plan_candidates
+from scheduler.planner import SLO_ATTAINMENT, PlannerOptions, _slo_rate, clear_caches, plan_candidates
 from scheduler.topology import GpuState, NodeState, Snapshot, atomic_blocks
-from tests.scheduler.builders import CHAT_SLO, NodeSpec, chat_workload, make_fleet, with_gpus
+from tests.scheduler.builders import CHAT_SLO, NodeSpec, chat_workload, make_fleet, tp_plan, with_gpus
 
 M8 = model_spec("Llama-3-8B")
 M70 = model_spec("Llama-3-70B")
@@ -185,3 +185,35 @@ def test_a_gear_is_sized_to_meet_the_slos_not_just_to_carry_the_rate() -> None:
     best = plan_candidates(M8, snap, load, slo=Slo(ttft_ms=3000, tpot_ms=15)).feasible[0]
     assert best.estimate.goodput_tokens_s >= 0.99 * best.estimate.throughput_tokens_s, best.gear.shape()
     assert best.estimate.capacity_rps >= load.rate_rps
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([("Llama-3-8B", "H100-SXM", 1), ("Llama-3-8B", "A100-40G", 2), ("Llama-3-70B", "H100-SXM", 4),
+                     ("Llama-3-70B", "A100-80G", 8), ("Phi-3-mini", "L40S", 1)]),
+    st.floats(150.0, 5000.0), st.floats(15.0, 200.0), st.integers(64, 4096), st.integers(16, 1024),
+)
+def test_the_slo_rate_is_the_edge_of_the_rates_that_meet_the_slo(
+    setup: tuple[str, str, int], ttft_ms: float, tpot_ms: float, prompt: int, output: int
+) -> None:
+    """The planner's root-finder on the P99 margin answers what a bisection on the verdict
+    would: a rate that meets the SLO, within its tolerance of one that misses it."""
+    model_name, gpu, tp = setup
+    model = model_spec(model_name)
+    snap = make_fleet([NodeSpec("a1", gpu)])
+    plan = tp_plan(model, [f"a1-g{i}" for i in range(tp)], 60_000)
+    slo = Slo(ttft_ms, tpot_ms)
+    state = steady_state(PlanProfile.build(plan, model, snap), Workload(1.0, prompt, output, 0.8, 0.6), slo)
+    cap = state.capacity_rps
+    assume(cap > 0 and state.running_cap >= 1)
+    for x in (0.01, 0.2, 0.5, 0.8, 0.95, 0.999):
+        assert state.meets_slo(cap * x, SLO_ATTAINMENT) == (state.slo_margin(cap * x) <= 0)
+    rate = _slo_rate(state)
+    tol = 2.5e-4 * cap
+    if rate == cap:
+        assert state.meets_slo(cap * 0.999, SLO_ATTAINMENT)
+    elif rate == 0.0:
+        assert not state.meets_slo(cap * 0.01, SLO_ATTAINMENT)
+    else:
+        assert state.meets_slo(rate, SLO_ATTAINMENT)
+        assert not state.meets_slo(min(cap * 0.999, rate + tol), SLO_ATTAINMENT)
