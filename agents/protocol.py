@@ -49,7 +49,10 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     for its communication groups: a torch leader asks each peer's data server to start the
     stage workers that peer's own `stages` place on it - agents/dataplane/stages.py).
     The agent reserves the memory, loads the weights, builds the communication groups, warms
-    up (graph capture, a first batch), then acks ok with {plan_id, reserved_bytes, load_s}.
+    up (graph capture, a first batch), then acks ok with {plan_id, reserved_bytes, load_s,
+    weights_sha256 (the digest the node computed for the weights before loading them, when it
+    hashed them)}. Weights whose digest is not the registry's: ack failed with weights_sha256,
+    the digest observed (the console quarantines that model version).
     Already prepared: ack ok at once. GPUs not ours: ack failed, reason "preempted".
 `abort_plan` - undo a prepare (rollback); safe if it never ran (ack ok, noop: true)
     payload: reason, drain_timeout_s (sequences still there may finish for this long; then
@@ -654,5 +657,8 @@ def check_result(kind: str, result: Any) -> dict[str, Any]:
     elif kind == CommandKind.PREPARE_PLAN.value:
         _gpu_map(r, "reserved_bytes", required=False)
         r.num("load_s", 0.0, min=0.0)
+        sha = r.str("weights_sha256", None, max_len=64)
+        if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
+            r.fail("weights_sha256", "must be 64 lowercase hex digits")
     problems.raise_if_any(f"{kind} result")
     return dict(result)

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from agents.client import AgentClient, ControllerError
-from agents.node.plans import Backend, PlanEngine, PrepareError
+from agents.node.plans import Backend, ModelStore, PlanEngine, PrepareError
 from agents.probes import Probe
 from agents.protocol import (
     FAILURE_REASONS,
@@ -332,7 +332,9 @@ class NodeAgent:
         try:
             out = self._execute(cmd)
         except PrepareError as exc:
-            out = _Outcome("failed", str(exc), {"reason": exc.reason, **({"gpus": exc.gpus} if exc.gpus else {})})
+            out = _Outcome("failed", str(exc), {"reason": exc.reason, **({"gpus": exc.gpus} if exc.gpus else {}),
+                                                **({"weights_sha256": exc.observed_sha256}
+                                                   if exc.observed_sha256 else {})})
         if out.status == "ok":
             try:
                 check_result(cmd.kind, out.result)
@@ -413,8 +415,16 @@ class NodeAgent:
         slot.ready = True
         log.info("%s: plan %s of %s prepared as %s in %.2f s", self.node_id, plan_id, deployment, slot.role,
                  slot.load_s)
-        return _Outcome("ok", f"prepared ({slot.role})", {"plan_id": plan_id, "reserved_bytes": want,
-                                                         "load_s": round(slot.load_s, 4)})
+        result: dict[str, Any] = {"plan_id": plan_id, "reserved_bytes": want, "load_s": round(slot.load_s, 4)}
+        digest = self._weights_digest(str(p["model"]))
+        if digest is not None:
+            result["weights_sha256"] = digest  # hashed here before loading: the registry verifies the version
+        return _Outcome("ok", f"prepared ({slot.role})", result)
+
+    def _weights_digest(self, model: str) -> str | None:
+        """What this node's model store computed for the weights it loaded (None when it hashed none)."""
+        store = getattr(self.backend, "models", None)
+        return store.digest_of(model) if isinstance(store, ModelStore) else None
 
     def _check_gpus(self, want: dict[str, int]) -> None:
         """PrepareError unless every GPU is ours, healthy, allocatable and has the memory free."""

@@ -46,10 +46,14 @@ TINY_MODEL = "tiny-llama"  # the one model a node can make itself (agents/engine
 class PrepareError(RuntimeError):
     """prepare_plan cannot be done; `reason` is one of agents.protocol.FAILURE_REASONS."""
 
-    def __init__(self, message: str, reason: str = "failed", gpus: list[str] | None = None) -> None:
+    def __init__(self, message: str, reason: str = "failed", gpus: list[str] | None = None,
+                 observed_sha256: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.gpus = gpus or []
+        # The digest this node computed for weights other than the registry's: the ack reports it,
+        # and the registry quarantines the version (console/registry/receivers.py).
+        self.observed_sha256 = observed_sha256
 
 
 class PlanEngine(Protocol):
@@ -97,8 +101,13 @@ class ModelStore:
                 digest = self._digests[folder] = sha256_file(weights)
         if weights_sha256 is not None and digest != weights_sha256:
             raise PrepareError(f"model {model!r}: the weights at {weights} have sha256 {digest[:16]}..., "
-                               f"the registry wants {weights_sha256[:16]}...")
+                               f"the registry wants {weights_sha256[:16]}...", observed_sha256=digest)
         return folder, digest
+
+    def digest_of(self, model: str) -> str | None:
+        """The SHA256 this node computed for `model`'s weights (None: not hashed here yet)."""
+        with self._lock:
+            return self._digests.get(self.root / model)
 
 
 def layout_of(plan: dict[str, Any]) -> Layout:

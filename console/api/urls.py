@@ -32,6 +32,7 @@ router.register("gears", GearViewSet, basename="gear")
 router.register("plans", PlanViewSet, basename="plan")
 router.register("transitions", TransitionViewSet, basename="transition")
 router.register("decisions", DecisionViewSet, basename="decision")
+router.register("users", accounts_api.UserViewSet, basename="user")
 
 urlpatterns = [
     path("api/v1/me", accounts_api.me, name="api-me"),

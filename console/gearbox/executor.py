@@ -32,11 +32,19 @@ def transition_config() -> TransitionConfig:
 
 def registry_weights(model: str) -> str | None:
     """The SHA-256 of the weights prepare_plan loads: the model's newest version in the registry
-    that may be loaded (verified, or awaiting the first agent's hash); None when it has none."""
+    that may be loaded (verified, or awaiting the first agent's hash). With none but a quarantined
+    one, that one's registered digest: an agent then refuses weights other than the registered ones
+    instead of loading them unchecked (a quarantined version's wrong weights are never loaded).
+    None when the registry holds no such version (an unregistered model: nothing to check against)."""
     from console.registry.models import ModelVersion
 
-    return ModelVersion.objects.filter(name=model, status__in=(ModelVersion.VERIFIED, ModelVersion.AWAITING_AGENT)) \
-        .order_by("-registered_at", "-id").values_list("sha256", flat=True).first()
+    newest = ("-registered_at", "-id")
+    loadable = ModelVersion.objects.filter(name=model, status__in=(ModelVersion.VERIFIED, ModelVersion.AWAITING_AGENT))
+    digest = loadable.order_by(*newest).values_list("sha256", flat=True).first()
+    if digest is None:
+        digest = ModelVersion.objects.filter(name=model, status=ModelVersion.QUARANTINED).order_by(*newest) \
+            .values_list("sha256", flat=True).first()
+    return digest
 
 
 def build_executor(*, actor: str = "system:transitions") -> Executor:

@@ -155,25 +155,35 @@
                 { mode: "lines", line: { dash: "dash", color: "#c0362c", width: 1 } });
   }
   const CHART = { margin: { l: 50, r: 10, t: 30, b: 30 }, height: 220, xaxis: { type: "date" }, legend: { orientation: "h", y: -0.25 } };
+  // A chart with no sample yet says so, instead of plotly's default axes (a year 2000 date range).
+  function chartLayout(title, n, what, extra) {
+    const layout = Object.assign({}, CHART, { title: { text: title, font: { size: 13 } } }, extra || {});
+    if (n) return layout;
+    return Object.assign(layout, {
+      xaxis: { type: "date", visible: false }, yaxis: { visible: false }, showlegend: false,
+      annotations: [{ text: what, showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5, font: { color: "#6b7280" } }],
+    });
+  }
 
   function renderCharts() {
     const p = state.points;
     const x = p.map(function (q) { return q.at; });
     const slo = state.deployment.slo;
     const cfg = { displaylogo: false, responsive: true };
+    const noReport = "no engine report yet";
     Plotly.react("chart-throughput", [line("tokens/s", x, p.map(function (q) { return q.tokens_per_s; }))],
-                 Object.assign({}, CHART, { title: { text: "Throughput (output tokens/s)", font: { size: 13 } }, showlegend: false }), cfg);
+                 chartLayout("Throughput (output tokens/s)", p.length, noReport, { showlegend: false }), cfg);
     Plotly.react("chart-p95", [line("TPOT P95", x, p.map(function (q) { return q.tpot_p95_ms; })), sloLine(x, slo.tpot_ms)],
-                 Object.assign({}, CHART, { title: { text: "P95 time per output token (ms)", font: { size: 13 } } }), cfg);
+                 chartLayout("P95 time per output token (ms)", p.length, noReport), cfg);
     Plotly.react("chart-ttft", [line("P50", x, p.map(function (q) { return q.ttft_p50_ms; })),
                                 line("P95", x, p.map(function (q) { return q.ttft_p95_ms; })), sloLine(x, slo.ttft_ms)],
-                 Object.assign({}, CHART, { title: { text: "Time to first token (ms)", font: { size: 13 } } }), cfg);
+                 chartLayout("Time to first token (ms)", p.length, noReport), cfg);
     const lx = state.load.map(function (s) { return s.at; });
     // one sample alone would get an axis a millisecond wide: show a minute either side of it
     const xaxis = lx.length === 1 ? { type: "date", range: [Date.parse(lx[0]) - 60000, Date.parse(lx[0]) + 60000] } : { type: "date" };
     Plotly.react("chart-load", [line("req/s", lx, state.load.map(function (s) { return s.rate_rps; }))],
-                 Object.assign({}, CHART, { xaxis: xaxis, showlegend: false,
-                                            title: { text: "Offered load (requests/s, the gearbox's window)", font: { size: 13 } } }), cfg);
+                 chartLayout("Offered load (requests/s, the gearbox's window)", lx.length, "no load sample in the window yet",
+                             { xaxis: xaxis, showlegend: false }), cfg);
     document.getElementById("chart-throughput").dataset.points = String(p.length);
   }
 

@@ -161,6 +161,8 @@
     const labels = steps.map(function (s) { return s.step + (s.attempt > 1 ? " (" + s.attempt + ")" : ""); });
     const stepsDiv = card.querySelector(".t-steps");
     stepsDiv.dataset.steps = String(steps.length);
+    stepsDiv.classList.toggle("plot", steps.length > 0);  // no empty chart-sized gap before the first step
+    card.querySelector(".t-table").hidden = !steps.length;
     if (!steps.length) {
       Plotly.purge(stepsDiv);
       stepsDiv.replaceChildren(gb.el("p", { className: "muted" }, "No step has started yet."));

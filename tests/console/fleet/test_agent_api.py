@@ -155,6 +155,16 @@ class TestReport:
         resp = agent.client.post("/agent/v1/report", report_body(), content_type="application/json")
         assert resp.status_code == 401
 
+    def test_a_user_api_token_is_not_an_agent_token(self, agent: AgentHTTP, admin: Any) -> None:
+        """Even an admin's API token is refused on every agent endpoint: agents and people never share."""
+        before = stored_state()
+        headers = {"Authorization": f"Bearer {admin.token}"}
+        resp = agent.client.post("/agent/v1/report", report_body(), content_type="application/json", headers=headers)
+        assert resp.status_code == 401 and "Authorization" in resp.json()["errors"]
+        assert agent.client.get("/agent/v1/commands", {"after": 0}, headers=headers).status_code == 401
+        assert agent.client.get("/agent/v1/routing", headers=headers).status_code == 401
+        assert stored_state() == before
+
     def test_the_history_stays_bounded(self, agent: AgentHTTP, settings: Any) -> None:
         settings.FLEXPIPE_GPU_HISTORY = 5
         for seq in range(1, 33):

@@ -58,6 +58,8 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             page = log_in(browser, self.live_server_url, "oscar", "/deployments/chat/")
             page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
             assert page.get_attribute("#timeline", "data-labels") == "#1 auto|#2 manual"
+            # no load sample in the gearbox's window yet: the chart says so, not an empty year-2000 axis
+            assert "no load sample in the window yet" in page.inner_text("#chart-load")
 
             # engines report while the page is open: the charts grow without a reload
             for tokens, ttft in ((910.0, 175.0), (1020.0, 190.0)):
@@ -166,4 +168,6 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             assert cards == len(decision.candidates) >= 2
             assert page.locator(f"#candidates .candidate.chosen[data-gear='{decision.target_gear_id}']").count() == 1
             page.wait_for_selector("section.transition[data-seq='3']")
+            steps = int(page.get_attribute("section.transition[data-seq='3'] .t-steps", "data-steps") or 0)
+            assert page.is_hidden("section.transition[data-seq='3'] .t-table") == (steps == 0)  # no empty table
             screenshot(page, "decision")

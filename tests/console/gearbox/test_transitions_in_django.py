@@ -144,3 +144,20 @@ def test_prepare_names_the_weights_the_registry_lets_load() -> None:
     ex.advance("chat")
     prepare = AgentCommand.objects.get(kind="prepare_plan")
     assert prepare.payload["weights_sha256"] == "a" * 64  # the newest loadable one, never a quarantined one
+
+
+def test_a_model_whose_only_version_is_quarantined_is_prepared_against_its_registered_digest() -> None:
+    """Not None (load anything unchecked): the agent refuses weights other than the registered ones."""
+    from console.fleet.models import AgentCommand
+    from console.registry.models import ModelVersion
+
+    enroll_fleet()
+    make_deployment()
+    ModelVersion.objects.create(name="Llama-3-8B", version="1", sha256="b" * 64, status="quarantined",
+                                engine="vllm", architecture="Llama-3-8B", weights_uri="hf://org/llama/w",
+                                tokenizer="tok", max_context=8192, min_gpu_mem_bytes=1, warmup_tokens=8,
+                                registered_by="user:alice", registered_at=timezone.now())
+    ex = build_executor()
+    ex.start("chat", gear("a1", [0, 1]))
+    ex.advance("chat")
+    assert AgentCommand.objects.get(kind="prepare_plan").payload["weights_sha256"] == "b" * 64
