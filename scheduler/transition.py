@@ -766,10 +766,14 @@ class MoveDirective:
     lazy: bool = False  # idle sequence: move after the active ones
 
     def to_payload(self, target_addr: str, bw_cap_bytes_per_s: float) -> JsonDict:
+        # the payload is saved in the record before it is sent, as strict JSON (PostgreSQL's jsonb
+        # refuses Infinity): a figure the cost model has none for - a link never measured makes
+        # both moves infinitely dear - goes as 0, "no cap" / "no estimate", as the protocol reads it
         return {"seq_id": self.seq_id, "action": self.action, "target_plan": self.target_plan,
                 "target_node": self.target_node, "target_addr": target_addr,
                 "bw_cap_bytes_per_s": bw_cap_bytes_per_s if math.isfinite(bw_cap_bytes_per_s) else 0.0,
-                "lazy": self.lazy, "est_stall_s": round(self.est_stall_s, 6)}
+                "lazy": self.lazy,
+                "est_stall_s": round(self.est_stall_s, 6) if math.isfinite(self.est_stall_s) else 0.0}
 
 
 def plan_moves(
@@ -1315,10 +1319,8 @@ class Executor:
                                   bw_cap.get(d.target_node, 0.0)) for d in directives]
             for d in directives:
                 counts[d.action] += 1
-                if d.action == "migrate":
-                    est_total += d.est_stall_s
-                elif d.action == "replay":
-                    est_total += d.est_stall_s
+                if d.action in ("migrate", "replay") and math.isfinite(d.est_stall_s):
+                    est_total += d.est_stall_s  # an unknown cost leaves the step the base move timeout
             key = f"{rec.deployment_id}/{rec.seq}/{step.value}/{attempt}/{r.nodes[0]}/{r.plan_id}"
             cmds.append(CommandIntent(key, r.nodes[0], CommandKind.MOVE_SEQUENCES,
                                       {"plan_id": r.plan_id, "deployment": rec.deployment_id,

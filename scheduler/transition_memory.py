@@ -13,6 +13,7 @@ full simulated fleet that does so; a test may also answer by hand.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -84,7 +85,14 @@ class InMemoryStore:
         return sorted((r for (d, _), r in self.records.items() if d == deployment_id), key=lambda r: r.seq)
 
     # -- writes --------------------------------------------------------------------------------
+    @staticmethod
+    def _storable(record: TransitionRecord) -> None:
+        """Refuse what the Django store's database would refuse: a record that is not strict
+        JSON (NaN, Infinity). Tests and the simulator then fail where production would wedge."""
+        json.dumps(record.to_dict(), allow_nan=False)
+
     def create(self, record: TransitionRecord, events: Sequence[TransitionEvent]) -> bool:
+        self._storable(record)
         dep = record.deployment_id
         if self.active(dep) is not None or record.seq <= self.last_seq(dep):
             return False
@@ -100,6 +108,7 @@ class InMemoryStore:
         stored = self.records.get(key)
         if stored is None or stored.version != expected_version:
             return None
+        self._storable(record)
         # the store owns abort requests: a save never erases one made meanwhile
         saved = replace(record, version=expected_version + 1, abort_reason=record.abort_reason or stored.abort_reason)
         self.records[key] = saved

@@ -69,7 +69,7 @@ class Request:
     __slots__ = (
         "rid", "deployment", "arrival_s", "prompt", "output", "first_token_s", "finish_s",
         "generated", "need", "done", "has_kv", "ctx0", "d0", "gen0", "epoch", "pipe", "decoding",
-        "preemptions", "replays", "migrations", "error", "engine_id", "paused_until",
+        "preemptions", "replays", "migrations", "error", "engine_id", "paused_until", "lease",
     )
 
     def __init__(self, rid: int, deployment: str, arrival_s: float, prompt: int, output: int) -> None:
@@ -96,6 +96,9 @@ class Request:
         self.error: str | None = None  # set when it ends with an explicit error
         self.engine_id = 0  # the engine that owns it (0: none)
         self.paused_until = 0.0  # a migration in flight lands then
+        # the routing version of its lease (DESIGN.md invariant 2): the table's version when the
+        # router gave it to its plan, or the version a hand-over carried; a hand-over must be newer
+        self.lease = 0
 
     def tokens_now(self) -> int:
         """Tokens emitted so far (reads the pipe's decode clock while decoding)."""

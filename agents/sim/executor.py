@@ -14,7 +14,9 @@ then acks them as agent protocol v1 says (the same answers `agents.sim.memory_fl
 * move_sequences: at the end of the source pipe's round in flight (a safe boundary), each listed
   sequence finishes where it is, migrates (its KV crosses the link at the capped bandwidth, one
   migration at a time per source node) or replays (recomputed on the target). Acked when the
-  last migration has landed.
+  last migration has landed. A sequence holds a lease - the routing version it was routed
+  under, or that its last hand-over carried - and moves only with a newer one (else it stays
+  with its owner and the ack says `stale_lease`).
 * release_plan: the plan drains what it kept, then frees its GPUs; sequences still there after
   the drain timeout are recomputed on the routed plans (the fleet never drops a request).
 * abort_plan: the plan stops at once; its sequences are recomputed on the routed plans.
@@ -188,6 +190,9 @@ class SimAgents:
         for pipe in engine.pipes:
             if pipe.busy:
                 pipe.handover = lambda p, t, job=job: self._hand_over(job, p, t)
+                # the safe boundary is the end of the decode iteration in flight, not of the
+                # run of iterations the simulator batched ahead: cut the run there
+                self.sim.push_events(pipe.poke(self.sim.now_s))
             else:
                 self.sim.push_events(self._hand_over(job, pipe, self.sim.now_s))
 
@@ -196,6 +201,14 @@ class SimAgents:
         out: list[Any] = []
         mine = {str(r.rid): r for r in list(pipe.running.values()) + list(pipe.waiting)}
         wanted = {sid for sid, m in job.directives.items() if m.get("action") != "finish" and sid in mine}
+        # a hand-over needs a lease newer than the one the sequence holds (invariant 2): a move
+        # built on an older routing table (a late or repeated command) leaves it with its owner
+        version = _int_or(job.cmd.payload.get("routing_version"), 0)
+        for sid in sorted(s for s in wanted if version <= mine[s].lease):
+            wanted.discard(sid)
+            job.results.append({"seq_id": sid, "action": job.directives[sid].get("action"), "ok": False,
+                                "reason": "stale_lease",
+                                "error": f"lease version {version} is not newer than {mine[sid].lease}"})
         for sid in [s for s, m in job.directives.items() if m.get("action") == "finish" and s in mine]:
             job.results.append({"seq_id": sid, "action": "finish", "ok": True,
                                 "context_tokens": mine[sid].context()})
@@ -215,6 +228,7 @@ class SimAgents:
 
     def _send(self, job: _Move, src: PlanEngine, req: Request, m: Mapping[str, object], t: float) -> list[Any]:
         dst = self.sim.engine_of(src.deployment, str(m.get("target_plan", "")))
+        req.lease = max(req.lease, _int_or(job.cmd.payload.get("routing_version"), 0))  # the new owner's lease
         action = str(m.get("action"))
         ctx = req.prompt + req.generated
         if dst is None or dst.state != "serving":
@@ -273,8 +287,9 @@ class SimAgents:
         failed = [r for r in job.results if not r.get("ok", True)]
         result = {"plan_id": job.cmd.payload.get("plan_id"), "moved": job.results}
         if failed:
+            reasons = {r.get("reason") for r in failed}
             self._ack(job.cmd, False, f"{len(failed)} sequence(s) could not be handed over",
-                      {**result, "reason": "target_refused"})
+                      {**result, "reason": "stale_lease" if reasons == {"stale_lease"} else "target_refused"})
         else:
             self._ack(job.cmd, True, result=result)
 
@@ -437,7 +452,7 @@ class TransitionDriver:
             engine = self.sim.engine_of(deployment, route.plan_id)
             if engine is not None and route.weight > 0 and not route.frozen:
                 weights[engine.engine_id] = route.weight
-        self.sim.set_routing(deployment, weights)
+        self.sim.set_routing(deployment, weights, table.version)
 
     # --- the mailbox ---------------------------------------------------------------------------------
     def _carry_out(self) -> None:
@@ -491,3 +506,7 @@ def _sequences(engine: PlanEngine) -> list[tuple[Request, bool]]:
             seen.add(req.rid)
             out.append((req, True))
     return out
+
+
+def _int_or(v: object, default: int) -> int:
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else default

@@ -155,6 +155,7 @@ class DeploymentRuntime:
     index: int
     engines: list[PlanEngine] = field(default_factory=list)  # loading or serving (incl. draining)
     pending: deque[Request] = field(default_factory=deque)  # admitted, no serving plan to take them yet
+    routing_version: int = 0  # version of the routing table it follows (set_routing): leases carry it
     baseline: Plan | None = None
     # load since the last sample (for the gearbox's LoadWindow)
     win_arrivals: int = 0
@@ -379,6 +380,7 @@ class FleetSim:
         if new:
             engine.rep_arrivals += 1
             engine.rep_prompt.append(req.prompt)
+        req.lease = max(req.lease, dep.routing_version)
         return engine.submit(req, t)
 
     def _flush(self, dep: DeploymentRuntime, t: float) -> list[Event]:
@@ -525,14 +527,17 @@ class FleetSim:
         self.listener.on_ready(self, t, engine)
         return out
 
-    def set_routing(self, deployment: str, weights: Mapping[int, float]) -> None:
+    def set_routing(self, deployment: str, weights: Mapping[int, float], version: int | None = None) -> None:
         """The routing table of a deployment: engine id -> weight. Engines left out stop taking
-        new requests (what they hold stays with them)."""
+        new requests (what they hold stays with them). `version`: the committed table's, which
+        the leases of the requests routed from now on carry."""
         dep = self._dep(deployment)
         ids = {e.engine_id for e in dep.engines}
         unknown = [i for i in weights if i not in ids]
         if unknown:
             raise ValueError(f"weights: engines {unknown} are not plans of {deployment}")
+        if version is not None:
+            dep.routing_version = max(dep.routing_version, version)
         for e in dep.engines:
             e.accepting = e.engine_id in weights
             if e.accepting:

@@ -507,8 +507,8 @@ class LiveFleet:
                 if engine is not None and route.weight > 0 and not route.frozen:
                     want[engine.engine_id] = max(float(route.weight), 1e-9)
             now = {e.engine_id: e.weight for e in self.sim.plans(name) if e.accepting}
-            if now != want:
-                self.sim.set_routing(name, want)
+            if now != want or self.sim.deployments[name].routing_version != table.version:
+                self.sim.set_routing(name, want, table.version)  # the version: what new leases carry
 
     # -- reports -----------------------------------------------------------------------------------
     def report(self, agent: SimAgent, now_s: float) -> None:

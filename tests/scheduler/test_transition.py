@@ -441,3 +441,26 @@ def test_a_plan_that_loses_its_gpus_while_draining_hands_what_is_left_to_the_new
     handed = {s for ack in release.values() for s in ack.get("handed_over", [])}  # type: ignore[union-attr]
     assert handed == left
     finish(w, rec)  # none of them failed
+
+
+def test_a_switch_whose_moves_the_cost_model_cannot_price_still_saves_strict_json_and_ends() -> None:
+    # no link measured between the racks and no rack default (what a fresh console knows): both a
+    # migration and a replay onto a plan that spans the two nodes cost "infinity". The database
+    # refuses Infinity in JSON, so such a figure saved in the move step would stop every worker
+    # at the same save, for ever; the in-memory store refuses it just the same.
+    snap = make_fleet([NodeSpec("a1", "H100-SXM", gpus=8), NodeSpec("b1", "H100-SXM", gpus=8, rack="B")],
+                      now_s=0.0, inter_rack_gbps=0.0)
+    w = busy_world(snapshot=snap)
+    half = M8.num_layers // 2
+    two = replace(GEAR_B, plans=(replace(GEAR_B.plans[0], stages=(
+        replace(GEAR_B.plans[0].stages[0], layer_end=half, gpu_uuids=("b1-g0", "b1-g1")),
+        replace(GEAR_B.plans[0].stages[0], layer_start=half, gpu_uuids=("a1-g4", "a1-g5")))),))
+    w.start(DEP, two)
+    rec = w.drive(DEP)
+    assert rec.phase is Phase.DONE, rec.error
+    move = rec.attempts(Step.MOVE)[0]
+    moves = [m for c in move.intent.commands for m in c.payload["moves"]]  # type: ignore[union-attr]
+    assert moves and all(m["est_stall_s"] == 0.0 for m in moves if m["action"] != "finish")
+    assert move.intent.timeout_s == w.config.move_timeout_s  # no estimate to add to the base timeout
+    json.dumps(rec.to_dict(), allow_nan=False)
+    finish(w, rec)

@@ -117,3 +117,50 @@ def test_the_simulated_agents_answer_commands_fed_by_hand_as_the_live_fleet_woul
     sim.advance_to(20)
     assert acks[-1][:2] == ("2", True) and engine.state == "released"
     assert len(sim.recorder.f_e2e) == 1  # the drain let the running request finish
+
+
+def test_a_hand_over_needs_a_lease_newer_than_the_one_the_sequence_holds() -> None:
+    from agents.sim.executor import SimAgents
+    from scheduler.transition import CommandIntent, CommandKind, Step
+
+    scenario = one_deployment(rate_rps=0, nodes=NODES)
+    acks: dict[str, tuple[bool, Any]] = {}
+    sim = FleetSim(scenario)
+    agents = SimAgents(sim, lambda cmd, ok, detail, result: acks.__setitem__(cmd.key, (ok, result)))
+    sim.listener = agents.listener()
+    a, b = tp2(sim, "a1").plans[0], tp2(sim, "b1").plans[0]
+    for plan, node in ((a, "a1"), (b, "b1")):
+        agents.execute(CommandIntent(f"prep-{node}", node, CommandKind.PREPARE_PLAN,
+                                     {"plan_id": plan.plan_id, "deployment": "d", "plan": plan.to_dict()},
+                                     "d", 1, Step.PREPARE, 1))
+    sim.advance_to(10)
+    assert acks["prep-a1"][0] and acks["prep-b1"][0]
+    src, dst = sim.engine_of("d", a.plan_id), sim.engine_of("d", b.plan_id)
+    assert src is not None and dst is not None
+    sim.set_routing("d", {src.engine_id: 1.0}, version=3)  # the table at version 3 sends it to a
+    rid = sim.submit("d", 500, 4000)
+    sim.advance_to(11)
+    req = sim.in_system[rid]
+    assert req.engine_id == src.engine_id and req.lease == 3
+
+    def move(key: str, frm: Plan, node: str, to: Plan, to_node: str, version: int) -> dict[str, Any]:
+        agents.execute(CommandIntent(key, node, CommandKind.MOVE_SEQUENCES, {
+            "plan_id": frm.plan_id, "deployment": "d", "routing_version": version, "boundary": "decode_end",
+            "moves": [{"seq_id": str(rid), "action": "migrate", "target_plan": to.plan_id, "target_node": to_node,
+                       "target_addr": "", "bw_cap_bytes_per_s": 0.0, "lazy": False, "est_stall_s": 0.0}]},
+            "d", 1, Step.MOVE, 1))
+        sim.advance_to(sim.now_s + 2)
+        ok, result = acks[key]
+        (moved,) = result["moved"]
+        assert ok == moved["ok"] and (ok or result["reason"] == moved["reason"])
+        return dict(moved)
+
+    stale = move("m1", a, "a1", b, "b1", 3)  # built on the table the sequence was admitted under
+    assert not stale["ok"] and stale["reason"] == "stale_lease"
+    assert req.engine_id == src.engine_id and req.lease == 3  # it stays with its owner, decoding
+    assert move("m2", a, "a1", b, "b1", 4)["ok"]  # the flip's version: newer, it moves
+    assert req.engine_id == dst.engine_id and req.lease == 4
+    back = move("m3", b, "b1", a, "a1", 4)  # a late copy of that move's version, the other way
+    assert not back["ok"] and back["reason"] == "stale_lease" and req.engine_id == dst.engine_id
+    sim.run_to_completion()
+    assert len(sim.recorder.f_e2e) == 1 and not sim.recorder.failed

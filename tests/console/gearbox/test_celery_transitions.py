@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import pytest
 import redis
+from django.conf import settings
 
 from console.celery import app
 from console.gearbox import tasks
-from console.gearbox.models import Transition
+from console.gearbox.models import Decision, Transition
 from scheduler.invariants import assert_clean
 from tests.conftest import TEST_REDIS_URL
 from tests.console.gearbox.harness import SimAgents, django_log, enroll_fleet, make_deployment
@@ -56,3 +58,40 @@ def test_the_sweep_advances_a_transition_whose_advance_was_lost(worker: None) ->
     purge_queue()  # every pending advance is lost, as if the worker that held them died
     assert tasks.sweep.delay().get(timeout=30) == ["chat#1"]
     until(lambda: Transition.objects.get(seq=1).phase == "done", agents)
+
+
+def test_a_topology_event_ticks_the_gearbox_at_once_without_waiting_for_beat(worker: None) -> None:
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    tasks.tick.delay(trigger="periodic").get(timeout=30)
+    until(lambda: Transition.objects.get(seq=1).phase == "done", agents)
+    # let the ticks that follow an end settle: once the reports show what it left, no tick re-queues
+    # itself; then nothing is queued, and no beat runs in tests - only the report's topology_changed
+    # signal can enqueue the next tick
+    deadline = time.monotonic() + 30
+    while True:
+        rep.report("a1")
+        rep.report("b1")
+        if not tasks.tick.delay(trigger="periodic").get(timeout=30)["waiting"]:
+            break
+        assert time.monotonic() < deadline, "the reports never showed what the first transition left"
+        agents.run(0.2)
+    time.sleep(tasks.RETICK_S + 0.5)  # a re-tick queued with a countdown before that has run by now
+    purge_queue()
+    assert Decision.objects.filter(outcome="switch").count() == 1
+    rep.gone = {"GPU-a1-0"}  # another tenant takes one of the baseline's GPUs
+    rep.report("a1")
+    until(lambda: Transition.objects.filter(seq=2).exists(), agents, max_s=30.0)
+    decision = Decision.objects.get(pk=Transition.objects.get(seq=2).decision_id)
+    assert decision.trigger == "topology" and decision.outcome == "switch"
+    until(lambda: not Transition.objects.get(seq=2).active, agents)
+    assert_clean(django_log("chat", agents.log), complete=False)
+
+
+def test_the_tick_is_on_beat_every_15_s_by_default_and_the_sweep_with_it() -> None:
+    beat = {e["task"]: e for e in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert float(os.environ.get("FLEXPIPE_TICK_S", "15")) == settings.FLEXPIPE_TICK_S
+    assert beat["gearbox.tick"]["schedule"] == max(1.0, settings.FLEXPIPE_TICK_S)
+    assert beat["gearbox.tick"]["kwargs"] == {"trigger": "periodic"}
+    assert "transitions.sweep" in beat

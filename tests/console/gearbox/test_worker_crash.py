@@ -6,7 +6,9 @@ arms one crash point (console/gearbox/crashpoints.py); the worker stops there, s
 Redis, and the test kills it with SIGKILL by its PID. A new worker is started and the sweep is
 sent (what beat does every FLEXPIPE_SWEEP_S): the transition must resume - or roll back - from
 wherever the dead worker left it. The points are passed in order, one kill each, through the
-whole transition. At the end: the transition is DONE (forward) or ROLLED_BACK (rollback), the
+whole transition; each test run takes one kind of point (`persisted`, `effected`, `completed`)
+through every step, so every point the executor probes (scheduler.transition.crash_points(),
+plus `prepare.partial` and `finish.persisted`) is a SIGKILL here. At the end: the transition is DONE (forward) or ROLLED_BACK (rollback), the
 invariant checker is clean over the audit chain, the command rows and the agents' log, and no
 GPU booking, routing entry or prepared plan is left over.
 """
@@ -27,20 +29,23 @@ from django.db import connection
 
 from agents.sim.memory_fleet import Fault
 from console.celery import app
+from console.fleet.models import AgentCommand
 from console.gearbox.executor import build_executor
 from console.gearbox.models import Deployment, GpuReservation, Transition
 from scheduler.invariants import assert_clean
-from scheduler.transition import ROLLBACK_TABLE, TABLE
+from scheduler.plan import Gear, Plan, Stage
+from scheduler.transition import CRASH_WHERE, ROLLBACK_TABLE, TABLE
 from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL
-from tests.console.gearbox.harness import SimAgents, django_log, enroll_fleet, gear, make_deployment
+from tests.console.gearbox.harness import M8, SimAgents, django_log, enroll_fleet, gear, make_deployment, uuid
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[3]
 KEY = f"{TEST_NAMESPACE}:crashpoint"
-# Through Celery every step is crashed twice: saved as running with nothing done yet, and with its
-# effects issued but its outcome not saved. (`completed` - outcome saved, next step not started -
-# is crashed in memory, tests/scheduler/test_transition.py, with every other probe point.)
-WHERE = ("persisted", "effected")
+# Through Celery every step is crashed three times, as in memory (tests/scheduler/test_transition.py):
+# saved as running with nothing done yet (persisted), with its effects issued but its outcome not
+# saved (effected), and with its outcome saved but the next step not started (completed). One test
+# run per kind of point keeps each run short enough that the sequences are still in flight when
+# the move comes.
 POLL_S = 0.05
 
 
@@ -127,8 +132,18 @@ def sweep() -> None:
     app.send_task("transitions.sweep", queue=app.conf.task_default_queue)
 
 
-def busy_switch(agents: SimAgents) -> int:
-    """chat runs on a1 with sequences in flight; a switch to b1 is created. Returns its seq."""
+def two_node_gear() -> Gear:
+    """A PP2 plan over b1 and a1 (GPUs the baseline does not use): prepare sends two commands."""
+    half = M8.num_layers // 2
+    plan = Plan(M8.name, "colocated", (Stage(0, half, (uuid("b1", 0), uuid("b1", 1))),
+                                       Stage(half, M8.num_layers, (uuid("a1", 4), uuid("a1", 5)))),
+                kv_reserve_tokens=200_000)
+    return Gear(M8.name, (plan,), (1.0,))
+
+
+def busy_switch(agents: SimAgents, target: Gear | None = None) -> int:
+    """chat runs on a1 with sequences in flight; a switch to `target` (b1's GPUs 0-3) is created.
+    Returns its seq."""
     ex = build_executor()
     ex.start("chat", gear("a1", [0, 1]))
     deadline = time.monotonic() + 30
@@ -142,7 +157,7 @@ def busy_switch(agents: SimAgents) -> int:
     for i in range(24):
         agents.fleet.submit("chat", 300 + 120 * i, 8000)
     agents.run(0.05)
-    rec = ex.start("chat", gear("b1", [0, 1, 2, 3]))
+    rec = ex.start("chat", target or gear("b1", [0, 1, 2, 3]))
     assert rec is not None
     return rec.seq
 
@@ -165,7 +180,9 @@ def crash_through(points: list[str], workers: Workers, agents: SimAgents, seq: i
                 hit.append(point)
                 break
             row = Transition.objects.get(deployment__name="chat", seq=seq)
-            assert row.active, f"the transition ended ({row.phase}) without passing {point}"
+            # finish.persisted comes after the transition's last save: it has ended by then
+            assert row.active or point.startswith("finish."), (
+                f"the transition ended ({row.phase}) without passing {point}")
             assert workers.proc is not None and workers.proc.poll() is None, (
                 "the worker died by itself: " + workers.log_tail())
             assert time.monotonic() < deadline, f"{point} not reached within 90 s (at {row.phase}/{row.step})"
@@ -203,29 +220,54 @@ def finish_and_check(workers: Workers, agents: SimAgents, seq: int) -> Transitio
     return row
 
 
-def test_a_worker_killed_at_every_forward_step_still_brings_the_switch_to_its_end(workers: Workers) -> None:
+@pytest.mark.parametrize("where", CRASH_WHERE)
+def test_a_worker_killed_at_every_forward_step_still_brings_the_switch_to_its_end(workers: Workers,
+                                                                                  where: str) -> None:
     enroll_fleet()
     make_deployment()
     agents = SimAgents()
     seq = busy_switch(agents)
-    points = [f"{d.step.value}.{w}" for d in TABLE for w in WHERE]
+    points = [f"{d.step.value}.{where}" for d in TABLE]
     hit = crash_through(points, workers, agents, seq)
     assert hit == points and workers.started == len(points)
     row = finish_and_check(workers, agents, seq)
     assert row.phase == "done" and row.error == ""
+    assert row.seqs_migrated + row.seqs_replayed > 0  # the move the worker died in had sequences to move
     assert Deployment.objects.get(name="chat").current_gear == gear("b1", [0, 1, 2, 3]).to_dict()
 
 
-def test_a_worker_killed_at_every_rollback_step_still_rolls_the_switch_back(workers: Workers) -> None:
+@pytest.mark.parametrize("where", CRASH_WHERE)
+def test_a_worker_killed_at_every_rollback_step_still_rolls_the_switch_back(workers: Workers, where: str) -> None:
     enroll_fleet()
     make_deployment()
     agents = SimAgents()
     seq = busy_switch(agents)
     # the move fails on every attempt (the first and two retries): the switch must roll back
     agents.fleet.inject(Fault(node="a1", kind="move_sequences", action="fail", times=3))
-    points = [f"{d.step.value}.{w}" for d in ROLLBACK_TABLE for w in WHERE]
+    points = [f"{d.step.value}.{where}" for d in ROLLBACK_TABLE]
     hit = crash_through(points, workers, agents, seq)
     assert hit == points
     row = finish_and_check(workers, agents, seq)
     assert row.phase == "rolled_back" and "move" in row.error
     assert Deployment.objects.get(name="chat").current_gear == gear("a1", [0, 1]).to_dict()
+
+
+def test_a_worker_killed_between_two_prepare_commands_and_after_the_last_save_still_ends_the_switch(
+        workers: Workers) -> None:
+    enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    target = two_node_gear()
+    seq = busy_switch(agents, target)
+    # prepare.partial: one node of the new plan was told to prepare, the other not yet;
+    # finish.persisted: the transition is saved DONE, but the tick that follows an end never sent
+    points = ["prepare.partial", "finish.persisted"]
+    hit = crash_through(points, workers, agents, seq)
+    assert hit == points
+    row = finish_and_check(workers, agents, seq)
+    assert row.phase == "done" and row.error == ""
+    prepares = [s for s in row.steps.all() if s.step == "prepare"]
+    assert len(prepares) == 1 and len(prepares[0].commands) == 2  # one attempt, one command per node
+    issued = AgentCommand.objects.filter(deployment="chat", transition_seq=seq, kind="prepare_plan")
+    assert sorted(issued.values_list("node__node_id", flat=True)) == ["a1", "b1"]  # the re-run issued no other
+    assert Deployment.objects.get(name="chat").current_gear == target.to_dict()
