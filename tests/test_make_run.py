@@ -113,6 +113,9 @@ def test_it_starts_everything_prints_the_url_and_ctrl_c_leaves_nothing_running(t
             time.sleep(0.2)
         left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in started if alive(pid)}
         assert left == {}, left
+        # every process stopped on its own: honcho never had to SIGKILL one (a pending long poll of an
+        # agent used to hold daphne until its wait ran out)
+        assert "SIGKILL" not in (tmp_path / "run.log").read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
