@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
+import time
+from typing import Any
 
 from django.core.asgi import get_asgi_application
 
@@ -15,9 +19,94 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from console.routing import websocket_urlpatterns  # noqa: E402
 
+STOP_KEY = "flexpipe.stop"  # scope key: an asyncio.Event set when the server cancels the request
+STOP_GRACE_S = 2.0
+
+
+_live: dict[asyncio.Event, asyncio.Future[Any]] = {}  # requests in flight: stop event -> task
+_server_stopping = False
+
+
+async def _drain() -> None:
+    """Let the requests in flight (and any that still come in) answer, for at most the grace."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while _live and time.monotonic() < deadline:
+        await asyncio.wait(list(_live.values()), timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _on_server_stopping() -> Any:
+    global _server_stopping
+    _server_stopping = True
+    for stop in list(_live):
+        stop.set()
+    from twisted.internet import defer
+
+    # Twisted waits for this Deferred before it stops the loop the views run on.
+    return defer.Deferred.fromFuture(asyncio.ensure_future(_drain()))
+
+
+def _hook_server_shutdown() -> None:
+    """Under daphne, learn that the server stops from Twisted's shutdown trigger (once).
+
+    Only when daphne has installed its reactor already: importing Twisted's reactor here first
+    would install the wrong one, and other servers (tests' communicators) have none.
+    """
+    if getattr(_hook_server_shutdown, "done", False) or "twisted.internet.reactor" not in sys.modules:
+        return
+    from twisted.internet import reactor
+
+    reactor.addSystemEventTrigger("before", "shutdown", _on_server_stopping)  # type: ignore[attr-defined]
+    _hook_server_shutdown.done = True  # type: ignore[attr-defined]
+
+
+class StopOnCancel:
+    """Tell a long-waiting view that nobody will wait for its answer any more.
+
+    When daphne stops (Ctrl-C) it cancels every pending request, but the cancellation never
+    reaches an async view that runs behind Django's sync middleware (it runs in the middleware's
+    thread, which waits for it), and daphne then waits for that thread: an agent's pending long
+    poll held the web process until its wait ran out, longer than honcho waits before a SIGKILL.
+    An agent answered early polls again at once, in a request daphne takes in after it cancelled
+    the others. So each request runs as its own task with an event in its scope, set when the
+    request is cancelled, when the client disconnects, and (for every request, new ones included)
+    once daphne's reactor starts shutting down; a view that watches it
+    (console.fleet.agent_api.commands) answers at once. A request still running after a short
+    grace is cancelled as before (asyncio.wait_for cancels it on the timeout).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        _hook_server_shutdown()
+        stop = asyncio.Event()
+        if _server_stopping:  # a request that came in while the server stops waits for nothing
+            stop.set()
+
+        async def receive_watching_disconnect() -> dict[str, Any]:
+            message: dict[str, Any] = await receive()
+            if message.get("type") == "http.disconnect":
+                stop.set()  # the client is gone: nobody waits for the answer
+            return message
+
+        task = asyncio.ensure_future(self.app({**scope, STOP_KEY: stop}, receive_watching_disconnect, send))
+        _live[stop] = task
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            stop.set()
+            try:
+                await asyncio.wait_for(task, timeout=STOP_GRACE_S)
+            except (TimeoutError, asyncio.CancelledError):
+                pass
+            raise
+        finally:
+            _live.pop(stop, None)
+
+
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": StopOnCancel(django_asgi_app),
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Start the whole system in the foreground: web (daphne), Celery worker and beat, the fleet
 # (ENGINE=sim: the simulated fleet; ENGINE=torch|vllm: real engine agents, scripts/fleet.sh).
-# Ctrl-C stops every process it started (honcho forwards the signal to all of them).
+# Ctrl-C stops every process it started: honcho forwards the signal to all of its processes, and
+# the private Redis (when no REDIS_URL answered) is stopped on the way out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 mkdir -p .run
 
 export REDIS_URL="$($PY scripts/services.py redis)"
+# The private Redis under .run/ is ours to stop; a REDIS_URL that answered is someone else's.
+if [ -s .run/redis.port ] && [ "$REDIS_URL" = "redis://127.0.0.1:$(cat .run/redis.port)/0" ]; then
+  trap '$PY scripts/services.py stop-redis' EXIT
+fi
+trap 'exit 130' INT TERM  # after honcho has stopped its processes: run the EXIT trap
 export DJANGO_SETTINGS_MODULE=console.settings
 PORT="${FLEXPIPE_PORT:-$($PY scripts/services.py free-port 8000)}"
 export FLEXPIPE_PORT="$PORT"
@@ -39,4 +45,4 @@ echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)
 echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
 echo
-exec .venv/bin/honcho -f Procfile start
+.venv/bin/honcho -f Procfile start

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -91,3 +94,19 @@ def test_the_procfile_runs_the_same_four_processes_as_make_run() -> None:
     assert shlex.split(lines["fleet"]) == ["scripts/fleet.sh"]
     fleet = (ROOT / "scripts" / "fleet.sh").read_text()
     assert "-m agents.sim --scenario" in fleet and "-m agents.node" in fleet
+
+
+def test_every_worker_consumes_the_queue_tasks_are_sent_to(compose: dict[str, Any]) -> None:
+    # A worker on another queue starts fine and runs nothing: ticks and transitions would stall silently.
+    # The queue as a deployment's settings have it (the test session points Celery at its own queue).
+    env = {k: v for k, v in os.environ.items() if k != "FLEXPIPE_QUEUE"}
+    queue = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup(); from django.conf import settings; "
+                               "print(settings.CELERY_TASK_DEFAULT_QUEUE)"],
+        env={**env, "DJANGO_SETTINGS_MODULE": "console.settings"}, cwd=ROOT, capture_output=True, text=True,
+        check=True).stdout.strip()
+    procfile = dict(line.split(":", 1) for line in (ROOT / "Procfile").read_text().splitlines() if line.strip())
+    for where, command in (("docker-compose worker", compose["services"]["worker"]["command"]),
+                           ("Procfile worker", shlex.split(procfile["worker"]))):
+        assert "-Q" in command, where
+        assert command[command.index("-Q") + 1].split(",") == [queue], where

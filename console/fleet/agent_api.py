@@ -151,17 +151,27 @@ async def commands(request: HttpRequest) -> JsonResponse:
     found = await sync_to_async(_deliver)(node, after)
     if found or wait_s == 0:
         return JsonResponse({"commands": found})
+    # Set when the server lets go of this request (it stops: console.asgi.StopOnCancel).
+    stop: asyncio.Event = getattr(request, "scope", {}).get("flexpipe.stop") or asyncio.Event()
     client = aioredis.Redis.from_url(settings.REDIS_URL)
     try:
-        while not found:
+        while not found and not stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            try:
-                # BLPOP's timeout has a 1 s grain in older servers; never block past the deadline.
-                await client.blpop([live.doorbell_key(node.node_id)], timeout=max(0.1, min(remaining, 5.0)))
-            except (aioredis.RedisError, OSError):
+            # BLPOP's timeout has a 1 s grain in older servers; never block past the deadline.
+            ring = asyncio.ensure_future(
+                client.blpop([live.doorbell_key(node.node_id)], timeout=max(0.1, min(remaining, 5.0))))
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({ring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not ring.done():
+                ring.cancel()
+                break  # stopping: answer with nothing; the agent polls again after a restart
+            if isinstance(ring.exception(), (aioredis.RedisError, OSError)):
                 await asyncio.sleep(min(remaining, 1.0))  # no doorbell: fall back to polling
+            elif ring.exception() is not None:
+                raise ring.exception()  # type: ignore[misc]
             found = await sync_to_async(_deliver)(node, after)
     finally:
         await client.aclose()

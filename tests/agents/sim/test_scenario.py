@@ -135,3 +135,58 @@ def test_baseline_stages_fill_nodes_in_order_and_never_split_a_tp_group() -> Non
     assert baseline_stage_nodes(BaselineSpec(2, 3, ("a1", "b1")), {"a1": 5, "b1": 2}) == ["a1", "a1", "b1"]
     assert baseline_stage_nodes(BaselineSpec(4, 2, ("a1", "b1")), {"a1": 5, "b1": 2}) is None
     assert s.models[0].baseline.nodes == ("a1",)
+
+
+# The rest of SCENARIOS.md, key by key: each rule the contract states has a case here.
+@pytest.mark.parametrize("mutate,path,words", [
+    (lambda d: d.pop("name"), "name", "required"),
+    (lambda d: d.update(seed=True), "seed", ""),
+    (lambda d: d.update(duration_s=0), "duration_s", ""),
+    (lambda d: d.update(time_scale=0), "time_scale", ""),
+    (lambda d: d.update(nodes=[]), "nodes", ""),
+    (lambda d: d["nodes"][0].pop("nvlink"), "nodes[0].nvlink", "required"),
+    (lambda d: d["nodes"][0].update(nvlink="yes"), "nodes[0].nvlink", ""),
+    (lambda d: d["nodes"][0].update(colour="red"), "nodes[0].colour", "unknown key"),
+    (lambda d: d["network"].pop("inter_rack_gbps"), "network.inter_rack_gbps", "required"),
+    (lambda d: d["network"].update(links=[{"a": "a1", "b": "b1", "gbps": 0}]), "network.links[0].gbps", ""),
+    (lambda d: d["models"].append(copy.deepcopy(d["models"][0])), "models[1].deployment", "duplicate"),
+    (lambda d: d["models"][0].pop("baseline"), "models[0].baseline", "required"),
+    (lambda d: d["models"][0]["baseline"].update(nodes=["a1", "a1"]), "models[0].baseline.nodes[1]", "twice"),
+    (lambda d: d["models"][0].update(priority="high"), "models[0].priority", ""),
+    (lambda d: d["workload"][0].update(arrival="burst"), "workload[0].arrival", "one of"),
+    (lambda d: d["workload"][0].update(trace="t.csv"), "workload[0].trace", "unknown key"),
+    (lambda d: d["workload"][0].update(rate_rps=[[0, 1], [5]]), "workload[0].rate_rps[1]", "pair"),
+    (lambda d: d["workload"][0].update(output_tokens={"dist": "uniform", "min": 9, "max": 3}),
+     "workload[0].output_tokens.max", ">= min"),
+    (lambda d: d["workload"][0].update(output_tokens={"dist": "fixed"}), "workload[0].output_tokens.value", "required"),
+    (lambda d: d["workload"][0]["prompt_tokens"].pop("max"), "workload[0].prompt_tokens.max", "required"),
+    (lambda d: d["events"][0].pop("at_s"), "events[0].at_s", "required"),
+    (lambda d: d["events"][0].update(duration_s=-5), "events[0].duration_s", ""),
+    (lambda d: d["events"].append({"at_s": 5, "kind": "restore", "node": "zz"}), "events[1].node", "unknown node"),
+    (lambda d: d["events"].append({"at_s": 5, "kind": "join", "node": {"id": "a1", "gpu": "L40S", "gpus": 4,
+                                                                       "nvlink": False}}),
+     "events[1].node", "already in the cluster"),
+    (lambda d: d["events"].append({"at_s": 5, "kind": "join", "node": {"id": "c1", "gpu": "Z1", "gpus": 4,
+                                                                       "nvlink": False}}),
+     "events[1].node.gpu", "unknown GPU"),
+    (lambda d: d["events"].append({"at_s": 5, "kind": "degrade_link", "a": "a1", "b": "b1"}),
+     "events[1].gbps", "required"),
+    (lambda d: d["events"].append({"at_s": 5, "kind": "leave", "node": "b1", "gpus": 2}), "events[1].gpus",
+     "unknown key"),
+])
+def test_every_rule_of_the_contract_is_enforced_naming_its_key(mutate: Any, path: str, words: str) -> None:
+    errors = errors_of(mutate)
+    assert path in errors, errors
+    assert words in errors[path]
+
+
+def test_a_trace_with_wrong_columns_or_a_bad_row_names_the_trace_key(tmp_path: Path) -> None:
+    for text, words in (("t,prompt,output\n0,1,1\n", "columns must be"),
+                        ("t_s,prompt_tokens,output_tokens\n0,10,5\nx,1,1\n", "line 3"),
+                        ("t_s,prompt_tokens,output_tokens\n5,10,5\n1,1,1\n", "must not decrease")):
+        (tmp_path / "t.csv").write_text(text)
+        doc = copy.deepcopy(BASE)
+        doc["workload"] = [{"deployment": "chat", "arrival": "trace", "trace": "t.csv"}]
+        with pytest.raises(SchemaError) as err:
+            parse_scenario(doc, base_dir=tmp_path)
+        assert words in err.value.errors["workload[0].trace"], err.value.errors

@@ -42,6 +42,8 @@ class OverviewInTheBrowser(LivePageTestCase):
             browser = launch(pw)
             try:
                 page = browser.new_page(viewport={"width": 1280, "height": 900})
+                requested: list[str] = []
+                page.on("request", lambda r: requested.append(r.url))
                 page.goto(self.live_server_url + "/")
                 assert "/login/" in page.url  # the dashboard needs a login
                 page.fill("input[name=username]", "operator")
@@ -57,6 +59,12 @@ class OverviewInTheBrowser(LivePageTestCase):
                 rows = page.locator("#nodes tbody tr").count()
                 assert rows == len(self.scenario.nodes)
                 screenshot(page, "overview-fleet")
+                # plotly.js comes from this server: the page never reaches a CDN or any other host.
+                assert page.evaluate("() => typeof window.Plotly.react") == "function"
+                assert any(u.startswith(self.live_server_url + "/static/vendor/plotly/") for u in requested)
+                offsite = [u for u in requested if not u.startswith((self.live_server_url, "data:", "blob:"))]
+                assert offsite == []
+                page.evaluate("() => { window.__noReloadMarker = 'still the same page'; }")
 
                 # Another tenant takes one GPU of the L40S node: its agent reports, the page follows.
                 node = self.fleet.cluster.nodes["l40s-c"]
@@ -73,6 +81,8 @@ class OverviewInTheBrowser(LivePageTestCase):
                     const row = d.y.indexOf('l40s-c');
                     return [d.text[row][{gpu.index}], d.customdata[row][{gpu.index}][4]]; }}""")
                 assert cell == ["T", "held by another tenant"]
+                # a reload would have dropped the marker set before the report
+                assert page.evaluate("() => window.__noReloadMarker") == "still the same page"
                 screenshot(page, "overview-after-preemption")
             finally:
                 browser.close()

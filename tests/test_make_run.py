@@ -1,0 +1,129 @@
+"""`make run`'s start script end to end: no Redis that answers, an empty checkout, then Ctrl-C.
+
+It runs scripts/run.sh (what `make run` runs once the venv is there) in a copy of this checkout
+with the project's venv linked in, so the SQLite database, .run/ and the private Redis it makes
+are the copy's. Ctrl-C is a SIGINT to the whole process group, as a terminal sends it; afterwards
+no process that the run started may be left, the private Redis included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_COPIED = {".git", ".venv", ".venv-vllm", ".run", "artifacts", "db.sqlite3", ".mypy_cache", ".ruff_cache",
+              ".pytest_cache", "__pycache__", "staticfiles"}
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def group_pids(pgid: int) -> set[int]:
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+def answers(url: str) -> int | None:
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: object, **kwargs: object) -> None:
+            return None
+
+    try:
+        with urllib.request.build_opener(NoRedirect).open(url, timeout=2) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="needs Debian's redis-server (run.sh installs it)")
+def test_it_starts_everything_prints_the_url_and_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
+    checkout = tmp_path / "flexpipe"
+    shutil.copytree(ROOT, checkout, ignore=lambda d, names: [n for n in names if n in NOT_COPIED])
+    (checkout / ".venv").symlink_to((ROOT / ".venv").resolve())
+    with socket.socket() as s:  # a port where no Redis answers
+        s.bind(("127.0.0.1", 0))
+        dead_redis = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"DATABASE_URL", "FLEXPIPE_OPERATOR_PASSWORD", "FLEXPIPE_ENROLL_TOKEN", "DJANGO_SETTINGS_MODULE"}}
+    env.update(REDIS_URL=dead_redis, FLEXPIPE_PORT=str(port))
+    log = (tmp_path / "run.log").open("w+")
+    proc = subprocess.Popen(["scripts/run.sh"], cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while answers(f"http://127.0.0.1:{port}/") is None:
+            assert proc.poll() is None, (tmp_path / "run.log").read_text()
+            assert time.monotonic() < deadline, "the console did not answer in 180 s"
+            time.sleep(0.5)
+        assert answers(f"http://127.0.0.1:{port}/") == 302  # to the login page
+        assert answers(f"http://127.0.0.1:{port}/login/") == 200
+        # wait until the fleet has registered, so its process is one of those checked below
+        deadline = time.monotonic() + 60
+        while "registered (epoch" not in (tmp_path / "run.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "run.log").read_text()
+            time.sleep(0.5)
+
+        printed = (tmp_path / "run.log").read_text()
+        assert f"http://127.0.0.1:{port}/" in printed
+        password = (checkout / ".run" / "operator-password").read_text().strip()
+        assert re.search(rf"user 'operator', password '{re.escape(password)}'", printed)
+        assert f"REDIS_URL={dead_redis} does not answer" in printed
+        redis_pid = int((checkout / ".run" / "redis.pid").read_text())
+        started = group_pids(proc.pid) | {redis_pid}
+        assert len(started) >= 6, printed  # run.sh/honcho, web, worker, beat, fleet, and the Redis
+
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in started if alive(pid)}
+        assert left == {}, left
+        # every process stopped on its own: honcho never had to SIGKILL one (a pending long poll of an
+        # agent used to hold daphne until its wait ran out)
+        assert "SIGKILL" not in (tmp_path / "run.log").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        pid_file = checkout / ".run" / "redis.pid"
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            except (ProcessLookupError, ValueError):
+                pass
+        log.close()
