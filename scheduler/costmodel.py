@@ -978,6 +978,37 @@ class SteadyState:
                 return min(max(n, float(a)), float(b))
         return float(grid[-1])
 
+    def _population_round(self, rate_rps: float) -> tuple[float, float]:
+        """(`population(rate_rps)`, `round_s(max(1, population))`) in one walk of the grid:
+        the population lies on the segment whose rates bracket `rate_rps`, and inside it the
+        round time is that segment's interpolation - the same arithmetic as the two calls.
+        At a grid point or past the cap it asks `round_s` itself, so it agrees to the bit."""
+        if rate_rps <= 0:
+            return 0.0, self._round_at(0)
+        grid, rounds, out = self.grid, self._rounds, self.output
+        ra = rounds[0]
+        if ra is None:
+            ra = self._round_at(0)
+        if grid[0] / (out * ra) >= rate_rps:
+            return grid[0] * rate_rps * out * ra / grid[0], ra  # below one sequence: a fraction
+        a = grid[0]
+        for i in range(1, len(grid)):
+            b, rb = grid[i], rounds[i]
+            if rb is None:
+                rb = self._round_at(i)
+            if b / (out * rb) >= rate_rps:
+                slope = (rb - ra) / (b - a)
+                lo = rate_rps * out
+                denom = 1.0 - lo * slope
+                n = lo * (ra - a * slope) / denom if denom > 0 else float(b)
+                n = min(max(n, float(a)), float(b))
+                if n <= a:
+                    return n, self.round_s(max(1.0, n))
+                return n, ra + (n - a) * (rb - ra) / (b - a)
+            a, ra = b, rb
+        n = float(grid[-1])
+        return n, self.round_s(n)
+
     def _latencies(self, rate_rps: float) -> tuple[float, float, float, float, float, float, float]:
         """(served, utilisation, rho, TTFT P50, P99, TPOT P50, P99) at `rate_rps` (a live plan)."""
         if not self._latency_ready:
@@ -985,8 +1016,7 @@ class SteadyState:
         capacity = self.capacity_rps
         served = min(rate_rps, capacity)
         util = rate_rps / capacity
-        seqs = self.population(served)
-        round_s = self.round_s(max(1.0, seqs))
+        seqs, round_s = self._population_round(served)
         # TPOT is a request's mean time per output token, over its own rounds. Two things
         # spread it across requests. (1) Its rounds carry whole chunks with probability `frac`,
         # so over its `output` rounds the chunk count is binomial. (2) The load it shares its
