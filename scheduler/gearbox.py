@@ -522,12 +522,21 @@ def decide(
     rent = config.gpu_rent * cap_per_gpu
     cur_gpus = cur.estimate.gpus if cur.valid and cur.estimate is not None else 0
 
+    # a plan's estimate by (profile, load, routing weight), for this decision only: replicas of
+    # one unit type share their profile, so a gear of n equal replicas costs one estimate
+    plan_estimates: dict[tuple[PlanProfile, Workload, float], Estimate] = {}
+
     def at_load(gear: Gear, load: Workload, profiles: Mapping[Plan, PlanProfile] | None = None) -> Estimate:
         known = {**cur.profiles, **(profiles or {})}
-        profs = [known.get(p) or PlanProfile.build(p, spec, snapshot, eff) for p in gear.plans]
-        return combine_estimates(
-            [estimate_plan(p, load.scaled(w), deployment.slo) for p, w in zip(profs, gear.weights, strict=True)],
-            gear.weights, load)
+        ests = []
+        for plan, w in zip(gear.plans, gear.weights, strict=True):
+            prof = known.get(plan) or PlanProfile.build(plan, spec, snapshot, eff)
+            key = (prof, load, w)
+            est = plan_estimates.get(key)
+            if est is None:
+                est = plan_estimates[key] = estimate_plan(prof, load.scaled(w), deployment.slo)
+            ests.append(est)
+        return combine_estimates(ests, gear.weights, load)
 
     def stands(gear: Gear, est: Estimate, profiles: Mapping[Plan, PlanProfile] | None = None) -> bool:
         shrinking = 0 < est.gpus < cur_gpus
