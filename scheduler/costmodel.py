@@ -961,28 +961,11 @@ class SteadyState:
                 return at(i - 1) + (seqs - a) * (at(i) - at(i - 1)) / (b - a)
         return at(len(grid) - 1)
 
-    def population(self, rate_rps: float) -> float:
-        """Running sequences n with n / (output x round(n)) == rate (capped at the cap)."""
-        if rate_rps <= 0:
-            return 0.0
-        grid, at, out = self.grid, self._round_at, self.output
-        if grid[0] / (out * at(0)) >= rate_rps:
-            return grid[0] * rate_rps * out * at(0) / grid[0]  # below one sequence: a fraction
-        for i in range(1, len(grid)):
-            if grid[i] / (out * at(i)) >= rate_rps:
-                a, ra, b, rb = grid[i - 1], at(i - 1), grid[i], at(i)
-                slope = (rb - ra) / (b - a)
-                lo = rate_rps * out
-                denom = 1.0 - lo * slope
-                n = lo * (ra - a * slope) / denom if denom > 0 else float(b)
-                return min(max(n, float(a)), float(b))
-        return float(grid[-1])
-
     def _population_round(self, rate_rps: float) -> tuple[float, float]:
-        """(`population(rate_rps)`, `round_s(max(1, population))`) in one walk of the grid:
-        the population lies on the segment whose rates bracket `rate_rps`, and inside it the
-        round time is that segment's interpolation - the same arithmetic as the two calls.
-        At a grid point or past the cap it asks `round_s` itself, so it agrees to the bit."""
+        """(running sequences n with n / (output x round(n)) == rate, capped at the cap; the
+        round time at max(1, n)) in one walk of the grid: n lies on the segment whose rates
+        bracket `rate_rps`, and inside it the round time is that segment's interpolation (as
+        `round_s` has it; at a grid point or past the cap it asks `round_s` itself)."""
         if rate_rps <= 0:
             return 0.0, self._round_at(0)
         grid, rounds, out = self.grid, self._rounds, self.output
