@@ -90,10 +90,31 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
 A failed ack's result carries `reason` (preempted | failed | conflict | target_refused |
 stale_lease | timeout) and, for preemptions, `gpus`: the controller retries SWITCH steps that
 fail (twice), rolls back PREPARE ones.
+
+Node commands (v1)
+------------------
+
+Commands about what a node holds, outside any transition: no deployment, no transition seq, no
+plan. They are not scheduler.transition.CommandKind (the scheduler never sends them); their kinds
+are `NodeCommandKind`. `COMMAND_KINDS` lists both families; `check_payload` and `check_result`
+validate both.
+
+`verify_weights` - the registry asks a node to hash its copy of a model version's weights before
+    any deployment loads them (console/registry/actions.py do_request_weights_check; the key is
+    per (version, node), so asking again re-sends the same command)
+    payload: model_version_id, name (the model: the node's folder of that name in its model
+    store), version, weights_uri, sha256 (the registry's digest, 64 lowercase hex), engine (vllm |
+    torch), tokenizer. The node hashes the weights it holds for `name` (it downloads and writes
+    nothing) and acks ok with {sha256: the digest it computed}, whether or not it is the
+    registry's: the console verifies the version on a match and quarantines it on a mismatch. No
+    weights for that model on this node, or a node that holds no models (a simulated one): ack
+    failed with a detail naming the model and where it looked (the registry records
+    registry.weights_check_failed; the version's status stays).
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -107,7 +128,17 @@ PROTOCOL_VERSION = 1
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENGINE_BACKENDS = ("sim", "torch", "vllm")
 ACK_STATUSES = ("ok", "failed", "running")
-COMMAND_KINDS = tuple(k.value for k in CommandKind)  # the transition commands (module docstring)
+
+
+class NodeCommandKind(enum.StrEnum):
+    """Commands about a node itself, outside any transition (module docstring: node commands)."""
+
+    VERIFY_WEIGHTS = "verify_weights"
+
+
+TRANSITION_KINDS = tuple(k.value for k in CommandKind)  # sent by scheduler.transition, keyed by deployment and plan
+NODE_KINDS = tuple(k.value for k in NodeCommandKind)  # about the node itself: no deployment, no plan
+COMMAND_KINDS = TRANSITION_KINDS + NODE_KINDS  # every kind an agent may be sent
 FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_lease", "timeout")
 
 # Generous upper bounds that catch unit mistakes (bytes vs GiB) without limiting real hardware.
@@ -128,7 +159,10 @@ __all__ = [
     "Report",
     "Command",
     "CommandKind",
+    "NodeCommandKind",
     "COMMAND_KINDS",
+    "NODE_KINDS",
+    "TRANSITION_KINDS",
     "FAILURE_REASONS",
     "Ack",
     "check_payload",
@@ -255,10 +289,10 @@ class Report:
 
 @dataclass(frozen=True)
 class Command:
-    """One thing the controller asks one agent to do (a step of a transition)."""
+    """One thing the controller asks one agent to do (a step of a transition, or a node command)."""
 
     id: int  # increasing per cluster; the agent pulls with after=<last id it saw>
-    kind: str  # one of COMMAND_KINDS (module docstring: the transition commands)
+    kind: str  # one of COMMAND_KINDS (module docstring: the transition commands and the node commands)
     payload: dict[str, Any] = field(default_factory=dict)
     deployment: str | None = None
     transition_seq: int | None = None
@@ -596,6 +630,24 @@ def _release(r: ObjectReader) -> None:
         fb.done()
 
 
+def _sha256(r: ObjectReader, key: str) -> None:
+    sha = r.str(key, max_len=64)
+    if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
+        r.fail(key, "must be 64 lowercase hex digits")
+
+
+def _verify(r: ObjectReader) -> None:
+    r.int("model_version_id", min=1)
+    name = r.str("name", max_len=128)
+    if name is not None and (name.startswith("/") or ".." in name.split("/")):
+        r.fail("name", "must be a model name, not a path that leaves the model store")
+    r.str("version", max_len=64)
+    r.str("weights_uri", max_len=1024)
+    _sha256(r, "sha256")
+    r.str("engine", choices=("vllm", "torch"))
+    r.str("tokenizer", max_len=1024)
+
+
 _PAYLOADS = {
     CommandKind.PREPARE_PLAN.value: _prepare,
     CommandKind.ABORT_PLAN.value: _abort,
@@ -603,11 +655,12 @@ _PAYLOADS = {
     CommandKind.THAW_PLAN.value: _thaw,
     CommandKind.MOVE_SEQUENCES.value: _move,
     CommandKind.RELEASE_PLAN.value: _release,
+    NodeCommandKind.VERIFY_WEIGHTS.value: _verify,
 }
 
 
 def check_payload(kind: str, payload: Any) -> dict[str, Any]:
-    """Validate a transition command's payload; SchemaError names every bad field ("payload.moves[2].action")."""
+    """Validate a command's payload; SchemaError names every bad field ("payload.moves[2].action")."""
     if kind not in _PAYLOADS:
         raise SchemaError({"kind": f"must be one of {', '.join(COMMAND_KINDS)}; got {kind!r}"}, "command")
     problems = Problems()
@@ -631,7 +684,7 @@ def _seq_list(items: ListReader) -> None:
 
 
 def check_result(kind: str, result: Any) -> dict[str, Any]:
-    """Validate the result of an ok-ack to a transition command (module docstring: what each says).
+    """Validate the result of an ok-ack to a command (module docstring: what each says).
     Keys beyond those documented are allowed (an engine may say more); documented ones must be right."""
     if kind not in _PAYLOADS:
         raise SchemaError({"kind": f"must be one of {', '.join(COMMAND_KINDS)}; got {kind!r}"}, "command")
@@ -660,5 +713,7 @@ def check_result(kind: str, result: Any) -> dict[str, Any]:
         sha = r.str("weights_sha256", None, max_len=64)
         if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
             r.fail("weights_sha256", "must be 64 lowercase hex digits")
+    elif kind == NodeCommandKind.VERIFY_WEIGHTS.value:
+        _sha256(r, "sha256")
     problems.raise_if_any(f"{kind} result")
     return dict(result)

@@ -11,6 +11,7 @@ Invariants:
 - Each transition command is idempotent on the plan's state too (a retry is a new command id):
   prepare of a prepared plan acks ok at once; abort, thaw and release of a plan this node does not
   hold ack ok with `noop: true`; freeze of one acks no sequences; move names each sequence "gone".
+- Node commands (verify_weights) run outside every plan lock: they name no deployment or plan.
 - Every ok-ack's result passes agents.protocol.check_result before it leaves; a result that would
   break the protocol is sent as a failed ack instead (reason "failed"), never half right.
 - A plan's GPUs keep its reserve_bytes booked from prepare until abort or release; a prepare that
@@ -37,11 +38,13 @@ from agents.node.plans import Backend, ModelStore, PlanEngine, PrepareError
 from agents.probes import Probe
 from agents.protocol import (
     FAILURE_REASONS,
+    NODE_KINDS,
     Ack,
     Command,
     CommandKind,
     EngineReport,
     GpuReport,
+    NodeCommandKind,
     RegisterRequest,
     Report,
     SchemaError,
@@ -351,11 +354,14 @@ class NodeAgent:
 
     def _execute(self, cmd: Command) -> _Outcome:
         try:
-            kind = CommandKind(cmd.kind)
             payload = check_payload(cmd.kind, cmd.payload)
-        except ValueError as exc:  # SchemaError is one
-            errors = exc.errors if isinstance(exc, SchemaError) else {"kind": str(exc)}
-            return _Outcome("failed", "; ".join(f"{k}: {v}" for k, v in errors.items()), {"reason": "failed"})
+        except SchemaError as exc:  # an unknown kind too, named "kind"
+            return _Outcome("failed", "; ".join(f"{k}: {v}" for k, v in exc.errors.items()), {"reason": "failed"})
+        if cmd.kind in NODE_KINDS:
+            # About the node, not a plan: no plan lock (the payload names no deployment or plan_id).
+            self.executed[cmd.kind] += 1
+            return {NodeCommandKind.VERIFY_WEIGHTS: self._verify_weights}[NodeCommandKind(cmd.kind)](payload)
+        kind = CommandKind(cmd.kind)
         key = (str(payload["deployment"]), str(payload["plan_id"]))
         with self._lock:
             lock = self._plan_locks.setdefault(key, threading.Lock())
@@ -425,6 +431,21 @@ class NodeAgent:
         """What this node's model store computed for the weights it loaded (None when it hashed none)."""
         store = getattr(self.backend, "models", None)
         return store.digest_of(model) if isinstance(store, ModelStore) else None
+
+    def _verify_weights(self, p: dict[str, Any]) -> _Outcome:
+        """verify_weights: hash the weights this node holds for model `name` (agents/protocol.py).
+
+        Ok with the digest whether or not it is the registry's (the console decides: verified or
+        quarantined); failed when this node holds no such weights, naming the model and the folder.
+        """
+        name = str(p["name"])
+        store = getattr(self.backend, "models", None)
+        if not isinstance(store, ModelStore):
+            raise PrepareError(f"model {name!r}: node {self.node_id} holds no model store (backend "
+                               f"{self.backend_name}), so it has no weights to hash")
+        weights, digest = store.hash_held(name)
+        same = "the registry's" if digest == p["sha256"] else f"not the registry's {str(p['sha256'])[:16]}..."
+        return _Outcome("ok", f"model {name!r}: {weights} has sha256 {digest[:16]}..., {same}", {"sha256": digest})
 
     def _check_gpus(self, want: dict[str, int]) -> None:
         """PrepareError unless every GPU is ours, healthy, allocatable and has the memory free."""

@@ -104,6 +104,29 @@ class ModelStore:
                                f"the registry wants {weights_sha256[:16]}...", observed_sha256=digest)
         return folder, digest
 
+    def hash_held(self, model: str) -> tuple[Path, str]:
+        """(weights file, its SHA256) of the weights this node holds for `model`, for verify_weights.
+
+        Makes and downloads nothing - even the tiny model is hashed only once it is here: the check
+        is of what this node would load. Hashed once per folder, as `resolve` does (the same cache).
+        PrepareError naming the model and the path when there are no weights or they cannot be read.
+        """
+        folder = self.root / model
+        weights = folder / WEIGHTS_FILE
+        with self._lock:
+            digest = self._digests.get(folder)
+        if digest is not None:
+            return weights, digest
+        if not weights.is_file():
+            raise PrepareError(f"model {model!r}: no weights on this node at {weights}; put the model folder "
+                               f"{folder} there")
+        try:
+            observed = sha256_file(weights)  # outside the lock: gigabytes must not block other models' prepares
+        except OSError as exc:
+            raise PrepareError(f"model {model!r}: cannot read {weights}: {exc.strerror or exc}") from None
+        with self._lock:
+            return weights, self._digests.setdefault(folder, observed)
+
     def digest_of(self, model: str) -> str | None:
         """The SHA256 this node computed for `model`'s weights (None: not hashed here yet)."""
         with self._lock:

@@ -46,6 +46,7 @@ import httpx
 
 from agents.client import AgentClient, ControllerError
 from agents.protocol import (
+    NODE_KINDS,
     Ack,
     Command,
     GpuInfo,
@@ -124,12 +125,16 @@ class HttpMailbox:
                     continue
                 self.ids[key] = (node_id, c.id)
             try:
-                kind = CommandKind(c.kind)
                 check_payload(c.kind, c.payload)
-            except (ValueError, SchemaError) as exc:
-                errors = exc.errors if isinstance(exc, SchemaError) else {"kind": str(exc)}
-                self.ack(key, "failed", "; ".join(f"{k}: {v}" for k, v in errors.items()), {"reason": "failed"})
+            except SchemaError as exc:  # an unknown kind too, named "kind"
+                self.ack(key, "failed", "; ".join(f"{k}: {v}" for k, v in exc.errors.items()), {"reason": "failed"})
                 continue
+            if c.kind in NODE_KINDS:
+                # A simulated node holds no weights: nothing to hash (the registry records the failed check).
+                self.ack(key, "failed", f"{c.kind}: model {c.payload.get('name')!r}: simulated node {node_id} holds "
+                         "no weights to hash; ask a node that runs a real engine", {"reason": "failed"})
+                continue
+            kind = CommandKind(c.kind)
             step = Step(c.step) if c.step in {s.value for s in Step} else Step.PREPARE
             intent = CommandIntent(key, node_id, kind, dict(c.payload), c.deployment or "", c.transition_seq or 0,
                                    step, 1)

@@ -324,6 +324,7 @@ def do_request_weights_check(version: ModelVersion, node: Any, *, actor: str, no
 
     The command's ack result `{"sha256": "<hex>"}` comes back through `console.fleet.signals.command_acked`
     (see receivers.py). The command key is per (version, node): asking again returns the same command.
+    A retired version is out of service: asking about it is refused (409, naming `status`).
     """
     from console.fleet.actions import do_issue_command
     from console.fleet.models import AgentCommand
@@ -331,6 +332,10 @@ def do_request_weights_check(version: ModelVersion, node: Any, *, actor: str, no
     now = now or timezone.now()
     key = f"registry.{VERIFY_COMMAND}:{version.pk}:{node.node_id}"
     with transaction.atomic():
+        version = ModelVersion.objects.select_for_update().get(pk=version.pk)  # a concurrent retire waits
+        if version.status == ModelVersion.RETIRED:
+            raise Refused(409, {"status": f"{version.name} {version.version} is retired: its weights are no "
+                                          "longer checked"})
         asked_before = AgentCommand.objects.filter(key=key).exists()
         cmd = do_issue_command(
             node, key=key, kind=VERIFY_COMMAND, now=now,

@@ -22,6 +22,7 @@ from console.accounts.auth import ReadViewerWriteAdmin
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
 from console.audit.chain import actor_of
+from console.fleet.models import AgentCommand, Node
 from console.registry import actions
 from console.registry.architecture import HF_REQUIRED_KEYS, MAX_NAME_LEN, validate_architecture
 from console.registry.models import ModelVersion
@@ -88,6 +89,21 @@ class RegisterSerializer(StrictSerializer):
         return value
 
 
+class CheckSerializer(StrictSerializer):
+    node = serializers.CharField(max_length=64, help_text="the node_id of the agent that hashes its copy of the "
+                                                          "weights (it must hold the model folder)")
+
+
+class CheckCommandSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    command = serializers.IntegerField(help_text="the verify_weights command's id (the agent acks it)")
+    state = serializers.ChoiceField(choices=AgentCommand.STATES,
+                                    help_text="pending until the agent pulls it; ok or failed once it acked")
+    node = serializers.CharField()
+    version = serializers.IntegerField(help_text="the model version's id")
+    detail = serializers.CharField(help_text="the agent's ack detail (empty until it acked)")
+    result = serializers.JSONField(help_text="the agent's ack result: {sha256} on ok")
+
+
 class RetireSerializer(StrictSerializer):
     reason = serializers.CharField(max_length=300, required=False, allow_blank=True, default="")
 
@@ -138,6 +154,36 @@ class ModelVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
             return refused_response(exc.status, exc.errors)
         return Response(ModelVersionSerializer(reg.version).data,
                         status=status.HTTP_201_CREATED if reg.created else status.HTTP_200_OK)
+
+    @extend_schema(
+        summary="Ask a node's agent to check the version's weights (admin; idempotent per node)",
+        request=CheckSerializer,
+        responses={200: CheckCommandSerializer,
+                   400: OpenApiResponse(description="`node` is no registered node: the body names it"),
+                   404: OpenApiResponse(description="no such model version"),
+                   409: OpenApiResponse(description="the version is retired: the body names `status`")},
+        description=(
+            "Issues a `verify_weights` command to the node: its agent hashes its copy of the weights (the "
+            "model folder named like the version) and acks with the digest. A match verifies the version, "
+            "another digest quarantines it (both audited); an agent without the weights acks failed and "
+            "registry.weights_check_failed is audited, the status stays. Asking again about the same node "
+            "returns the same command and its state, so this is how to poll for the answer."),
+    )
+    @action(detail=True, methods=["post"])
+    def check(self, request: Request, pk: str | None = None) -> Response:
+        version = self.get_object()
+        body = CheckSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        node = Node.objects.filter(node_id=body.validated_data["node"]).first()
+        if node is None:
+            return refused_response(400, {"node": f"no registered node {body.validated_data['node']!r}"})
+        try:
+            cmd = actions.do_request_weights_check(version, node, actor=actor_of(request.user))
+        except actions.Refused as exc:
+            return refused_response(exc.status, exc.errors)
+        return Response(CheckCommandSerializer({
+            "command": cmd.pk, "state": cmd.state, "node": node.node_id, "version": version.pk,
+            "detail": cmd.detail, "result": cmd.result if isinstance(cmd.result, dict) else {}}).data)
 
     @extend_schema(summary="Retire a model version (admin; idempotent)", request=RetireSerializer,
                    responses={200: ModelVersionSerializer})

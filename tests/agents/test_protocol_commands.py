@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from agents.protocol import COMMAND_KINDS, SchemaError, check_payload, check_result
+from agents.protocol import (
+    COMMAND_KINDS,
+    NODE_KINDS,
+    TRANSITION_KINDS,
+    SchemaError,
+    check_payload,
+    check_result,
+)
 from scheduler.transition import CommandKind, Step
 from tests.scheduler.transition_world import DEP, GEAR_A, GEAR_B, Load, World
 
@@ -26,7 +33,9 @@ def commands_of_a_run(rollback: bool) -> list[tuple[str, dict[str, object], Step
 def test_every_kind_is_documented_and_has_a_schema() -> None:
     import agents.protocol as protocol
 
-    assert set(COMMAND_KINDS) == {k.value for k in CommandKind}
+    assert set(TRANSITION_KINDS) == {k.value for k in CommandKind}  # the scheduler's, and only those
+    assert set(NODE_KINDS) == {"verify_weights"} and not set(NODE_KINDS) & set(TRANSITION_KINDS)
+    assert COMMAND_KINDS == TRANSITION_KINDS + NODE_KINDS
     for kind in COMMAND_KINDS:
         assert f"`{kind}`" in (protocol.__doc__ or "")
 
@@ -100,3 +109,46 @@ def test_an_unknown_kind_and_a_bad_result_are_refused() -> None:
     with pytest.raises(SchemaError, match=r"result.sequences\[0\].context_tokens"):
         check_result("freeze_plan", {"sequences": [{"seq_id": "s", "context_tokens": -1, "generated_tokens": 0,
                                                     "max_tokens": 1, "state": "running"}]})
+
+
+def a_verify() -> dict[str, object]:
+    """A verify_weights payload as console/registry/actions.py do_request_weights_check writes it."""
+    return {"model_version_id": 3, "name": "tiny-llama", "version": "v1", "weights_uri": "hf://org/tiny/model.safetensors",
+            "sha256": "ab" * 32, "engine": "torch", "tokenizer": "hf://org/tiny/tokenizer.json"}
+
+
+def test_a_verify_weights_command_and_its_answer_validate() -> None:
+    assert check_payload("verify_weights", a_verify()) == a_verify()
+    assert check_result("verify_weights", {"sha256": "cd" * 32}) == {"sha256": "cd" * 32}
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"model_version_id": 0}, "payload.model_version_id"),
+    ({"sha256": "AB" * 32}, "payload.sha256"),
+    ({"sha256": "ab"}, "payload.sha256"),
+    ({"engine": "sim"}, "payload.engine"),
+    ({"name": "../../etc"}, "payload.name"),
+    ({"name": "/etc/passwd"}, "payload.name"),
+    ({"weights_uri": None}, "payload.weights_uri"),
+    ({"extra": 1}, "payload.extra"),
+])
+def test_a_bad_verify_weights_payload_is_refused_naming_the_field(change: dict[str, object], field: str) -> None:
+    with pytest.raises(SchemaError) as refused:
+        check_payload("verify_weights", {**a_verify(), **change})
+    assert field in refused.value.errors, refused.value.errors
+
+
+def test_a_missing_verify_weights_field_is_named() -> None:
+    payload = a_verify()
+    del payload["tokenizer"]
+    with pytest.raises(SchemaError) as refused:
+        check_payload("verify_weights", payload)
+    assert "payload.tokenizer" in refused.value.errors
+
+
+@pytest.mark.parametrize("result", [{}, {"sha256": "not-hex"}, {"sha256": "AB" * 32}, {"sha256": 7}])
+def test_a_verify_weights_answer_without_a_lowercase_digest_is_refused_naming_sha256(result: dict[str, object]
+                                                                                     ) -> None:
+    with pytest.raises(SchemaError) as refused:
+        check_result("verify_weights", result)
+    assert "result.sha256" in refused.value.errors, refused.value.errors

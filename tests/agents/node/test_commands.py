@@ -133,3 +133,43 @@ def test_a_plan_on_one_node_gets_no_placement_and_a_split_one_asks_its_peers(mod
     main = placed["main"]
     assert main.local == {0} and main.bind_host == "127.0.0.1"
     assert [(s.name, s.addr) for s in main.sites] == [("n2", "h:7")]
+
+
+def verify_payload(name: str, sha256: str) -> dict[str, Any]:
+    return {"model_version_id": 1, "name": name, "version": "v1", "weights_uri": "hf://org/m/model.safetensors",
+            "sha256": sha256, "engine": "torch", "tokenizer": "hf://org/m/tokenizer.json"}
+
+
+def test_verify_weights_hashes_the_model_the_node_holds_and_says_its_digest(make_agent: Any, tmp_path: Any) -> None:
+    from agents.engines.torch.weights import make_tiny_llama
+    from agents.node.plans import ModelStore
+
+    digest = make_tiny_llama(tmp_path / "tiny-llama")
+    agent = make_agent()
+    agent.backend.models = ModelStore(tmp_path)
+    same = agent.handle(command("verify_weights", verify_payload("tiny-llama", digest)))
+    assert ok("verify_weights", same) == {"sha256": digest} and "the registry's" in same.detail
+    other = agent.handle(command("verify_weights", verify_payload("tiny-llama", "0" * 64)))
+    assert ok("verify_weights", other) == {"sha256": digest} and "not the registry's" in other.detail
+    assert agent.executed["verify_weights"] == 2 and not agent.plans and agent.booked() == {}
+
+
+def test_verify_weights_of_a_model_the_node_lacks_fails_naming_the_model_and_the_folder(make_agent: Any,
+                                                                                       tmp_path: Any) -> None:
+    from agents.node.plans import ModelStore
+
+    agent = make_agent()
+    agent.backend.models = ModelStore(tmp_path)
+    ack = agent.handle(command("verify_weights", verify_payload("tiny-llama", "0" * 64)))
+    assert ack.status == "failed" and ack.result == {"reason": "failed"}
+    assert "'tiny-llama'" in ack.detail and str(tmp_path / "tiny-llama") in ack.detail
+    assert not (tmp_path / "tiny-llama").exists()  # a check makes nothing, not even the tiny model
+
+
+def test_verify_weights_takes_no_plan_lock_and_a_node_without_models_refuses_it(make_agent: Any) -> None:
+    agent = make_agent(backend=False)
+    ack = agent.handle(command("verify_weights", verify_payload("tiny-llama", "0" * 64)))
+    assert ack.status == "failed" and "holds no model store" in ack.detail and "'tiny-llama'" in ack.detail
+    assert agent._plan_locks == {}
+    bad = agent.handle(command("verify_weights", {**verify_payload("tiny-llama", "0" * 64), "sha256": "x"}))
+    assert bad.status == "failed" and "payload.sha256" in bad.detail

@@ -84,6 +84,19 @@ def test_a_command_with_a_bad_payload_is_refused_naming_the_field() -> None:
     assert box.take("h100-a") == []
 
 
+def test_a_verify_weights_command_is_refused_by_a_simulated_node_that_holds_no_weights() -> None:
+    from agents.sim.live import HttpMailbox
+
+    box = HttpMailbox()
+    box.deliver("h100-a", [Command(9, "verify_weights", {
+        "model_version_id": 1, "name": "llama-3-8b", "version": "v1", "weights_uri": "hf://org/m/model.safetensors",
+        "sha256": "ab" * 32, "engine": "vllm", "tokenizer": "hf://org/m/tokenizer.json"})])
+    ((node, cid, ack),) = box.acks()
+    assert (node, cid, ack.status, ack.result) == ("h100-a", 9, "failed", {"reason": "failed"})
+    assert "'llama-3-8b'" in ack.detail and "no weights" in ack.detail
+    assert box.take("h100-a") == []
+
+
 def prepare(fleet: LiveFleet, cid: int, plan: Plan, node: str) -> Command:
     """A prepare_plan command as the controller's executor writes it (scheduler/transition.py)."""
     memory = plan_memory(plan, model_spec(plan.model))
