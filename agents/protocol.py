@@ -542,6 +542,13 @@ def _strings(r: ObjectReader, key: str) -> None:
                 r.problems.add(path, "must be a string")
 
 
+def _model_name(r: ObjectReader, key: str) -> None:
+    """A model's name, which an agent turns into a folder of its model store: never a path out of it."""
+    name = r.str(key, max_len=128)
+    if name is not None and (name.startswith("/") or ".." in name.split("/")):
+        r.fail(key, "must be a model name, not a path that leaves the model store")
+
+
 def _prepare(r: ObjectReader) -> None:
     _common(r)
     plan = r.raw("plan")
@@ -555,7 +562,7 @@ def _prepare(r: ObjectReader) -> None:
             pid = r.raw("plan_id", None)
             if isinstance(pid, str) and pid != parsed.plan_id:
                 r.fail("plan_id", f"does not match the plan's content ({parsed.plan_id})")
-    r.str("model", max_len=128)
+    _model_name(r, "model")
     sha = r.str("weights_sha256", None, max_len=64)
     if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
         r.fail("weights_sha256", "must be 64 lowercase hex digits or null")
@@ -638,9 +645,7 @@ def _sha256(r: ObjectReader, key: str) -> None:
 
 def _verify(r: ObjectReader) -> None:
     r.int("model_version_id", min=1)
-    name = r.str("name", max_len=128)
-    if name is not None and (name.startswith("/") or ".." in name.split("/")):
-        r.fail("name", "must be a model name, not a path that leaves the model store")
+    _model_name(r, "name")
     r.str("version", max_len=64)
     r.str("weights_uri", max_len=1024)
     _sha256(r, "sha256")

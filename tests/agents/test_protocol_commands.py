@@ -101,6 +101,9 @@ def test_a_prepare_whose_plan_id_does_not_match_its_plan_is_refused() -> None:
     payload["weights_sha256"] = "not-hex"
     with pytest.raises(SchemaError, match="weights_sha256"):
         check_payload("prepare_plan", payload)
+    for name in ("../../etc", "/etc"):  # an agent makes the model's name a folder of its model store
+        with pytest.raises(SchemaError, match="payload.model"):
+            check_payload("prepare_plan", {**sent[0], "model": name})
 
 
 def test_an_unknown_kind_and_a_bad_result_are_refused() -> None:
