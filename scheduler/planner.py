@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -547,6 +548,7 @@ def clear_caches() -> None:
     """Forget the planner's memos and the cost model's (a benchmark's cold run starts here)."""
     _kv_cap_tokens.cache_clear()
     _stage_terms.cache_clear()
+    _SLO_RATES.clear()
     _clear_cost_model_caches()
 
 
@@ -558,7 +560,20 @@ def _capacity(types: Mapping[tuple[object, ...], _UnitType], unit: _Unit) -> flo
 SLO_ATTAINMENT = 0.99  # goodput / throughput at which a plan counts as meeting its SLOs
 
 
-def _slo_rate(state: SteadyState, rel_tol: float = 2.5e-4) -> float:
+# a plan state's SLO rate, for as long as the cost model keeps the state (it shares one state
+# between plans of equal physics, and keeps it from tick to tick): found once, not per unit type
+_SLO_RATES: weakref.WeakKeyDictionary[SteadyState, float] = weakref.WeakKeyDictionary()
+
+
+def _slo_rate(state: SteadyState) -> float:
+    """`_find_slo_rate`, once per state."""
+    rate = _SLO_RATES.get(state)
+    if rate is None:
+        rate = _SLO_RATES[state] = _find_slo_rate(state)
+    return rate
+
+
+def _find_slo_rate(state: SteadyState, rel_tol: float = 2.5e-4) -> float:
     """The highest rate at which the plan meets both SLOs (attainment >= SLO_ATTAINMENT),
     to within `rel_tol` x capacity below it; 0 when it misses them even nearly idle.
 
