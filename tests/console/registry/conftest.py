@@ -1,11 +1,17 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from agents.node.daemon import NodeAgent
+    from agents.protocol import Ack
+    from tests.console.conftest import AgentHTTP
 
 
 @dataclass(frozen=True)
@@ -47,3 +53,40 @@ def model_body(**overrides: Any) -> dict[str, Any]:
     }
     body.update(overrides)
     return body
+
+
+@pytest.fixture
+def models_root(tmp_path: Path) -> Path:
+    """The model store of the node agent below."""
+    return tmp_path / "models"
+
+
+@pytest.fixture
+def node_agent(models_root: Path) -> Iterator[NodeAgent]:
+    """A real agent daemon of node a1, torch backend (no controller: the test carries its commands and acks)."""
+    from agents.node.daemon import NodeAgent
+    from agents.node.gpuspec import SpecProbe
+    from agents.node.plans import ModelStore, TorchBackend
+    from tests.agents.node.conftest import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    agent = NodeAgent(controller="http://127.0.0.1:9", join_token="fpj_unused", probe=SpecProbe("2xA100-80G", "a1"),
+                      backend=TorchBackend(ModelStore(models_root), addr, num_kv_blocks=64),
+                      backend_name="torch", node_id="a1", data_addr=addr)
+    yield agent
+    agent.close()
+
+
+def run_and_ack(agent: AgentHTTP, node_agent: NodeAgent, pulled: dict[str, Any], on_commit: Any) -> Ack:
+    """The node agent runs a command pulled from the console and acks it through the agent endpoint,
+    as its poll loop does; the ack's receivers run (on commit). Returns the agent's ack."""
+    from agents.protocol import Command
+
+    ack = node_agent.handle(Command(id=pulled["id"], kind=pulled["kind"], payload=pulled["payload"],
+                                    deployment=pulled.get("deployment"), transition_seq=pulled.get("transition_seq"),
+                                    step=pulled.get("step")))
+    with on_commit(execute=True):
+        resp = agent.post(f"/agent/v1/commands/{pulled['id']}/ack",
+                          {"protocol": 1, "status": ack.status, "detail": ack.detail, "result": ack.result})
+    assert resp.status_code == 200, resp.content
+    return ack

@@ -8,7 +8,6 @@ through the console's agent endpoints, as in production: issued by the API, pull
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,37 +16,17 @@ from django.test import Client
 
 from agents.engines.torch.weights import make_tiny_llama
 from agents.node.daemon import NodeAgent
-from agents.node.gpuspec import SpecProbe
-from agents.node.plans import ModelStore, TorchBackend
-from agents.protocol import Command
 from console.audit.chain import verify_chain
 from console.audit.models import AuditEntry
 from console.fleet.models import AgentCommand
 from console.registry.models import ModelVersion
-from tests.agents.node.conftest import free_port
 from tests.console.conftest import AgentHTTP
 from tests.console.people import Person
-from tests.console.registry.conftest import OTHER_SHA256, TinyWeights, model_body
+from tests.console.registry.conftest import OTHER_SHA256, TinyWeights, model_body, run_and_ack
 
 pytestmark = pytest.mark.django_db
 
 MODELS = "/api/v1/models"
-
-
-@pytest.fixture
-def models_root(tmp_path: Path) -> Path:
-    return tmp_path / "models"
-
-
-@pytest.fixture
-def node_agent(models_root: Path) -> Iterator[NodeAgent]:
-    """The agent daemon of node a1 (no controller: the test carries its commands and acks)."""
-    addr = f"127.0.0.1:{free_port()}"
-    agent = NodeAgent(controller="http://127.0.0.1:9", join_token="fpj_unused", probe=SpecProbe("2xA100-80G", "a1"),
-                      backend=TorchBackend(ModelStore(models_root), addr, num_kv_blocks=64),
-                      backend_name="torch", node_id="a1", data_addr=addr)
-    yield agent
-    agent.close()
 
 
 def post(client: Client, path: str, body: Any) -> Any:
@@ -75,11 +54,7 @@ def check_through_the_console(admin: Person, agent: AgentHTTP, node_agent: NodeA
     (pulled,) = agent.get("/agent/v1/commands", after=0).json()["commands"]
     assert pulled["id"] == asked.json()["command"] and pulled["kind"] == "verify_weights"
     assert pulled["deployment"] is None and pulled["transition_seq"] is None
-    ack = node_agent.handle(Command(id=pulled["id"], kind=pulled["kind"], payload=pulled["payload"]))
-    with on_commit(execute=True):
-        resp = agent.post(f"/agent/v1/commands/{pulled['id']}/ack",
-                          {"protocol": 1, "status": ack.status, "detail": ack.detail, "result": ack.result})
-    assert resp.status_code == 200, resp.content
+    ack = run_and_ack(agent, node_agent, pulled, on_commit)
     version.refresh_from_db()
     return ack
 

@@ -9,38 +9,22 @@ the agent, acked.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from django.utils import timezone
 
 from agents.node.daemon import NodeAgent
-from agents.node.gpuspec import SpecProbe
-from agents.node.plans import ModelStore, TorchBackend
-from agents.protocol import Command
 from console.audit.models import AuditEntry
 from console.fleet.actions import do_issue_command
 from console.fleet.models import Node
 from console.registry.models import ModelVersion
-from tests.agents.node.conftest import free_port, gpus, prepare_payload, tiny_plan
+from tests.agents.node.conftest import gpus, prepare_payload, tiny_plan
 from tests.console.conftest import AgentHTTP
 from tests.console.people import Person
-from tests.console.registry.conftest import TinyWeights, model_body
+from tests.console.registry.conftest import TinyWeights, model_body, run_and_ack
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def node_agent(tmp_path: Path) -> Iterator[NodeAgent]:
-    """The agent daemon of node a1 (no controller: the test carries its commands and acks)."""
-    addr = f"127.0.0.1:{free_port()}"
-    agent = NodeAgent(controller="http://127.0.0.1:9", join_token="fpj_unused", probe=SpecProbe("2xA100-80G", "a1"),
-                      backend=TorchBackend(ModelStore(tmp_path / "models"), addr, num_kv_blocks=64),
-                      backend_name="torch", node_id="a1", data_addr=addr)
-    yield agent
-    agent.close()
 
 
 def register(admin: Person, sha256: str) -> ModelVersion:
@@ -60,12 +44,7 @@ def prepare_through_the_console(agent: AgentHTTP, node_agent: NodeAgent, version
                      payload=payload, now=timezone.now(), deployment="tiny", transition_seq=1, step="prepare")
     (pulled,) = agent.get("/agent/v1/commands", after=0).json()["commands"]
     assert pulled["payload"]["weights_sha256"] == version.sha256
-    ack = node_agent.handle(Command(id=pulled["id"], kind=pulled["kind"], payload=pulled["payload"],
-                                    deployment="tiny", transition_seq=1, step="prepare"))
-    with on_commit(execute=True):
-        resp = agent.post(f"/agent/v1/commands/{pulled['id']}/ack",
-                          {"protocol": 1, "status": ack.status, "detail": ack.detail, "result": ack.result})
-    assert resp.status_code == 200, resp.content
+    ack = run_and_ack(agent, node_agent, pulled, on_commit)
     version.refresh_from_db()
     return ack
 
