@@ -144,26 +144,23 @@ class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
                    responses={200: UserSerializer, 409: OpenApiResponse(description="an admin's own admin role")})
     @action(detail=True, methods=["post"])
     def role(self, request: Request, username: str | None = None) -> Response:
-        target = self.get_object()
-        body = RoleSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        try:
-            actions.do_set_user_role(target, role=body.validated_data["role"], actor=actor_of(request.user),
-                                     user=request.user)
-        except actions.Refused as exc:
-            return self._refused(exc)
-        return Response(UserSerializer(self.get_object()).data)
+        return self._change(request, RoleSerializer, lambda target, data, **who: actions.do_set_user_role(
+            target, role=data["role"], **who))
 
     @extend_schema(summary="Activate or deactivate a user (admin)", request=ActiveSerializer,
                    responses={200: UserSerializer, 409: OpenApiResponse(description="deactivating yourself")})
     @action(detail=True, methods=["post"])
     def active(self, request: Request, username: str | None = None) -> Response:
+        return self._change(request, ActiveSerializer, lambda target, data, **who: actions.do_set_user_active(
+            target, active=data["active"], **who))
+
+    def _change(self, request: Request, serializer: type[serializers.Serializer], do: Any) -> Response:
+        """Validate the body, run the action on the user named in the URL, answer the user as it is now."""
         target = self.get_object()
-        body = ActiveSerializer(data=request.data)
+        body = serializer(data=request.data)
         body.is_valid(raise_exception=True)
         try:
-            actions.do_set_user_active(target, active=body.validated_data["active"], actor=actor_of(request.user),
-                                       user=request.user)
+            do(target, body.validated_data, actor=actor_of(request.user), user=request.user)
         except actions.Refused as exc:
             return self._refused(exc)
         return Response(UserSerializer(self.get_object()).data)
