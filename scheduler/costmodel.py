@@ -1049,7 +1049,28 @@ class SteadyState:
         0.5 at P50 to 0.99 at P99 and is 1 only at or past P99. A live plan with an SLO only."""
         if self.slo is None or self.running_cap < 1 or self.capacity_rps <= 0:
             raise ValueError("slo_margin: needs a live plan with an SLO")
-        _, _, _, _, ttft99, _, tpot99 = self._latencies(rate_rps)
+        # NOTE(p99 only): the planner's SLO-rate search asks this a hundred times a decision,
+        # so it computes `_latencies`' two P99s alone - the same expressions in the same order,
+        # hence the same floats - without the medians or the helper calls
+        if not self._latency_ready:
+            self._latency_tables()
+        capacity = self.capacity_rps
+        served = min(rate_rps, capacity)
+        util = rate_rps / capacity
+        seqs, round_s = self._population_round(served)
+        frac = min(1.0, served * self.chunks_per_prompt * round_s)
+        chunk_var = self.chunk_extra_s ** 2 * frac * (1.0 - frac) / self.output
+        load_var = max(0.0, round_s - self.idle_round_s) ** 2 / max(1.0, seqs)
+        tpot99 = round_s + _Z99 * math.sqrt(chunk_var + load_var)
+        if util >= 1.0:
+            ttft99 = math.inf
+        else:
+            rho = min(util, 0.999)
+            theta = (1.0 / capacity) * (1 + self.work_cv2) / (2 * (1 - rho))
+            base99 = self.prefill99_s
+            if self.colocated and seqs >= 1:
+                base99 = max(base99, self.chunks99 * tpot99)
+            ttft99 = base99 + self.handoff99_s + (theta * math.log(rho / (1 - 0.99)) if rho > 1 - 0.99 else 0.0)
         return max(ttft99 * 1e3 / self.slo.ttft_ms, tpot99 * 1e3 / self.slo.tpot_ms) - 1.0
 
     def estimate(self, rate_rps: float) -> Estimate:

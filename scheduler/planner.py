@@ -590,15 +590,16 @@ def _find_slo_rate(state: SteadyState, rel_tol: float = 2.5e-4) -> float:
     if state.slo is None or state.running_cap < 1:
         return cap if state.meets_slo(cap * 0.999, SLO_ATTAINMENT) else 0.0
 
-    def margin(rate: float) -> float:
-        # times (1 - utilisation): the same sign, without the queueing wait's pole at capacity
-        # (it grows like 1 / (1 - utilisation)), so the curve is nearly straight for the secant
-        return state.slo_margin(rate) * (1.0 - rate / cap)
-
-    hi, f_hi = cap * 0.999, margin(cap * 0.999)
+    # the margin times (1 - utilisation): the same sign, without the queueing wait's pole at
+    # capacity (it grows like 1 / (1 - utilisation)), so the curve is nearly straight for the
+    # secant (written out at each probe: a closure call per probe is measurable here)
+    slo_margin = state.slo_margin
+    hi = cap * 0.999
+    f_hi = slo_margin(hi) * (1.0 - hi / cap)
     if f_hi <= 0:
         return cap
-    lo, f_lo = cap * 0.01, margin(cap * 0.01)
+    lo = cap * 0.01
+    f_lo = slo_margin(lo) * (1.0 - lo / cap)
     if f_lo > 0:
         return 0.0
     tol = rel_tol * cap
@@ -609,7 +610,7 @@ def _find_slo_rate(state: SteadyState, rel_tol: float = 2.5e-4) -> float:
         else:
             mid = (lo + hi) / 2
         mid = min(max(mid, lo + tol / 2), hi - tol / 2)
-        f_mid = margin(mid)
+        f_mid = slo_margin(mid) * (1.0 - mid / cap)
         if f_mid <= 0:
             lo, f_lo = mid, f_mid
             if side == -1:
