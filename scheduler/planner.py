@@ -28,7 +28,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Literal
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
@@ -260,11 +260,7 @@ def _first_of_pair(pair: tuple[tuple[float, float, int, int], _Unit]) -> tuple[f
     return pair[0]
 
 
-def _shape(block: AtomicBlock, room: Sequence[int]) -> tuple[object, ...]:
-    """Blocks with equal shapes are interchangeable for planning."""
-    gib = 2**30
-    return (block.gpu_model, block.size, block.link_kind, round(block.tp_link_bytes_per_s / 1e9),
-            _bucket(max(0, min(room)) // gib))
+_GIB = 2**30
 
 
 # --- the planner -----------------------------------------------------------------------------------
@@ -332,7 +328,12 @@ def plan_candidates(
         else:
             order = sorted(range(b.size), key=room.__getitem__, reverse=True)  # stable: ties by index
             ordered, sorted_room = [uuids[i] for i in order], [room[i] for i in order]
-        r = _BlockRoom(b, ordered, sorted_room, score, _shape(b, sorted_room))
+        # the block's shape: blocks with equal shapes are interchangeable for planning (rooms
+        # are sorted, most first, so the last is the least)
+        least = sorted_room[-1]
+        shape = (b.gpu_model, len(uuids), b.link_kind, round(b.tp_link_bytes_per_s / 1e9),
+                 _bucket((least if least > 0 else 0) // _GIB))
+        r = _BlockRoom(b, ordered, sorted_room, score, shape)
         sort_keys.append(((-score, not has_preferred, -sum(sorted_room), b.id), r))
     sort_keys.sort(key=_first)
     rooms = [r for _, r in sort_keys]
@@ -362,9 +363,6 @@ def plan_candidates(
             t.units.append(unit)
             used.update(unit.uuids)
 
-    def colocated(uuids: tuple[str, ...], kv: int) -> Callable[[], Plan]:
-        return lambda: _plan(model, "colocated", (_stage(0, model.num_layers, uuids),), (), kv)
-
     # 2a. single-block TP units (groups of one block, and blocks, are disjoint by construction)
     layers = model.num_layers
     cap1 = _kv_cap_tokens(model, workload, 1)
@@ -378,6 +376,7 @@ def plan_candidates(
         size = len(r.uuids)
         block = r.block
         block_ids = (block.id,)
+        key_head = ("tp", block.gpu_model, block.link_kind, r.shape[3])
         for tp in valid_tps:
             if tp > size:
                 break
@@ -387,16 +386,25 @@ def plan_candidates(
                 group_room = r.room[(g + 1) * tp - 1]  # rooms are sorted, most first
                 if group_room < floor_bytes:
                     break  # later groups of this block have less room
-                most = min(cap1, (group_room - weights) * shards // kv_per_token)
-                kv = max(_bucket(most), min(min_kv, most))
-                key = ("tp", block.gpu_model, block.link_kind, r.shape[3], tp, kv if kv < useful else "ample")
+                most = (group_room - weights) * shards // kv_per_token
+                if most > cap1:
+                    most = cap1
+                # max(_bucket(most), min(min_kv, most)), written out (a few hundred groups a decision)
+                if most < 16:
+                    kv = most if most > 0 else 0
+                else:
+                    step = 1 << (most.bit_length() - 3)
+                    kv = (most // step) * step
+                if kv < min_kv and kv < most:
+                    kv = min_kv if min_kv < most else most
+                key = (*key_head, tp, kv if kv < useful else "ample")
                 t = types.get(key)
                 if t is None:
                     t = types[key] = _UnitType(key, f"TP{tp} on {block.gpu_model}", len(types))
                 elif len(t.units) >= max_units:
                     continue  # no gear uses more instances of one type than that
                 group = tuple(r.uuids[g * tp:(g + 1) * tp])
-                t.units.append(_Unit(key, group, block_ids, r.stability, "tp", colocated(group, kv)))
+                t.units.append(_Unit(key, group, block_ids, r.stability, "tp", partial(_colocated, model, group, kv)))
 
     # 2b. prefill/decode splits across two blocks (bounded by the few best shapes)
     if options.allow_disaggregated and len(rooms) >= 2:
@@ -801,6 +809,11 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
                           _disaggregated(model, prefill, decode, kv)),
                     label,
                 )
+
+
+def _colocated(model: ModelSpec, uuids: tuple[str, ...], kv: int) -> Plan:
+    """A one-stage colocated plan on `uuids` (a unit's plan, built when a gear uses it)."""
+    return _plan(model, "colocated", (_stage(0, model.num_layers, uuids),), (), kv)
 
 
 def _disaggregated(model: ModelSpec, prefill: tuple[str, ...], decode: tuple[str, ...], kv: int) -> Callable[[], Plan]:
