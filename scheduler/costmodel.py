@@ -280,6 +280,8 @@ class PipelineProfile:
         self.eff = eff
         self.pp = len(self.stages)
         self.signature = content_id((model, eff, self.stages))  # equal physics, equal signature
+        p = eff.roofline_norm
+        self._norm: Callable[[float, float], float] = math.hypot if p == 2.0 else _p_norm(p)
         self._consts = [self._stage_consts(st) for st in self.stages]
 
     def _stage_consts(self, st: StageProfile) -> tuple[float, ...]:
@@ -342,26 +344,27 @@ class PipelineProfile:
         tokens = prefill_tokens + decode_seqs
         if tokens == 0:
             return 0.0, 0.0, 0.0, 0.0
-        p = self.eff.roofline_norm
-        norm: Callable[[float, float], float] = math.hypot if p == 2.0 else _p_norm(p)
-        o, layers = c[0], c[1]
+        norm = self._norm
+        # (one unpacking instead of two dozen subscripts: a decision computes ~200 of these)
+        (o, layers, qkv_a, qkv_b, qkv_c, o_a, o_b, o_c, up_a, up_b, up_c, down_a, down_b, down_c, attn_a, attn_kv,
+         attn_q, elementwise_c, ar_fixed, ar_per_token, head_a, head_b, head_c, has_head) = c
         # the four GEMMs of a layer
-        gemm = (4.0 * o + norm(c[2] * tokens, c[3] + c[4] * tokens) + norm(c[5] * tokens, c[6] + c[7] * tokens)
-                + norm(c[8] * tokens, c[9] + c[10] * tokens) + norm(c[11] * tokens, c[12] + c[13] * tokens)) * layers
+        gemm = (4.0 * o + norm(qkv_a * tokens, qkv_b + qkv_c * tokens) + norm(o_a * tokens, o_b + o_c * tokens)
+                + norm(up_a * tokens, up_b + up_c * tokens) + norm(down_a * tokens, down_b + down_c * tokens)) * layers
         # attention: decode reads every context token's K and V; prefill chunks attend their
         # cached prefix plus (causally) themselves.
         attn_pairs = float(decode_context_tokens)
         attn_reads = float(decode_context_tokens)
         if prefill_tokens:
-            chunk = prefill_tokens / max(1, prefill_seqs)
+            chunk = prefill_tokens / (prefill_seqs if prefill_seqs > 1 else 1)
             attn_pairs += prefill_context_tokens * chunk + prefill_tokens * (chunk + 1) / 2
             attn_reads += prefill_context_tokens + prefill_tokens
-        attention = (o + norm(c[14] * attn_pairs, c[15] * attn_reads + c[16] * tokens)) * layers
-        elementwise = c[17] * tokens
-        allreduce = c[18] + c[19] * tokens
-        if c[23]:
-            sampled = decode_seqs + (max(1, prefill_seqs) if prefill_tokens else 0)
-            gemm += o + norm(c[20] * sampled, c[21] + c[22] * sampled)
+        attention = (o + norm(attn_a * attn_pairs, attn_kv * attn_reads + attn_q * tokens)) * layers
+        elementwise = elementwise_c * tokens
+        allreduce = ar_fixed + ar_per_token * tokens
+        if has_head:
+            sampled = decode_seqs + ((prefill_seqs if prefill_seqs > 1 else 1) if prefill_tokens else 0)
+            gemm += o + norm(head_a * sampled, head_b + head_c * sampled)
         return gemm, attention, elementwise, allreduce
 
     def iteration(self, b: Batch) -> IterationCost:
@@ -426,8 +429,15 @@ class PipelineProfile:
         if hit is None:
             if len(_ITERATION_MEMO) >= 8 * _STEADY_CACHE_SIZE:
                 _ITERATION_MEMO.clear()
-            hit = _ITERATION_MEMO[key] = self.latency_interval(prefill_tokens, prefill_seqs, prefill_context_tokens,
-                                                               decode_seqs, decode_context_tokens)
+            if self.pp == 1 and prefill_tokens + decode_seqs:  # `latency_interval`'s one-stage case, inline
+                g, a, e, r = self._parts(self.stages[0], self._consts[0], prefill_tokens, prefill_seqs,
+                                         prefill_context_tokens, decode_seqs, decode_context_tokens)
+                stage = g + a + e + r
+                hit = _ITERATION_MEMO[key] = (stage, stage)
+            else:
+                hit = _ITERATION_MEMO[key] = self.latency_interval(prefill_tokens, prefill_seqs,
+                                                                   prefill_context_tokens, decode_seqs,
+                                                                   decode_context_tokens)
         return hit
 
     def prefill_time_s(self, prompt_tokens: int, chunk_tokens: int = MAX_BATCHED_TOKENS) -> float:
@@ -916,27 +926,32 @@ class SteadyState:
             latency, interval = pipe.latency_interval_memo(0, 0, 0, decode_seqs, decode_ctx)
             return max(latency, min(pp, max(1, seqs)) * interval)
         # prompt tokens per micro-batch round that keep the population steady
-        prefill_per_round = per_mb * self.prompt / self.output
-        chunk = self._chunk_tokens(decode_seqs, prefill_per_round)
-        share = min(1.0, prefill_per_round / chunk)
-        chunk_seqs = max(1, int(round(chunk / self.prompt)))
+        prompt = self.prompt
+        prefill_per_round = per_mb * prompt / self.output
+        # the prompt tokens a round carries when it carries any: the budget left by the decodes,
+        # or less when the prompts waiting are shorter (a round takes what has arrived); and the
+        # mean cached prefix such a chunk attends to (0 when a prompt fits one chunk). Written
+        # out: a decision computes ~80 rounds
+        left = self.max_batched_tokens - decode_seqs
+        if left < 1:
+            left = 1
+        want = int(round(prompt if prompt >= prefill_per_round else prefill_per_round))
+        chunk = want if want < left else left
+        if chunk < 1:
+            chunk = 1
+        share = prefill_per_round / chunk
+        if not share < 1.0:
+            share = 1.0
+        chunk_seqs = int(round(chunk / prompt))
+        if chunk_seqs < 1:
+            chunk_seqs = 1
+        pieces = math.ceil(prompt / chunk)
         plain = pipe.latency_interval_memo(0, 0, 0, decode_seqs, decode_ctx)
-        mixed = pipe.latency_interval_memo(chunk, chunk_seqs, self._chunk_context(chunk) * chunk_seqs, decode_seqs,
+        mixed = pipe.latency_interval_memo(chunk, chunk_seqs, int(chunk * (pieces - 1) / 2) * chunk_seqs, decode_seqs,
                                            decode_ctx)
         latency = plain[0] + share * (mixed[0] - plain[0])
         interval = plain[1] + share * (mixed[1] - plain[1])
         return max(latency, min(pp, max(1, seqs)) * interval)
-
-    def _chunk_tokens(self, decode_seqs: int, prefill_per_round: float) -> int:
-        """Prompt tokens a round carries when it carries any: the budget left by the decodes,
-        or less when the prompts waiting are shorter (a round takes what has arrived)."""
-        left = max(1, self.max_batched_tokens - decode_seqs)
-        return max(1, min(left, int(round(max(self.prompt, prefill_per_round)))))
-
-    def _chunk_context(self, chunk: int) -> int:
-        """Mean cached prefix a chunk of a prompt attends to (0 when a prompt fits one chunk)."""
-        pieces = math.ceil(self.prompt / chunk)
-        return int(chunk * (pieces - 1) / 2)
 
     def _round_at(self, i: int) -> float:
         """Round time at grid point i."""
@@ -1052,26 +1067,34 @@ class SteadyState:
         # NOTE(p99 only): the planner's SLO-rate search asks this a hundred times a decision,
         # so it computes `_latencies`' two P99s alone - the same expressions in the same order,
         # hence the same floats - without the medians or the helper calls
+        # (min and max written out as the builtins pick: the first argument unless the second
+        # is strictly smaller / larger)
         if not self._latency_ready:
             self._latency_tables()
         capacity = self.capacity_rps
-        served = min(rate_rps, capacity)
+        served = capacity if capacity < rate_rps else rate_rps
         util = rate_rps / capacity
         seqs, round_s = self._population_round(served)
-        frac = min(1.0, served * self.chunks_per_prompt * round_s)
+        frac = served * self.chunks_per_prompt * round_s
+        if not frac < 1.0:
+            frac = 1.0
         chunk_var = self.chunk_extra_s ** 2 * frac * (1.0 - frac) / self.output
-        load_var = max(0.0, round_s - self.idle_round_s) ** 2 / max(1.0, seqs)
+        load = round_s - self.idle_round_s
+        load_var = (load if load > 0.0 else 0.0) ** 2 / (seqs if seqs > 1.0 else 1.0)
         tpot99 = round_s + _Z99 * math.sqrt(chunk_var + load_var)
         if util >= 1.0:
             ttft99 = math.inf
         else:
-            rho = min(util, 0.999)
+            rho = 0.999 if 0.999 < util else util
             theta = (1.0 / capacity) * (1 + self.work_cv2) / (2 * (1 - rho))
             base99 = self.prefill99_s
             if self.colocated and seqs >= 1:
-                base99 = max(base99, self.chunks99 * tpot99)
+                ride = self.chunks99 * tpot99
+                if ride > base99:
+                    base99 = ride
             ttft99 = base99 + self.handoff99_s + (theta * math.log(rho / (1 - 0.99)) if rho > 1 - 0.99 else 0.0)
-        return max(ttft99 * 1e3 / self.slo.ttft_ms, tpot99 * 1e3 / self.slo.tpot_ms) - 1.0
+        ttft_excess, tpot_excess = ttft99 * 1e3 / self.slo.ttft_ms, tpot99 * 1e3 / self.slo.tpot_ms
+        return (tpot_excess if tpot_excess > ttft_excess else ttft_excess) - 1.0
 
     def estimate(self, rate_rps: float) -> Estimate:
         """The plan under this workload shape at `rate_rps`."""

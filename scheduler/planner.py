@@ -304,6 +304,7 @@ def plan_candidates(
     frac = options.mem_fraction
     latency_critical, min_stability = options.latency_critical, options.min_stability
     caps: dict[int, int] = {}  # capacity -> int(frac x capacity): one figure per GPU model
+    reclaim_uuids = set(reclaim)  # (a set: dict keys test a tuple for overlap by scanning it)
     for b in blocks:
         score = stability.get(b.id, 1.0) if stability else 1.0
         if latency_critical and score < min_stability:
@@ -311,7 +312,7 @@ def plan_candidates(
             continue
         # usable bytes per GPU, as plan.usable_bytes counts them (used = total - free)
         totals, frees, uuids = b.mem_total_bytes, b.mem_free_bytes, b.gpu_uuids
-        if reclaim and not reclaim.keys().isdisjoint(uuids):
+        if reclaim_uuids and not reclaim_uuids.isdisjoint(uuids):
             room = [_cap(caps, t, frac) - max(0, t - f - reclaim.get(u, 0))
                     for u, t, f in zip(uuids, totals, frees, strict=True)]
         elif totals.count(totals[0]) == len(totals):
