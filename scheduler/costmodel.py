@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -1179,6 +1179,7 @@ def clear_caches() -> None:
     _ITERATION_MEMO.clear()
     _lognormal_quantile.cache_clear()
     _holdings.cache_clear()
+    _context_buckets.cache_clear()
     workload_shape.cache_clear()
     _SINGLE_BLOCK.clear()
     _SINGLE_BLOCK_PIPES.clear()
@@ -1241,16 +1242,24 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
             capacity, limit = c, e.limit
     lam = workload.rate_rps
     served = min(lam, capacity)
-    total_w = sum(w for _, w in active)
+    total_w = 0
     ttft50 = tpot50 = throughput = goodput = 0.0
     ttft99 = tpot99 = -math.inf
     for e, w in active:  # P50s traffic-weighted, P99s the worst plan's, rates summed
+        total_w += w
         ttft50 += e.ttft_p50_s * w
         tpot50 += e.tpot_p50_s * w
-        ttft99 = max(ttft99, e.ttft_p99_s)
-        tpot99 = max(tpot99, e.tpot_p99_s)
+        if e.ttft_p99_s > ttft99:
+            ttft99 = e.ttft_p99_s
+        if e.tpot_p99_s > tpot99:
+            tpot99 = e.tpot_p99_s
         throughput += e.throughput_tokens_s
         goodput += e.goodput_tokens_s
+    kv_tokens = running = gpus = 0
+    for e in ests:
+        kv_tokens += e.kv_capacity_tokens
+        running += e.max_running_seqs
+        gpus += e.gpus
     return make_frozen(Estimate, {
         "capacity_rps": capacity,
         "served_rps": served,
@@ -1261,9 +1270,9 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
         "ttft_p99_s": ttft99,
         "tpot_p50_s": tpot50 / total_w,
         "tpot_p99_s": tpot99,
-        "kv_capacity_tokens": sum(e.kv_capacity_tokens for e in ests),
-        "max_running_seqs": sum(e.max_running_seqs for e in ests),
-        "gpus": sum(e.gpus for e in ests),
+        "kv_capacity_tokens": kv_tokens,
+        "max_running_seqs": running,
+        "gpus": gpus,
         "limit": limit,
     })
 
@@ -1425,7 +1434,11 @@ def switch_cost(
             if not touches_old and weights_in_host_memory:
                 # the common case: every GPU of the stage loads its shard over its host link
                 load_bytes += shard * len(uuids)
-                slowest = min(snapshot.spec(m).host_link_bytes_per_s for m in {gpu_by_uuid[u].model for u in uuids})
+                models = {gpu_by_uuid[u].model for u in uuids}
+                if len(models) == 1:  # (one model: no generator to take the min over)
+                    slowest = snapshot.spec(gpu_by_uuid[uuids[0]].model).host_link_bytes_per_s
+                else:
+                    slowest = min(snapshot.spec(m).host_link_bytes_per_s for m in models)
                 per_gpu_s.append(shard / (slowest * eff.link_efficiency))
                 continue
             slowest_host = math.inf
@@ -1538,11 +1551,12 @@ def _holdings(plans: tuple[Plan, ...]) -> tuple[frozenset[tuple[str, int, int, i
     return frozenset(held), frozenset(serving)
 
 
-def _context_buckets(workload: Workload) -> Iterable[tuple[float, float]]:
-    """Representative context lengths of running sequences, with their shares (5 quantiles)."""
-    for q in (0.1, 0.3, 0.5, 0.7, 0.9):
-        prompt = workload.prompt_quantile(q)
-        yield prompt + workload.output_tokens_mean / 2, 0.2
+@lru_cache(maxsize=64)
+def _context_buckets(workload: Workload) -> tuple[tuple[float, float], ...]:
+    """Representative context lengths of running sequences, with their shares (5 quantiles);
+    memoised: every candidate of a decision is priced under the same workload."""
+    return tuple((workload.prompt_quantile(q) + workload.output_tokens_mean / 2, 0.2)
+                 for q in (0.1, 0.3, 0.5, 0.7, 0.9))
 
 
 __all__ = [

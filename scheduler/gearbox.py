@@ -67,6 +67,7 @@ from scheduler.costmodel import (
     Workload,
     combine_estimates,
     estimate_plan,
+    steady_state,
     switch_cost,
 )
 from scheduler.modelspec import ModelSpec, model_spec
@@ -536,7 +537,9 @@ def decide(
             key = (prof, load, w)
             est = plan_estimates.get(key)
             if est is None:
-                est = plan_estimates[key] = estimate_plan(prof, load.scaled(w), deployment.slo)
+                # estimate_plan(prof, load.scaled(w), slo), without building the scaled Workload:
+                # the steady state depends on the load's shape, not its rate
+                est = plan_estimates[key] = steady_state(prof, load, deployment.slo).estimate(load.rate_rps * w)
             ests.append(est)
         return combine_estimates(ests, gear.weights, load)
 
