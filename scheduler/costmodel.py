@@ -1242,7 +1242,7 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
             capacity, limit = c, e.limit
     lam = workload.rate_rps
     served = min(lam, capacity)
-    total_w = 0
+    total_w = 0.0  # (the weights of active plans are > 0: the same sum as sum() from 0)
     ttft50 = tpot50 = throughput = goodput = 0.0
     ttft99 = tpot99 = -math.inf
     for e, w in active:  # P50s traffic-weighted, P99s the worst plan's, rates summed
