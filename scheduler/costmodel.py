@@ -999,7 +999,11 @@ class SteadyState:
                 lo = rate_rps * out
                 denom = 1.0 - lo * slope
                 n = lo * (ra - a * slope) / denom if denom > 0 else float(b)
-                n = min(max(n, float(a)), float(b))
+                # min(max(n, a), b) as the builtins pick (the first unless the other is beyond)
+                if float(a) > n:
+                    n = float(a)
+                if float(b) < n:
+                    n = float(b)
                 if n <= a:
                     return n, self.round_s(max(1.0, n))
                 return n, ra + (n - a) * (rb - ra) / (b - a)
