@@ -215,6 +215,12 @@ def group_path(snapshot: Snapshot, uuids: Sequence[str]) -> Path:
     """The slowest path inside a TP group (ring neighbours)."""
     if len(uuids) <= 1:
         return Path(bytes_per_s=math.inf)
+    gpus = snapshot.gpu_by_uuid
+    first = gpus[uuids[0]]
+    home = (first.node_id, first.nvlink_group, first.model)
+    if all((g.node_id, g.nvlink_group, g.model) == home for g in map(gpus.__getitem__, uuids)):
+        # one node, one NVLink group (or none), one model: every ring hop is the same path
+        return gpu_path(snapshot, uuids[0], uuids[1])
     paths = [gpu_path(snapshot, uuids[i], uuids[(i + 1) % len(uuids)]) for i in range(len(uuids))]
     return min(paths, key=lambda p: p.bytes_per_s)
 
