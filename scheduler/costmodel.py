@@ -519,13 +519,16 @@ class PlanProfile:
         if plan.mode != "colocated" or len(plan.stages) != 1:
             raise ValueError("single_block: needs a colocated one-stage plan")
         tp = plan.stages[0].tp
-        key = (model, eff, spec, tp, tp_link_bytes_per_s, plan.kv_reserve_tokens)
-        hit = _SINGLE_BLOCK.get(key)
-        if hit is not None:
-            return hit
-        pipe_key = key[:5]  # plans that differ only in their KV reserve share one pipeline
-        pipe = _SINGLE_BLOCK_PIPES.get(pipe_key)
-        if pipe is None:
+        # by pipeline, then by KV reserve: plans that differ only in their KV reserve share one
+        # pipeline (and the pipeline key, whose specs hash in Python, is hashed once per call)
+        pipe_key = (model, eff, spec, tp, tp_link_bytes_per_s)
+        entry = _SINGLE_BLOCK.get(pipe_key)
+        if entry is not None:
+            hit = entry[1].get(plan.kv_reserve_tokens)
+            if hit is not None:
+                return hit
+            pipe = entry[0]
+        else:
             stage = StageProfile(
                 layers=model.num_layers,
                 tp=tp,
@@ -535,12 +538,14 @@ class PlanProfile:
                 last=True,
                 next_path=None,
             )
-            pipe = _SINGLE_BLOCK_PIPES[pipe_key] = PipelineProfile(model, [stage], eff)
-        profile = cls(plan, model, {"prefill": pipe, "decode": pipe}, None, eff)
-        if len(_SINGLE_BLOCK) >= _STEADY_CACHE_SIZE:
-            _SINGLE_BLOCK.clear()
-            _SINGLE_BLOCK_PIPES.clear()
-        _SINGLE_BLOCK[key] = profile
+            pipe = PipelineProfile(model, [stage], eff)
+            if len(_SINGLE_BLOCK) >= _STEADY_CACHE_SIZE:
+                _SINGLE_BLOCK.clear()
+            entry = _SINGLE_BLOCK[pipe_key] = (pipe, {})
+        by_kv = entry[1]
+        if len(by_kv) >= 256:  # (KV reserves are bucketed: a handful per pipeline)
+            by_kv.clear()
+        profile = by_kv[plan.kv_reserve_tokens] = cls(plan, model, {"prefill": pipe, "decode": pipe}, None, eff)
         return profile
 
     def pipeline(self, role: Role) -> PipelineProfile:
@@ -860,7 +865,10 @@ class SteadyState:
         self.colocated = profile.plan.mode == "colocated"
         self.decode_pipe = profile.pipeline("decode")
         self.prefill_pipe = profile.pipeline("prefill")
-        self.gpus = len(profile.plan.gpu_uuids)
+        plan = profile.plan
+        # (a one-stage colocated plan's GPUs are its stage's: no need to build plan.gpu_uuids)
+        self.gpus = (len(plan.stages[0].gpu_uuids) if len(plan.stages) == 1 and not plan.decode_stages
+                     else len(plan.gpu_uuids))
         self.kv_tokens = profile.kv_capacity_tokens
         pp = self.decode_pipe.pp
         seq_cap = max_running_seqs * pp
@@ -1136,8 +1144,8 @@ class SteadyState:
 _STEADY_CACHE: OrderedDict[tuple[object, ...], SteadyState] = OrderedDict()
 _PREFILL_MEMO: dict[tuple[object, ...], float] = {}  # (pipeline signature, tokens, chunk) -> seconds
 _ITERATION_MEMO: dict[tuple[object, ...], tuple[float, float]] = {}  # see PipelineProfile.latency_interval_memo
-_SINGLE_BLOCK: dict[tuple[object, ...], PlanProfile] = {}  # see PlanProfile.single_block
-_SINGLE_BLOCK_PIPES: dict[tuple[object, ...], PipelineProfile] = {}  # its pipelines, by physics
+# see PlanProfile.single_block: pipeline key -> (its pipeline, KV reserve -> profile)
+_SINGLE_BLOCK: dict[tuple[object, ...], tuple[PipelineProfile, dict[int, PlanProfile]]] = {}
 _STEADY_CACHE_SIZE = 4096
 
 
@@ -1192,7 +1200,6 @@ def clear_caches() -> None:
     _context_buckets.cache_clear()
     workload_shape.cache_clear()
     _SINGLE_BLOCK.clear()
-    _SINGLE_BLOCK_PIPES.clear()
 
 
 def estimate_plan(profile: PlanProfile, workload: Workload, slo: Slo | None = None, *,
