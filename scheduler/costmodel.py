@@ -964,6 +964,8 @@ class SteadyState:
         mixed = pipe.latency_interval_memo(chunk, chunk_seqs, int(chunk * (pieces - 1) / 2) * chunk_seqs, decode_seqs,
                                            decode_ctx)
         latency = plain[0] + share * (mixed[0] - plain[0])
+        if pp == 1:  # one stage: interval == latency (the same floats), so the max below is latency
+            return latency
         interval = plain[1] + share * (mixed[1] - plain[1])
         return max(latency, min(pp, max(1, seqs)) * interval)
 
