@@ -202,13 +202,15 @@ def allreduce_time_s(ranks: int, bytes_moved: float, path: Path, eff: Efficiency
 def gpu_path(snapshot: Snapshot, u: str, v: str) -> Path:
     """The path between two GPUs of a snapshot (nominal inside a node, measured across nodes)."""
     gu, gv = snapshot.gpu_by_uuid[u], snapshot.gpu_by_uuid[v]
-    bw = snapshot.gpu_link_bytes_per_s(u, v)
     if gu.node_id == gv.node_id:
-        return Path(bytes_per_s=bw)
+        return Path(bytes_per_s=snapshot.gpu_link_bytes_per_s(u, v))
+    # across nodes: what Snapshot.gpu_link_bytes_per_s and gpu_link_latency_s give, with the
+    # host links and the node link looked up once for both
     host = min(snapshot.spec(gu.model).host_link_bytes_per_s, snapshot.spec(gv.model).host_link_bytes_per_s)
     node_bw = snapshot.node_link_bytes_per_s(gu.node_id, gv.node_id)
     measured = node_bw <= host  # the node link is the bottleneck: use it as the probe measured it
-    return Path(bytes_per_s=bw, latency_s=snapshot.gpu_link_latency_s(u, v), measured=measured)
+    return Path(bytes_per_s=min(host, node_bw), latency_s=snapshot.node_link_latency_s(gu.node_id, gv.node_id),
+                measured=measured)
 
 
 def group_path(snapshot: Snapshot, uuids: Sequence[str]) -> Path:
