@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -202,19 +202,27 @@ def allreduce_time_s(ranks: int, bytes_moved: float, path: Path, eff: Efficiency
 def gpu_path(snapshot: Snapshot, u: str, v: str) -> Path:
     """The path between two GPUs of a snapshot (nominal inside a node, measured across nodes)."""
     gu, gv = snapshot.gpu_by_uuid[u], snapshot.gpu_by_uuid[v]
-    bw = snapshot.gpu_link_bytes_per_s(u, v)
     if gu.node_id == gv.node_id:
-        return Path(bytes_per_s=bw)
+        return Path(bytes_per_s=snapshot.gpu_link_bytes_per_s(u, v))
+    # across nodes: what Snapshot.gpu_link_bytes_per_s and gpu_link_latency_s give, with the
+    # host links and the node link looked up once for both
     host = min(snapshot.spec(gu.model).host_link_bytes_per_s, snapshot.spec(gv.model).host_link_bytes_per_s)
     node_bw = snapshot.node_link_bytes_per_s(gu.node_id, gv.node_id)
     measured = node_bw <= host  # the node link is the bottleneck: use it as the probe measured it
-    return Path(bytes_per_s=bw, latency_s=snapshot.gpu_link_latency_s(u, v), measured=measured)
+    return Path(bytes_per_s=min(host, node_bw), latency_s=snapshot.node_link_latency_s(gu.node_id, gv.node_id),
+                measured=measured)
 
 
 def group_path(snapshot: Snapshot, uuids: Sequence[str]) -> Path:
     """The slowest path inside a TP group (ring neighbours)."""
     if len(uuids) <= 1:
         return Path(bytes_per_s=math.inf)
+    gpus = snapshot.gpu_by_uuid
+    first = gpus[uuids[0]]
+    home = (first.node_id, first.nvlink_group, first.model)
+    if all((g.node_id, g.nvlink_group, g.model) == home for g in map(gpus.__getitem__, uuids)):
+        # one node, one NVLink group (or none), one model: every ring hop is the same path
+        return gpu_path(snapshot, uuids[0], uuids[1])
     paths = [gpu_path(snapshot, uuids[i], uuids[(i + 1) % len(uuids)]) for i in range(len(uuids))]
     return min(paths, key=lambda p: p.bytes_per_s)
 
@@ -280,6 +288,8 @@ class PipelineProfile:
         self.eff = eff
         self.pp = len(self.stages)
         self.signature = content_id((model, eff, self.stages))  # equal physics, equal signature
+        p = eff.roofline_norm
+        self._norm: Callable[[float, float], float] = math.hypot if p == 2.0 else _p_norm(p)
         self._consts = [self._stage_consts(st) for st in self.stages]
 
     def _stage_consts(self, st: StageProfile) -> tuple[float, ...]:
@@ -342,26 +352,27 @@ class PipelineProfile:
         tokens = prefill_tokens + decode_seqs
         if tokens == 0:
             return 0.0, 0.0, 0.0, 0.0
-        p = self.eff.roofline_norm
-        norm: Callable[[float, float], float] = math.hypot if p == 2.0 else _p_norm(p)
-        o, layers = c[0], c[1]
+        norm = self._norm
+        # (one unpacking instead of two dozen subscripts: a decision computes ~200 of these)
+        (o, layers, qkv_a, qkv_b, qkv_c, o_a, o_b, o_c, up_a, up_b, up_c, down_a, down_b, down_c, attn_a, attn_kv,
+         attn_q, elementwise_c, ar_fixed, ar_per_token, head_a, head_b, head_c, has_head) = c
         # the four GEMMs of a layer
-        gemm = (4.0 * o + norm(c[2] * tokens, c[3] + c[4] * tokens) + norm(c[5] * tokens, c[6] + c[7] * tokens)
-                + norm(c[8] * tokens, c[9] + c[10] * tokens) + norm(c[11] * tokens, c[12] + c[13] * tokens)) * layers
+        gemm = (4.0 * o + norm(qkv_a * tokens, qkv_b + qkv_c * tokens) + norm(o_a * tokens, o_b + o_c * tokens)
+                + norm(up_a * tokens, up_b + up_c * tokens) + norm(down_a * tokens, down_b + down_c * tokens)) * layers
         # attention: decode reads every context token's K and V; prefill chunks attend their
         # cached prefix plus (causally) themselves.
         attn_pairs = float(decode_context_tokens)
         attn_reads = float(decode_context_tokens)
         if prefill_tokens:
-            chunk = prefill_tokens / max(1, prefill_seqs)
+            chunk = prefill_tokens / (prefill_seqs if prefill_seqs > 1 else 1)
             attn_pairs += prefill_context_tokens * chunk + prefill_tokens * (chunk + 1) / 2
             attn_reads += prefill_context_tokens + prefill_tokens
-        attention = (o + norm(c[14] * attn_pairs, c[15] * attn_reads + c[16] * tokens)) * layers
-        elementwise = c[17] * tokens
-        allreduce = c[18] + c[19] * tokens
-        if c[23]:
-            sampled = decode_seqs + (max(1, prefill_seqs) if prefill_tokens else 0)
-            gemm += o + norm(c[20] * sampled, c[21] + c[22] * sampled)
+        attention = (o + norm(attn_a * attn_pairs, attn_kv * attn_reads + attn_q * tokens)) * layers
+        elementwise = elementwise_c * tokens
+        allreduce = ar_fixed + ar_per_token * tokens
+        if has_head:
+            sampled = decode_seqs + ((prefill_seqs if prefill_seqs > 1 else 1) if prefill_tokens else 0)
+            gemm += o + norm(head_a * sampled, head_b + head_c * sampled)
         return gemm, attention, elementwise, allreduce
 
     def iteration(self, b: Batch) -> IterationCost:
@@ -426,8 +437,15 @@ class PipelineProfile:
         if hit is None:
             if len(_ITERATION_MEMO) >= 8 * _STEADY_CACHE_SIZE:
                 _ITERATION_MEMO.clear()
-            hit = _ITERATION_MEMO[key] = self.latency_interval(prefill_tokens, prefill_seqs, prefill_context_tokens,
-                                                               decode_seqs, decode_context_tokens)
+            if self.pp == 1 and prefill_tokens + decode_seqs:  # `latency_interval`'s one-stage case, inline
+                g, a, e, r = self._parts(self.stages[0], self._consts[0], prefill_tokens, prefill_seqs,
+                                         prefill_context_tokens, decode_seqs, decode_context_tokens)
+                stage = g + a + e + r
+                hit = _ITERATION_MEMO[key] = (stage, stage)
+            else:
+                hit = _ITERATION_MEMO[key] = self.latency_interval(prefill_tokens, prefill_seqs,
+                                                                   prefill_context_tokens, decode_seqs,
+                                                                   decode_context_tokens)
         return hit
 
     def prefill_time_s(self, prompt_tokens: int, chunk_tokens: int = MAX_BATCHED_TOKENS) -> float:
@@ -503,13 +521,16 @@ class PlanProfile:
         if plan.mode != "colocated" or len(plan.stages) != 1:
             raise ValueError("single_block: needs a colocated one-stage plan")
         tp = plan.stages[0].tp
-        key = (model, eff, spec, tp, tp_link_bytes_per_s, plan.kv_reserve_tokens)
-        hit = _SINGLE_BLOCK.get(key)
-        if hit is not None:
-            return hit
-        pipe_key = key[:5]  # plans that differ only in their KV reserve share one pipeline
-        pipe = _SINGLE_BLOCK_PIPES.get(pipe_key)
-        if pipe is None:
+        # by pipeline, then by KV reserve: plans that differ only in their KV reserve share one
+        # pipeline (and the pipeline key, whose specs hash in Python, is hashed once per call)
+        pipe_key = (model, eff, spec, tp, tp_link_bytes_per_s)
+        entry = _SINGLE_BLOCK.get(pipe_key)
+        if entry is not None:
+            hit = entry[1].get(plan.kv_reserve_tokens)
+            if hit is not None:
+                return hit
+            pipe = entry[0]
+        else:
             stage = StageProfile(
                 layers=model.num_layers,
                 tp=tp,
@@ -519,12 +540,14 @@ class PlanProfile:
                 last=True,
                 next_path=None,
             )
-            pipe = _SINGLE_BLOCK_PIPES[pipe_key] = PipelineProfile(model, [stage], eff)
-        profile = cls(plan, model, {"prefill": pipe, "decode": pipe}, None, eff)
-        if len(_SINGLE_BLOCK) >= _STEADY_CACHE_SIZE:
-            _SINGLE_BLOCK.clear()
-            _SINGLE_BLOCK_PIPES.clear()
-        _SINGLE_BLOCK[key] = profile
+            pipe = PipelineProfile(model, [stage], eff)
+            if len(_SINGLE_BLOCK) >= _STEADY_CACHE_SIZE:
+                _SINGLE_BLOCK.clear()
+            entry = _SINGLE_BLOCK[pipe_key] = (pipe, {})
+        by_kv = entry[1]
+        if len(by_kv) >= 256:  # (KV reserves are bucketed: a handful per pipeline)
+            by_kv.clear()
+        profile = by_kv[plan.kv_reserve_tokens] = cls(plan, model, {"prefill": pipe, "decode": pipe}, None, eff)
         return profile
 
     def pipeline(self, role: Role) -> PipelineProfile:
@@ -844,7 +867,10 @@ class SteadyState:
         self.colocated = profile.plan.mode == "colocated"
         self.decode_pipe = profile.pipeline("decode")
         self.prefill_pipe = profile.pipeline("prefill")
-        self.gpus = len(profile.plan.gpu_uuids)
+        plan = profile.plan
+        # (a one-stage colocated plan's GPUs are its stage's: no need to build plan.gpu_uuids)
+        self.gpus = (len(plan.stages[0].gpu_uuids) if len(plan.stages) == 1 and not plan.decode_stages
+                     else len(plan.gpu_uuids))
         self.kv_tokens = profile.kv_capacity_tokens
         pp = self.decode_pipe.pp
         seq_cap = max_running_seqs * pp
@@ -916,27 +942,34 @@ class SteadyState:
             latency, interval = pipe.latency_interval_memo(0, 0, 0, decode_seqs, decode_ctx)
             return max(latency, min(pp, max(1, seqs)) * interval)
         # prompt tokens per micro-batch round that keep the population steady
-        prefill_per_round = per_mb * self.prompt / self.output
-        chunk = self._chunk_tokens(decode_seqs, prefill_per_round)
-        share = min(1.0, prefill_per_round / chunk)
-        chunk_seqs = max(1, int(round(chunk / self.prompt)))
+        prompt = self.prompt
+        prefill_per_round = per_mb * prompt / self.output
+        # the prompt tokens a round carries when it carries any: the budget left by the decodes,
+        # or less when the prompts waiting are shorter (a round takes what has arrived); and the
+        # mean cached prefix such a chunk attends to (0 when a prompt fits one chunk). Written
+        # out: a decision computes ~80 rounds
+        left = self.max_batched_tokens - decode_seqs
+        if left < 1:
+            left = 1
+        want = int(round(prompt if prompt >= prefill_per_round else prefill_per_round))
+        chunk = want if want < left else left
+        if chunk < 1:
+            chunk = 1
+        share = prefill_per_round / chunk
+        if not share < 1.0:
+            share = 1.0
+        chunk_seqs = int(round(chunk / prompt))
+        if chunk_seqs < 1:
+            chunk_seqs = 1
+        pieces = math.ceil(prompt / chunk)
         plain = pipe.latency_interval_memo(0, 0, 0, decode_seqs, decode_ctx)
-        mixed = pipe.latency_interval_memo(chunk, chunk_seqs, self._chunk_context(chunk) * chunk_seqs, decode_seqs,
+        mixed = pipe.latency_interval_memo(chunk, chunk_seqs, int(chunk * (pieces - 1) / 2) * chunk_seqs, decode_seqs,
                                            decode_ctx)
         latency = plain[0] + share * (mixed[0] - plain[0])
+        if pp == 1:  # one stage: interval == latency (the same floats), so the max below is latency
+            return latency
         interval = plain[1] + share * (mixed[1] - plain[1])
         return max(latency, min(pp, max(1, seqs)) * interval)
-
-    def _chunk_tokens(self, decode_seqs: int, prefill_per_round: float) -> int:
-        """Prompt tokens a round carries when it carries any: the budget left by the decodes,
-        or less when the prompts waiting are shorter (a round takes what has arrived)."""
-        left = max(1, self.max_batched_tokens - decode_seqs)
-        return max(1, min(left, int(round(max(self.prompt, prefill_per_round)))))
-
-    def _chunk_context(self, chunk: int) -> int:
-        """Mean cached prefix a chunk of a prompt attends to (0 when a prompt fits one chunk)."""
-        pieces = math.ceil(self.prompt / chunk)
-        return int(chunk * (pieces - 1) / 2)
 
     def _round_at(self, i: int) -> float:
         """Round time at grid point i."""
@@ -984,7 +1017,11 @@ class SteadyState:
                 lo = rate_rps * out
                 denom = 1.0 - lo * slope
                 n = lo * (ra - a * slope) / denom if denom > 0 else float(b)
-                n = min(max(n, float(a)), float(b))
+                # min(max(n, a), b) as the builtins pick (the first unless the other is beyond)
+                if float(a) > n:
+                    n = float(a)
+                if float(b) < n:
+                    n = float(b)
                 if n <= a:
                     return n, self.round_s(max(1.0, n))
                 return n, ra + (n - a) * (rb - ra) / (b - a)
@@ -1049,8 +1086,37 @@ class SteadyState:
         0.5 at P50 to 0.99 at P99 and is 1 only at or past P99. A live plan with an SLO only."""
         if self.slo is None or self.running_cap < 1 or self.capacity_rps <= 0:
             raise ValueError("slo_margin: needs a live plan with an SLO")
-        _, _, _, _, ttft99, _, tpot99 = self._latencies(rate_rps)
-        return max(ttft99 * 1e3 / self.slo.ttft_ms, tpot99 * 1e3 / self.slo.tpot_ms) - 1.0
+        # NOTE(p99 only): the planner's SLO-rate search asks this a hundred times a decision,
+        # so it computes `_latencies`' two P99s alone - the same expressions in the same order,
+        # hence the same floats - without the medians or the helper calls
+        # (min and max written out as the builtins pick: the first argument unless the second
+        # is strictly smaller / larger)
+        if not self._latency_ready:
+            self._latency_tables()
+        capacity = self.capacity_rps
+        served = capacity if capacity < rate_rps else rate_rps
+        util = rate_rps / capacity
+        seqs, round_s = self._population_round(served)
+        frac = served * self.chunks_per_prompt * round_s
+        if not frac < 1.0:
+            frac = 1.0
+        chunk_var = self.chunk_extra_s ** 2 * frac * (1.0 - frac) / self.output
+        load = round_s - self.idle_round_s
+        load_var = (load if load > 0.0 else 0.0) ** 2 / (seqs if seqs > 1.0 else 1.0)
+        tpot99 = round_s + _Z99 * math.sqrt(chunk_var + load_var)
+        if util >= 1.0:
+            ttft99 = math.inf
+        else:
+            rho = 0.999 if 0.999 < util else util
+            theta = (1.0 / capacity) * (1 + self.work_cv2) / (2 * (1 - rho))
+            base99 = self.prefill99_s
+            if self.colocated and seqs >= 1:
+                ride = self.chunks99 * tpot99
+                if ride > base99:
+                    base99 = ride
+            ttft99 = base99 + self.handoff99_s + (theta * math.log(rho / (1 - 0.99)) if rho > 1 - 0.99 else 0.0)
+        ttft_excess, tpot_excess = ttft99 * 1e3 / self.slo.ttft_ms, tpot99 * 1e3 / self.slo.tpot_ms
+        return (tpot_excess if tpot_excess > ttft_excess else ttft_excess) - 1.0
 
     def estimate(self, rate_rps: float) -> Estimate:
         """The plan under this workload shape at `rate_rps`."""
@@ -1082,8 +1148,8 @@ class SteadyState:
 _STEADY_CACHE: OrderedDict[tuple[object, ...], SteadyState] = OrderedDict()
 _PREFILL_MEMO: dict[tuple[object, ...], float] = {}  # (pipeline signature, tokens, chunk) -> seconds
 _ITERATION_MEMO: dict[tuple[object, ...], tuple[float, float]] = {}  # see PipelineProfile.latency_interval_memo
-_SINGLE_BLOCK: dict[tuple[object, ...], PlanProfile] = {}  # see PlanProfile.single_block
-_SINGLE_BLOCK_PIPES: dict[tuple[object, ...], PipelineProfile] = {}  # its pipelines, by physics
+# see PlanProfile.single_block: pipeline key -> (its pipeline, KV reserve -> profile)
+_SINGLE_BLOCK: dict[tuple[object, ...], tuple[PipelineProfile, dict[int, PlanProfile]]] = {}
 _STEADY_CACHE_SIZE = 4096
 
 
@@ -1135,9 +1201,9 @@ def clear_caches() -> None:
     _ITERATION_MEMO.clear()
     _lognormal_quantile.cache_clear()
     _holdings.cache_clear()
+    _context_buckets.cache_clear()
     workload_shape.cache_clear()
     _SINGLE_BLOCK.clear()
-    _SINGLE_BLOCK_PIPES.clear()
 
 
 def estimate_plan(profile: PlanProfile, workload: Workload, slo: Slo | None = None, *,
@@ -1197,16 +1263,24 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
             capacity, limit = c, e.limit
     lam = workload.rate_rps
     served = min(lam, capacity)
-    total_w = sum(w for _, w in active)
+    total_w = 0.0  # (the weights of active plans are > 0: the same sum as sum() from 0)
     ttft50 = tpot50 = throughput = goodput = 0.0
     ttft99 = tpot99 = -math.inf
     for e, w in active:  # P50s traffic-weighted, P99s the worst plan's, rates summed
+        total_w += w
         ttft50 += e.ttft_p50_s * w
         tpot50 += e.tpot_p50_s * w
-        ttft99 = max(ttft99, e.ttft_p99_s)
-        tpot99 = max(tpot99, e.tpot_p99_s)
+        if e.ttft_p99_s > ttft99:
+            ttft99 = e.ttft_p99_s
+        if e.tpot_p99_s > tpot99:
+            tpot99 = e.tpot_p99_s
         throughput += e.throughput_tokens_s
         goodput += e.goodput_tokens_s
+    kv_tokens = running = gpus = 0
+    for e in ests:
+        kv_tokens += e.kv_capacity_tokens
+        running += e.max_running_seqs
+        gpus += e.gpus
     return make_frozen(Estimate, {
         "capacity_rps": capacity,
         "served_rps": served,
@@ -1217,9 +1291,9 @@ def combine_estimates(ests: Sequence[Estimate], weights: Sequence[float], worklo
         "ttft_p99_s": ttft99,
         "tpot_p50_s": tpot50 / total_w,
         "tpot_p99_s": tpot99,
-        "kv_capacity_tokens": sum(e.kv_capacity_tokens for e in ests),
-        "max_running_seqs": sum(e.max_running_seqs for e in ests),
-        "gpus": sum(e.gpus for e in ests),
+        "kv_capacity_tokens": kv_tokens,
+        "max_running_seqs": running,
+        "gpus": gpus,
         "limit": limit,
     })
 
@@ -1381,7 +1455,11 @@ def switch_cost(
             if not touches_old and weights_in_host_memory:
                 # the common case: every GPU of the stage loads its shard over its host link
                 load_bytes += shard * len(uuids)
-                slowest = min(snapshot.spec(m).host_link_bytes_per_s for m in {gpu_by_uuid[u].model for u in uuids})
+                models = {gpu_by_uuid[u].model for u in uuids}
+                if len(models) == 1:  # (one model: no generator to take the min over)
+                    slowest = snapshot.spec(gpu_by_uuid[uuids[0]].model).host_link_bytes_per_s
+                else:
+                    slowest = min(snapshot.spec(m).host_link_bytes_per_s for m in models)
                 per_gpu_s.append(shard / (slowest * eff.link_efficiency))
                 continue
             slowest_host = math.inf
@@ -1494,11 +1572,12 @@ def _holdings(plans: tuple[Plan, ...]) -> tuple[frozenset[tuple[str, int, int, i
     return frozenset(held), frozenset(serving)
 
 
-def _context_buckets(workload: Workload) -> Iterable[tuple[float, float]]:
-    """Representative context lengths of running sequences, with their shares (5 quantiles)."""
-    for q in (0.1, 0.3, 0.5, 0.7, 0.9):
-        prompt = workload.prompt_quantile(q)
-        yield prompt + workload.output_tokens_mean / 2, 0.2
+@lru_cache(maxsize=64)
+def _context_buckets(workload: Workload) -> tuple[tuple[float, float], ...]:
+    """Representative context lengths of running sequences, with their shares (5 quantiles);
+    memoised: every candidate of a decision is priced under the same workload."""
+    return tuple((workload.prompt_quantile(q) + workload.output_tokens_mean / 2, 0.2)
+                 for q in (0.1, 0.3, 0.5, 0.7, 0.9))
 
 
 __all__ = [

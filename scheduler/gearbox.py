@@ -67,6 +67,7 @@ from scheduler.costmodel import (
     Workload,
     combine_estimates,
     estimate_plan,
+    steady_state,
     switch_cost,
 )
 from scheduler.modelspec import ModelSpec, model_spec
@@ -526,27 +527,36 @@ def decide(
     # one unit type share their profile, so a gear of n equal replicas costs one estimate
     plan_estimates: dict[tuple[PlanProfile, Workload, float], Estimate] = {}
 
-    def at_load(gear: Gear, load: Workload, profiles: Mapping[Plan, PlanProfile] | None = None) -> Estimate:
-        known = {**cur.profiles, **(profiles or {})}
+    def at_load(gear: Gear, load: Workload, known: Mapping[Plan, PlanProfile]) -> Estimate:
+        """The gear's estimate at `load`; `known`: profiles already built, by plan."""
         ests = []
         for plan, w in zip(gear.plans, gear.weights, strict=True):
-            prof = known.get(plan) or PlanProfile.build(plan, spec, snapshot, eff)
+            prof = known.get(plan)
+            if prof is None:
+                prof = PlanProfile.build(plan, spec, snapshot, eff)
             key = (prof, load, w)
             est = plan_estimates.get(key)
             if est is None:
-                est = plan_estimates[key] = estimate_plan(prof, load.scaled(w), deployment.slo)
+                # estimate_plan(prof, load.scaled(w), slo), without building the scaled Workload:
+                # the steady state depends on the load's shape, not its rate
+                est = plan_estimates[key] = steady_state(prof, load, deployment.slo).estimate(load.rate_rps * w)
             ests.append(est)
         return combine_estimates(ests, gear.weights, load)
 
-    def stands(gear: Gear, est: Estimate, profiles: Mapping[Plan, PlanProfile] | None = None) -> bool:
+    # the margin loads (`margin_load`), built once: every candidate is checked at one of the two
+    margin_loads: dict[bool, Workload] = {}
+
+    def stands(gear: Gear, est: Estimate, known: Mapping[Plan, PlanProfile]) -> bool:
         shrinking = 0 < est.gpus < cur_gpus
         if not standing(est, workload, config, shrinking=shrinking):
             return False  # (the cheap test first)
-        margin = at_load(gear, margin_load(workload, config, shrinking=shrinking), profiles)
-        return standing(est, workload, config, shrinking=shrinking, at_margin=margin)
+        load = margin_loads.get(shrinking)
+        if load is None:
+            load = margin_loads[shrinking] = margin_load(workload, config, shrinking=shrinking)
+        return standing(est, workload, config, shrinking=shrinking, at_margin=at_load(gear, load, known))
 
     cur_standing = (cur.valid and current_gear is not None and cur.estimate is not None
-                    and stands(current_gear, cur.estimate))
+                    and stands(current_gear, cur.estimate, cur.profiles))
     cool_until = cooldown_until(deployment, config)
     reasons: list[str] = []
 
@@ -571,7 +581,8 @@ def decide(
 
     def evaluate(gear: Gear, est: Estimate, note: str,
                  profiles: Mapping[Plan, PlanProfile] | None = None) -> CandidateEval:
-        known = {**cur.profiles, **(profiles or {})}
+        # the candidate's profiles, and the current gear's (plans it keeps)
+        known = {**cur.profiles, **profiles} if profiles else cur.profiles
         cost = switch_cost(current_gear, gear, spec, snapshot, workload, current_estimate=cur.estimate,
                            target_estimate=est, eff=eff, profiles=known)
         value = _value(est, rent)
@@ -582,10 +593,10 @@ def decide(
         threshold = cost.tokens * factor
         return make_frozen(CandidateEval, {"gear": gear, "estimate": est, "value_tokens_s": value, "gain_tokens": gain,
                                            "cost": cost, "threshold_tokens": threshold, "passes": gain > threshold,
-                                           "note": note, "standing": stands(gear, est, profiles)})
+                                           "note": note, "standing": stands(gear, est, known)})
 
     def estimate_of(gear: Gear) -> Estimate:
-        return at_load(gear, workload)
+        return at_load(gear, workload, cur.profiles)
 
     # 1. emergency: the baseline, now, whatever the mode
     if trigger is Trigger.EMERGENCY:

@@ -28,7 +28,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Literal
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
@@ -260,11 +260,7 @@ def _first_of_pair(pair: tuple[tuple[float, float, int, int], _Unit]) -> tuple[f
     return pair[0]
 
 
-def _shape(block: AtomicBlock, room: Sequence[int]) -> tuple[object, ...]:
-    """Blocks with equal shapes are interchangeable for planning."""
-    gib = 2**30
-    return (block.gpu_model, block.size, block.link_kind, round(block.tp_link_bytes_per_s / 1e9),
-            _bucket(max(0, min(room)) // gib))
+_GIB = 2**30
 
 
 # --- the planner -----------------------------------------------------------------------------------
@@ -308,6 +304,7 @@ def plan_candidates(
     frac = options.mem_fraction
     latency_critical, min_stability = options.latency_critical, options.min_stability
     caps: dict[int, int] = {}  # capacity -> int(frac x capacity): one figure per GPU model
+    reclaim_uuids = set(reclaim)  # (a set: dict keys test a tuple for overlap by scanning it)
     for b in blocks:
         score = stability.get(b.id, 1.0) if stability else 1.0
         if latency_critical and score < min_stability:
@@ -315,7 +312,7 @@ def plan_candidates(
             continue
         # usable bytes per GPU, as plan.usable_bytes counts them (used = total - free)
         totals, frees, uuids = b.mem_total_bytes, b.mem_free_bytes, b.gpu_uuids
-        if reclaim and not reclaim.keys().isdisjoint(uuids):
+        if reclaim_uuids and not reclaim_uuids.isdisjoint(uuids):
             room = [_cap(caps, t, frac) - max(0, t - f - reclaim.get(u, 0))
                     for u, t, f in zip(uuids, totals, frees, strict=True)]
         elif totals.count(totals[0]) == len(totals):
@@ -332,7 +329,12 @@ def plan_candidates(
         else:
             order = sorted(range(b.size), key=room.__getitem__, reverse=True)  # stable: ties by index
             ordered, sorted_room = [uuids[i] for i in order], [room[i] for i in order]
-        r = _BlockRoom(b, ordered, sorted_room, score, _shape(b, sorted_room))
+        # the block's shape: blocks with equal shapes are interchangeable for planning (rooms
+        # are sorted, most first, so the last is the least)
+        least = sorted_room[-1]
+        shape = (b.gpu_model, len(uuids), b.link_kind, round(b.tp_link_bytes_per_s / 1e9),
+                 _bucket((least if least > 0 else 0) // _GIB))
+        r = _BlockRoom(b, ordered, sorted_room, score, shape)
         sort_keys.append(((-score, not has_preferred, -sum(sorted_room), b.id), r))
     sort_keys.sort(key=_first)
     rooms = [r for _, r in sort_keys]
@@ -362,9 +364,6 @@ def plan_candidates(
             t.units.append(unit)
             used.update(unit.uuids)
 
-    def colocated(uuids: tuple[str, ...], kv: int) -> Callable[[], Plan]:
-        return lambda: _plan(model, "colocated", (_stage(0, model.num_layers, uuids),), (), kv)
-
     # 2a. single-block TP units (groups of one block, and blocks, are disjoint by construction)
     layers = model.num_layers
     cap1 = _kv_cap_tokens(model, workload, 1)
@@ -378,6 +377,7 @@ def plan_candidates(
         size = len(r.uuids)
         block = r.block
         block_ids = (block.id,)
+        key_head = ("tp", block.gpu_model, block.link_kind, r.shape[3])
         for tp in valid_tps:
             if tp > size:
                 break
@@ -387,16 +387,25 @@ def plan_candidates(
                 group_room = r.room[(g + 1) * tp - 1]  # rooms are sorted, most first
                 if group_room < floor_bytes:
                     break  # later groups of this block have less room
-                most = min(cap1, (group_room - weights) * shards // kv_per_token)
-                kv = max(_bucket(most), min(min_kv, most))
-                key = ("tp", block.gpu_model, block.link_kind, r.shape[3], tp, kv if kv < useful else "ample")
+                most = (group_room - weights) * shards // kv_per_token
+                if most > cap1:
+                    most = cap1
+                # max(_bucket(most), min(min_kv, most)), written out (a few hundred groups a decision)
+                if most < 16:
+                    kv = most if most > 0 else 0
+                else:
+                    step = 1 << (most.bit_length() - 3)
+                    kv = (most // step) * step
+                if kv < min_kv and kv < most:
+                    kv = min_kv if min_kv < most else most
+                key = (*key_head, tp, kv if kv < useful else "ample")
                 t = types.get(key)
                 if t is None:
                     t = types[key] = _UnitType(key, f"TP{tp} on {block.gpu_model}", len(types))
                 elif len(t.units) >= max_units:
                     continue  # no gear uses more instances of one type than that
                 group = tuple(r.uuids[g * tp:(g + 1) * tp])
-                t.units.append(_Unit(key, group, block_ids, r.stability, "tp", colocated(group, kv)))
+                t.units.append(_Unit(key, group, block_ids, r.stability, "tp", partial(_colocated, model, group, kv)))
 
     # 2b. prefill/decode splits across two blocks (bounded by the few best shapes)
     if options.allow_disaggregated and len(rooms) >= 2:
@@ -590,15 +599,16 @@ def _find_slo_rate(state: SteadyState, rel_tol: float = 2.5e-4) -> float:
     if state.slo is None or state.running_cap < 1:
         return cap if state.meets_slo(cap * 0.999, SLO_ATTAINMENT) else 0.0
 
-    def margin(rate: float) -> float:
-        # times (1 - utilisation): the same sign, without the queueing wait's pole at capacity
-        # (it grows like 1 / (1 - utilisation)), so the curve is nearly straight for the secant
-        return state.slo_margin(rate) * (1.0 - rate / cap)
-
-    hi, f_hi = cap * 0.999, margin(cap * 0.999)
+    # the margin times (1 - utilisation): the same sign, without the queueing wait's pole at
+    # capacity (it grows like 1 / (1 - utilisation)), so the curve is nearly straight for the
+    # secant (written out at each probe: a closure call per probe is measurable here)
+    slo_margin = state.slo_margin
+    hi = cap * 0.999
+    f_hi = slo_margin(hi) * (1.0 - hi / cap)
     if f_hi <= 0:
         return cap
-    lo, f_lo = cap * 0.01, margin(cap * 0.01)
+    lo = cap * 0.01
+    f_lo = slo_margin(lo) * (1.0 - lo / cap)
     if f_lo > 0:
         return 0.0
     tol = rel_tol * cap
@@ -609,7 +619,7 @@ def _find_slo_rate(state: SteadyState, rel_tol: float = 2.5e-4) -> float:
         else:
             mid = (lo + hi) / 2
         mid = min(max(mid, lo + tol / 2), hi - tol / 2)
-        f_mid = margin(mid)
+        f_mid = slo_margin(mid) * (1.0 - mid / cap)
         if f_mid <= 0:
             lo, f_lo = mid, f_mid
             if side == -1:
@@ -800,6 +810,11 @@ def _pd_units(model: ModelSpec, snapshot: Snapshot, rooms: Sequence[_BlockRoom],
                           _disaggregated(model, prefill, decode, kv)),
                     label,
                 )
+
+
+def _colocated(model: ModelSpec, uuids: tuple[str, ...], kv: int) -> Plan:
+    """A one-stage colocated plan on `uuids` (a unit's plan, built when a gear uses it)."""
+    return _plan(model, "colocated", (_stage(0, model.num_layers, uuids),), (), kv)
 
 
 def _disaggregated(model: ModelSpec, prefill: tuple[str, ...], decode: tuple[str, ...], kv: int) -> Callable[[], Plan]:

@@ -530,7 +530,8 @@ def _partition(snapshot: Snapshot, policy: BlockPolicy) -> Partition:
     now_s = snapshot.now_s
     timeout = policy.heartbeat_timeout_s
     max_failed = policy.max_failed_checks
-    has_nvlink = {m: snapshot.spec(m).intra_link_bytes_per_s > 0 for m in {g.model for g in snapshot.gpus}}
+    # per GPU model named in the snapshot (`_specs` holds those: no second walk of the GPUs)
+    has_nvlink = {m: spec.intra_link_bytes_per_s > 0 for m, spec in snapshot._specs.items()}
     # nodes whose GPUs may be used at all (known, schedulable, heard from in time)
     node_ok = {n.id for n in snapshot.nodes if n.schedulable and now_s - n.last_seen_s <= timeout}
     for gpu in snapshot.gpus:
