@@ -270,17 +270,38 @@ def run(sizes: Iterable[int], repeat: int, model_name: str, rate_rps: float, nai
             "targets": targets}
 
 
+def _positive(text: str) -> int:
+    """A count of runs: a whole number, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _sizes(text: str) -> list[int]:
+    """`--sizes`: comma-separated positive node counts."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers, got {text!r}") from None
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"every size must be at least 1 node, got {text!r}")
+    return sizes
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--repeat", type=int, default=200, help="timed runs per size")
-    parser.add_argument("--naive-repeat", type=int, default=3, help="timed runs of the naive baseline per size")
-    parser.add_argument("--sizes", default="8,32,64,128", help="cluster sizes in nodes (~blocks)")
+    parser.add_argument("--repeat", type=_positive, default=200, help="timed runs per size")
+    parser.add_argument("--naive-repeat", type=_positive, default=3, help="timed runs of the naive baseline per size")
+    parser.add_argument("--sizes", type=_sizes, default="8,32,64,128", help="cluster sizes in nodes (~blocks)")
     parser.add_argument("--model", default="Llama-3-70B")
     parser.add_argument("--rate", type=float, default=6.0, help="offered load, requests/s")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    result = run(sizes, args.repeat, args.model, args.rate, args.naive_repeat)
+    result = run(args.sizes, args.repeat, args.model, args.rate, args.naive_repeat)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
