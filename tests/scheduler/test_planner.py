@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from scheduler.costmodel import PlanProfile, Slo, Workload, steady_state
 from scheduler.hardware import CATALOG
 from scheduler.modelspec import model_spec
-from scheduler.plan import validate_gear
+from scheduler.plan import Plan, Stage, validate_gear
 from scheduler.planner import SLO_ATTAINMENT, PlannerOptions, _slo_rate, clear_caches, plan_candidates
 from scheduler.topology import GpuState, NodeState, Snapshot, atomic_blocks
 from tests.scheduler.builders import CHAT_SLO, NodeSpec, chat_workload, make_fleet, tp_plan, with_gpus
@@ -217,3 +217,30 @@ def test_the_slo_rate_is_the_edge_of_the_rates_that_meet_the_slo(
     else:
         assert state.meets_slo(rate, SLO_ATTAINMENT)
         assert not state.meets_slo(min(cap * 0.999, rate + tol), SLO_ATTAINMENT)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([("Llama-3-8B", "H100-SXM", 1), ("Llama-3-70B", "A100-80G", 8), ("Phi-3-mini", "L40S", 1)]),
+    st.booleans(), st.floats(150.0, 5000.0), st.floats(15.0, 200.0), st.integers(64, 4096), st.integers(16, 1024),
+    st.floats(0.001, 1.5),
+)
+def test_the_slo_margin_is_the_worse_p99_over_its_slo(
+    setup: tuple[str, str, int], split: bool, ttft_ms: float, tpot_ms: float, prompt: int, output: int, load: float
+) -> None:
+    """`slo_margin` computes the two P99s on its own (it is the search's inner loop); it must
+    give exactly what the full latency computation gives, at, below and past capacity, for a
+    colocated plan and a prefill/decode split (whose prompts pay the KV hand-off)."""
+    model_name, gpu, tp = setup
+    model = model_spec(model_name)
+    snap = make_fleet([NodeSpec("a1", gpu), NodeSpec("a2", gpu)])
+    plan = tp_plan(model, [f"a1-g{i}" for i in range(tp)], 60_000)
+    if split:
+        decode = Stage(0, model.num_layers, tuple(f"a2-g{i}" for i in range(tp)))
+        plan = Plan(model.name, "disaggregated", plan.stages, (decode,), kv_reserve_tokens=60_000)
+    slo = Slo(ttft_ms, tpot_ms)
+    state = steady_state(PlanProfile.build(plan, model, snap), Workload(1.0, prompt, output, 0.8, 0.6), slo)
+    assume(state.capacity_rps > 0 and state.running_cap >= 1)
+    rate = load * state.capacity_rps
+    *_, ttft99, _, tpot99 = state._latencies(rate)
+    assert state.slo_margin(rate) == max(ttft99 * 1e3 / ttft_ms, tpot99 * 1e3 / tpot_ms) - 1.0
