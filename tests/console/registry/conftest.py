@@ -90,3 +90,20 @@ def run_and_ack(agent: AgentHTTP, node_agent: NodeAgent, pulled: dict[str, Any],
                           {"protocol": 1, "status": ack.status, "detail": ack.detail, "result": ack.result})
     assert resp.status_code == 200, resp.content
     return ack
+
+
+def assert_quarantined_by_agent(version: Any, expected_sha256: str, observed_sha256: str) -> None:
+    """The agent's digest differed from the registry's: the version is quarantined by it, and
+    the audit entry records the move from awaiting_agent with both digests."""
+    import json
+
+    from console.audit.models import AuditEntry
+
+    version.refresh_from_db()
+    assert version.status == "quarantined" and version.quarantined_by == "agent:a1"
+    assert version.observed_sha256 == observed_sha256
+    entry = AuditEntry.objects.get(event_type="registry.version_quarantined")
+    body = json.loads(entry.body)
+    assert entry.actor == "agent:a1"
+    assert body["before"]["status"] == "awaiting_agent" and body["after"]["status"] == "quarantined"
+    assert body["data"]["expected_sha256"] == expected_sha256 and body["data"]["observed_sha256"] == observed_sha256

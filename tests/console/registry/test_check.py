@@ -22,7 +22,13 @@ from console.fleet.models import AgentCommand
 from console.registry.models import ModelVersion
 from tests.console.conftest import AgentHTTP
 from tests.console.people import Person
-from tests.console.registry.conftest import OTHER_SHA256, TinyWeights, model_body, run_and_ack
+from tests.console.registry.conftest import (
+    OTHER_SHA256,
+    TinyWeights,
+    assert_quarantined_by_agent,
+    model_body,
+    run_and_ack,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -88,13 +94,7 @@ def test_a_node_holding_other_weights_quarantines_the_version(
     version = register(admin, sha256=OTHER_SHA256)  # the registry says another digest
     ack = check_through_the_console(admin, agent, node_agent, version, django_capture_on_commit_callbacks)
     assert ack.status == "ok" and ack.result == {"sha256": tiny_weights.sha256}
-    assert version.status == "quarantined" and version.quarantined_by == "agent:a1"
-    assert version.observed_sha256 == tiny_weights.sha256
-    entry = AuditEntry.objects.get(event_type="registry.version_quarantined")
-    body = json.loads(entry.body)
-    assert entry.actor == "agent:a1"
-    assert body["before"]["status"] == "awaiting_agent" and body["after"]["status"] == "quarantined"
-    assert body["data"]["expected_sha256"] == OTHER_SHA256 and body["data"]["observed_sha256"] == tiny_weights.sha256
+    assert_quarantined_by_agent(version, OTHER_SHA256, tiny_weights.sha256)
 
 
 def test_a_node_without_the_model_acks_failed_and_the_version_stays_as_it_was(

@@ -22,7 +22,7 @@ from console.registry.models import ModelVersion
 from tests.agents.node.conftest import gpus, prepare_payload, tiny_plan
 from tests.console.conftest import AgentHTTP
 from tests.console.people import Person
-from tests.console.registry.conftest import TinyWeights, model_body, run_and_ack
+from tests.console.registry.conftest import TinyWeights, assert_quarantined_by_agent, model_body, run_and_ack
 
 pytestmark = pytest.mark.django_db
 
@@ -56,13 +56,7 @@ def test_an_agent_that_finds_other_weights_before_loading_quarantines_the_versio
     ack = prepare_through_the_console(agent, node_agent, version, django_capture_on_commit_callbacks)
     assert ack.status == "failed" and ack.result["weights_sha256"] == tiny_weights.sha256
     assert not node_agent.plans and node_agent.booked() == {}  # nothing loaded, nothing booked
-    assert version.status == "quarantined" and version.quarantined_by == "agent:a1"
-    assert version.observed_sha256 == tiny_weights.sha256
-    entry = AuditEntry.objects.get(event_type="registry.version_quarantined")
-    body = json.loads(entry.body)
-    assert entry.actor == "agent:a1"
-    assert body["before"]["status"] == "awaiting_agent" and body["after"]["status"] == "quarantined"
-    assert body["data"]["expected_sha256"] == "ab" * 32 and body["data"]["observed_sha256"] == tiny_weights.sha256
+    assert_quarantined_by_agent(version, "ab" * 32, tiny_weights.sha256)
 
 
 def test_an_agent_that_loads_the_registered_weights_verifies_the_version(
