@@ -15,6 +15,9 @@ if [ -s .run/redis.port ] && [ "$REDIS_URL" = "redis://127.0.0.1:$(cat .run/redi
 fi
 trap 'exit 130' INT TERM  # after honcho has stopped its processes: run the EXIT trap
 export DJANGO_SETTINGS_MODULE=console.settings
+# The demo runs with DEBUG on (tracebacks in the browser, the development SECRET_KEY); settings
+# refuse that key without it. Anything but a demo on this machine: DEBUG=0 and a SECRET_KEY.
+export DEBUG="${DEBUG:-1}"
 PORT="${FLEXPIPE_PORT:-$($PY scripts/services.py free-port 8000)}"
 export FLEXPIPE_PORT="$PORT"
 # The join token the simulated agents enroll with: made once, kept under .run/.
@@ -44,5 +47,6 @@ echo
 echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"
 echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
+[ "$DEBUG" = 0 ] || echo "  Debug:             on, for this demo only (DEBUG=0 and a SECRET_KEY for anything else)"
 echo
 .venv/bin/honcho -f Procfile start
