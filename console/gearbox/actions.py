@@ -11,7 +11,7 @@ Operator actions:
     do_unpin_gear(deployment, *, actor, mode="auto")        back to auto (or advisory)
     do_approve_decision(decision, *, actor)                 advisory mode: start the advised transition
     do_request_gear(deployment, gear, *, actor)             manual switch to an operator's gear
-    do_emergency_downshift(deployment, *, reason, actor)    to the baseline now, rolling back what runs
+The emergency downshift and its release: console/gearbox/emergency.py.
 The gearbox (ticks.py) and the scenario loader:
     do_decide_gear(deployment, *, trigger, now, base, held, actor)   one decision, and its transition
     do_record_load(deployment, sample)                      append a load sample (telemetry: not audited)
@@ -63,6 +63,12 @@ def _locked(deployment: Deployment | str) -> Deployment:
     if row is None:
         raise Rejected(404, {"deployment": f"no deployment {name!r}"})
     return row
+
+
+def _not_in_emergency(dep: Deployment) -> None:
+    if dep.mode == Deployment.EMERGENCY:
+        raise Rejected(409, {"mode": f"{dep.name} holds an emergency downshift: release it first "
+                                     "(POST /api/v1/deployments/{name}/release)"})
 
 
 def _active(dep: Deployment) -> Transition | None:
@@ -172,7 +178,9 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
         dep = Deployment.objects.get(name=name)
         trigger = Trigger.TOPOLOGY  # what an agent lost is replaced at once, like lost GPUs
     if dep.emergency_requested_at is not None:
-        return _emergency_tick(dep, active, base, held, now, actor)
+        from console.gearbox.emergency import emergency_tick
+
+        return emergency_tick(dep, active, base, held, now, actor)
     if active is not None:
         return Decided(None, None)
     if not _reports_mirror_last_transition(dep, base, now):
@@ -306,30 +314,6 @@ def _reports_mirror_last_transition(dep: Deployment, base: Snapshot, now: dateti
     return True
 
 
-def _emergency_tick(dep: Deployment, active: Transition | None, base: Snapshot, held: Mapping[str, set[str]],
-                    now: datetime, actor: str) -> Decided:
-    who = dep.emergency_actor or actor
-    if active is not None:
-        if active.phase in ("prepare", "switch") and not active.abort_reason:
-            build_executor(actor=who).store.request_abort(dep.name, active.seq,
-                                                          f"emergency downshift: {dep.emergency_reason}")
-        return Decided(None, None)  # it rolls back (or finishes CLEANUP) first
-    d = _decide(dep, base, held, now, Trigger.EMERGENCY)
-    with transaction.atomic():
-        locked = _locked(dep)
-        if locked.emergency_requested_at is None:
-            return Decided(None, None)  # another tick handled it
-        row = do_record_decision(locked, d, actor=who, now=now,
-                                 note=f"emergency requested by {who}: {locked.emergency_reason}")
-        started = None
-        if d.outcome is Outcome.SWITCH and d.target is not None:
-            started = _start(locked, d.target, kind=Kind.EMERGENCY, decision=row, actor=who)
-            if started is None:
-                return Decided(row, None)  # try again on the next tick
-        Deployment.objects.filter(pk=locked.pk).update(emergency_requested_at=None, updated_at=now)
-    return Decided(row, started)
-
-
 @transaction.atomic
 def do_record_load(deployment: Deployment, sample: LoadSample) -> None:
     """Append one load sample to the deployment's window (telemetry: not audited)."""
@@ -348,6 +332,7 @@ def do_set_mode(deployment: Deployment | str, mode: str, *, actor: Any) -> Deplo
     if mode not in (Deployment.AUTO, Deployment.ADVISORY):
         raise Rejected(400, {"mode": f"must be auto or advisory (pin a gear with the pin action); got {mode!r}"})
     dep = _locked(deployment)
+    _not_in_emergency(dep)
     if dep.mode == mode:
         return dep
     before = {"mode": dep.mode, "pinned_gear_id": _gear_id(dep.pinned_gear)}
@@ -365,6 +350,7 @@ def do_pin_gear(deployment: Deployment | str, *, actor: Any) -> Deployment:
     """Pin the current gear: the gearbox never switches it automatically (emergency still works)."""
     who, user = _who(actor)
     dep = _locked(deployment)
+    _not_in_emergency(dep)
     if dep.current_gear is None:
         raise Rejected(409, {"current_gear": "nothing runs yet; pin once the first transition brought a gear up"})
     if dep.mode == Deployment.PINNED and dep.pinned_gear == dep.current_gear:
@@ -385,6 +371,7 @@ def do_unpin_gear(deployment: Deployment | str, *, actor: Any, mode: str = Deplo
     if mode not in (Deployment.AUTO, Deployment.ADVISORY):
         raise Rejected(400, {"mode": f"must be auto or advisory; got {mode!r}"})
     dep = _locked(deployment)
+    _not_in_emergency(dep)
     if dep.mode != Deployment.PINNED:
         return dep
     before = {"mode": dep.mode, "pinned_gear_id": _gear_id(dep.pinned_gear)}
@@ -439,6 +426,7 @@ def do_request_gear(deployment: Deployment | str, gear: Mapping[str, object] | G
     """A manual switch to an operator's gear (validated by the gearbox: MANUAL trigger)."""
     who, _ = _who(actor)
     dep = _locked(deployment)
+    _not_in_emergency(dep)
     try:
         wanted = gear if isinstance(gear, Gear) else Gear.from_dict(gear)
     except ValueError as exc:
@@ -452,58 +440,6 @@ def do_request_gear(deployment: Deployment | str, gear: Mapping[str, object] | G
         return row, None
     started = _start(dep, d.target, kind=Kind.MANUAL, decision=row, actor=who)
     return row, started
-
-
-@dataclass(frozen=True)
-class Emergency:
-    state: str  # requested | already_requested | already_running | already_on_baseline
-    transition: Transition | None  # the running transition it asked to roll back, or the emergency one
-
-
-@transaction.atomic
-def do_emergency_downshift(deployment: Deployment | str, *, reason: str, actor: Any) -> Emergency:
-    """Go to the baseline gear now: roll back whatever transition runs first, then downshift.
-
-    Idempotent: asking again while it is pending or running, or when the deployment already
-    runs its baseline with nothing in flight, changes nothing (and says so in the audit log).
-    Works in every mode, pinned included (DESIGN.md invariant 6).
-    """
-    who, user = _who(actor)
-    if not isinstance(reason, str) or not reason.strip():
-        raise Rejected(400, {"reason": "required: say why the deployment must go back to its baseline"})
-    dep = _locked(deployment)
-    now = timezone.now()
-    active = _active(dep)
-    state = "requested"
-    if dep.emergency_requested_at is not None:
-        state = "already_requested"
-    elif active is not None and active.kind == Transition.EMERGENCY and active.to_gear == dep.baseline_gear:
-        state = "already_running"
-    elif active is None and dep.current_gear is not None and dep.current_gear == dep.baseline_gear:
-        state = "already_on_baseline"
-    if state != "requested":
-        record("gearbox.emergency_repeated", actor=who, user=user, at=now, deployment=dep.name,
-               transition_seq=active.seq if active else None,
-               summary=f"{dep.name}: emergency downshift asked again ({state.replace('_', ' ')}): {reason[:120]}",
-               data={"reason": reason, "state": state})
-        return Emergency(state, active)
-    dep.emergency_requested_at, dep.emergency_reason, dep.emergency_actor = now, reason.strip(), who
-    dep.updated_at = now
-    dep.save(update_fields=["emergency_requested_at", "emergency_reason", "emergency_actor", "updated_at"])
-    if active is not None and active.phase in ("prepare", "switch"):
-        build_executor(actor=who).store.request_abort(dep.name, active.seq, f"emergency downshift: {reason.strip()}")
-    record("gearbox.emergency_requested", actor=who, user=user, at=now, deployment=dep.name,
-           transition_seq=active.seq if active else None,
-           summary=f"{dep.name}: emergency downshift to the baseline requested: {reason[:150]}",
-           data={"reason": reason, "running_transition": active.seq if active else None,
-                 "running_phase": active.phase if active else None})
-    from console.gearbox import tasks
-
-    name = dep.name
-    transaction.on_commit(lambda: tasks.enqueue(tasks.tick, trigger="emergency", deployment=name))
-    if active is not None:
-        _kick(name, active.seq)
-    return Emergency(state, active)
 
 
 # --- the scenario loader -------------------------------------------------------------------------
@@ -580,7 +516,6 @@ def _held_by_others(dep: Deployment) -> set[str]:
 
 
 __all__ = [
-    "Decided", "Emergency", "Rejected", "do_approve_decision", "do_decide_gear", "do_emergency_downshift",
-    "do_pin_gear", "do_record_decision", "do_record_load", "do_request_gear", "do_set_mode", "do_sync_deployment",
+    "Decided", "Rejected", "do_approve_decision", "do_decide_gear", "do_pin_gear", "do_record_decision", "do_record_load", "do_request_gear", "do_set_mode", "do_sync_deployment",
     "do_unpin_gear", "held_gpus", "scheduler_deployment",
 ]

@@ -34,7 +34,7 @@ from console.accounts.auth import IsOperator, IsViewer
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
 from console.fleet.actions import Rejected
-from console.gearbox import actions, present
+from console.gearbox import actions, emergency, present
 from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
 from scheduler.gearbox import Outcome, Trigger
 
@@ -43,6 +43,7 @@ GEAR_ID_RE = r"g-[0-9a-f]{16}"
 PLAN_ID_RE = r"p-[0-9a-f]{16}"
 CURRENT = "current"
 APPROVALS = ("pending", "approved", "superseded", "none")
+OPERATOR_VERBS = ("pin", "unpin", "mode", "emergency", "release", "override", "baseline", "rollout", "destroy")
 
 
 # --- payload shapes (for the schema; the data comes from console.gearbox.present) -------------------
@@ -312,6 +313,15 @@ class ModeSerializer(StrictSerializer):
 
 class EmergencySerializer(StrictSerializer):
     reason = serializers.CharField(max_length=500, help_text="why the deployment must go back to its baseline")
+    gear_id = serializers.RegexField(f"^{GEAR_ID_RE}$", required=False, help_text=(
+        "the emergency target when the baseline cannot run: the id of a gear a blocked request offered "
+        "(the planner's best safe gear); omitted: the baseline"))
+
+
+class ReleaseSerializer(StrictSerializer):
+    mode = serializers.ChoiceField(choices=[Deployment.AUTO, Deployment.ADVISORY, Deployment.PINNED], required=False,
+                                   default=Deployment.AUTO, help_text="the mode after the emergency (pinned: pin "
+                                                                      "the gear running now)")
 
 
 class ApproveSerializer(StrictSerializer):
@@ -319,8 +329,7 @@ class ApproveSerializer(StrictSerializer):
 
 
 EmergencyResult = inline_serializer("EmergencyResult", {
-    "state": serializers.ChoiceField(choices=["requested", "already_requested", "already_running",
-                                              "already_on_baseline"]),
+    "state": serializers.ChoiceField(choices=[s for s in emergency.STATES if s != "blocked"]),
     "transition": serializers.IntegerField(allow_null=True, help_text=(
         "the running transition it asked to roll back first, or the emergency transition already running")),
     "deployment": DeploymentSerializer(),
@@ -328,6 +337,13 @@ EmergencyResult = inline_serializer("EmergencyResult", {
 
 NAME = OpenApiParameter("name", str, OpenApiParameter.PATH, description="the deployment's name",
                         examples=[OpenApiExample("the demo's chat deployment", value="chat-8b")])
+EmergencyBlocked = inline_serializer("EmergencyBlocked", {
+    "emergency": serializers.ListField(child=serializers.CharField(), help_text="why, then what to do"),
+    "decision": serializers.IntegerField(help_text="the blocked decision, recorded and audited"),
+    "offers": serializers.ListField(child=serializers.JSONField(), help_text=(
+        "the planner's best safe gears, best first: gear_id, name, label, meets_slo, estimate - not the "
+        "baseline; ask again with gear_id to take one")),
+})
 REFUSALS = {400: OpenApiResponse(description="a field is invalid: the body names it; nothing changed"),
             403: OpenApiResponse(description="needs the operator role"),
             404: OpenApiResponse(description="no such deployment"),
@@ -364,7 +380,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     lookup_value_regex = NAME_RE
 
     def get_permissions(self) -> list[Any]:
-        return [IsOperator()] if self.action in ("pin", "unpin", "mode", "emergency") else [IsViewer()]
+        return [IsOperator()] if self.action in OPERATOR_VERBS else [IsViewer()]
 
     def get_queryset(self) -> QuerySet[Deployment]:
         qs = Deployment.objects.order_by("-priority", "name")
@@ -459,24 +475,45 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
                    request=EmergencySerializer, parameters=[NAME],
                    responses={202: EmergencyResult,
                               200: OpenApiResponse(EmergencyResult, description="asked before, running, or "
-                                                   "already on the baseline: nothing new (audited)"),
-                              **REFUSALS},
+                                                   "already there (now held): nothing new (audited)"),
+                              409: OpenApiResponse(EmergencyBlocked, description=(
+                                  "blocked: the target cannot run on the fleet now. Nothing changed but the "
+                                  "recorded decision; the body says why, what to do, and offers safe gears")),
+                              **{k: v for k, v in REFUSALS.items() if k != 409}},
                    description=(
-                       "Works in every mode, pinned included. A running transition is asked to roll back "
-                       "first; then the gearbox starts the downshift as an emergency transition. Asking again "
-                       "changes nothing."))
+                       "Works in every mode, pinned included. The deployment enters mode emergency at once and "
+                       "holds the target - the gearbox never switches it automatically - until an operator "
+                       "releases it (release). A running transition is asked to roll back first; then the "
+                       "gearbox starts the downshift as an emergency transition. Asking again changes nothing."))
     @action(detail=True, methods=["post"])
     def emergency(self, request: Request, name: str | None = None) -> Response:
         dep = self.get_object()
-        reason = self._body(EmergencySerializer)["reason"]
+        body = self._body(EmergencySerializer)
         try:
-            out = actions.do_emergency_downshift(dep.name, reason=reason, actor=request.user)
+            out = emergency.do_emergency_downshift(dep.name, reason=body["reason"], actor=request.user,
+                                                   gear_id=body.get("gear_id"))
         except Rejected as exc:
             return _refused(exc)
+        if out.state == "blocked":
+            assert out.decision is not None
+            return Response({"emergency": list(out.reasons), "decision": out.decision.pk, "offers": list(out.offers)},
+                            status=status.HTTP_409_CONFLICT)
         dep.refresh_from_db()
         body = {"state": out.state, "transition": out.transition.seq if out.transition is not None else None,
                 "deployment": _deployment(dep)}
         return Response(body, status=status.HTTP_202_ACCEPTED if out.state == "requested" else status.HTTP_200_OK)
+
+    @extend_schema(summary="Release an emergency (operator): hand the gear back to auto, advisory or a pin",
+                   request=ReleaseSerializer, responses={200: DeploymentSerializer, **REFUSALS}, parameters=[NAME],
+                   description="409 when the deployment holds no emergency downshift.")
+    @action(detail=True, methods=["post"])
+    def release(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        mode = self._body(ReleaseSerializer)["mode"]
+        try:
+            return Response(_deployment(emergency.do_release_emergency(dep.name, actor=request.user, mode=mode)))
+        except Rejected as exc:
+            return _refused(exc)
 
 
 def request_data(request: Request) -> Any:

@@ -4,8 +4,8 @@ The rules live in scheduler/ (gearbox.decide, transition.Executor); the writes i
 and in ports.py (the Django implementations of the transition ports). What each model holds:
 
 * `Deployment` - one model served by the cluster: SLO, priority, mode (auto | advisory |
-  pinned), baseline gear (the emergency target), current gear (what a finished transition
-  left), pinned gear, the versioned routing table (version + routes: plan, weight, frozen,
+  pinned | emergency), baseline gear (the emergency target), current gear (what a finished
+  transition left), pinned gear (the gear a pin or an emergency holds), the versioned routing table (version + routes: plan, weight, frozen,
   nodes) that the gateway and the simulated fleet route by, a pending emergency request, and
   the load window the gearbox decides on.
 * `Decision` - every decision the gearbox made, switch or not: trigger, outcome, the hysteresis
@@ -29,8 +29,8 @@ PHASES = ACTIVE_PHASES + ("done", "rolled_back")
 
 
 class Deployment(models.Model):
-    AUTO, ADVISORY, PINNED = "auto", "advisory", "pinned"
-    MODES = [(m, m) for m in (AUTO, ADVISORY, PINNED)]
+    AUTO, ADVISORY, PINNED, EMERGENCY = "auto", "advisory", "pinned", "emergency"
+    MODES = [(m, m) for m in (AUTO, ADVISORY, PINNED, EMERGENCY)]
 
     name = models.CharField(max_length=64, unique=True)  # the deployment id (scenario `deployment`)
     model_name = models.CharField(max_length=128)  # scheduler.modelspec catalog name
@@ -40,7 +40,7 @@ class Deployment(models.Model):
     mode = models.CharField(max_length=16, choices=MODES, default=AUTO)
     baseline_gear = models.JSONField()  # Gear.to_dict(): the static plan, the emergency target
     current_gear = models.JSONField(null=True, blank=True)  # null: nothing runs yet
-    pinned_gear = models.JSONField(null=True, blank=True)  # set while pinned
+    pinned_gear = models.JSONField(null=True, blank=True)  # set while pinned: the gear held (emergency: its target)
     routing_version = models.PositiveBigIntegerField(default=0)  # bumped by every routing commit
     routing = models.JSONField(default=list)  # [Route.to_dict()]: plan, weight, frozen, nodes
     last_transition_seq = models.PositiveBigIntegerField(default=0)  # claimed by a conditional update

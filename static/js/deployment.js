@@ -33,10 +33,10 @@
     fact(dl, "SLO", "TTFT " + gb.ms(d.slo.ttft_ms) + " · TPOT " + gb.ms(d.slo.tpot_ms) + " · priority " + d.priority);
     fact(dl, "Current gear", d.current_gear ? gb.gearText(d.current_gear) + " · " + d.current_gear.gear_id + (d.on_baseline ? " (the baseline)" : "") : "none yet");
     fact(dl, "Baseline gear", gb.gearText(d.baseline_gear) + " · " + d.baseline_gear.gear_id);
-    fact(dl, "Pinned gear", d.pinned_gear ? gb.gearText(d.pinned_gear) + " · " + d.pinned_gear.gear_id : "—");
+    fact(dl, d.mode === "emergency" ? "Held gear" : "Pinned gear", d.pinned_gear ? gb.gearText(d.pinned_gear) + " · " + d.pinned_gear.gear_id : "—");
     const at = d.active_transition;
     fact(dl, "Transition", at ? gb.link(gb.transitionUrl(name, at.seq), "#" + at.seq + " " + at.kind + " · " + at.phase + (at.step ? " · " + at.step : "")) : "none running");
-    if (d.emergency) fact(dl, "Emergency", "requested " + gb.when(d.emergency.requested_at) + " by " + d.emergency.actor + ": " + d.emergency.reason);
+    renderEmergency(d.emergency);
     if (d.pending_decision) fact(dl, "Waiting for approval", gb.link(gb.decisionUrl(d.pending_decision), "decision " + d.pending_decision));
     fact(dl, "Routing", "version " + d.routing.version);
     const tbody = document.querySelector("#routes tbody");
@@ -53,15 +53,63 @@
     renderControls();
   }
 
+  // --- the emergency: held, pending, blocked (in red) ------------------------------------------------
+  const EMERGENCY_TITLES = { pending: "Emergency downshift requested", blocked: "Emergency downshift BLOCKED",
+                             running: "Emergency downshift running", holding: "Emergency: holding",
+                             failed: "Emergency downshift FAILED" };
+
+  // The planner's best safe gears, offered when the baseline cannot run - never to be mistaken for it.
+  function offerCards(div, offers, reason) {
+    div.innerHTML = "";
+    (offers || []).slice(0, 3).forEach(function (o, i) {
+      const card = gb.el("div", { className: "offer", "data-offer": o.gear_id });
+      card.appendChild(gb.el("div", { className: "label" }, (i === 0 ? "Offered instead: " : "Also safe: ") + o.label));
+      card.appendChild(gb.el("div", { className: "strong" }, o.name + " · " + o.gpu_count + " GPU" + (o.gpu_count === 1 ? "" : "s")));
+      const e = o.estimate || {};
+      card.appendChild(gb.el("div", { className: "small" }, (o.meets_slo ? "meets the SLOs" : "misses the SLOs") +
+        " · goodput " + gb.num(e.goodput_tokens_s, 0) + " tokens/s · TTFT P99 " + gb.secs(e.ttft_p99_s) +
+        " · TPOT P99 " + gb.secs(e.tpot_p99_s) + " (the planner's estimate)"));
+      if (canOperate) {
+        const b = gb.el("button", { type: "button", className: "danger small" }, "Downshift to this gear instead");
+        b.dataset.acceptOffer = o.gear_id;
+        b.addEventListener("click", function () {
+          b.disabled = true;
+          sendEmergency(reason(), o.gear_id).then(function (r) { if (r.status >= 300) b.disabled = false; });
+        });
+        card.appendChild(b);
+      }
+      div.appendChild(card);
+    });
+  }
+
+  function renderEmergency(e) {
+    const banner = document.getElementById("emergency-banner");
+    banner.hidden = !e;
+    if (!e) { delete banner.dataset.state; return; }
+    banner.dataset.state = e.state;
+    banner.className = "banner " + (e.state === "holding" || e.state === "running" || e.state === "pending" ? "banner-hold" : "banner-bad");
+    document.getElementById("emergency-title").textContent = EMERGENCY_TITLES[e.state] + ":";
+    const target = e.target ? e.target.name + (e.on_baseline ? " (the baseline)" : " (not the baseline: the gear an operator accepted)") : "";
+    const detail = document.getElementById("emergency-detail");
+    detail.textContent = target + " — by " + e.actor + ": " + e.reason + (e.error ? " — " + e.error : "") +
+      (e.state === "holding" ? " — never switched automatically until released." : "");
+    const ul = document.getElementById("emergency-blocked");
+    ul.innerHTML = "";
+    (e.blocked || []).forEach(function (r) { ul.appendChild(gb.el("li", {}, r)); });
+    offerCards(document.getElementById("emergency-offers"), e.offers, function () { return e.reason; });
+  }
+
   // --- controls (operators) --------------------------------------------------------------------------
   function renderControls() {
     if (!canOperate) return;
     const d = state.deployment;
+    const held = d.mode === "emergency";
     document.querySelectorAll("#controls [data-mode]").forEach(function (b) {
       b.classList.toggle("selected", b.dataset.mode === d.mode);
       b.setAttribute("aria-pressed", b.dataset.mode === d.mode ? "true" : "false");
+      b.disabled = held;  // an emergency holds until it is released (the banner's buttons)
     });
-    document.getElementById("pin-button").disabled = !d.current_gear || d.mode === "pinned";
+    document.getElementById("pin-button").disabled = held || !d.current_gear || d.mode === "pinned";
     document.getElementById("unpin-button").disabled = d.mode !== "pinned";
     document.getElementById("emergency-baseline").textContent = gb.gearText(d.baseline_gear);
   }
@@ -72,14 +120,46 @@
     out.className = "small " + (ok ? "ok" : "error");
   }
 
-  function act(path, body, done) {
+  function act(path, body, done, refused) {
     return gb.post("/api/v1/deployments/" + encodeURIComponent(name) + "/" + path, body).then(function (r) {
       if (r.status >= 200 && r.status < 300) {
         const dep = r.body.deployment || r.body;
         if (dep && dep.name === name) { state.deployment = dep; renderSummary(); }
         say(done(r), true);
       } else {
-        say(gb.errorText(r.body), false);
+        say(refused ? refused(r) : gb.errorText(r.body), false);
+      }
+      return r;
+    });
+  }
+
+  // The emergency verb: accepted (202/200) closes the dialog; blocked (409) stays open, in red, with
+  // the reason, what to do and the offered safe gear - the page never says "requested" for it.
+  function sendEmergency(reason, gearId) {
+    const body = { reason: reason };
+    if (gearId) body.gear_id = gearId;
+    const dialog = document.getElementById("emergency-dialog");
+    const error = document.getElementById("emergency-error");
+    return act("emergency", body, function (r) {
+      const words = { requested: "emergency downshift requested: it holds until released",
+                      already_requested: "already requested: nothing new",
+                      already_running: "the downshift is already running", holding: "on the target: held until released" };
+      return words[r.body.state] || r.body.state;
+    }, function (r) {
+      return r.status === 409 && r.body.emergency ? "emergency downshift BLOCKED: " + r.body.emergency.join(" ") : gb.errorText(r.body);
+    }).then(function (r) {
+      if (r.status >= 200 && r.status < 300) { if (dialog.open) dialog.close(); return r; }
+      error.innerHTML = "";
+      if (r.status === 409 && r.body.emergency) {
+        error.dataset.state = "blocked";
+        error.appendChild(gb.el("b", {}, "Blocked — nothing was changed."));
+        const ul = gb.el("ul", { className: "reasons" });
+        r.body.emergency.forEach(function (t) { ul.appendChild(gb.el("li", {}, t)); });
+        error.appendChild(ul);
+        offerCards(document.getElementById("emergency-dialog-offers"), r.body.offers, function () { return reason; });
+        if (!dialog.open) dialog.showModal();
+      } else {
+        error.textContent = gb.errorText(r.body);
       }
       return r;
     });
@@ -101,6 +181,11 @@
     document.getElementById("unpin-button").addEventListener("click", function () {
       act("unpin", { mode: "auto" }, function () { return "unpinned: automatic again"; });
     });
+    document.querySelectorAll("#emergency-banner [data-release]").forEach(function (b) {
+      b.addEventListener("click", function () {
+        act("release", { mode: b.dataset.release }, function (r) { return "emergency released: mode " + r.body.mode; });
+      });
+    });
     const dialog = document.getElementById("emergency-dialog");
     const form = document.getElementById("emergency-form");
     const confirmButton = document.getElementById("emergency-confirm");
@@ -109,7 +194,8 @@
     form.reason.addEventListener("input", ready);
     form.confirm.addEventListener("change", ready);
     document.getElementById("emergency-button").addEventListener("click", function () {
-      form.reset(); error.textContent = ""; ready();
+      form.reset(); error.textContent = ""; delete error.dataset.state; ready();
+      document.getElementById("emergency-dialog-offers").innerHTML = "";
       dialog.showModal();
       form.reason.focus();
     });
@@ -118,14 +204,7 @@
       ev.preventDefault();
       if (confirmButton.disabled) return;
       confirmButton.disabled = true;
-      act("emergency", { reason: form.reason.value }, function (r) {
-        const words = { requested: "emergency downshift requested", already_requested: "already requested: nothing new",
-                        already_running: "the downshift is already running", already_on_baseline: "already on the baseline: nothing to do" };
-        return words[r.body.state] || r.body.state;
-      }).then(function (r) {
-        if (r.status >= 200 && r.status < 300) dialog.close();
-        else { error.textContent = gb.errorText(r.body); ready(); }
-      });
+      sendEmergency(form.reason.value).then(function () { ready(); });
     });
   }
 

@@ -6,7 +6,7 @@
   const PHASE_COLORS = { prepare: "#7c8cf0", switch: "#f0a23c", cleanup: "#46a86b", rollback: "#d0533f",
                          done: "#46a86b", rolled_back: "#d0533f" };
   const HEALTH_PILL = { ok: "pill-ok", switching: "pill-wait", degraded: "pill-bad", idle: "pill-off" };
-  const MODE_PILL = { auto: "pill-ok", advisory: "pill-wait", pinned: "pill-pin" };
+  const MODE_PILL = { auto: "pill-ok", advisory: "pill-wait", pinned: "pill-pin", emergency: "pill-emergency" };
   const STAGE_COLORS = ["#3451b2", "#e07b39", "#2f9e6e", "#b8408a", "#8a6d1f", "#4f9fd8", "#c23b3b", "#6b5bd2"];
 
   function el(tag, attrs, text) {
@@ -47,6 +47,32 @@
     }).join(" · ");
   }
 
+  // A span in words: "4 min 12 s", "2 h 5 min", "850 ms".
+  function span(s) {
+    s = Math.abs(s);
+    if (s < 1) return Math.round(s * 1000) + " ms";
+    if (s < 60) return (s < 10 ? s.toFixed(1) : Math.round(s)) + " s";
+    const m = Math.floor(s / 60), r = Math.round(s % 60);
+    if (m < 60) return m + " min" + (r ? " " + r + " s" : "");
+    const h = Math.floor(m / 60);
+    return h + " h" + (m % 60 ? " " + (m % 60) + " min" : "");
+  }
+  // A moment relative to now: "in 4 min 12 s" or "3 min ago"; the UTC time goes in the title.
+  function relative(iso, now) {
+    if (!iso) return "—";
+    const d = (Date.parse(iso) - (now || Date.now())) / 1000;
+    return Math.abs(d) < 1 ? "now" : d > 0 ? "in " + span(d) : span(d) + " ago";
+  }
+  function timeEl(iso, tag) {
+    const node = el(tag || "span", { className: "when", title: when(iso) }, relative(iso));
+    if (iso) node.dataset.at = iso;
+    return node;
+  }
+  // Every relative time on the page, once a second (they are spans in words, so they age).
+  setInterval(function () {
+    document.querySelectorAll(".when[data-at]").forEach(function (n) { n.textContent = relative(n.dataset.at); });
+  }, 1000);
+
   function when(iso) { return iso ? iso.replace("T", " ").replace(/\.\d+/, "").replace(/(\+00:00|Z)$/, "Z") : "—"; }
   function clock(iso) { return iso ? when(iso).slice(11, 19) : "—"; }
   function secs(s) {
@@ -67,7 +93,7 @@
     return Number(x).toLocaleString("en-US", { maximumFractionDigits: digits === undefined ? 1 : digits });
   }
   function ms(x) { return x === null || x === undefined ? "—" : num(x, 0) + " ms"; }
-  function gearText(g) { return g ? g.shape + " · " + g.gpu_count + " GPU" + (g.gpu_count === 1 ? "" : "s") : "—"; }
+  function gearText(g) { return g ? (g.name || g.shape) + " · " + g.gpu_count + " GPU" + (g.gpu_count === 1 ? "" : "s") : "—"; }
 
   function setPill(node, cls, text, state) {
     node.className = "pill " + cls;
@@ -239,6 +265,7 @@
   window.FlexPipe = window.FlexPipe || {};
   window.FlexPipe.gb = {
     el: el, post: post, errorText: errorText, when: when, clock: clock, secs: secs, bytes: bytes, num: num, ms: ms,
+    span: span, relative: relative, timeEl: timeEl,
     gearText: gearText, setPill: setPill, link: link, cell: cell, healthPill: healthPill, phasePill: phasePill,
     deploymentUrl: deploymentUrl, transitionUrl: transitionUrl, decisionUrl: decisionUrl,
     gantt: gantt, gearDiagram: gearDiagram, deploymentsTable: deploymentsTable, transitionsTable: transitionsTable,
