@@ -14,7 +14,9 @@ Rules, in the order they apply:
    candidates, best first (`safe_rank`: meets the SLOs, then the most goodput, then the fewest
    GPUs) - what an operator may accept as the emergency target instead.
 2. MANUAL (operator, with a requested gear): switch to it if it is valid; no hysteresis or
-   cooldown. Not while a transition runs (DEFERRED).
+   cooldown. Not while a transition runs (DEFERRED). Without a requested gear: STAY, with every
+   feasible candidate the planner has now (best first by `safe_rank`, each with its estimate,
+   gain and cost) - what an operator chooses a gear override from. Any mode.
 3. Automatic triggers (PERIODIC, LOAD, TOPOLOGY):
    - PINNED and EMERGENCY deployments never switch automatically: STAY (or BLOCKED when the
      gear they hold is no longer valid - an operator must act);
@@ -602,6 +604,14 @@ def decide(
     def estimate_of(gear: Gear) -> Estimate:
         return at_load(gear, workload, cur.profiles)
 
+    def weigh_all(note: str) -> list[CandidateEval]:
+        """Every feasible candidate but the current gear, weighed, best first by `safe_rank`."""
+        found = plan_candidates(spec, snapshot, workload, slo=deployment.slo, options=planner_options or DEFAULT_OPTIONS,
+                                blocks=blocks, reclaimable_bytes=reclaim,
+                                prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy, eff=eff)
+        return sorted((evaluate(c.gear, c.estimate, note or c.kind, c.profiles) for c in found.feasible
+                       if c.gear != current_gear), key=safe_rank)
+
     # 1. emergency: the baseline (or the gear an operator accepted instead), now, whatever the mode
     if trigger is Trigger.EMERGENCY:
         base = requested_gear or deployment.baseline
@@ -610,11 +620,7 @@ def decide(
             return finish(Outcome.STAY, None, [], [f"emergency: already on {what} (nothing to do)"])
         problems = validate_gear(base, snapshot, spec, blocks=blocks, reclaimable_bytes=reclaim, policy=policy)
         if problems:
-            offers = sorted((evaluate(c.gear, c.estimate, "offered: the planner's best safe gear", c.profiles)
-                             for c in plan_candidates(spec, snapshot, workload, slo=deployment.slo,
-                                                      options=planner_options or DEFAULT_OPTIONS, blocks=blocks,
-                                                      reclaimable_bytes=reclaim, policy=policy, eff=eff).feasible
-                             if c.gear != current_gear), key=safe_rank)[:5]
+            offers = weigh_all("offered: the planner's best safe gear")[:5]
             fix = ("to fix: restore its GPUs, set a new baseline, or downshift to the planner's best safe gear "
                    f"{offers[0].gear.shape()} instead" if offers else
                    "to fix: restore its GPUs or set a new baseline (no other gear fits the fleet now)")
@@ -629,7 +635,9 @@ def decide(
     # 2. manual: the operator's gear, if valid
     if trigger is Trigger.MANUAL:
         if requested_gear is None:
-            return finish(Outcome.BLOCKED, None, [], ["manual: no gear requested"])
+            listed = weigh_all("")
+            return finish(Outcome.STAY, None, listed, [f"manual: {len(listed)} candidate gear(s) an operator may "
+                                                       "choose from, best first"])
         if transition_running:
             return finish(Outcome.DEFERRED, None, [], ["manual: a transition is running; retry when it ends"])
         if requested_gear.gear_id == cur_id:

@@ -447,7 +447,8 @@ def do_request_gear(deployment: Deployment | str, gear: Mapping[str, object] | G
 def do_sync_deployment(*, name: str, model_name: str, ttft_ms: float, tpot_ms: float, priority: int,
                        baseline: Gear, actor: Any, mode: str = Deployment.AUTO) -> tuple[Deployment, str]:
     """Create the deployment, or bring its SLO, priority and baseline up to date. Never touches
-    what runs (current gear, routing, transitions). Returns it and created | updated | unchanged."""
+    what runs (current gear, routing, transitions), nor a baseline an operator set
+    (console/gearbox/override.do_set_baseline). Returns it and created | updated | unchanged."""
     who, user = _who(actor)
     errors: dict[str, str] = {}
     try:
@@ -473,6 +474,8 @@ def do_sync_deployment(*, name: str, model_name: str, ttft_ms: float, tpot_ms: f
                summary=f"{name}: {model_name}, baseline {baseline.shape()}, priority {priority}", after={
                    **{k: v for k, v in wanted.items() if k != "baseline_gear"}, "baseline_gear_id": baseline.gear_id})
         return dep, "created"
+    if dep.baseline_by.startswith("user:"):
+        wanted["baseline_gear"] = dep.baseline_gear  # an operator set it: the file does not undo that
     before = {k: getattr(dep, k) for k in wanted}
     if before == wanted:
         return dep, "unchanged"

@@ -34,7 +34,7 @@ from console.accounts.auth import IsOperator, IsViewer
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
 from console.fleet.actions import Rejected
-from console.gearbox import actions, emergency, present
+from console.gearbox import actions, emergency, override, present
 from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
 from scheduler.gearbox import Outcome, Trigger
 
@@ -318,6 +318,19 @@ class EmergencySerializer(StrictSerializer):
         "(the planner's best safe gear); omitted: the baseline"))
 
 
+class GearChoiceSerializer(StrictSerializer):
+    gear_id = serializers.CharField(max_length=40, required=False, help_text=(
+        "one of the planner's current candidates (GET .../candidates); for the baseline also \"current\""))
+    spec = serializers.JSONField(required=False, help_text=(
+        "the gear written out: {plans: [{stages: [{gpus: [\"h100-a/0\", ...], tp, layers}], decode_stages, "
+        "kv_reserve_tokens}], weights} (console/gearbox/override.py)"))
+
+
+class OverrideSerializer(GearChoiceSerializer):
+    reason = serializers.CharField(max_length=500, required=False, allow_blank=True, default="",
+                                   help_text="why (audited)")
+
+
 class ReleaseSerializer(StrictSerializer):
     mode = serializers.ChoiceField(choices=[Deployment.AUTO, Deployment.ADVISORY, Deployment.PINNED], required=False,
                                    default=Deployment.AUTO, help_text="the mode after the emergency (pinned: pin "
@@ -514,6 +527,56 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
             return Response(_deployment(emergency.do_release_emergency(dep.name, actor=request.user, mode=mode)))
         except Rejected as exc:
             return _refused(exc)
+
+
+    @extend_schema(summary="The planner's candidate gears now, with their estimates (what an override chooses from)",
+                   parameters=[NAME], responses={200: inline_serializer("Candidates", {
+                       "deployment": serializers.CharField(), "current_gear_id": serializers.CharField(allow_null=True),
+                       "workload": serializers.JSONField(allow_null=True, help_text="the offered load estimated on"),
+                       "candidates": serializers.ListField(child=serializers.JSONField(), help_text=(
+                           "best first: gear_id, name (shape and placement), gpu_count, meets_slo, gain_tokens, "
+                           "threshold_tokens, estimate {goodput_tokens_s, capacity_rps, ttft_p99_s, tpot_p99_s, ...}"))})})
+    @action(detail=True, methods=["get"])
+    def candidates(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        d = override.candidates_now(dep)
+        return Response({"deployment": dep.name, "current_gear_id": d.current_gear_id,
+                         "workload": d.workload.to_dict() if d.workload else None,
+                         "candidates": override.candidate_payloads(d)})
+
+    @extend_schema(summary="Gear override (operator): switch to a chosen gear as a transition, then pin it",
+                   request=OverrideSerializer, parameters=[NAME],
+                   responses={201: TransitionSerializer, **REFUSALS}, description=(
+                       "Exactly one of gear_id (a current candidate) and spec. The gear is checked against "
+                       "invariant 4 on the fleet now (400 naming the field, with the reasons); a candidate that "
+                       "is no longer one, a running transition or an emergency is a 409. The deployment is "
+                       "pinned to the target at once; the manual transition and the override are audited."))
+    @action(detail=True, methods=["post"])
+    def override(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        body = self._body(OverrideSerializer)
+        try:
+            _, started = override.do_override_gear(dep.name, actor=request.user, gear_id=body.get("gear_id"),
+                                                   spec=body.get("spec"), reason=body["reason"])
+        except Rejected as exc:
+            return _refused(exc)
+        row = present.transitions_with_steps().get(pk=started.pk)
+        return Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
+
+    @extend_schema(summary="Set the baseline gear (operator): the emergency target from now on; nothing switches",
+                   request=GearChoiceSerializer, parameters=[NAME], responses={200: DeploymentSerializer, **REFUSALS},
+                   description=("gear_id: \"current\" or a current candidate; or spec. Checked against invariant 4 "
+                                "like an override. The scenario loader never overwrites a baseline an operator set."))
+    @action(detail=True, methods=["post"])
+    def baseline(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        body = self._body(GearChoiceSerializer)
+        try:
+            dep = override.do_set_baseline(dep.name, actor=request.user, gear_id=body.get("gear_id"),
+                                           spec=body.get("spec"))
+        except Rejected as exc:
+            return _refused(exc)
+        return Response(_deployment(dep))
 
 
 def request_data(request: Request) -> Any:

@@ -39,6 +39,7 @@ class Deployment(models.Model):
     priority = models.IntegerField(default=0)  # higher is served first
     mode = models.CharField(max_length=16, choices=MODES, default=AUTO)
     baseline_gear = models.JSONField()  # Gear.to_dict(): the static plan, the emergency target
+    baseline_by = models.CharField(max_length=160, blank=True, default="")  # an operator who set it (kept by loaders)
     current_gear = models.JSONField(null=True, blank=True)  # null: nothing runs yet
     pinned_gear = models.JSONField(null=True, blank=True)  # set while pinned: the gear held (emergency: its target)
     routing_version = models.PositiveBigIntegerField(default=0)  # bumped by every routing commit

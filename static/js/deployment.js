@@ -208,6 +208,67 @@
     });
   }
 
+  // --- choosing a gear: the planner's candidates, an override, the baseline ---------------------------
+  function renderCandidates(body) {
+    const table = document.getElementById("candidates");
+    const tbody = table.querySelector("tbody");
+    tbody.innerHTML = "";
+    table.hidden = false;
+    table.dataset.rows = String(body.candidates.length);
+    document.getElementById("candidates-note").textContent = body.candidates.length + " candidate(s), best first" +
+      (body.workload ? ", at " + gb.num(body.workload.rate_rps, 2) + " req/s offered" : ", no load sample yet (placed for zero load)");
+    body.candidates.forEach(function (c) {
+      const tr = gb.el("tr", { "data-gear": c.gear_id });
+      gb.cell(tr, c.name, "strong").title = c.gear_id + (c.note ? " · " + c.note : "");
+      gb.cell(tr, c.gpu_count);
+      gb.cell(tr, c.meets_slo ? "meets" : "misses", c.meets_slo ? "ok" : "error");
+      gb.cell(tr, gb.num(c.estimate.goodput_tokens_s, 0) + " tok/s");
+      gb.cell(tr, gb.num(c.estimate.capacity_rps, 1) + " req/s");
+      gb.cell(tr, gb.secs(c.estimate.ttft_p99_s));
+      gb.cell(tr, gb.secs(c.estimate.tpot_p99_s));
+      const last = gb.cell(tr, "");
+      if (canOperate) {
+        const o = gb.el("button", { type: "button", className: "small" }, "Override to this gear");
+        o.dataset.override = c.gear_id;
+        o.addEventListener("click", function () { override({ gear_id: c.gear_id }); });
+        const b = gb.el("button", { type: "button", className: "small ghost" }, "Make baseline");
+        b.dataset.baseline = c.gear_id;
+        b.addEventListener("click", function () { setBaseline({ gear_id: c.gear_id }); });
+        last.appendChild(o); last.appendChild(b);
+      }
+      tbody.appendChild(tr);
+    });
+  }
+
+  function listCandidates() {
+    document.getElementById("candidates-note").textContent = "asking the planner…";
+    return fetch("/api/v1/deployments/" + encodeURIComponent(name) + "/candidates", { credentials: "same-origin",
+      headers: { Accept: "application/json" } }).then(function (r) { return r.json(); }).then(renderCandidates);
+  }
+
+  function override(body) {
+    return act("override", body, function (r) {
+      return "override: transition #" + r.body.seq + " to " + r.body.to_gear.name + " started; it holds (pinned)";
+    });
+  }
+
+  function setBaseline(body) {
+    return act("baseline", body, function (r) { return "the baseline is now " + r.body.baseline_gear.name; });
+  }
+
+  function specBody() {
+    try { return { spec: JSON.parse(document.getElementById("spec-text").value) }; }
+    catch (e) { say("spec: not JSON (" + e.message + ")", false); return null; }
+  }
+
+  function wireOverride() {
+    document.getElementById("candidates-button").addEventListener("click", listCandidates);
+    if (!canOperate) return;
+    document.getElementById("spec-override").addEventListener("click", function () { const b = specBody(); if (b) override(b); });
+    document.getElementById("spec-baseline").addEventListener("click", function () { const b = specBody(); if (b) setBaseline(b); });
+    document.getElementById("baseline-current").addEventListener("click", function () { setBaseline({ gear_id: "current" }); });
+  }
+
   // --- gears -----------------------------------------------------------------------------------------
   function renderGears() {
     gb.gearDiagram(document.getElementById("gear-current"), state.gears.current, state.gpus, "current");
@@ -335,6 +396,7 @@
 
   apply(Object.assign({ type: "snapshot" }, data));
   wireControls();
+  wireOverride();
   setInterval(function () {
     if (Object.values(state.transitions).some(function (t) { return t.active; })) renderTimeline();
   }, 1000);
