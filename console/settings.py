@@ -13,6 +13,8 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_REPORT_INTERVAL_S     how often agents report when nothing changes (15)
     FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
     FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
+    FLEXPIPE_MODEL_ROOTS           folders the registry may read local weights and tokenizers from
+                                   (os.pathsep-separated; default .run/models)
     FLEXPIPE_SWEEP_S               period of the transition sweep on Celery beat: timeouts, dwells, and
                                    transitions whose worker died resume (2)
     FLEXPIPE_CANARY_SHARE          share of new requests a new plan takes before the flip (0.1)
@@ -209,6 +211,10 @@ FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
 # Local weights files up to this size are hashed during the registration request; bigger ones by the
 # Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
 FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))
+# Where the console may read model files (weights it hashes, tokenizers it loads): a registration
+# naming a local file anywhere else is refused (a 400 naming weights_uri or tokenizer). os.pathsep-separated.
+FLEXPIPE_MODEL_ROOTS = [Path(p) for p in os.environ.get("FLEXPIPE_MODEL_ROOTS", str(BASE_DIR / ".run" / "models"))
+                        .split(os.pathsep) if p.strip()]
 FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
 FLEXPIPE_CANARY_SHARE = float(os.environ.get("FLEXPIPE_CANARY_SHARE", "0.1"))
 FLEXPIPE_CANARY_DWELL_S = float(os.environ.get("FLEXPIPE_CANARY_DWELL_S", "2"))

@@ -40,7 +40,7 @@ if [ "$ENGINE" != sim ]; then
   # Real engines load real weights: make the tiny model (deterministic, no download) and register
   # it, so prepare_plan carries its SHA256 and the gateway finds its tokenizer.
   [ -s .run/models/tiny-llama/model.safetensors ] || $PY -m agents.engines.torch.weights .run/models/tiny-llama
-  $PY manage.py register_local_model tiny-llama .run/models/tiny-llama --engine "$ENGINE"
+  $PY manage.py register_local_model tiny-llama .run/models/tiny-llama --engine "$ENGINE" --deploy
 fi
 
 echo

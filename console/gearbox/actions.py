@@ -126,13 +126,19 @@ def do_record_decision(dep: Deployment, decision: gearbox.Decision, *, actor: An
     return row
 
 
-def _start(dep: Deployment, gear: Gear, *, kind: Kind, decision: Decision | None, actor: str) -> Transition | None:
-    """Claim the next seq and create the transition (None: another one is active)."""
+def _start(dep: Deployment, gear: Gear, *, kind: Kind, decision: Decision | None, actor: str,
+           model_version: Any | None = None) -> Transition | None:
+    """Claim the next seq and create the transition (None: another one is active). Its new plans
+    load `model_version` (a rollout's), else the version the deployment serves. Callers hold a
+    database transaction: the row and its version commit together, before any worker advances it."""
     ex = build_executor(actor=actor)
     rec = ex.start(dep.name, gear, kind=kind, model=dep.model_name,
                    decision_ref=str(decision.pk) if decision is not None else None)
     if rec is None:
         return None
+    version_id = model_version.pk if model_version is not None else dep.model_version_id
+    if version_id is not None:
+        Transition.objects.filter(deployment=dep, seq=rec.seq).update(model_version_id=version_id)
     row = Transition.objects.get(deployment=dep, seq=rec.seq)
     _kick(dep.name, rec.seq)
     return row

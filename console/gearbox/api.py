@@ -34,7 +34,7 @@ from console.accounts.auth import IsOperator, IsViewer
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
 from console.fleet.actions import Rejected
-from console.gearbox import actions, emergency, override, present
+from console.gearbox import actions, emergency, override, present, rollout
 from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
 from scheduler.gearbox import Outcome, Trigger
 
@@ -331,6 +331,14 @@ class OverrideSerializer(GearChoiceSerializer):
                                    help_text="why (audited)")
 
 
+class RolloutSerializer(GearChoiceSerializer):
+    version = serializers.IntegerField(min_value=1, max_value=2**62, help_text=(
+        "the registry version (its id) to roll out; a version of the deployment's model"))
+    gear_id = serializers.CharField(max_length=40, required=False, help_text=(  # type: ignore[assignment]
+        "where the new version's shadow plans run: a candidate's id (omitted: the planner's best safe gear on "
+        "GPUs the running gear does not hold)"))
+
+
 class ReleaseSerializer(StrictSerializer):
     mode = serializers.ChoiceField(choices=[Deployment.AUTO, Deployment.ADVISORY, Deployment.PINNED], required=False,
                                    default=Deployment.AUTO, help_text="the mode after the emergency (pinned: pin "
@@ -577,6 +585,37 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         except Rejected as exc:
             return _refused(exc)
         return Response(_deployment(dep))
+
+
+    @extend_schema(summary="Roll a registry version out (operator): a transition with the canary, or a binding "
+                           "when nothing runs yet", request=RolloutSerializer, parameters=[NAME],
+                   responses={201: TransitionSerializer,
+                              200: OpenApiResponse(inline_serializer("RolloutBound", {
+                                  "state": serializers.ChoiceField(choices=["bound", "already_serving"]),
+                                  "deployment": DeploymentSerializer()}), description=(
+                                  "nothing ran yet (bound: its first gear loads it), or it serves it already")),
+                              **REFUSALS},
+                   description=(
+                       "Registering a version changes nothing that serves; this does. The new version comes up "
+                       "as shadow plans beside the running gear (weights checked against its SHA-256, its "
+                       "tokenizer and warm-up checked on the shadow plan), takes the canary share, then every "
+                       "request; a failed check or step rolls back and the old version keeps serving. 400: a "
+                       "version of another model; 404: no such version; 409: not loadable (quarantined, retired, "
+                       "verifying), a running transition, an emergency, or no room beside the running gear."))
+    @action(detail=True, methods=["post"])
+    def rollout(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        body = self._body(RolloutSerializer)
+        try:
+            state, started = rollout.do_rollout_version(dep.name, body["version"], actor=request.user,
+                                                        gear_id=body.get("gear_id"), spec=body.get("spec"))
+        except Rejected as exc:
+            return _refused(exc)
+        if started is not None:
+            row = present.transitions_with_steps().get(pk=started.pk)
+            return Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
+        dep.refresh_from_db()
+        return Response({"state": state, "deployment": _deployment(dep)})
 
 
 def request_data(request: Request) -> Any:

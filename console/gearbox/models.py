@@ -11,8 +11,9 @@ and in ports.py (the Django implementations of the transition ports). What each 
 * `Decision` - every decision the gearbox made, switch or not: trigger, outcome, the hysteresis
   factor, candidates with gain / cost / threshold, the full scheduler Decision, and in advisory
   mode its approval.
-* `Transition` - one gear change: seq (strictly increasing per deployment), kind, phase and
-  step, from/to gear, the Decision that caused it, what moved, and `record`: the executor's
+* `Transition` - one gear change: seq (strictly increasing per deployment), kind (auto |
+  approved | manual | emergency | rollout), phase and step, from/to gear, the Decision that caused
+  it, the registry version its new plans load, what moved, and `record`: the executor's
   TransitionRecord (the source of truth for resuming it). At most one is active per deployment:
   the database enforces it (a partial unique index), whatever the code does.
 * `TransitionStep` - one attempt of one step, with its timing, outcome, error and result.
@@ -49,6 +50,11 @@ class Deployment(models.Model):
     emergency_reason = models.TextField(blank=True, default="")
     emergency_actor = models.CharField(max_length=160, blank=True, default="")
     load_window = models.JSONField(default=dict)  # gearbox.LoadWindow samples
+    # the registry version its plans load and the gateway tokenizes for; null: none registered (nothing
+    # to check). Only a rollout (or the first binding, before anything runs) changes it: registering
+    # a version changes nothing that serves.
+    model_version = models.ForeignKey("registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT,
+                                      related_name="deployments")
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
 
@@ -88,8 +94,8 @@ class Decision(models.Model):
 
 
 class Transition(models.Model):
-    AUTO, APPROVED, MANUAL, EMERGENCY = "auto", "approved", "manual", "emergency"
-    KINDS = [(k, k) for k in (AUTO, APPROVED, MANUAL, EMERGENCY)]
+    AUTO, APPROVED, MANUAL, EMERGENCY, ROLLOUT = "auto", "approved", "manual", "emergency", "rollout"
+    KINDS = [(k, k) for k in (AUTO, APPROVED, MANUAL, EMERGENCY, ROLLOUT)]
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="transitions")
     seq = models.PositiveBigIntegerField()
@@ -106,6 +112,9 @@ class Transition(models.Model):
     error = models.TextField(blank=True, default="")
     abort_reason = models.TextField(blank=True, default="")  # an operator asked it to roll back
     actor = models.CharField(max_length=160)  # who started it
+    # the registry version its new plans load: the deployment's, or (a rollout) the one rolled out
+    model_version = models.ForeignKey("registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT,
+                                      related_name="transitions")
     kv_bytes_migrated = models.PositiveBigIntegerField(default=0)
     tokens_replayed = models.PositiveBigIntegerField(default=0)
     seqs_migrated = models.PositiveIntegerField(default=0)

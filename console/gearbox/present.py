@@ -322,18 +322,15 @@ def gpu_holders(deployments: Iterable[Deployment], active: Mapping[int, Transiti
 
 
 # --- deployments -----------------------------------------------------------------------------------
-def model_versions(names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """model name -> the registry version a transition prepares now: the newest that may be loaded
-    (verified, or awaiting the first agent's hash) - the rule of executor.registry_weights."""
+def model_versions(deployments: Iterable[Deployment]) -> dict[int, dict[str, Any]]:
+    """deployment pk -> the registry version it serves (its plans load it, the gateway tokenizes
+    with it); only a rollout changes it (console/gearbox/rollout.py)."""
     from console.registry.models import ModelVersion
 
-    out: dict[str, dict[str, Any]] = {}
-    rows = (ModelVersion.objects.filter(name__in=set(names),
-                                        status__in=(ModelVersion.VERIFIED, ModelVersion.AWAITING_AGENT))
-            .order_by("name", "-registered_at", "-id").values("id", "name", "version", "sha256", "status", "engine"))
-    for row in rows:
-        out.setdefault(row["name"], {k: row[k] for k in ("id", "version", "sha256", "status", "engine")})
-    return out
+    ids = {d.model_version_id for d in deployments if d.model_version_id}
+    rows = {r["id"]: r for r in ModelVersion.objects.filter(pk__in=ids).values(
+        "id", "version", "sha256", "status", "engine", "tokenizer")}
+    return {d.pk: rows[d.model_version_id] for d in deployments if d.model_version_id in rows}
 
 
 def active_transitions(deployments: Sequence[Deployment]) -> dict[int, Transition]:
@@ -411,12 +408,12 @@ class DeploymentContext:
     fleet: FleetView
     active: dict[int, Transition]
     pending: dict[int, int]
-    versions: dict[str, dict[str, Any]]
+    versions: dict[int, dict[str, Any]]  # deployment pk -> the version it serves
 
     @classmethod
     def load(cls, deployments: Sequence[Deployment], fleet: FleetView | None = None) -> DeploymentContext:
         return cls(fleet or fleet_view(), active_transitions(deployments), pending_decisions(deployments),
-                   model_versions(d.model_name for d in deployments))
+                   model_versions(deployments))
 
 
 def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any]:
@@ -426,7 +423,7 @@ def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any
     served = serving(routed_plan_ids(dep), ctx.fleet)
     names = ctx.fleet.names
     return {
-        "name": dep.name, "model_name": dep.model_name, "model_version": ctx.versions.get(dep.model_name),
+        "name": dep.name, "model_name": dep.model_name, "model_version": ctx.versions.get(dep.pk),
         "slo": {"ttft_ms": dep.ttft_ms, "tpot_ms": dep.tpot_ms}, "priority": dep.priority, "mode": dep.mode,
         "baseline_gear": gear_summary(dep.baseline_gear, names), "current_gear": gear_summary(dep.current_gear, names),
         "pinned_gear": gear_summary(dep.pinned_gear, names), "on_baseline": bool(dep.current_gear)
@@ -434,7 +431,8 @@ def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any
         "routing": routing_payload(dep),
         "active_transition": None if active is None else {
             "seq": active.seq, "kind": active.kind, "phase": active.phase, "step": active.step,
-            "to_gear_id": gear_id_of(active.to_gear), "abort_reason": active.abort_reason},
+            "to_gear_id": gear_id_of(active.to_gear), "abort_reason": active.abort_reason,
+            "model_version_id": active.model_version_id},
         "emergency": emergency_payload(dep, active, names),
         "pending_decision": ctx.pending.get(dep.pk), "last_transition_seq": dep.last_transition_seq,
         "health": health(dep, active, ctx.fleet, served), "serving": served,

@@ -141,7 +141,18 @@ def make_tiny_llama(out_dir: str | Path, *, seed: int = 0, shape: TinyLlamaShape
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2) + "\n"
     )
     save_file(_weights(shape, seed), str(out / WEIGHTS_FILE), metadata={"format": "pt"})  # type: ignore[arg-type]
-    (out / "tokenizer.json").write_text(_tokenizer_json(shape.vocab_size))
+    write_tokenizer(out, vocab_size=shape.vocab_size, max_context=shape.max_position_embeddings)
+    return sha256_file(out / WEIGHTS_FILE)
+
+
+def write_tokenizer(out_dir: str | Path, *, vocab_size: int, max_context: int) -> Path:
+    """tokenizer.json (a byte-level BPE trained here on the fixed corpus, padded to `vocab_size`) and
+    tokenizer_config.json (special tokens, chat template, `max_context` as model_max_length) in
+    `out_dir`; returns the folder. Deterministic, never downloaded. The simulated fleet's demo
+    tokenizes with one of these too (agents/sim/dataserver.py)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(_tokenizer_json(vocab_size))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -151,14 +162,14 @@ def make_tiny_llama(out_dir: str | Path, *, seed: int = 0, shape: TinyLlamaShape
                 "unk_token": "<unk>",
                 "pad_token": "<unk>",
                 "add_bos_token": False,
-                "model_max_length": shape.max_position_embeddings,
+                "model_max_length": max_context,
                 "chat_template": _CHAT_TEMPLATE,
             },
             indent=2,
         )
         + "\n"
     )
-    return sha256_file(out / WEIGHTS_FILE)
+    return out
 
 
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:

@@ -102,11 +102,14 @@ def test_a_browser_session_must_send_the_csrf_token(chat: Any, operator: Person)
 # --- reading -----------------------------------------------------------------------------------------
 def test_a_deployment_shows_its_slo_gears_routing_health_and_model_version(viewer: Person) -> None:
     running_deployment()
-    ModelVersion.objects.create(name=M8.name, version="2026-11", engine="vllm", architecture=M8.name,
-                                weights_uri="hf://meta/llama3-8b/model.safetensors", sha256="a" * 64,
-                                tokenizer="meta/llama3-8b", max_context=8192, min_gpu_mem_bytes=2**34,
-                                warmup_tokens=64, status="verified", registered_at=timezone.now(),
-                                registered_by="user:alice")
+    common = {"name": M8.name, "engine": "vllm", "architecture": M8.name, "tokenizer": "/models/llama3-8b",
+              "max_context": 8192, "min_gpu_mem_bytes": 2**34, "warmup_tokens": 64, "status": "verified",
+              "registered_at": timezone.now(), "registered_by": "user:alice"}
+    served = ModelVersion.objects.create(version="2026-11", weights_uri="hf://meta/llama3-8b/w", sha256="a" * 64,
+                                         **common)
+    Deployment.objects.filter(name="chat").update(model_version=served)
+    # a newer version, registered and verified, is not what chat serves until it is rolled out
+    ModelVersion.objects.create(version="2026-12", weights_uri="hf://meta/llama3-8b/w2", sha256="b" * 64, **common)
     body = viewer.api().get("/api/v1/deployments/chat").json()
     assert body["model_name"] == M8.name and body["model_version"]["version"] == "2026-11"
     assert body["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 100.0} and body["mode"] == "auto"
