@@ -13,6 +13,7 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_REPORT_INTERVAL_S     how often agents report when nothing changes (15)
     FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
     FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
+    FLEXPIPE_GATEWAY_TOKENIZERS    name=path,... tokenizers for deployments without a registry version (* for any)
     FLEXPIPE_MODEL_ROOTS           folders the registry may read local weights and tokenizers from
                                    (os.pathsep-separated; default .run/models)
     FLEXPIPE_SWEEP_S               period of the transition sweep on Celery beat: timeouts, dwells, and
@@ -216,6 +217,10 @@ FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC
 FLEXPIPE_MODEL_ROOTS = [Path(p) for p in os.environ.get("FLEXPIPE_MODEL_ROOTS", str(BASE_DIR / ".run" / "models"))
                         .split(os.pathsep) if p.strip()]
 FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
+# The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
+# or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
+FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get("FLEXPIPE_GATEWAY_TOKENIZERS", "")
+                                   .split(",") if "=" in item)
 FLEXPIPE_CANARY_SHARE = float(os.environ.get("FLEXPIPE_CANARY_SHARE", "0.1"))
 FLEXPIPE_CANARY_DWELL_S = float(os.environ.get("FLEXPIPE_CANARY_DWELL_S", "2"))
 FLEXPIPE_DRAIN_BUDGET_S = float(os.environ.get("FLEXPIPE_DRAIN_BUDGET_S", "10"))

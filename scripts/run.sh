@@ -36,7 +36,12 @@ $PY manage.py migrate --noinput -v 0
 $PY manage.py ensure_demo_operator
 # The scenario's deployments and their baseline gears (idempotent); the gearbox brings them up.
 $PY manage.py load_scenario_deployments "$SCENARIO"
-if [ "$ENGINE" != sim ]; then
+if [ "$ENGINE" = sim ]; then
+  # The simulated engines answer the OpenAI API through the gateway: a small tokenizer made here (never
+  # downloaded) gives prompts their token counts and the simulator's tokens their ids.
+  [ -s .run/models/sim-tokenizer/tokenizer.json ] || $PY -m agents.engines.torch.weights --tokenizer-only .run/models/sim-tokenizer >/dev/null
+  export FLEXPIPE_SIM_TOKENIZER=.run/models/sim-tokenizer FLEXPIPE_GATEWAY_TOKENIZERS="*=$PWD/.run/models/sim-tokenizer"
+else
   # Real engines load real weights: make the tiny model (deterministic, no download) and register
   # it, so prepare_plan carries its SHA256 and the gateway finds its tokenizer.
   [ -s .run/models/tiny-llama/model.safetensors ] || $PY -m agents.engines.torch.weights .run/models/tiny-llama

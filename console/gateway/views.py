@@ -124,7 +124,7 @@ def _tokenizer_path(dep: _Deployment) -> str | None:
     if served:
         return str(served)
     configured = getattr(settings, "FLEXPIPE_GATEWAY_TOKENIZERS", {}) or {}
-    for key in (dep.name, dep.model_name):
+    for key in (dep.name, dep.model_name, "*"):
         if key in configured:
             return str(configured[key])
     return None

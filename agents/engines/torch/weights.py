@@ -186,9 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="folder to write the model into (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=TinyLlamaShape.num_hidden_layers)
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="write only the tokenizer (tokenizer.json, tokenizer_config.json): the simulated "
+                             "fleet's demo tokenizes with it")
+    parser.add_argument("--max-context", type=int, default=8192, help="with --tokenizer-only: model_max_length")
     args = parser.parse_args(argv)
     if args.layers < 1:
         parser.error("--layers: must be at least 1")
+    if args.tokenizer_only:
+        if args.max_context < 2:
+            parser.error("--max-context: must be at least 2")
+        out = write_tokenizer(args.out_dir, vocab_size=TinyLlamaShape.vocab_size, max_context=args.max_context)
+        print(f"tokenizer: {out / 'tokenizer.json'}")
+        return 0
     digest = make_tiny_llama(args.out_dir, seed=args.seed, shape=TinyLlamaShape(num_hidden_layers=args.layers))
     print(f"{digest}  {Path(args.out_dir) / WEIGHTS_FILE}")
     return 0

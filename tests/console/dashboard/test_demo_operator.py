@@ -1,4 +1,5 @@
-"""manage.py ensure_demo_operator: the login `make run` hands a newcomer (credentials from env or printed once)."""
+"""manage.py ensure_demo_operator: the logins `make run` hands a newcomer - an operator and an admin -
+credentials from the env or printed once."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def base_dir(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> 
     settings.BASE_DIR = tmp_path  # .run/operator-password lands here, not in the checkout
     monkeypatch.delenv("FLEXPIPE_OPERATOR_USER", raising=False)
     monkeypatch.delenv("FLEXPIPE_OPERATOR_PASSWORD", raising=False)
+    monkeypatch.delenv("FLEXPIPE_ADMIN_USER", raising=False)
+    monkeypatch.delenv("FLEXPIPE_ADMIN_PASSWORD", raising=False)
     return tmp_path
 
 
@@ -59,3 +62,24 @@ def test_credentials_from_the_env_are_used_and_nothing_is_written(base_dir: Path
     assert "password reset" in run()
     assert authenticate(username="ops", password="changed-in-env-2") is not None
     assert authenticate(username="ops", password="from-the-env-1") is None
+
+
+def test_a_newcomer_gets_an_admin_too_who_may_use_the_admin_site_and_the_users_page(base_dir: Path) -> None:
+    from django.test import Client
+
+    from console.accounts.roles import ADMIN
+
+    out = run()
+    password = (base_dir / ".run" / "admin-password").read_text().strip()
+    assert f"demo admin created: user 'admin', password {password!r}" in out
+    assert (base_dir / ".run" / "admin-password").stat().st_mode & 0o777 == 0o600
+    admin = authenticate(username="admin", password=password)
+    assert admin is not None and has_role(admin, ADMIN) and admin.is_superuser
+    client = Client()
+    assert client.login(username="admin", password=password)
+    page = client.get("/admin/")
+    assert page.status_code == 200 and "permission" not in page.content.decode().lower()
+    assert client.get("/users/").status_code == 200
+    operator = authenticate(username="operator", password=(base_dir / ".run" / "operator-password").read_text().strip())
+    assert operator is not None and not has_role(operator, ADMIN)
+    assert "admin" in run() and password not in run()  # the next run: exists, not printed again

@@ -1,8 +1,12 @@
-"""Create the demo operator once: credentials from the environment, or a generated password.
+"""Create the demo's two logins once: an operator and an admin, credentials from the environment or generated.
 
-FLEXPIPE_OPERATOR_USER (default "operator") and FLEXPIPE_OPERATOR_PASSWORD. Without a password
-in the environment one is generated, printed this once and kept in .run/operator-password
-(mode 0600) so a newcomer who missed the line can still log in.
+    operator  FLEXPIPE_OPERATOR_USER (default "operator"), FLEXPIPE_OPERATOR_PASSWORD: steers the gears
+    admin     FLEXPIPE_ADMIN_USER (default "admin"), FLEXPIPE_ADMIN_PASSWORD: also registers models, manages
+              users (the Users page) and may use Django's /admin/ (staff and superuser)
+
+Without a password in the environment one is generated, printed this once and kept in
+.run/<role>-password (mode 0600) so a newcomer who missed the line can still log in. A password
+set in the environment later replaces the stored one on the next run.
 """
 
 from __future__ import annotations
@@ -17,36 +21,43 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.core.management.base import BaseCommand
 
+from console.accounts.roles import ADMIN, OPERATOR, ROLES
+
 
 class Command(BaseCommand):
-    help = "Create the demo operator (idempotent)."
+    help = "Create the demo operator and admin (idempotent)."
 
     def handle(self, *args: Any, **options: Any) -> None:
-        username = os.environ.get("FLEXPIPE_OPERATOR_USER", "operator")
-        password = os.environ.get("FLEXPIPE_OPERATOR_PASSWORD", "")
+        self.ensure(OPERATOR, os.environ.get("FLEXPIPE_OPERATOR_USER", "operator"),
+                    os.environ.get("FLEXPIPE_OPERATOR_PASSWORD", ""))
+        self.ensure(ADMIN, os.environ.get("FLEXPIPE_ADMIN_USER", "admin"), os.environ.get("FLEXPIPE_ADMIN_PASSWORD", ""))
+
+    def ensure(self, role: str, username: str, password: str) -> None:
         User = get_user_model()
         user = User.objects.filter(username=username).first()
+        what = f"demo {role}"
         if user is not None:
             if password and not user.check_password(password):
                 user.set_password(password)
                 user.save(update_fields=["password"])
-                self.stdout.write(f"demo operator {username!r}: password reset from FLEXPIPE_OPERATOR_PASSWORD")
+                self.stdout.write(f"{what} {username!r}: password reset from FLEXPIPE_{role.upper()}_PASSWORD")
             else:
-                self.stdout.write(f"demo operator {username!r} exists (password in .run/operator-password "
-                                  "unless you set FLEXPIPE_OPERATOR_PASSWORD)")
+                self.stdout.write(f"{what} {username!r} exists (password in .run/{role}-password unless you set "
+                                  f"FLEXPIPE_{role.upper()}_PASSWORD)")
             return
         generated = not password
         password = password or secrets.token_urlsafe(12)
-        user = User.objects.create_user(username=username, password=password, is_staff=True)
-        group, _ = Group.objects.get_or_create(name="operator")
-        user.groups.add(group)
+        user = User.objects.create_user(username=username, password=password, is_staff=True,
+                                        is_superuser=role == ADMIN)
+        user.groups.remove(*Group.objects.filter(name__in=ROLES))
+        user.groups.add(Group.objects.get_or_create(name=role)[0])
         if generated:
             run_dir = Path(settings.BASE_DIR) / ".run"
             run_dir.mkdir(exist_ok=True)
-            secret = run_dir / "operator-password"
+            secret = run_dir / f"{role}-password"
             secret.write_text(password + "\n")
             secret.chmod(0o600)
             self.stdout.write(self.style.SUCCESS(
-                f"demo operator created: user {username!r}, password {password!r} (also in {secret})"))
+                f"{what} created: user {username!r}, password {password!r} (also in {secret})"))
         else:
-            self.stdout.write(self.style.SUCCESS(f"demo operator {username!r} created with FLEXPIPE_OPERATOR_PASSWORD"))
+            self.stdout.write(self.style.SUCCESS(f"{what} {username!r} created with FLEXPIPE_{role.upper()}_PASSWORD"))
