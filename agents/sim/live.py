@@ -59,9 +59,9 @@ from agents.protocol import (
     parse_report,
 )
 from agents.sim.cluster import FAILED, TENANT, SimCluster
+from agents.sim.dataserver import SimDataPlane
 from agents.sim.engine import PlanEngine
 from agents.sim.executor import SimAgents
-from agents.sim.dataserver import SimDataPlane
 from agents.sim.fleet import DEFAULT_OPTIONS, IDLE_MEM_BYTES, FleetSim, SimOptions
 from agents.sim.memory_fleet import Fault, take_fault
 from agents.sim.scenario import Scenario
