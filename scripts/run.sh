@@ -32,6 +32,13 @@ case "$ENGINE" in
   *) echo "ENGINE must be sim, torch or vllm; got '$ENGINE'" >&2; exit 2 ;;
 esac
 
+# One SQLite database per engine and scenario under .run/: another scenario or engine starts from a
+# clean slate (and switching back finds that run as it was); FRESH=1 starts this one over.
+if [ -z "${DATABASE_URL:-}" ]; then
+  DB=".run/db-${ENGINE}-$(basename "$SCENARIO" .yaml).sqlite3"
+  [ "${FRESH:-0}" = 0 ] || { rm -f "$DB"; echo "FRESH=1: starting over with an empty $DB"; }
+  export DATABASE_URL="sqlite:///$PWD/$DB"
+fi
 $PY manage.py migrate --noinput -v 0
 $PY manage.py ensure_demo_operator
 # The scenario's deployments and their baseline gears (idempotent); the gearbox brings them up.
@@ -52,6 +59,7 @@ echo
 echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"
 echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
+echo "  Database:          ${DATABASE_URL}"
 [ "$DEBUG" = 0 ] || echo "  Debug:             on, for this demo only (DEBUG=0 and a SECRET_KEY for anything else)"
 echo
 .venv/bin/honcho -f Procfile start

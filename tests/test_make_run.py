@@ -130,6 +130,8 @@ def test_it_starts_everything_prints_the_url_and_ctrl_c_leaves_nothing_running(t
         printed = (tmp_path / "run.log").read_text()
         assert f"http://127.0.0.1:{port}/" in printed
         assert "Debug:             on, for this demo only" in printed
+        # its own database: another scenario or engine would get another (a clean slate, nothing asked)
+        assert (checkout / ".run" / "db-sim-demo.sqlite3").is_file() and not (checkout / "db.sqlite3").exists()
         admin_password = (checkout / ".run" / "admin-password").read_text().strip()
         assert re.search(rf"user 'admin', password '{re.escape(admin_password)}'", printed)
         password = (checkout / ".run" / "operator-password").read_text().strip()

@@ -179,6 +179,8 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
     """
     name = deployment if isinstance(deployment, str) else deployment.name
     dep = Deployment.objects.get(name=name)
+    if dep.deleting_since is not None:
+        return Decided(None, None)  # being drained for deletion (console/gearbox/lifecycle.py)
     active = _active(dep)
     if active is None and drop_lost_plans(dep, now=now):
         dep = Deployment.objects.get(name=name)

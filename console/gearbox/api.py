@@ -30,11 +30,11 @@ from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from console.accounts.auth import IsOperator, IsViewer
+from console.accounts.auth import IsAdmin, IsOperator, IsViewer
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
 from console.fleet.actions import Rejected
-from console.gearbox import actions, emergency, override, present, rollout
+from console.gearbox import actions, emergency, lifecycle, override, present, rollout
 from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
 from scheduler.gearbox import Outcome, Trigger
 
@@ -168,6 +168,7 @@ class DeploymentSerializer(PayloadSerializer):
         "requested_at": serializers.DateTimeField(), "reason": serializers.CharField(),
         "actor": serializers.CharField()}, allow_null=True, help_text="a downshift waiting to start")
     pending_decision = serializers.IntegerField(allow_null=True, help_text="advisory: the decision to approve")
+    deleting_since = serializers.DateTimeField(allow_null=True, help_text="draining before it is deleted")
     last_transition_seq = serializers.IntegerField()
     health = inline_serializer("Health", {"state": serializers.ChoiceField(choices=present.HEALTH_STATES),
                                           "reasons": serializers.ListField(child=serializers.CharField())})
@@ -395,12 +396,15 @@ def _not_nul(value: str) -> str:
     retrieve=extend_schema(summary="One deployment: SLO, mode, gears, routing table, health",
                            responses=DeploymentSerializer, parameters=[NAME]),
 )
-class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
+class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,  # type: ignore[type-arg]
+                        viewsets.GenericViewSet):
     serializer_class = DeploymentSerializer
     lookup_field = "name"
     lookup_value_regex = NAME_RE
 
     def get_permissions(self) -> list[Any]:
+        if self.action == "destroy":
+            return [IsAdmin()]
         return [IsOperator()] if self.action in OPERATOR_VERBS else [IsViewer()]
 
     def get_queryset(self) -> QuerySet[Deployment]:
@@ -432,6 +436,28 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
 
     def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         return Response(_deployment(self.get_object()))
+
+    @extend_schema(summary="Delete a deployment (admin): at once when nothing of it runs, else drained first",
+                   parameters=[NAME], request=None,
+                   responses={204: OpenApiResponse(description="deleted"),
+                              202: inline_serializer("DeploymentDraining", {
+                                  "state": serializers.ChoiceField(choices=["draining"])}),
+                              403: OpenApiResponse(description="needs the admin role"), 404: REFUSALS[404],
+                              409: OpenApiResponse(description="a transition runs: the body names it")},
+                   description=(
+                       "Draining: the routing table is emptied (no new request), each live plan is released with "
+                       "the drain budget (what cannot finish ends with an explicit error), and the row goes once "
+                       "the releases are acknowledged. Its audit entries stay. Asking again while it drains "
+                       "answers 202 again."))
+    def destroy(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        dep = self.get_object()
+        try:
+            state = lifecycle.do_delete_deployment(dep.name, actor=request.user)
+        except Rejected as exc:
+            return _refused(exc)
+        if state == "deleted":
+            return Response(status=status.HTTP_204_NO_CONTENT)
+        return Response({"state": state}, status=status.HTTP_202_ACCEPTED)
 
     def _body(self, serializer: type[StrictSerializer]) -> dict[str, Any]:
         body = serializer(data=request_data(self.request))

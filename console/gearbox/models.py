@@ -49,6 +49,7 @@ class Deployment(models.Model):
     emergency_requested_at = models.DateTimeField(null=True, blank=True)  # pending emergency downshift
     emergency_reason = models.TextField(blank=True, default="")
     emergency_actor = models.CharField(max_length=160, blank=True, default="")
+    deleting_since = models.DateTimeField(null=True, blank=True)  # being drained, then deleted (lifecycle.py)
     load_window = models.JSONField(default=dict)  # gearbox.LoadWindow samples
     # the registry version its plans load and the gateway tokenizes for; null: none registered (nothing
     # to check). Only a rollout (or the first binding, before anything runs) changes it: registering

@@ -366,6 +366,9 @@ def health(dep: Deployment, active: Transition | None, fleet: FleetView,
             if isinstance(value, int | float) and value > slo:
                 degraded = True
                 reasons.append(f"{what} P95 {value:.0f} ms is above the SLO of {slo:.0f} ms")
+    if dep.deleting_since is not None:
+        degraded = True
+        reasons.append("being deleted: its plans drain, then it goes (no new request is routed to it)")
     if active is not None:
         reasons.append(f"transition #{active.seq} ({active.kind}) in {active.phase}"
                        + (f": {active.step}" if active.step else ""))
@@ -435,6 +438,7 @@ def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any
             "model_version_id": active.model_version_id},
         "emergency": emergency_payload(dep, active, names),
         "pending_decision": ctx.pending.get(dep.pk), "last_transition_seq": dep.last_transition_seq,
+        "deleting_since": iso(dep.deleting_since),
         "health": health(dep, active, ctx.fleet, served), "serving": served,
         "created_at": iso(dep.created_at), "updated_at": iso(dep.updated_at),
     }

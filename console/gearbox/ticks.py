@@ -15,6 +15,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from console.gearbox.actions import do_decide_gear, do_record_load, held_gpus
+from console.gearbox.lifecycle import finish_deletions
 from console.gearbox.models import Deployment, Transition
 from console.gearbox.snapshot import fleet_snapshot, gear_gpus, load_sample
 from scheduler.gearbox import Trigger
@@ -42,6 +43,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
     if trigger not in TRIGGERS:
         raise ValueError(f"trigger: must be one of {', '.join(TRIGGERS)}; got {trigger!r}")
     now = now or timezone.now()
+    deleted = finish_deletions(now)
     try:
         base = fleet_snapshot(now)
     except ValueError as exc:  # reports that contradict each other: decide nothing on them
@@ -53,6 +55,8 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
     if deployment is not None:
         deps = deps.filter(name=deployment)
     for dep in deps:
+        if dep.deleting_since is not None:
+            continue
         if _load_settled(dep, now):
             sample = load_sample([r.get("plan_id", "") for r in dep.routing if isinstance(r, dict)], now)
             if sample is not None:
@@ -65,4 +69,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         if out.transition is not None:
             started.append(f"{dep.name}#{out.transition.seq}")
             held.setdefault(dep.name, set()).update(gear_gpus(out.transition.to_gear))
-    return {"trigger": trigger, "decided": decided, "started": started, "waiting": waiting}
+    out: dict[str, object] = {"trigger": trigger, "decided": decided, "started": started, "waiting": waiting}
+    if deleted:
+        out["deleted"] = deleted
+    return out

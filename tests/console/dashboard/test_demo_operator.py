@@ -83,3 +83,14 @@ def test_a_newcomer_gets_an_admin_too_who_may_use_the_admin_site_and_the_users_p
     operator = authenticate(username="operator", password=(base_dir / ".run" / "operator-password").read_text().strip())
     assert operator is not None and not has_role(operator, ADMIN)
     assert "admin" in run() and password not in run()  # the next run: exists, not printed again
+
+
+def test_another_database_of_the_checkout_gets_the_same_logins(base_dir: Path) -> None:
+    run()
+    passwords = {r: (base_dir / ".run" / f"{r}-password").read_text().strip() for r in ("operator", "admin")}
+    get_user_model().objects.all().delete()  # what a fresh database of another scenario holds
+    out = run()
+    assert all(p not in out for p in passwords.values()) and "password in" in out
+    assert {r: (base_dir / ".run" / f"{r}-password").read_text().strip() for r in passwords} == passwords
+    assert authenticate(username="operator", password=passwords["operator"]) is not None
+    assert authenticate(username="admin", password=passwords["admin"]) is not None

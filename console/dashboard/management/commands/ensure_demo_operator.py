@@ -5,8 +5,9 @@
               users (the Users page) and may use Django's /admin/ (staff and superuser)
 
 Without a password in the environment one is generated, printed this once and kept in
-.run/<role>-password (mode 0600) so a newcomer who missed the line can still log in. A password
-set in the environment later replaces the stored one on the next run.
+.run/<role>-password (mode 0600) so a newcomer who missed the line can still log in; another
+database of the same checkout (make run keeps one per engine and scenario) gets the same one. A
+password set in the environment later replaces the stored one on the next run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class Command(BaseCommand):
                     os.environ.get("FLEXPIPE_OPERATOR_PASSWORD", ""))
         self.ensure(ADMIN, os.environ.get("FLEXPIPE_ADMIN_USER", "admin"), os.environ.get("FLEXPIPE_ADMIN_PASSWORD", ""))
 
+    @staticmethod
+    def _grant(user: Any, role: str) -> None:
+        user.groups.remove(*Group.objects.filter(name__in=ROLES))
+        user.groups.add(Group.objects.get_or_create(name=role)[0])
+
     def ensure(self, role: str, username: str, password: str) -> None:
         User = get_user_model()
         user = User.objects.filter(username=username).first()
@@ -45,16 +51,22 @@ class Command(BaseCommand):
                 self.stdout.write(f"{what} {username!r} exists (password in .run/{role}-password unless you set "
                                   f"FLEXPIPE_{role.upper()}_PASSWORD)")
             return
+        secret = Path(settings.BASE_DIR) / ".run" / f"{role}-password"
+        if not password and secret.is_file() and secret.read_text().strip():
+            # another database of this checkout (make run keeps one per engine and scenario): the same
+            # login works in each, so the password printed the first time stays the one to use
+            password = secret.read_text().strip()
+            User.objects.create_user(username=username, password=password, is_staff=True, is_superuser=role == ADMIN)
+            self._grant(User.objects.get(username=username), role)
+            self.stdout.write(self.style.SUCCESS(f"{what} created: user {username!r}, password in {secret}"))
+            return
         generated = not password
         password = password or secrets.token_urlsafe(12)
         user = User.objects.create_user(username=username, password=password, is_staff=True,
                                         is_superuser=role == ADMIN)
-        user.groups.remove(*Group.objects.filter(name__in=ROLES))
-        user.groups.add(Group.objects.get_or_create(name=role)[0])
+        self._grant(user, role)
         if generated:
-            run_dir = Path(settings.BASE_DIR) / ".run"
-            run_dir.mkdir(exist_ok=True)
-            secret = run_dir / f"{role}-password"
+            secret.parent.mkdir(exist_ok=True)
             secret.write_text(password + "\n")
             secret.chmod(0o600)
             self.stdout.write(self.style.SUCCESS(
