@@ -15,6 +15,7 @@ The emergency downshift and its release: console/gearbox/emergency.py.
 The gearbox (ticks.py) and the scenario loader:
     do_decide_gear(deployment, *, trigger, now, base, held, actor)   one decision, and its transition
     do_record_load(deployment, sample)                      append a load sample (telemetry: not audited)
+    do_record_serving(deployment, served)                   a point of the serving charts' history (telemetry)
     do_sync_deployment(..., actor)                          create or update a deployment (idempotent)
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -331,6 +332,32 @@ def do_record_load(deployment: Deployment, sample: LoadSample) -> None:
         return
     dep.load_window = window.add(sample, keep_s=KEEP_LOAD_S).to_dict()
     dep.save(update_fields=["load_window"])
+
+
+SERVING_KEEP_S = 3600.0  # the serving charts' history
+
+
+def do_record_serving(deployment: Deployment, served: Mapping[str, Any] | None) -> bool:
+    """Keep one point of the deployment's serving history (what present.serving summed from its
+    engines' latest reports) when a newer report came in; drop points older than an hour. Telemetry:
+    not audited. True when a point was stored."""
+    from django.utils.dateparse import parse_datetime
+
+    from console.gearbox.models import ServingSample
+
+    at = parse_datetime(str(served.get("reported_at"))) if served and served.get("reported_at") else None
+    if at is None:
+        return False
+    last = ServingSample.objects.filter(deployment=deployment).order_by("-at").values_list("at", flat=True).first()
+    if last is not None and last >= at:
+        return False
+    assert served is not None
+    ServingSample.objects.create(deployment=deployment, at=at, tokens_per_s=float(served.get("tokens_per_s") or 0.0),
+                                 ttft_p50_ms=served.get("ttft_p50_ms"), ttft_p95_ms=served.get("ttft_p95_ms"),
+                                 tpot_p95_ms=served.get("tpot_p95_ms"), running=int(served.get("running") or 0),
+                                 waiting=int(served.get("waiting") or 0))
+    ServingSample.objects.filter(deployment=deployment, at__lt=at - timedelta(seconds=SERVING_KEEP_S)).delete()
+    return True
 
 
 # --- operators -----------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ and in ports.py (the Django implementations of the transition ports). What each 
   the database enforces it (a partial unique index), whatever the code does.
 * `TransitionStep` - one attempt of one step, with its timing, outcome, error and result.
 * `GpuReservation` - the ledger PREPARE books: memory a deployment's plan holds on a GPU.
+* `ServingSample` - what the engines of a deployment's routed plans reported, summed, once per report
+  (the tick stores it): the serving charts' history (the last hour is kept).
 """
 
 from __future__ import annotations
@@ -180,3 +182,20 @@ class GpuReservation(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["gpu_uuid", "deployment", "plan_id"],
                                                name="gearbox_reservation_unique")]
+
+
+class ServingSample(models.Model):
+    """One point of a deployment's serving history (console/gearbox/ticks.py stores them)."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="serving_samples")
+    at = models.DateTimeField()  # when the newest of the summed reports arrived
+    tokens_per_s = models.FloatField()  # output tokens/s, summed over the routed plans
+    ttft_p50_ms = models.FloatField(null=True, blank=True)  # worst over the plans
+    ttft_p95_ms = models.FloatField(null=True, blank=True)
+    tpot_p95_ms = models.FloatField(null=True, blank=True)
+    running = models.PositiveIntegerField(default=0)
+    waiting = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["at"]
+        indexes = [models.Index(fields=["deployment", "at"], name="gearbox_serving_at")]

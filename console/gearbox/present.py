@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db.models import Prefetch
@@ -444,6 +444,17 @@ def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any
     }
 
 
+def serving_history(dep: Deployment) -> list[dict[str, Any]]:
+    """The last hour of the deployment's serving (ServingSample, one per engine report), oldest first:
+    what its charts start from before live points arrive."""
+    from console.gearbox.models import ServingSample
+
+    since = timezone.now() - timedelta(hours=1)
+    return [{"at": iso(s.at), "tokens_per_s": s.tokens_per_s, "ttft_p50_ms": s.ttft_p50_ms,
+             "ttft_p95_ms": s.ttft_p95_ms, "tpot_p95_ms": s.tpot_p95_ms, "running": s.running}
+            for s in ServingSample.objects.filter(deployment=dep, at__gte=since).order_by("at")]
+
+
 def load_history(dep: Deployment) -> list[dict[str, Any]]:
     """The deployment's load window (the gearbox samples it each tick): offered load over time."""
     samples = dep.load_window.get("samples", []) if isinstance(dep.load_window, dict) else []
@@ -675,7 +686,7 @@ def deployment_state(dep: Deployment) -> dict[str, Any]:
     """Everything the Deployment page shows, as its websocket sends it on connect."""
     ctx = DeploymentContext.load([dep])
     return {"deployment": deployment_payload(dep, ctx), "transitions": recent_switches(PAGE_ROWS, dep),
-            "decisions": recent_decisions(dep), "load": load_history(dep),
+            "decisions": recent_decisions(dep), "load": load_history(dep), "serving_history": serving_history(dep),
             **gears_state(dep, ctx.fleet, ctx.active.get(dep.pk))}
 
 

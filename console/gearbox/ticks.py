@@ -14,7 +14,8 @@ from datetime import datetime
 from django.conf import settings
 from django.utils import timezone
 
-from console.gearbox.actions import do_decide_gear, do_record_load, held_gpus
+from console.gearbox import present
+from console.gearbox.actions import do_decide_gear, do_record_load, do_record_serving, held_gpus
 from console.gearbox.lifecycle import finish_deletions
 from console.gearbox.models import Deployment, Transition
 from console.gearbox.snapshot import fleet_snapshot, gear_gpus, load_sample
@@ -50,6 +51,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         log.warning("gearbox tick skipped: the fleet does not make a valid snapshot (%s)", exc)
         return {"skipped": str(exc)}
     held = held_gpus()
+    engines = present.fleet_view(now, with_blocks=False)  # the engines' latest reports: serving history
     decided, started, waiting = [], [], []
     deps = Deployment.objects.order_by("-priority", "name")
     if deployment is not None:
@@ -57,6 +59,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
     for dep in deps:
         if dep.deleting_since is not None:
             continue
+        do_record_serving(dep, present.serving(present.routed_plan_ids(dep), engines))
         if _load_settled(dep, now):
             sample = load_sample([r.get("plan_id", "") for r in dep.routing if isinstance(r, dict)], now)
             if sample is not None:

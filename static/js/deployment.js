@@ -280,24 +280,34 @@
   }
 
   // --- serving charts --------------------------------------------------------------------------------
+  // The charts start from the stored last hour (serving_history), then each report that arrives live.
   function addPoint(serving) {
     if (!serving || !serving.reported_at) return;
     const last = state.points[state.points.length - 1];
-    if (last && last.at === serving.reported_at) return;
+    if (last && Date.parse(last.at) >= Date.parse(serving.reported_at)) return;
     state.points.push({ at: serving.reported_at, tokens_per_s: serving.tokens_per_s, ttft_p50_ms: serving.ttft_p50_ms,
                         ttft_p95_ms: serving.ttft_p95_ms, tpot_p95_ms: serving.tpot_p95_ms, running: serving.running });
     if (state.points.length > MAX_POINTS) state.points.shift();
   }
+  (data.serving_history || []).forEach(function (p) { state.points.push(p); });
 
   function line(name, x, y, extra) { return Object.assign({ type: "scatter", mode: "lines+markers", name: name, x: x, y: y }, extra || {}); }
   function sloLine(x, value) {
     return line("SLO", x.length ? [x[0], x[x.length - 1]] : [], x.length ? [value, value] : [],
                 { mode: "lines", line: { dash: "dash", color: "#c0362c", width: 1 } });
   }
-  const CHART = { margin: { l: 50, r: 10, t: 30, b: 30 }, height: 220, xaxis: { type: "date" }, legend: { orientation: "h", y: -0.25 } };
+  const CHART = { margin: { l: 60, r: 10, t: 30, b: 44 }, height: 230, legend: { orientation: "h", y: -0.32 } };
+  // Wall-clock x axis in UTC; one point alone gets a minute either side (not a millisecond-wide axis).
+  function timeAxis(x) {
+    const axis = { type: "date", title: { text: "wall clock (UTC)", font: { size: 11 } } };
+    if (x.length === 1) axis.range = [Date.parse(x[0]) - 60000, Date.parse(x[0]) + 60000];
+    return axis;
+  }
   // A chart with no sample yet says so, instead of plotly's default axes (a year 2000 date range).
-  function chartLayout(title, n, what, extra) {
-    const layout = Object.assign({}, CHART, { title: { text: title, font: { size: 13 } } }, extra || {});
+  function chartLayout(title, n, what, extra, x, unit) {
+    const layout = Object.assign({}, CHART, { title: { text: title, font: { size: 13 } }, xaxis: timeAxis(x || []),
+                                              yaxis: { title: { text: unit || "", font: { size: 11 } }, rangemode: "tozero" } },
+                                 extra || {});
     if (n) return layout;
     return Object.assign(layout, {
       xaxis: { type: "date", visible: false }, yaxis: { visible: false }, showlegend: false,
@@ -312,18 +322,16 @@
     const cfg = { displaylogo: false, responsive: true };
     const noReport = "no engine report yet";
     Plotly.react("chart-throughput", [line("tokens/s", x, p.map(function (q) { return q.tokens_per_s; }))],
-                 chartLayout("Throughput (output tokens/s)", p.length, noReport, { showlegend: false }), cfg);
+                 chartLayout("Throughput", p.length, noReport, { showlegend: false }, x, "output tokens/s"), cfg);
     Plotly.react("chart-p95", [line("TPOT P95", x, p.map(function (q) { return q.tpot_p95_ms; })), sloLine(x, slo.tpot_ms)],
-                 chartLayout("P95 time per output token (ms)", p.length, noReport), cfg);
+                 chartLayout("Time per output token, P95", p.length, noReport, {}, x, "ms"), cfg);
     Plotly.react("chart-ttft", [line("P50", x, p.map(function (q) { return q.ttft_p50_ms; })),
                                 line("P95", x, p.map(function (q) { return q.ttft_p95_ms; })), sloLine(x, slo.ttft_ms)],
-                 chartLayout("Time to first token (ms)", p.length, noReport), cfg);
+                 chartLayout("Time to first token", p.length, noReport, {}, x, "ms"), cfg);
     const lx = state.load.map(function (s) { return s.at; });
-    // one sample alone would get an axis a millisecond wide: show a minute either side of it
-    const xaxis = lx.length === 1 ? { type: "date", range: [Date.parse(lx[0]) - 60000, Date.parse(lx[0]) + 60000] } : { type: "date" };
     Plotly.react("chart-load", [line("req/s", lx, state.load.map(function (s) { return s.rate_rps; }))],
-                 chartLayout("Offered load (requests/s, the gearbox's window)", lx.length, "no load sample in the window yet",
-                             { xaxis: xaxis, showlegend: false }), cfg);
+                 chartLayout("Offered load (the gearbox's window)", lx.length, "no load sample in the window yet",
+                             { showlegend: false }, lx, "requests/s"), cfg);
     document.getElementById("chart-throughput").dataset.points = String(p.length);
   }
 

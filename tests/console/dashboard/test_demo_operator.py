@@ -94,3 +94,17 @@ def test_another_database_of_the_checkout_gets_the_same_logins(base_dir: Path) -
     assert {r: (base_dir / ".run" / f"{r}-password").read_text().strip() for r in passwords} == passwords
     assert authenticate(username="operator", password=passwords["operator"]) is not None
     assert authenticate(username="admin", password=passwords["admin"]) is not None
+
+
+def test_the_operator_gets_an_api_token_kept_for_every_database(base_dir: Path) -> None:
+    from django.test import Client
+
+    run()
+    token = (base_dir / ".run" / "operator-token").read_text().strip()
+    assert token.startswith("fpu_") and (base_dir / ".run" / "operator-token").stat().st_mode & 0o777 == 0o600
+    me = Client(headers={"Authorization": f"Bearer {token}"}).get("/api/v1/me")
+    assert me.status_code == 200 and me.json() == {"username": "operator", "role": "operator"}
+    get_user_model().objects.all().delete()
+    run()  # another database: the same token works there too
+    assert (base_dir / ".run" / "operator-token").read_text().strip() == token
+    assert Client(headers={"Authorization": f"Bearer {token}"}).get("/api/v1/me").status_code == 200

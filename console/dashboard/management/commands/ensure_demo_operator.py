@@ -7,7 +7,8 @@
 Without a password in the environment one is generated, printed this once and kept in
 .run/<role>-password (mode 0600) so a newcomer who missed the line can still log in; another
 database of the same checkout (make run keeps one per engine and scenario) gets the same one. A
-password set in the environment later replaces the stored one on the next run.
+password set in the environment later replaces the stored one on the next run. The operator also gets an API
+token (for scripts and the OpenAI gateway), kept in .run/operator-token.
 """
 
 from __future__ import annotations
@@ -29,9 +30,31 @@ class Command(BaseCommand):
     help = "Create the demo operator and admin (idempotent)."
 
     def handle(self, *args: Any, **options: Any) -> None:
-        self.ensure(OPERATOR, os.environ.get("FLEXPIPE_OPERATOR_USER", "operator"),
-                    os.environ.get("FLEXPIPE_OPERATOR_PASSWORD", ""))
+        operator = os.environ.get("FLEXPIPE_OPERATOR_USER", "operator")
+        self.ensure(OPERATOR, operator, os.environ.get("FLEXPIPE_OPERATOR_PASSWORD", ""))
         self.ensure(ADMIN, os.environ.get("FLEXPIPE_ADMIN_USER", "admin"), os.environ.get("FLEXPIPE_ADMIN_PASSWORD", ""))
+        self.ensure_token(operator)
+
+    def ensure_token(self, username: str) -> None:
+        """The operator's API token for scripts and the OpenAI gateway, kept in .run/operator-token
+        (0600): made once, valid in every database of the checkout."""
+        from console.accounts.auth import TOKEN_PREFIX, hash_token
+        from console.accounts.models import ApiToken
+
+        path = Path(settings.BASE_DIR) / ".run" / "operator-token"
+        token = path.read_text().strip() if path.is_file() else ""
+        if not token.startswith(TOKEN_PREFIX):
+            token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(token + "\n")
+            path.chmod(0o600)
+        user = get_user_model().objects.get(username=username)
+        if not ApiToken.objects.filter(token_hash=hash_token(token)).exists():
+            from django.utils import timezone
+
+            ApiToken.objects.create(user=user, name="make run", prefix=token[:10], token_hash=hash_token(token),
+                                    created_at=timezone.now())
+        self.stdout.write(f"demo API token of {username!r} in {path} (Authorization: Bearer ...)")
 
     @staticmethod
     def _grant(user: Any, role: str) -> None:
