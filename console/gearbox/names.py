@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 
 from scheduler.plan import Gear, Plan, Stage
 
 GpuNames = Mapping[str, str]  # uuid -> "node/index"
 _UUID = re.compile(r"GPU-[0-9A-Za-z][0-9A-Za-z-]*[0-9A-Za-z]")
+_EPOCH = re.compile(r"\bt=(1[0-9]{9}(?:\.[0-9]+)?) s\b")  # a wall-clock moment in epoch seconds (2001-2286)
 
 
 def load_names() -> dict[str, str]:
@@ -100,7 +102,11 @@ def distinct(a: tuple[str, str], b: tuple[str, str]) -> tuple[str, str]:
 
 
 def readable(text: str, names: GpuNames) -> str:
-    """`text` with every GPU uuid it mentions replaced by node/index (reasons, errors)."""
-    if "GPU-" not in text:
-        return text
-    return _UUID.sub(lambda m: names.get(m.group(0), m.group(0)), text)
+    """`text` with every GPU uuid it mentions replaced by node/index, and every moment the scheduler
+    states in epoch seconds (`until t=1796160332 s`) as a UTC time (reasons, errors)."""
+    if "GPU-" in text:
+        text = _UUID.sub(lambda m: names.get(m.group(0), m.group(0)), text)
+    if "t=" in text:
+        text = _EPOCH.sub(lambda m: datetime.fromtimestamp(float(m.group(1)), tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ"),
+                          text)
+    return text

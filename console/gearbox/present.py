@@ -632,6 +632,7 @@ def decisions_with_links() -> Any:
 # --- what pages and their websockets send ------------------------------------------------------------
 RECENT_SWITCHES = 12
 PAGE_ROWS = 25
+DECISION_ROWS = 100  # the deployment page folds runs of "stay" (one every tick): it can show more
 
 
 def recent_switches(limit: int = RECENT_SWITCHES, deployment: Deployment | None = None) -> list[dict[str, Any]]:
@@ -643,7 +644,7 @@ def recent_switches(limit: int = RECENT_SWITCHES, deployment: Deployment | None 
     return [transition_payload(t, now=now, names=names) for t in qs[:limit]]
 
 
-def recent_decisions(deployment: Deployment, limit: int = PAGE_ROWS) -> list[dict[str, Any]]:
+def recent_decisions(deployment: Deployment, limit: int = DECISION_ROWS) -> list[dict[str, Any]]:
     names = load_names()
     return [decision_payload(d, names=names)
             for d in decisions_with_links().filter(deployment=deployment).order_by("-id")[:limit]]

@@ -342,36 +342,64 @@
     gb.transitionsTable(document.querySelector("#transitions tbody"), rows, { withActor: true });
   }
 
+  // Newest first; a run of consecutive "stay" decisions with the same reasons (one per tick) folds into
+  // one row that says how many and over what span; the outcome filter shows one kind only.
+  const expanded = {};
+  function decisionRow(tbody, d, extra) {
+    const tr = gb.el("tr", { "data-decision": d.id, "data-outcome": d.outcome });
+    if (extra) Object.keys(extra).forEach(function (k) { tr.setAttribute(k, extra[k]); });
+    gb.cell(tr, gb.link(gb.decisionUrl(d.id), String(d.id)));
+    gb.cell(tr, gb.timeEl(d.at));
+    gb.cell(tr, d.trigger);
+    gb.cell(tr, gb.el("span", { className: "pill " + (d.outcome === "switch" ? "pill-ok" : d.outcome === "advise" ? "pill-wait" : d.outcome === "blocked" ? "pill-bad" : "pill-off") }, d.outcome));
+    gb.cell(tr, d.target_name || d.target_shape || "—", "small");
+    gb.cell(tr, d.best ? gb.num(d.best.gain_tokens, 0) : "—");
+    gb.cell(tr, d.best ? gb.num(d.best.threshold_tokens, 0) : "—");
+    gb.cell(tr, d.reasons.join("; "), "small");
+    const last = gb.cell(tr, d.approval === "pending" ? "" : (d.approval || ""), "small");
+    if (d.approval === "pending" && canOperate) {
+      const b = gb.el("button", { type: "button", className: "small" }, "Approve");
+      b.dataset.approve = String(d.id);
+      b.addEventListener("click", function () {
+        b.disabled = true;
+        gb.post("/api/v1/decisions/" + d.id + "/approve", {}).then(function (r) {
+          if (r.status === 201) say("approved: transition #" + r.body.seq + " started", true);
+          else { say(gb.errorText(r.body), false); b.disabled = false; }
+        });
+      });
+      last.appendChild(b);
+    } else if (d.approval === "pending") {
+      last.textContent = "waiting for approval";
+    }
+    tbody.appendChild(tr);
+    return tr;
+  }
+
   function renderDecisions() {
     const tbody = document.querySelector("#decisions tbody");
     tbody.innerHTML = "";
-    Object.values(state.decisions).sort(function (a, b) { return b.id - a.id; }).slice(0, 25).forEach(function (d) {
-      const tr = gb.el("tr", { "data-decision": d.id, "data-outcome": d.outcome });
-      gb.cell(tr, gb.link(gb.decisionUrl(d.id), String(d.id)));
-      gb.cell(tr, gb.when(d.at));
-      gb.cell(tr, d.trigger);
-      gb.cell(tr, gb.el("span", { className: "pill " + (d.outcome === "switch" ? "pill-ok" : d.outcome === "advise" ? "pill-wait" : d.outcome === "blocked" ? "pill-bad" : "pill-off") }, d.outcome));
-      gb.cell(tr, d.target_shape || "—");
-      gb.cell(tr, d.best ? gb.num(d.best.gain_tokens, 0) : "—");
-      gb.cell(tr, d.best ? gb.num(d.best.threshold_tokens, 0) : "—");
-      gb.cell(tr, d.reasons.join("; "), "small");
-      const last = gb.cell(tr, d.approval === "pending" ? "" : (d.approval || ""), "small");
-      if (d.approval === "pending" && canOperate) {
-        const b = gb.el("button", { type: "button", className: "small" }, "Approve");
-        b.dataset.approve = String(d.id);
-        b.addEventListener("click", function () {
-          b.disabled = true;
-          gb.post("/api/v1/decisions/" + d.id + "/approve", {}).then(function (r) {
-            if (r.status === 201) say("approved: transition #" + r.body.seq + " started", true);
-            else { say(gb.errorText(r.body), false); b.disabled = false; }
-          });
-        });
-        last.appendChild(b);
-      } else if (d.approval === "pending") {
-        last.textContent = "waiting for approval";
-      }
-      tbody.appendChild(tr);
+    const only = document.getElementById("decision-filter").value;
+    const rows = Object.values(state.decisions).sort(function (a, b) { return b.id - a.id; })
+      .filter(function (d) { return !only || d.outcome === only; });
+    const groups = [];
+    rows.forEach(function (d) {
+      const g = groups[groups.length - 1];
+      const key = d.outcome + "|" + d.trigger + "|" + d.reasons.join("|");
+      if (g && d.outcome === "stay" && g.key === key) g.rows.push(d); else groups.push({ key: key, rows: [d] });
     });
+    groups.slice(0, 40).forEach(function (g) {
+      const head = g.rows[0];
+      if (g.rows.length === 1 || expanded[head.id]) { g.rows.forEach(function (d) { decisionRow(tbody, d); }); return; }
+      const oldest = g.rows[g.rows.length - 1];
+      const tr = decisionRow(tbody, head, { "data-folded": String(g.rows.length) });
+      const cell = tr.children[0];
+      cell.appendChild(gb.el("span", { className: "muted small" }, " … " + oldest.id));
+      const more = gb.el("button", { type: "button", className: "small ghost unfold" },
+                         g.rows.length + " × stay since " + gb.relative(oldest.at));
+      more.addEventListener("click", function () { expanded[head.id] = true; renderDecisions(); });
+      tr.children[3].appendChild(more);
+    });
+    document.getElementById("decisions").dataset.rows = String(rows.length);
   }
 
   // --- state -----------------------------------------------------------------------------------------
@@ -405,6 +433,7 @@
   apply(Object.assign({ type: "snapshot" }, data));
   wireControls();
   wireOverride();
+  document.getElementById("decision-filter").addEventListener("change", renderDecisions);
   setInterval(function () {
     if (Object.values(state.transitions).some(function (t) { return t.active; })) renderTimeline();
   }, 1000);
