@@ -3,7 +3,8 @@
 Everything a deployment changes comes from the environment, with embedded defaults that make
 `make run` work on a bare machine: SQLite in the project folder, Redis at REDIS_URL.
 
-    DATABASE_URL       default sqlite:///<project>/db.sqlite3   (PostgreSQL in production and tests)
+    DATABASE_URL       default sqlite:///<project>/db.sqlite3   (PostgreSQL in production and tests; make run
+                       uses .run/db-<engine>-<scenario>.sqlite3)
     REDIS_URL          default redis://127.0.0.1:6379/0          (Celery broker, Channels layer)
     SECRET_KEY         required when DEBUG is off (the development default is refused then)
     DEBUG              default 0 (make run sets 1 for the demo)
