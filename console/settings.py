@@ -279,7 +279,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     # Several choice fields are called `mode`: name each set of choices after what it is.
     "ENUM_NAME_OVERRIDES": {
-        "DeploymentModeEnum": ["auto", "advisory", "pinned"],
+        "DeploymentModeEnum": ["auto", "advisory", "pinned", "emergency"],
+        "SetModeEnum": ["auto", "advisory", "pinned"],
         "UnpinModeEnum": ["auto", "advisory"],
         "PlanModeEnum": ["colocated", "disaggregated"],
     },
