@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.test import override_settings
 from playwright.sync_api import sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,6 +47,9 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
+        # a short canary dwell (the default holds every switch 2 s): these tests are about the controls
+        cls._fast = override_settings(FLEXPIPE_CANARY_DWELL_S=0.2)
+        cls._fast.enable()
         super().setUpClass()
         # the idle page's user lives until the first test's flush; its socket, open by then, stays open
         make_person("ida", "viewer")
@@ -58,6 +62,7 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
         except BaseException:
             cls._pw.stop()  # no tearDownClass after a failed setUpClass: leave no browser behind
             super().tearDownClass()
+            cls._fast.disable()
             raise
 
     @classmethod
@@ -67,6 +72,7 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
             cls._pw.stop()
         finally:
             super().tearDownClass()
+            cls._fast.disable()
 
     def setUp(self) -> None:
         # Playwright's event loop runs in this thread for the whole class: writes whose commit pushes

@@ -48,7 +48,7 @@ class RolloutInTheBrowser(LivePageTestCase):
     def setUpClass(cls) -> None:
         cls.root = Path(tempfile.mkdtemp(prefix="rollout-page-"))
         write_tokenizer(cls.root / "v1", vocab_size=512, max_context=8192)
-        cls._roots = override_settings(FLEXPIPE_MODEL_ROOTS=[cls.root])
+        cls._roots = override_settings(FLEXPIPE_MODEL_ROOTS=[cls.root], FLEXPIPE_CANARY_DWELL_S=0.2)
         cls._roots.enable()
         super().setUpClass()
 
