@@ -55,10 +55,11 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     the digest observed (the console quarantines that model version).
     Already prepared: ack ok at once. GPUs not ours: ack failed, reason "preempted".
     Optional model_version ({id, version, tokenizer, warmup_tokens}: the registry version the
-    plan loads): the shadow plan is checked before it is ready - the tokenizer (the one the
-    gateway uses for this version) must load, and a warm-up prompt of it encodes to ids inside
-    the model's vocabulary, generating warmup_tokens; otherwise ack failed, reason "tokenizer"
-    (the transition rolls back; what served keeps serving).
+    plan loads): an agent that can read that tokenizer checks the shadow plan with it before it
+    acks - it loads, and a warm-up prompt encodes to ids inside the model's vocabulary; otherwise
+    ack failed, reason "tokenizer" (the transition rolls back; what served keeps serving). The
+    simulated agents do (agents/shadow_check.py); the node daemon does not yet (its engines warm
+    up from their own model folder, and the console loads the tokenizer at registration).
 `abort_plan` - undo a prepare (rollback); safe if it never ran (ack ok, noop: true)
     payload: reason, drain_timeout_s (sequences still there may finish for this long; then
     each ends with an explicit error). Ack: {plan_id, failed: [seq ids ended with an error]}.

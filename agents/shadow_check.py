@@ -6,7 +6,9 @@ the one the gateway tokenizes this version's requests with - encodes a warm-up p
 that every id lies inside the model's vocabulary (an id past the embedding table is what crashes an
 engine at its first forward pass: a tokenizer of another model). Then it generates `warmup_tokens`.
 A problem fails the prepare (reason "tokenizer"), so the transition rolls back and the plans that
-served keep serving. The simulated agents (agents/sim) run the same check as real ones.
+served keep serving. Both simulated agents (agents/sim: the live fleet's and the in-memory one) run
+it; the node daemon (agents/node) does not yet - the tokenizer path the registry holds is the
+console's, which a GPU node need not have.
 """
 
 from __future__ import annotations
