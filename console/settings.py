@@ -3,15 +3,20 @@
 Everything a deployment changes comes from the environment, with embedded defaults that make
 `make run` work on a bare machine: SQLite in the project folder, Redis at REDIS_URL.
 
-    DATABASE_URL       default sqlite:///<project>/db.sqlite3   (PostgreSQL in production and tests)
+    DATABASE_URL       default sqlite:///<project>/db.sqlite3   (PostgreSQL in production and tests; make run
+                       uses .run/db-<engine>-<scenario>.sqlite3)
     REDIS_URL          default redis://127.0.0.1:6379/0          (Celery broker, Channels layer)
-    SECRET_KEY         default a development key (refused when DEBUG is off)
-    DEBUG              default 1
+    SECRET_KEY         required when DEBUG is off (the development default is refused then)
+    DEBUG              default 0 (make run sets 1 for the demo)
+    FLEXPIPE_MAX_BODY_BYTES  request bodies over this are refused with a JSON 413 (2.5 MiB, Django's)
     ALLOWED_HOSTS      default *  (comma separated)
     FLEXPIPE_ENROLL_TOKEN          the join token agents enroll with (empty: enrollment closed)
     FLEXPIPE_REPORT_INTERVAL_S     how often agents report when nothing changes (15)
     FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
     FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
+    FLEXPIPE_GATEWAY_TOKENIZERS    name=path,... tokenizers for deployments without a registry version (* for any)
+    FLEXPIPE_MODEL_ROOTS           folders the registry may read local weights and tokenizers from
+                                   (os.pathsep-separated; default .run/models)
     FLEXPIPE_SWEEP_S               period of the transition sweep on Celery beat: timeouts, dwells, and
                                    transitions whose worker died resume (2)
     FLEXPIPE_CANARY_SHARE          share of new requests a new plan takes before the flip (0.1)
@@ -26,6 +31,7 @@ Everything a deployment changes comes from the environment, with embedded defaul
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import dj_database_url
@@ -41,12 +47,19 @@ def _env_bool(name: str, default: bool) -> bool:
     return raw.strip().lower() in {"1", "true", "yes", "on"}
 
 
-DEBUG = _env_bool("DEBUG", True)
+# Off unless asked for: `make run` sets DEBUG=1 for the demo (and says so); a deployment never should.
+DEBUG = _env_bool("DEBUG", False)
+DEV_SECRET_KEY = "dev-only-insecure-key-flexpipe"  # noqa: S105 - the demo's key, refused without DEBUG
 SECRET_KEY = os.environ.get("SECRET_KEY", "")
-if not SECRET_KEY:
+if not SECRET_KEY or SECRET_KEY == DEV_SECRET_KEY:
     if not DEBUG:
-        raise RuntimeError("SECRET_KEY must be set when DEBUG is off")
-    SECRET_KEY = "dev-only-insecure-key-flexpipe"  # noqa: S105 - development default, refused above in production
+        from django.core.exceptions import ImproperlyConfigured
+
+        raise ImproperlyConfigured(
+            "SECRET_KEY must be set, and not to the development default, when DEBUG is off: sessions and "
+            "CSRF tokens are signed with it. Set SECRET_KEY (e.g. python -c 'import secrets; "
+            "print(secrets.token_urlsafe(50))'), or DEBUG=1 for a demo on your own machine (make run does).")
+    SECRET_KEY = DEV_SECRET_KEY
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "*").split(",") if h.strip()]
 CSRF_TRUSTED_ORIGINS = [
     o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
@@ -74,6 +87,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "console.api.errors.JsonErrors",  # first: JSON errors on /api, /agent, /v1 whatever happens below
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -123,6 +137,8 @@ else:
     DATABASES["default"].setdefault("TEST", {})["NAME"] = f"test_{DATABASES['default']['NAME']}"
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# One limit for every body (a prompt, a report, a registration); over it: 413 (console/api/errors.py).
+DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ.get("FLEXPIPE_MAX_BODY_BYTES", str(2_621_440)))
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -143,6 +159,8 @@ STATICFILES_DIRS = [
 # Serve from the app folders directly, so a `make run` needs no collectstatic step.
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
+# ... so STATIC_ROOT (collectstatic's output) is optional: whitenoise need not warn that it is missing.
+warnings.filterwarnings("ignore", message="No directory at: ", category=UserWarning)
 
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
@@ -150,12 +168,32 @@ LOGOUT_REDIRECT_URL = "/login/"
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
-CHANNEL_LAYERS = {
-    "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": os.environ.get("FLEXPIPE_CHANNEL_PREFIX", "flexpipe")},
-    }
-}
+
+
+def channel_layer(url: str, prefix: str) -> dict[str, object]:
+    """The Channels layer over Redis at `url`.
+
+    channels_redis waits for a consumer's next message with a blocking BZPOPMIN of
+    `RedisChannelLayer.brpop_timeout` (5 s), while the redis client (5.x and later) gives every
+    socket read a default timeout of 5 s: an idle websocket's read timed out first, the client
+    raised "Timeout reading from ...", and the consumer died with the connection (close 1011,
+    every 5-15 s; django/channels_redis#422, redis/redis-py#4091). The read timeout here outlasts
+    the blocking pop by a margin, so the pop always answers (a message, or none) before it.
+    """
+    from channels_redis.core import RedisChannelLayer
+
+    return {"BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [{"address": url,
+                                  "socket_timeout": RedisChannelLayer.brpop_timeout + CHANNEL_READ_MARGIN_S,
+                                  "socket_connect_timeout": 5}],
+                       "prefix": prefix}}
+
+
+CHANNEL_READ_MARGIN_S = 10.0
+CHANNEL_LAYERS = {"default": channel_layer(REDIS_URL, os.environ.get("FLEXPIPE_CHANNEL_PREFIX", "flexpipe"))}
+# Live pages: the server sends {"type": "ping"} this often, so an idle connection carries traffic
+# (proxies keep it) and the page notices a dead one (static/js/live.js reconnects after 3 silent periods).
+FLEXPIPE_WS_PING_S = float(os.environ.get("FLEXPIPE_WS_PING_S", "20"))
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", REDIS_URL)
@@ -175,7 +213,15 @@ FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
 # Local weights files up to this size are hashed during the registration request; bigger ones by the
 # Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
 FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))
+# Where the console may read model files (weights it hashes, tokenizers it loads): a registration
+# naming a local file anywhere else is refused (a 400 naming weights_uri or tokenizer). os.pathsep-separated.
+FLEXPIPE_MODEL_ROOTS = [Path(p) for p in os.environ.get("FLEXPIPE_MODEL_ROOTS", str(BASE_DIR / ".run" / "models"))
+                        .split(os.pathsep) if p.strip()]
 FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
+# The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
+# or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
+FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get("FLEXPIPE_GATEWAY_TOKENIZERS", "")
+                                   .split(",") if "=" in item)
 FLEXPIPE_CANARY_SHARE = float(os.environ.get("FLEXPIPE_CANARY_SHARE", "0.1"))
 FLEXPIPE_CANARY_DWELL_S = float(os.environ.get("FLEXPIPE_CANARY_DWELL_S", "2"))
 FLEXPIPE_DRAIN_BUDGET_S = float(os.environ.get("FLEXPIPE_DRAIN_BUDGET_S", "10"))
@@ -233,7 +279,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     # Several choice fields are called `mode`: name each set of choices after what it is.
     "ENUM_NAME_OVERRIDES": {
-        "DeploymentModeEnum": ["auto", "advisory", "pinned"],
+        "DeploymentModeEnum": ["auto", "advisory", "pinned", "emergency"],
+        "SetModeEnum": ["auto", "advisory", "pinned"],
         "UnpinModeEnum": ["auto", "advisory"],
         "PlanModeEnum": ["colocated", "disaggregated"],
     },

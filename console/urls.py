@@ -4,6 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
+from console.accounts import views as accounts_pages
 from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
@@ -23,6 +24,7 @@ urlpatterns = [
     path("decisions/<int:pk>/", gearbox_pages.decision_page, name="decision-detail"),
     path("audit/", audit_pages.audit_page, name="audit-page"),
     path("registry/", registry_pages.registry_page, name="registry-page"),
+    path("users/", accounts_pages.users_page, name="users-page"),
     path("metrics", MetricsView.as_view(), name="metrics"),
     path("healthz", dashboard.healthz, name="healthz"),
     path("login/", auth_views.LoginView.as_view(), name="login"),

@@ -7,14 +7,19 @@ factor, the outcome and the reasons.
 
 Rules, in the order they apply:
 
-1. EMERGENCY (operator): go to the baseline gear now - in any mode, cooldown or not; a
-   running transition is superseded (the executor rolls it back first). Already on the
-   baseline: STAY (idempotent). Baseline invalid on this snapshot: BLOCKED, with why.
+1. EMERGENCY (operator): go to the baseline gear (or the gear the operator accepted instead,
+   `requested_gear`) now - in any mode, cooldown or not; a running transition is superseded
+   (the executor rolls it back first). Already there: STAY (idempotent). Not valid on this
+   snapshot: BLOCKED, with why and what to do, and the planner's best safe gears as the
+   candidates, best first (`safe_rank`: meets the SLOs, then the most goodput, then the fewest
+   GPUs) - what an operator may accept as the emergency target instead.
 2. MANUAL (operator, with a requested gear): switch to it if it is valid; no hysteresis or
-   cooldown. Not while a transition runs (DEFERRED).
+   cooldown. Not while a transition runs (DEFERRED). Without a requested gear: STAY, with every
+   feasible candidate the planner has now (best first by `safe_rank`, each with its estimate,
+   gain and cost) - what an operator chooses a gear override from. Any mode.
 3. Automatic triggers (PERIODIC, LOAD, TOPOLOGY):
-   - PINNED deployments never switch automatically: STAY (or BLOCKED when the pinned gear is
-     no longer valid - an operator must act);
+   - PINNED and EMERGENCY deployments never switch automatically: STAY (or BLOCKED when the
+     gear they hold is no longer valid - an operator must act);
    - never while a transition runs: DEFERRED;
    - current gear invalid on the snapshot (GPUs lost): move now to the best feasible
      candidate; hysteresis and cooldown do not apply to an infeasible gear;
@@ -80,6 +85,7 @@ class Mode(enum.StrEnum):
     AUTO = "auto"  # the gearbox switches by itself
     ADVISORY = "advisory"  # it only advises; an operator applies
     PINNED = "pinned"  # never switched automatically
+    EMERGENCY = "emergency"  # holds the emergency gear, like a pin, until an operator releases it
 
 
 class Trigger(enum.StrEnum):
@@ -598,18 +604,30 @@ def decide(
     def estimate_of(gear: Gear) -> Estimate:
         return at_load(gear, workload, cur.profiles)
 
-    # 1. emergency: the baseline, now, whatever the mode
+    def weigh_all(note: str) -> list[CandidateEval]:
+        """Every feasible candidate but the current gear, weighed, best first by `safe_rank`."""
+        found = plan_candidates(spec, snapshot, workload, slo=deployment.slo, options=planner_options or DEFAULT_OPTIONS,
+                                blocks=blocks, reclaimable_bytes=reclaim,
+                                prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy, eff=eff)
+        return sorted((evaluate(c.gear, c.estimate, note or c.kind, c.profiles) for c in found.feasible
+                       if c.gear != current_gear), key=safe_rank)
+
+    # 1. emergency: the baseline (or the gear an operator accepted instead), now, whatever the mode
     if trigger is Trigger.EMERGENCY:
-        base = deployment.baseline
+        base = requested_gear or deployment.baseline
+        what = "the baseline gear" if base == deployment.baseline else "the accepted emergency gear"
         if current_gear is not None and base.gear_id == cur_id:
-            return finish(Outcome.STAY, None, [], ["emergency: already on the baseline gear (nothing to do)"])
+            return finish(Outcome.STAY, None, [], [f"emergency: already on {what} (nothing to do)"])
         problems = validate_gear(base, snapshot, spec, blocks=blocks, reclaimable_bytes=reclaim, policy=policy)
         if problems:
-            return finish(Outcome.BLOCKED, None, [], ["emergency: the baseline gear is not valid on this snapshot: "
-                                                     + "; ".join(problems[:5]) + "; to fix: restore its GPUs or "
-                                                     "set a new baseline"])
-        ev = evaluate(base, estimate_of(base), "baseline")
-        why = ["emergency downshift to the baseline gear (operator)"]
+            offers = weigh_all("offered: the planner's best safe gear")[:5]
+            fix = ("to fix: restore its GPUs, set a new baseline, or downshift to the planner's best safe gear "
+                   f"{offers[0].gear.shape()} instead" if offers else
+                   "to fix: restore its GPUs or set a new baseline (no other gear fits the fleet now)")
+            return finish(Outcome.BLOCKED, None, offers, [f"emergency: {what} cannot run on this snapshot: "
+                                                         + "; ".join(problems[:5]), fix])
+        ev = evaluate(base, estimate_of(base), "baseline" if base == deployment.baseline else "accepted by an operator")
+        why = [f"emergency downshift to {what} (operator)"]
         if transition_running:
             why.append("supersedes the running transition (the executor rolls it back first)")
         return finish(Outcome.SWITCH, base, [ev], why)
@@ -617,7 +635,9 @@ def decide(
     # 2. manual: the operator's gear, if valid
     if trigger is Trigger.MANUAL:
         if requested_gear is None:
-            return finish(Outcome.BLOCKED, None, [], ["manual: no gear requested"])
+            listed = weigh_all("")
+            return finish(Outcome.STAY, None, listed, [f"manual: {len(listed)} candidate gear(s) an operator may "
+                                                       "choose from, best first"])
         if transition_running:
             return finish(Outcome.DEFERRED, None, [], ["manual: a transition is running; retry when it ends"])
         if requested_gear.gear_id == cur_id:
@@ -633,11 +653,13 @@ def decide(
     # 3. automatic
     if not cur.valid and current_gear is not None:
         reasons.append("current gear is not valid on this snapshot: " + "; ".join(cur.reasons[:3]))
-    if deployment.mode is Mode.PINNED:
+    if deployment.mode in (Mode.PINNED, Mode.EMERGENCY):
+        held = ("emergency: holds its gear until an operator releases it" if deployment.mode is Mode.EMERGENCY
+                else "pinned: never switched automatically")
         if not cur.valid:
-            return finish(Outcome.BLOCKED, None, [], reasons + ["pinned: never switched automatically; an operator "
-                                                                "must act (emergency or manual)"])
-        return finish(Outcome.STAY, None, [], ["pinned: never switched automatically"])
+            return finish(Outcome.BLOCKED, None, [], reasons + [f"{held}; an operator must act (emergency or a "
+                                                                "gear override)"])
+        return finish(Outcome.STAY, None, [], [held])
     if transition_running:
         return finish(Outcome.DEFERRED, None, [], reasons + ["a transition is running; decide again when it ends"])
     # load trigger: both windows agree that the current gear is over/under its watermarks
@@ -727,6 +749,12 @@ def decide(
         f" > cost {best.cost.tokens:.0f} x {factor}"])
 
 
+def safe_rank(e: CandidateEval) -> tuple[object, ...]:
+    """The order of safe gears for an emergency: meets the SLOs first, then the most goodput, then the
+    fewest GPUs (a deterministic tie-break last). Switch cost does not count: it is an emergency."""
+    return (not e.standing, -e.estimate.goodput_tokens_s, e.estimate.gpus, _gear_order(e.gear))
+
+
 def _gear_order(gear: Gear) -> tuple[tuple[str, ...], ...]:
     """A deterministic tie-break that needs no content digest."""
     return tuple(p.gpu_uuids for p in gear.plans)
@@ -740,5 +768,5 @@ def _flapping(deployment: Deployment, config: GearboxConfig) -> bool:
 __all__ = [
     "CandidateEval", "DEFAULT_CONFIG", "Decision", "Deployment", "GearboxConfig", "LoadSample", "LoadWindow",
     "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "margin_load", "offered_load",
-    "record_switch", "standing",
+    "record_switch", "safe_rank", "standing",
 ]

@@ -131,6 +131,7 @@ class Kind(enum.StrEnum):
     APPROVED = "approved"  # advisory mode: an operator approved the gearbox's decision
     MANUAL = "manual"  # an operator asked for a gear
     EMERGENCY = "emergency"  # an operator's downshift to the baseline
+    ROLLOUT = "rollout"  # an operator rolls a new version of the model out (new plans load it)
 
 
 class Step(enum.StrEnum):
@@ -717,14 +718,17 @@ class RoutingTable(Protocol):
 Clock = Callable[[], float]
 Probe = Callable[[str], None]
 ModelResolver = Callable[[str], ModelSpec]
-WeightsResolver = Callable[[str], "str | None"]  # model name -> SHA-256 of the weights to load (None: unknown)
+# What the new plans of a transition load (the registry's version of its model): a mapping with
+# weights_sha256 (hex, or None: unknown, nothing to check) and, optionally, model_version (the
+# version's id, label, tokenizer and warm-up tokens, for the agent's checks on the shadow plan).
+WeightsResolver = Callable[["TransitionRecord"], "Mapping[str, object] | None"]
 
 
 def _no_probe(point: str) -> None:
     return None
 
 
-def _no_digest(model: str) -> str | None:
+def _no_digest(record: TransitionRecord) -> Mapping[str, object] | None:
     return None
 
 
@@ -787,8 +791,13 @@ def plan_moves(
     bw_share: float,
     source_step_s: float | None = None,
     eff: Efficiency = DEFAULT_EFFICIENCY,
+    kv_compatible: bool = True,
 ) -> list[MoveDirective]:
     """Per sequence of `source`, the cheapest of finishing there, migrating or replaying.
+
+    `kv_compatible=False` (source and targets load different weights: a rollout) rules migration
+    out - KV computed by other weights means nothing to the target - so a sequence that moves is
+    replayed (its tokens re-prefilled there).
 
     Invariants of the result: every sequence appears once; active (running) sequences come
     before idle ones, each group longest context first (seed 000 section 5.3: long sequences
@@ -829,7 +838,7 @@ def plan_moves(
         best: tuple[float, float, str, Literal["migrate", "replay"]] | None = None
         for plan, _ in usable:
             pid = plan.plan_id
-            route = routes[pid] if not s.kv_lost else KvRoute(math.inf, math.inf, 1)
+            route = routes[pid] if not s.kv_lost and kv_compatible else KvRoute(math.inf, math.inf, 1)
             move = migrate_or_replay(max(1, s.context_tokens), route, pipes[pid])
             choice: Literal["migrate", "replay"] = "replay" if move.choice == "replay" else "migrate"
             if move.choice == "stay":  # same GPUs, same layers: the KV is already in place
@@ -1280,10 +1289,13 @@ class Executor:
         mine = {u for st in stages for u in _str_list(st["gpus"], "gpus")
                 if (g := snap.gpu_by_uuid.get(u)) is not None and g.node_id == node}
         nodes = plan_nodes(plan, snap)
+        load = self.weights(rec) or {}
+        if load.get("model_version"):
+            body["model_version"] = load["model_version"]
         body.update({
             "plan": plan.to_dict(),
             "model": rec.model,
-            "weights_sha256": self.weights(rec.model),
+            "weights_sha256": load.get("weights_sha256"),
             "role": "leader" if nodes and nodes[0] == node else "member",
             "stages": stages,
             "reserve_bytes": {u: memory[u] for u in sorted(mine)},
@@ -1313,7 +1325,7 @@ class Executor:
                                     snap, drain_budget_s=self.config.drain_budget_s if drain_budget_s is None
                                     else drain_budget_s,
                                     bw_share=self.config.migrate_bw_share, source_step_s=measured or None,
-                                    eff=self.eff)
+                                    eff=self.eff, kv_compatible=rec.kind is not Kind.ROLLOUT)
             bw_cap = {d.target_node: self._bw_cap(r.nodes[0], d.target_node, snap) for d in directives}
             moves = [d.to_payload(self.agents.data_addr(d.target_node) if d.target_node else "",
                                   bw_cap.get(d.target_node, 0.0)) for d in directives]

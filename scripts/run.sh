@@ -15,6 +15,9 @@ if [ -s .run/redis.port ] && [ "$REDIS_URL" = "redis://127.0.0.1:$(cat .run/redi
 fi
 trap 'exit 130' INT TERM  # after honcho has stopped its processes: run the EXIT trap
 export DJANGO_SETTINGS_MODULE=console.settings
+# The demo runs with DEBUG on (tracebacks in the browser, the development SECRET_KEY); settings
+# refuse that key without it. Anything but a demo on this machine: DEBUG=0 and a SECRET_KEY.
+export DEBUG="${DEBUG:-1}"
 PORT="${FLEXPIPE_PORT:-$($PY scripts/services.py free-port 8000)}"
 export FLEXPIPE_PORT="$PORT"
 # The join token the simulated agents enroll with: made once, kept under .run/.
@@ -29,20 +32,34 @@ case "$ENGINE" in
   *) echo "ENGINE must be sim, torch or vllm; got '$ENGINE'" >&2; exit 2 ;;
 esac
 
+# One SQLite database per engine and scenario under .run/: another scenario or engine starts from a
+# clean slate (and switching back finds that run as it was); FRESH=1 starts this one over.
+if [ -z "${DATABASE_URL:-}" ]; then
+  DB=".run/db-${ENGINE}-$(basename "$SCENARIO" .yaml).sqlite3"
+  [ "${FRESH:-0}" = 0 ] || { rm -f "$DB"; echo "FRESH=1: starting over with an empty $DB"; }
+  export DATABASE_URL="sqlite:///$PWD/$DB"
+fi
 $PY manage.py migrate --noinput -v 0
 $PY manage.py ensure_demo_operator
 # The scenario's deployments and their baseline gears (idempotent); the gearbox brings them up.
 $PY manage.py load_scenario_deployments "$SCENARIO"
-if [ "$ENGINE" != sim ]; then
+if [ "$ENGINE" = sim ]; then
+  # The simulated engines answer the OpenAI API through the gateway: a small tokenizer made here (never
+  # downloaded) gives prompts their token counts and the simulator's tokens their ids.
+  [ -s .run/models/sim-tokenizer/tokenizer.json ] || $PY -m agents.engines.torch.weights --tokenizer-only .run/models/sim-tokenizer >/dev/null
+  export FLEXPIPE_SIM_TOKENIZER=.run/models/sim-tokenizer FLEXPIPE_GATEWAY_TOKENIZERS="*=$PWD/.run/models/sim-tokenizer"
+else
   # Real engines load real weights: make the tiny model (deterministic, no download) and register
   # it, so prepare_plan carries its SHA256 and the gateway finds its tokenizer.
   [ -s .run/models/tiny-llama/model.safetensors ] || $PY -m agents.engines.torch.weights .run/models/tiny-llama
-  $PY manage.py register_local_model tiny-llama .run/models/tiny-llama --engine "$ENGINE"
+  $PY manage.py register_local_model tiny-llama .run/models/tiny-llama --engine "$ENGINE" --deploy
 fi
 
 echo
 echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"
 echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
+echo "  Database:          ${DATABASE_URL}"
+[ "$DEBUG" = 0 ] || echo "  Debug:             on, for this demo only (DEBUG=0 and a SECRET_KEY for anything else)"
 echo
 .venv/bin/honcho -f Procfile start

@@ -50,12 +50,9 @@ def _isolated_services(django_test_environment: None) -> None:
     settings.REDIS_URL = TEST_REDIS_URL
     # Named people are made for most console tests; PBKDF2 (~0.3 s a password) would dominate the run.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-    settings.CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [TEST_REDIS_URL], "prefix": TEST_NAMESPACE},
-        }
-    }
+    from console.settings import channel_layer
+
+    settings.CHANNEL_LAYERS = {"default": channel_layer(TEST_REDIS_URL, TEST_NAMESPACE)}
     settings.CELERY_BROKER_URL = TEST_REDIS_URL
     settings.CELERY_RESULT_BACKEND = TEST_REDIS_URL
     settings.CELERY_TASK_DEFAULT_QUEUE = TEST_NAMESPACE

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,6 +69,27 @@ def answers(url: str) -> int | None:
         return None
 
 
+def openai_calls(checkout: Path, port: int) -> tuple[Any, Any]:
+    """A completion and a chat completion of the demo's chat-8b through the `openai` client, as the
+    README shows them; retried while the first transitions bring the plans up (429: nothing routable)."""
+    import openai
+
+    token = (checkout / ".run" / "operator-token").read_text().strip()  # made by make run, as the README says
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0, timeout=30)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            completion = client.completions.create(model="chat-8b", prompt="Hello", max_tokens=8,
+                                                   extra_body={"ignore_eos": True})
+            break
+        except (openai.RateLimitError, openai.APIConnectionError):
+            assert time.monotonic() < deadline, "the demo's gateway answered nothing but 429 for 120 s"
+            time.sleep(1.0)
+    chat = client.chat.completions.create(model="chat-8b", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=32)
+    return completion, chat
+
+
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="needs Debian's redis-server (run.sh installs it)")
 def test_it_starts_everything_prints_the_url_and_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     checkout = tmp_path / "flexpipe"
@@ -97,8 +119,19 @@ def test_it_starts_everything_prints_the_url_and_ctrl_c_leaves_nothing_running(t
             assert time.monotonic() < deadline, (tmp_path / "run.log").read_text()
             time.sleep(0.5)
 
+        # the default demo serves the OpenAI API: the simulated engines answer through the real gateway
+        completion, chat = openai_calls(checkout, port)
+        assert completion.usage.completion_tokens == 8 and completion.choices[0].finish_reason == "length"
+        assert completion.choices[0].text.strip() and completion.usage.prompt_tokens > 0
+        assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
+
         printed = (tmp_path / "run.log").read_text()
         assert f"http://127.0.0.1:{port}/" in printed
+        assert "Debug:             on, for this demo only" in printed
+        # its own database: another scenario or engine would get another (a clean slate, nothing asked)
+        assert (checkout / ".run" / "db-sim-demo.sqlite3").is_file() and not (checkout / "db.sqlite3").exists()
+        admin_password = (checkout / ".run" / "admin-password").read_text().strip()
+        assert re.search(rf"user 'admin', password '{re.escape(admin_password)}'", printed)
         password = (checkout / ".run" / "operator-password").read_text().strip()
         assert re.search(rf"user 'operator', password '{re.escape(password)}'", printed)
         assert f"REDIS_URL={dead_redis} does not answer" in printed

@@ -12,6 +12,8 @@ from agents.schema import SchemaError
 from agents.sim.live import LiveFleet, parse_fault, wait_for_controller
 from agents.sim.scenario import load_scenario
 
+STREAM_TICK_S = 0.02  # wall seconds between passes while a stream is open
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agents.sim", description=__doc__)
@@ -32,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
                              "lose_gpus half way; repeatable")
     parser.add_argument("--long-poll", type=float, default=10.0,
                         help="seconds an agent's command poll waits on the controller")
+    parser.add_argument("--tokenizer", default=os.environ.get("FLEXPIPE_SIM_TOKENIZER") or None,
+                        help="serve the data plane (the gateway's OpenAI API answered by the simulator), with the "
+                             "token ids of this tokenizer folder (default: $FLEXPIPE_SIM_TOKENIZER; none: no data plane)")
+    parser.add_argument("--data-port", type=int, default=0, help="the data plane's port (0: any free one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the events
@@ -59,15 +65,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     wait_for_controller(args.controller, args.wait_for_controller)
+    if args.tokenizer and not os.path.exists(args.tokenizer):
+        print(f"agents.sim: --tokenizer {args.tokenizer}: no such file or folder", file=sys.stderr)
+        return 2
     fleet = LiveFleet(scenario, args.controller, args.join_token, report_interval_s=args.report_interval,
-                      time_scale=args.time_scale, faults=faults, long_poll_s=args.long_poll)
-    logging.getLogger("agents.sim").info("%s: %d nodes, time x%g", scenario.name, len(scenario.nodes),
-                                         fleet.time_scale)
+                      time_scale=args.time_scale, faults=faults, long_poll_s=args.long_poll, tokenizer=args.tokenizer,
+                      data_port=args.data_port)
+    logging.getLogger("agents.sim").info("%s: %d nodes, time x%g%s", scenario.name, len(scenario.nodes),
+                                         fleet.time_scale, f", data plane on {fleet.data.server.address}"
+                                         if fleet.data is not None and fleet.data.server is not None else "")
     started = time.monotonic()
     try:
         while args.duration is None or time.monotonic() - started < args.duration:
             fleet.step()
-            time.sleep(args.tick)
+            # while the gateway streams from the simulator, pass often: tokens leave close to their sim time
+            time.sleep(min(args.tick, STREAM_TICK_S) if fleet.streaming else args.tick)
     except KeyboardInterrupt:
         pass
     finally:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.shadow_check import tokenizer_problem
 from agents.sim.cluster import Change
 from agents.sim.engine import Pipe, PlanEngine, Request
 from agents.sim.fleet import FleetSim
@@ -139,6 +140,10 @@ class SimAgents:
             if lost:
                 self._ack(cmd, False, f"preempted: GPU(s) {', '.join(lost[:3])} are not ours",
                           {"reason": "preempted", "gpus": lost})
+                return
+            problem = tokenizer_problem(cmd.payload.get("model_version"), model_spec(plan.model).vocab_size)
+            if problem is not None:  # the shadow plan would not serve this version (agents/shadow_check.py)
+                self._ack(cmd, False, problem, {"reason": "tokenizer"})
                 return
             engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
             self.log.add(LogEvent(self.sim.now_s, "plan_prepared", node=cmd.node_id, plan_id=plan.plan_id))

@@ -340,7 +340,20 @@ class FleetSim:
         self._push_all(self._admit(deployment, prompt_tokens, output_tokens, self.now_s, rid=rid))
         return rid
 
-    def _admit(self, deployment: str, prompt: int, output: int, t: float, rid: int | None = None) -> list[Event]:
+    def submit_to(self, deployment: str, plan_id: str, prompt_tokens: int, output_tokens: int) -> Request | None:
+        """Admit one request now on the plan another router chose (the live fleet's data endpoint: the
+        gateway routes); the request, or None when that plan takes nothing new (not serving, frozen)."""
+        dep = self._dep(deployment)
+        engine = next((e for e in dep.engines if e.plan.plan_id == plan_id and e.accepting and e.state == "serving"),
+                      None)
+        if engine is None or prompt_tokens < 1 or output_tokens < 1:
+            return None
+        rid = next(self._rids)
+        self._push_all(self._admit(deployment, prompt_tokens, output_tokens, self.now_s, rid=rid, engine=engine))
+        return self.in_system.get(rid)
+
+    def _admit(self, deployment: str, prompt: int, output: int, t: float, rid: int | None = None,
+               engine: PlanEngine | None = None) -> list[Event]:
         dep = self.deployments[deployment]
         req = Request(next(self._rids) if rid is None else rid, deployment, t, prompt, output)
         self.in_system[req.rid] = req
@@ -350,6 +363,11 @@ class FleetSim:
         dep.win_arrivals += 1
         dep.win_prompt += prompt
         dep.win_prompt_sq += prompt * prompt
+        if engine is not None:  # routed already (submit_to)
+            engine.rep_arrivals += 1
+            engine.rep_prompt.append(req.prompt)
+            req.lease = max(req.lease, dep.routing_version)
+            return engine.submit(req, t)
         return self._dispatch(dep, req, t, new=True)
 
     # ======================================================================================

@@ -59,9 +59,10 @@ from agents.protocol import (
     parse_report,
 )
 from agents.sim.cluster import FAILED, TENANT, SimCluster
+from agents.sim.dataserver import SimDataPlane
 from agents.sim.engine import PlanEngine
 from agents.sim.executor import SimAgents
-from agents.sim.fleet import IDLE_MEM_BYTES, FleetSim
+from agents.sim.fleet import DEFAULT_OPTIONS, IDLE_MEM_BYTES, FleetSim, SimOptions
 from agents.sim.memory_fleet import Fault, take_fault
 from agents.sim.scenario import Scenario
 from agents.sim.workload import build_workload
@@ -87,6 +88,7 @@ FAULT_ACTIONS = ("fail", "hang", "lose_gpus")
 ADMIT_TIMEOUT_S = 120.0  # sim seconds a request may wait with no plan to take it (MemoryFleet's gateway too)
 LOOKAHEAD_S = 60.0  # sim seconds of workload fed ahead of the clock once the scenario runs out
 COMMAND_S = 0.2  # sim seconds a command other than prepare_plan is taken to run (where lose_gpus strikes)
+LIVE_RUN_ROUNDS = 4  # with a data plane: the longest analytic run of identical rounds (tokens stream, not burst)
 
 
 # --- the cluster as a snapshot ---------------------------------------------------------------------
@@ -171,12 +173,15 @@ class SimAgent:
     poller: threading.Thread | None = None
 
 
-def register_request(cluster: SimCluster, node_id: str) -> RegisterRequest:
+def register_request(cluster: SimCluster, node_id: str, data_addr: str | None = None) -> RegisterRequest:
+    """What a simulated node registers with: its GPUs, and the data plane's address when the fleet
+    serves one (agents/sim/dataserver.py; every node shares it), else a name nothing answers at."""
     node = cluster.nodes[node_id]
     gpus = tuple(GpuInfo(g.uuid, g.index, g.model, gpu_spec(g.model).mem_bytes, g.nvlink_group)
                  for g in node.gpus)
     return RegisterRequest(node_id=node_id, hostname=f"{node_id}.sim", agent_version=AGENT_VERSION,
-                           gpus=gpus, rack=node.spec.rack, backends=("sim",), data_addr=f"{node_id}.sim:7070")
+                           gpus=gpus, rack=node.spec.rack, backends=("sim",),
+                           data_addr=data_addr or f"{node_id}.sim:7070")
 
 
 def parse_fault(text: str) -> Fault:
@@ -204,7 +209,8 @@ class LiveFleet:
                  report_interval_s: float | None = None, time_scale: float | None = None,
                  faults: Sequence[Fault] = (), long_poll_s: float | None = 10.0,
                  clock: Callable[[], float] = time.monotonic, routing_every_s: float = 0.5,
-                 admit_timeout_s: float = ADMIT_TIMEOUT_S) -> None:
+                 admit_timeout_s: float = ADMIT_TIMEOUT_S, tokenizer: str | None = None,
+                 data_host: str = "127.0.0.1", data_port: int = 0) -> None:
         self.scenario = scenario
         self.controller = controller
         self.join_token = join_token
@@ -222,8 +228,10 @@ class LiveFleet:
         self.mailbox = HttpMailbox()
         self.routes: dict[str, RoutingState] = {}
         self._routes_wall = -math.inf
-        # the simulator: no plan runs and nothing is routed until the controller commands it
-        self.sim = FleetSim(scenario)
+        # the simulator: no plan runs and nothing is routed until the controller commands it. With a
+        # data plane, rounds are simulated a few at a time (not in long analytic runs), so a stream's
+        # tokens come out as the simulator makes them rather than in bursts
+        self.sim = FleetSim(scenario, options=SimOptions(max_run_rounds=LIVE_RUN_ROUNDS) if tokenizer else DEFAULT_OPTIONS)
         self.sim.events = self.log
         self.cluster: SimCluster = self.sim.cluster
         self.executor = SimAgents(self.sim, self._answer, log=self.log)
@@ -237,6 +245,11 @@ class LiveFleet:
         self._gpu_util: dict[tuple[str, int], float] = {}  # (node, index) -> utilisation at the last reports
         self._stop = threading.Event()
         self._pulled: queue.Queue[tuple[str, list[Command]]] = queue.Queue()
+        # the data plane the gateway streams tokens from (agents/sim/dataserver.py): every node's data address
+        self.data: SimDataPlane | None = None
+        if tokenizer:
+            self.data = SimDataPlane(self.sim, tokenizer)
+            self.data.serve(data_host, data_port)
 
     # -- time ------------------------------------------------------------------------------------
     def sim_time_s(self) -> float:
@@ -255,7 +268,9 @@ class LiveFleet:
         return agent
 
     def register(self, agent: SimAgent) -> None:
-        resp = agent.client.register(register_request(self.cluster, agent.node_id))
+        server = self.data.server if self.data is not None else None
+        resp = agent.client.register(register_request(self.cluster, agent.node_id,
+                                                      server.address if server is not None else None))
         agent.epoch, agent.seq, agent.dirty = resp.epoch, 0, True
         if self.report_interval_s is None:
             self.report_interval_s = resp.report_interval_s
@@ -270,6 +285,8 @@ class LiveFleet:
         acks out, reports."""
         self._feed_ahead(self.sim_time_s())
         self.sim.advance_to(max(self.sim.now_s, self.sim_time_s()))
+        if self.data is not None:
+            self.data.pump()
         now_s = self.sim.now_s
         expired = self.sim.expire_pending(self.admit_timeout_s)
         if expired:
@@ -563,8 +580,15 @@ class LiveFleet:
         else:
             log.error("%s: %s", agent.node_id, exc)
 
+    @property
+    def streaming(self) -> bool:
+        """The gateway has a stream open on the data plane (the caller steps more often meanwhile)."""
+        return self.data is not None and self.data.streaming
+
     def close(self) -> None:
         self._stop.set()
+        if self.data is not None:
+            self.data.close()
         for agent in self.agents.values():
             agent.client.close()
         for agent in self.agents.values():

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
+from agents.shadow_check import tokenizer_problem
 from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, PlanProfile, kv_route
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
@@ -616,6 +617,10 @@ class MemoryFleet:
         if lost:
             self._ack(job, "failed", f"preempted: GPU(s) {', '.join(lost)} are not ours",
                       {"reason": "preempted", "gpus": lost})
+            return
+        problem = tokenizer_problem(job.cmd.payload.get("model_version"), self.models(plan.model).vocab_size)
+        if problem is not None:  # the shadow plan would not serve this version (agents/shadow_check.py)
+            self._ack(job, "failed", problem, {"reason": "tokenizer"})
             return
         if inst is None or inst.state in ("broken", "released", "aborted"):
             keep = inst.seqs if inst is not None and inst.state == "broken" else {}

@@ -7,14 +7,23 @@ handler per event type (`"type": "audit.entry"` -> `async def audit_entry(self, 
 
 Close codes: 4401 not logged in, 4403 logged in without the role. static/js/live.js stops
 reconnecting on both.
+
+Keep-alive: every FLEXPIPE_WS_PING_S the consumer sends {"type": "ping"} (live.js swallows it),
+so an idle connection carries traffic through proxies that drop silent ones, and the page can
+tell a dead connection from a quiet one (it reconnects after three silent periods). The client
+gauge counts a connection from its accept to the end of the consumer, however it ends: a
+disconnect, or the consumer failing under it (an exception skips disconnect()).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+from django.utils import timezone
 
 from console.accounts.roles import VIEWER, has_role
 from console.metrics import websockets as ws_metrics
@@ -27,6 +36,14 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     # Channels joins `groups` before connect() runs, i.e. before the checks below: keep it empty.
     groups: list[str] = []
     _counted = False
+    _pinger: asyncio.Task[None] | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stop_pinging()
+            self._uncount()
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -40,15 +57,32 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         await self.accept()
         self._counted = True
         ws_metrics.connected(self.page)
+        self._pinger = asyncio.ensure_future(self._ping())
         await self.on_accepted()
+
+    async def _ping(self) -> None:
+        every_s = float(settings.FLEXPIPE_WS_PING_S)
+        while True:
+            await asyncio.sleep(every_s)
+            await self.send_json({"type": "ping", "every_s": every_s, "at": timezone.now().isoformat()})
+
+    def _stop_pinging(self) -> None:
+        if self._pinger is not None:
+            self._pinger.cancel()
+            self._pinger = None
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            ws_metrics.disconnected(self.page)
 
     async def on_accepted(self) -> None:
         """Send what the page needs first (a snapshot, the head of a log)."""
 
     async def disconnect(self, code: int) -> None:
+        self._stop_pinging()
         if self._counted:
-            self._counted = False
-            ws_metrics.disconnected(self.page)
+            self._uncount()
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:

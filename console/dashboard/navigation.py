@@ -12,7 +12,7 @@ from typing import Any
 
 from django.urls import NoReverseMatch, reverse
 
-from console.accounts.roles import role_of
+from console.accounts.roles import ADMIN, has_role, role_of
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class NavItem:
     label: str
     url_name: str
     matches: tuple[str, ...] = ()  # further URL names that light this item up
+    role: str | None = None  # offered only to users holding this role (None: everyone)
 
 
 NAV: tuple[NavItem, ...] = (
@@ -28,6 +29,7 @@ NAV: tuple[NavItem, ...] = (
     NavItem("deployments", "Deployments", "deployments", matches=("deployment-detail", "decision-detail", "transition-detail")),
     NavItem("audit", "Audit", "audit-page"),
     NavItem("registry", "Registry", "registry-page"),
+    NavItem("users", "Users", "users-page", role=ADMIN),
 )
 
 
@@ -36,12 +38,14 @@ def navigation(request: Any) -> dict[str, Any]:
     match = getattr(request, "resolver_match", None)
     current = match.url_name if match else None
     items = []
+    user = getattr(request, "user", None)
     for item in NAV:
+        if item.role is not None and not has_role(user, item.role):
+            continue
         try:
             href = reverse(item.url_name)
         except NoReverseMatch:
             continue  # a page not wired in this build is simply not offered
         items.append({"key": item.key, "label": item.label, "href": href,
                       "active": current in (item.url_name, *item.matches)})
-    user = getattr(request, "user", None)
     return {"nav": items, "role": role_of(user) if user is not None else None}

@@ -119,14 +119,15 @@ def _data_addr(node_id: str) -> str:
 def _tokenizer_path(dep: _Deployment) -> str | None:
     from console.registry.models import ModelVersion
 
+    # the version the deployment serves (only a rollout changes it: registering one changes nothing)
+    served = (ModelVersion.objects.filter(deployments__name=dep.name).values_list("tokenizer", flat=True).first())
+    if served:
+        return str(served)
     configured = getattr(settings, "FLEXPIPE_GATEWAY_TOKENIZERS", {}) or {}
-    for key in (dep.name, dep.model_name):
+    for key in (dep.name, dep.model_name, "*"):
         if key in configured:
             return str(configured[key])
-    row = (ModelVersion.objects.filter(name=dep.model_name)
-           .exclude(status__in=(ModelVersion.QUARANTINED, ModelVersion.RETIRED))
-           .order_by("-registered_at").values_list("tokenizer", flat=True).first())
-    return row or None
+    return None
 
 
 def _models() -> list[dict[str, Any]]:

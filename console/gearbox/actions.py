@@ -11,10 +11,11 @@ Operator actions:
     do_unpin_gear(deployment, *, actor, mode="auto")        back to auto (or advisory)
     do_approve_decision(decision, *, actor)                 advisory mode: start the advised transition
     do_request_gear(deployment, gear, *, actor)             manual switch to an operator's gear
-    do_emergency_downshift(deployment, *, reason, actor)    to the baseline now, rolling back what runs
+The emergency downshift and its release: console/gearbox/emergency.py.
 The gearbox (ticks.py) and the scenario loader:
     do_decide_gear(deployment, *, trigger, now, base, held, actor)   one decision, and its transition
     do_record_load(deployment, sample)                      append a load sample (telemetry: not audited)
+    do_record_serving(deployment, served)                   a point of the serving charts' history (telemetry)
     do_sync_deployment(..., actor)                          create or update a deployment (idempotent)
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -63,6 +64,12 @@ def _locked(deployment: Deployment | str) -> Deployment:
     if row is None:
         raise Rejected(404, {"deployment": f"no deployment {name!r}"})
     return row
+
+
+def _not_in_emergency(dep: Deployment) -> None:
+    if dep.mode == Deployment.EMERGENCY:
+        raise Rejected(409, {"mode": f"{dep.name} holds an emergency downshift: release it first "
+                                     "(POST /api/v1/deployments/{name}/release)"})
 
 
 def _active(dep: Deployment) -> Transition | None:
@@ -120,13 +127,19 @@ def do_record_decision(dep: Deployment, decision: gearbox.Decision, *, actor: An
     return row
 
 
-def _start(dep: Deployment, gear: Gear, *, kind: Kind, decision: Decision | None, actor: str) -> Transition | None:
-    """Claim the next seq and create the transition (None: another one is active)."""
+def _start(dep: Deployment, gear: Gear, *, kind: Kind, decision: Decision | None, actor: str,
+           model_version: Any | None = None) -> Transition | None:
+    """Claim the next seq and create the transition (None: another one is active). Its new plans
+    load `model_version` (a rollout's), else the version the deployment serves. Callers hold a
+    database transaction: the row and its version commit together, before any worker advances it."""
     ex = build_executor(actor=actor)
     rec = ex.start(dep.name, gear, kind=kind, model=dep.model_name,
                    decision_ref=str(decision.pk) if decision is not None else None)
     if rec is None:
         return None
+    version_id = model_version.pk if model_version is not None else dep.model_version_id
+    if version_id is not None:
+        Transition.objects.filter(deployment=dep, seq=rec.seq).update(model_version_id=version_id)
     row = Transition.objects.get(deployment=dep, seq=rec.seq)
     _kick(dep.name, rec.seq)
     return row
@@ -167,12 +180,16 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
     """
     name = deployment if isinstance(deployment, str) else deployment.name
     dep = Deployment.objects.get(name=name)
+    if dep.deleting_since is not None:
+        return Decided(None, None)  # being drained for deletion (console/gearbox/lifecycle.py)
     active = _active(dep)
     if active is None and drop_lost_plans(dep, now=now):
         dep = Deployment.objects.get(name=name)
         trigger = Trigger.TOPOLOGY  # what an agent lost is replaced at once, like lost GPUs
     if dep.emergency_requested_at is not None:
-        return _emergency_tick(dep, active, base, held, now, actor)
+        from console.gearbox.emergency import emergency_tick
+
+        return emergency_tick(dep, active, base, held, now, actor)
     if active is not None:
         return Decided(None, None)
     if not _reports_mirror_last_transition(dep, base, now):
@@ -306,30 +323,6 @@ def _reports_mirror_last_transition(dep: Deployment, base: Snapshot, now: dateti
     return True
 
 
-def _emergency_tick(dep: Deployment, active: Transition | None, base: Snapshot, held: Mapping[str, set[str]],
-                    now: datetime, actor: str) -> Decided:
-    who = dep.emergency_actor or actor
-    if active is not None:
-        if active.phase in ("prepare", "switch") and not active.abort_reason:
-            build_executor(actor=who).store.request_abort(dep.name, active.seq,
-                                                          f"emergency downshift: {dep.emergency_reason}")
-        return Decided(None, None)  # it rolls back (or finishes CLEANUP) first
-    d = _decide(dep, base, held, now, Trigger.EMERGENCY)
-    with transaction.atomic():
-        locked = _locked(dep)
-        if locked.emergency_requested_at is None:
-            return Decided(None, None)  # another tick handled it
-        row = do_record_decision(locked, d, actor=who, now=now,
-                                 note=f"emergency requested by {who}: {locked.emergency_reason}")
-        started = None
-        if d.outcome is Outcome.SWITCH and d.target is not None:
-            started = _start(locked, d.target, kind=Kind.EMERGENCY, decision=row, actor=who)
-            if started is None:
-                return Decided(row, None)  # try again on the next tick
-        Deployment.objects.filter(pk=locked.pk).update(emergency_requested_at=None, updated_at=now)
-    return Decided(row, started)
-
-
 @transaction.atomic
 def do_record_load(deployment: Deployment, sample: LoadSample) -> None:
     """Append one load sample to the deployment's window (telemetry: not audited)."""
@@ -341,6 +334,32 @@ def do_record_load(deployment: Deployment, sample: LoadSample) -> None:
     dep.save(update_fields=["load_window"])
 
 
+SERVING_KEEP_S = 3600.0  # the serving charts' history
+
+
+def do_record_serving(deployment: Deployment, served: Mapping[str, Any] | None) -> bool:
+    """Keep one point of the deployment's serving history (what present.serving summed from its
+    engines' latest reports) when a newer report came in; drop points older than an hour. Telemetry:
+    not audited. True when a point was stored."""
+    from django.utils.dateparse import parse_datetime
+
+    from console.gearbox.models import ServingSample
+
+    at = parse_datetime(str(served.get("reported_at"))) if served and served.get("reported_at") else None
+    if at is None:
+        return False
+    last = ServingSample.objects.filter(deployment=deployment).order_by("-at").values_list("at", flat=True).first()
+    if last is not None and last >= at:
+        return False
+    assert served is not None
+    ServingSample.objects.create(deployment=deployment, at=at, tokens_per_s=float(served.get("tokens_per_s") or 0.0),
+                                 ttft_p50_ms=served.get("ttft_p50_ms"), ttft_p95_ms=served.get("ttft_p95_ms"),
+                                 tpot_p95_ms=served.get("tpot_p95_ms"), running=int(served.get("running") or 0),
+                                 waiting=int(served.get("waiting") or 0))
+    ServingSample.objects.filter(deployment=deployment, at__lt=at - timedelta(seconds=SERVING_KEEP_S)).delete()
+    return True
+
+
 # --- operators -----------------------------------------------------------------------------------
 @transaction.atomic
 def do_set_mode(deployment: Deployment | str, mode: str, *, actor: Any) -> Deployment:
@@ -348,6 +367,7 @@ def do_set_mode(deployment: Deployment | str, mode: str, *, actor: Any) -> Deplo
     if mode not in (Deployment.AUTO, Deployment.ADVISORY):
         raise Rejected(400, {"mode": f"must be auto or advisory (pin a gear with the pin action); got {mode!r}"})
     dep = _locked(deployment)
+    _not_in_emergency(dep)
     if dep.mode == mode:
         return dep
     before = {"mode": dep.mode, "pinned_gear_id": _gear_id(dep.pinned_gear)}
@@ -365,6 +385,7 @@ def do_pin_gear(deployment: Deployment | str, *, actor: Any) -> Deployment:
     """Pin the current gear: the gearbox never switches it automatically (emergency still works)."""
     who, user = _who(actor)
     dep = _locked(deployment)
+    _not_in_emergency(dep)
     if dep.current_gear is None:
         raise Rejected(409, {"current_gear": "nothing runs yet; pin once the first transition brought a gear up"})
     if dep.mode == Deployment.PINNED and dep.pinned_gear == dep.current_gear:
@@ -385,6 +406,7 @@ def do_unpin_gear(deployment: Deployment | str, *, actor: Any, mode: str = Deplo
     if mode not in (Deployment.AUTO, Deployment.ADVISORY):
         raise Rejected(400, {"mode": f"must be auto or advisory; got {mode!r}"})
     dep = _locked(deployment)
+    _not_in_emergency(dep)
     if dep.mode != Deployment.PINNED:
         return dep
     before = {"mode": dep.mode, "pinned_gear_id": _gear_id(dep.pinned_gear)}
@@ -439,6 +461,7 @@ def do_request_gear(deployment: Deployment | str, gear: Mapping[str, object] | G
     """A manual switch to an operator's gear (validated by the gearbox: MANUAL trigger)."""
     who, _ = _who(actor)
     dep = _locked(deployment)
+    _not_in_emergency(dep)
     try:
         wanted = gear if isinstance(gear, Gear) else Gear.from_dict(gear)
     except ValueError as exc:
@@ -454,64 +477,13 @@ def do_request_gear(deployment: Deployment | str, gear: Mapping[str, object] | G
     return row, started
 
 
-@dataclass(frozen=True)
-class Emergency:
-    state: str  # requested | already_requested | already_running | already_on_baseline
-    transition: Transition | None  # the running transition it asked to roll back, or the emergency one
-
-
-@transaction.atomic
-def do_emergency_downshift(deployment: Deployment | str, *, reason: str, actor: Any) -> Emergency:
-    """Go to the baseline gear now: roll back whatever transition runs first, then downshift.
-
-    Idempotent: asking again while it is pending or running, or when the deployment already
-    runs its baseline with nothing in flight, changes nothing (and says so in the audit log).
-    Works in every mode, pinned included (DESIGN.md invariant 6).
-    """
-    who, user = _who(actor)
-    if not isinstance(reason, str) or not reason.strip():
-        raise Rejected(400, {"reason": "required: say why the deployment must go back to its baseline"})
-    dep = _locked(deployment)
-    now = timezone.now()
-    active = _active(dep)
-    state = "requested"
-    if dep.emergency_requested_at is not None:
-        state = "already_requested"
-    elif active is not None and active.kind == Transition.EMERGENCY and active.to_gear == dep.baseline_gear:
-        state = "already_running"
-    elif active is None and dep.current_gear is not None and dep.current_gear == dep.baseline_gear:
-        state = "already_on_baseline"
-    if state != "requested":
-        record("gearbox.emergency_repeated", actor=who, user=user, at=now, deployment=dep.name,
-               transition_seq=active.seq if active else None,
-               summary=f"{dep.name}: emergency downshift asked again ({state.replace('_', ' ')}): {reason[:120]}",
-               data={"reason": reason, "state": state})
-        return Emergency(state, active)
-    dep.emergency_requested_at, dep.emergency_reason, dep.emergency_actor = now, reason.strip(), who
-    dep.updated_at = now
-    dep.save(update_fields=["emergency_requested_at", "emergency_reason", "emergency_actor", "updated_at"])
-    if active is not None and active.phase in ("prepare", "switch"):
-        build_executor(actor=who).store.request_abort(dep.name, active.seq, f"emergency downshift: {reason.strip()}")
-    record("gearbox.emergency_requested", actor=who, user=user, at=now, deployment=dep.name,
-           transition_seq=active.seq if active else None,
-           summary=f"{dep.name}: emergency downshift to the baseline requested: {reason[:150]}",
-           data={"reason": reason, "running_transition": active.seq if active else None,
-                 "running_phase": active.phase if active else None})
-    from console.gearbox import tasks
-
-    name = dep.name
-    transaction.on_commit(lambda: tasks.enqueue(tasks.tick, trigger="emergency", deployment=name))
-    if active is not None:
-        _kick(name, active.seq)
-    return Emergency(state, active)
-
-
 # --- the scenario loader -------------------------------------------------------------------------
 @transaction.atomic
 def do_sync_deployment(*, name: str, model_name: str, ttft_ms: float, tpot_ms: float, priority: int,
                        baseline: Gear, actor: Any, mode: str = Deployment.AUTO) -> tuple[Deployment, str]:
     """Create the deployment, or bring its SLO, priority and baseline up to date. Never touches
-    what runs (current gear, routing, transitions). Returns it and created | updated | unchanged."""
+    what runs (current gear, routing, transitions), nor a baseline an operator set
+    (console/gearbox/override.do_set_baseline). Returns it and created | updated | unchanged."""
     who, user = _who(actor)
     errors: dict[str, str] = {}
     try:
@@ -537,6 +509,8 @@ def do_sync_deployment(*, name: str, model_name: str, ttft_ms: float, tpot_ms: f
                summary=f"{name}: {model_name}, baseline {baseline.shape()}, priority {priority}", after={
                    **{k: v for k, v in wanted.items() if k != "baseline_gear"}, "baseline_gear_id": baseline.gear_id})
         return dep, "created"
+    if dep.baseline_by.startswith("user:"):
+        wanted["baseline_gear"] = dep.baseline_gear  # an operator set it: the file does not undo that
     before = {k: getattr(dep, k) for k in wanted}
     if before == wanted:
         return dep, "unchanged"
@@ -580,7 +554,6 @@ def _held_by_others(dep: Deployment) -> set[str]:
 
 
 __all__ = [
-    "Decided", "Emergency", "Rejected", "do_approve_decision", "do_decide_gear", "do_emergency_downshift",
-    "do_pin_gear", "do_record_decision", "do_record_load", "do_request_gear", "do_set_mode", "do_sync_deployment",
+    "Decided", "Rejected", "do_approve_decision", "do_decide_gear", "do_pin_gear", "do_record_decision", "do_record_load", "do_request_gear", "do_set_mode", "do_sync_deployment",
     "do_unpin_gear", "held_gpus", "scheduler_deployment",
 ]

@@ -6,7 +6,7 @@ transaction, audited with the caller as actor). A body with an unknown or bad fi
 names it and changes nothing; a verb the deployment's state refuses is a 409 that says why.
 
 The payloads come from console.gearbox.present (the pages and their websockets show the same
-shapes); the serializers below describe them for the OpenAPI schema.
+shapes); console/gearbox/serializers.py describes them for the OpenAPI schema, with the request bodies.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from django.db import transaction
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
-    OpenApiExample,
     OpenApiParameter,
     OpenApiResponse,
     extend_schema,
@@ -30,308 +29,42 @@ from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from console.accounts.auth import IsOperator, IsViewer
+from console.accounts.auth import IsAdmin, IsOperator, IsViewer
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
 from console.fleet.actions import Rejected
-from console.gearbox import actions, present
+from console.gearbox import actions, emergency, lifecycle, override, present, rollout
 from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
+from console.gearbox.serializers import (
+    APPROVALS,
+    CURRENT,
+    GEAR_ID_RE,
+    NAME,
+    NAME_RE,
+    OPERATOR_VERBS,
+    PLAN_ID_RE,
+    REFUSALS,
+    ApproveSerializer,
+    DecisionDetailSerializer,
+    DecisionSerializer,
+    DeploymentSerializer,
+    EmergencyBlocked,
+    EmergencyResult,
+    EmergencySerializer,
+    GearChoiceSerializer,
+    GearDetailSerializer,
+    GearSerializer,
+    ModeSerializer,
+    OverrideSerializer,
+    PinSerializer,
+    PlanSerializer,
+    ReleaseSerializer,
+    RolloutSerializer,
+    TransitionDetailSerializer,
+    TransitionSerializer,
+    UnpinSerializer,
+)
 from scheduler.gearbox import Outcome, Trigger
-
-NAME_RE = r"[^/]{1,64}"
-GEAR_ID_RE = r"g-[0-9a-f]{16}"
-PLAN_ID_RE = r"p-[0-9a-f]{16}"
-CURRENT = "current"
-APPROVALS = ("pending", "approved", "superseded", "none")
-
-
-# --- payload shapes (for the schema; the data comes from console.gearbox.present) -------------------
-class PayloadSerializer(serializers.Serializer):  # type: ignore[type-arg]
-    """Describes a payload of console.gearbox.present for the schema; the views return the payloads
-    themselves, so what the schema says and what the pages receive come from one place."""
-
-    def to_representation(self, instance: Any) -> Any:
-        return instance
-
-
-class PlanRefSerializer(PayloadSerializer):
-    plan_id = serializers.CharField()
-    shape = serializers.CharField(help_text="TP4, PP2xTP4, P:TP2 / D:TP4")
-    weight = serializers.FloatField(help_text="share of the gear's requests")
-
-
-class GearSummarySerializer(PayloadSerializer):
-    gear_id = serializers.CharField(help_text="content id: equal gears have equal ids")
-    shape = serializers.CharField()
-    gpu_count = serializers.IntegerField()
-    plans = PlanRefSerializer(many=True)
-
-
-class GpuPlaceSerializer(PayloadSerializer):
-    uuid = serializers.CharField()
-    node = serializers.CharField(allow_null=True)
-    index = serializers.IntegerField(allow_null=True)
-    model = serializers.CharField(allow_null=True)
-    in_block = serializers.BooleanField(allow_null=True, help_text="usable now (in an atomic block)")
-    out_reason = serializers.CharField(allow_null=True, help_text="why the GPU is in no block")
-
-
-class StageSerializer(PayloadSerializer):
-    pipeline = serializers.ChoiceField(choices=["main", "prefill", "decode"])
-    index = serializers.IntegerField()
-    layers = serializers.ListField(child=serializers.IntegerField(), help_text="[start, end)")
-    tp = serializers.IntegerField()
-    gpus = GpuPlaceSerializer(many=True)
-
-
-class PlanDetailSerializer(PayloadSerializer):
-    plan_id = serializers.CharField()
-    model = serializers.CharField()
-    mode = serializers.ChoiceField(choices=["colocated", "disaggregated"])
-    shape = serializers.CharField()
-    pp = serializers.IntegerField()
-    kv_reserve_tokens = serializers.IntegerField()
-    kv_partition = serializers.CharField()
-    gpu_count = serializers.IntegerField()
-    stages = StageSerializer(many=True)
-
-
-class GearPlanSerializer(PlanDetailSerializer):
-    weight = serializers.FloatField()
-
-
-class GearUseSerializer(PayloadSerializer):
-    deployment = serializers.CharField()
-    roles = serializers.ListField(child=serializers.ChoiceField(choices=present.GEAR_ROLES))
-    transitions = serializers.ListField(child=serializers.IntegerField(), help_text="seqs from or to this gear")
-
-
-class GearSerializer(PayloadSerializer):
-    gear_id = serializers.CharField()
-    model = serializers.CharField()
-    shape = serializers.CharField()
-    gpu_count = serializers.IntegerField()
-    weights = serializers.ListField(child=serializers.FloatField())
-    plans = PlanRefSerializer(many=True)
-    deployments = GearUseSerializer(many=True)
-    last_seen_at = serializers.DateTimeField(allow_null=True)
-
-
-class GearDetailSerializer(GearSerializer):
-    plans = GearPlanSerializer(many=True)  # type: ignore[assignment]
-
-
-class PlanRouteSerializer(PayloadSerializer):
-    deployment = serializers.CharField()
-    version = serializers.IntegerField(help_text="the routing table's version")
-    weight = serializers.FloatField()
-    frozen = serializers.BooleanField()
-    nodes = serializers.ListField(child=serializers.CharField())
-
-
-class PlanSerializer(PlanDetailSerializer):
-    gears = serializers.ListField(child=serializers.CharField())
-    deployments = serializers.ListField(child=serializers.CharField())
-    routes = PlanRouteSerializer(many=True, help_text="where routing tables send requests to it now")
-
-
-class RouteSerializer(PayloadSerializer):
-    plan_id = serializers.CharField()
-    shape = serializers.CharField(allow_null=True)
-    weight = serializers.FloatField()
-    frozen = serializers.BooleanField(help_text="admits nothing new: its sequences finish or move")
-    nodes = serializers.ListField(child=serializers.CharField())
-
-
-class DeploymentSerializer(PayloadSerializer):
-    name = serializers.CharField()
-    model_name = serializers.CharField()
-    model_version = inline_serializer("DeploymentModelVersion", {
-        "id": serializers.IntegerField(), "version": serializers.CharField(), "sha256": serializers.CharField(),
-        "status": serializers.CharField(), "engine": serializers.CharField()}, allow_null=True,
-        help_text="the registry version its transitions prepare: the newest verified (or awaiting-agent) one")
-    slo = inline_serializer("Slo", {"ttft_ms": serializers.FloatField(), "tpot_ms": serializers.FloatField()})
-    priority = serializers.IntegerField()
-    mode = serializers.ChoiceField(choices=[m for m, _ in Deployment.MODES])
-    baseline_gear = GearSummarySerializer(help_text="the emergency target")
-    current_gear = GearSummarySerializer(allow_null=True)
-    pinned_gear = GearSummarySerializer(allow_null=True)
-    on_baseline = serializers.BooleanField()
-    routing = inline_serializer("Routing", {"version": serializers.IntegerField(),
-                                            "routes": RouteSerializer(many=True)})
-    active_transition = inline_serializer("ActiveTransition", {
-        "seq": serializers.IntegerField(), "kind": serializers.CharField(), "phase": serializers.CharField(),
-        "step": serializers.CharField(), "to_gear_id": serializers.CharField(allow_null=True),
-        "abort_reason": serializers.CharField()}, allow_null=True)
-    emergency = inline_serializer("PendingEmergency", {
-        "requested_at": serializers.DateTimeField(), "reason": serializers.CharField(),
-        "actor": serializers.CharField()}, allow_null=True, help_text="a downshift waiting to start")
-    pending_decision = serializers.IntegerField(allow_null=True, help_text="advisory: the decision to approve")
-    last_transition_seq = serializers.IntegerField()
-    health = inline_serializer("Health", {"state": serializers.ChoiceField(choices=present.HEALTH_STATES),
-                                          "reasons": serializers.ListField(child=serializers.CharField())})
-    serving = serializers.JSONField(allow_null=True, help_text=(
-        "the engines' latest reports for the routed plans: tokens_per_s, running, waiting (summed), "
-        "ttft_p50_ms, ttft_p95_ms, tpot_p95_ms, kv_usage (worst), reported_at"))
-    created_at = serializers.DateTimeField()
-    updated_at = serializers.DateTimeField()
-
-
-class PhaseSpanSerializer(PayloadSerializer):
-    phase = serializers.ChoiceField(choices=list(PHASES))
-    started_at = serializers.DateTimeField()
-    ended_at = serializers.DateTimeField(allow_null=True)
-    running = serializers.BooleanField()
-    duration_s = serializers.FloatField(allow_null=True)
-
-
-class MovedSerializer(PayloadSerializer):
-    kv_bytes_migrated = serializers.IntegerField(help_text="KV cache bytes handed over by migration")
-    tokens_replayed = serializers.IntegerField(help_text="tokens re-prefilled on the target instead")
-    seqs_migrated = serializers.IntegerField()
-    seqs_replayed = serializers.IntegerField()
-    seqs_finished = serializers.IntegerField(help_text="left to finish on the old plan")
-    seqs_failed = serializers.IntegerField(help_text="ended with an explicit error")
-    stall_s_max = serializers.FloatField()
-    forward = serializers.JSONField(help_text="the same, forward hand-overs (MoveStats)")
-    back = serializers.JSONField(help_text="the same, rollback hand-overs (MoveStats)")
-
-
-class TransitionSerializer(PayloadSerializer):
-    id = serializers.IntegerField()
-    deployment = serializers.CharField()
-    seq = serializers.IntegerField(help_text="strictly increasing per deployment")
-    kind = serializers.ChoiceField(choices=[k for k, _ in Transition.KINDS])
-    phase = serializers.ChoiceField(choices=list(PHASES))
-    active = serializers.BooleanField()
-    step = serializers.CharField()
-    attempt = serializers.IntegerField()
-    actor = serializers.CharField()
-    decision = serializers.IntegerField(allow_null=True)
-    from_gear = GearSummarySerializer(allow_null=True)
-    to_gear = GearSummarySerializer()
-    created_at = serializers.DateTimeField()
-    updated_at = serializers.DateTimeField()
-    finished_at = serializers.DateTimeField(allow_null=True)
-    duration_s = serializers.FloatField(help_text="to its end, or until now while it runs")
-    error = serializers.CharField()
-    abort_reason = serializers.CharField()
-    phases = PhaseSpanSerializer(many=True)
-    moved = MovedSerializer()
-
-
-class StepSerializer(PayloadSerializer):
-    step = serializers.CharField()
-    phase = serializers.CharField()
-    attempt = serializers.IntegerField()
-    state = serializers.ChoiceField(choices=["running", "ok", "failed", "abandoned"])
-    started_at = serializers.DateTimeField()
-    finished_at = serializers.DateTimeField(allow_null=True)
-    duration_s = serializers.FloatField(allow_null=True)
-    note = serializers.CharField()
-    error = serializers.CharField()
-    reason = serializers.CharField()
-    commands = serializers.IntegerField(help_text="agent commands it sent")
-    result = serializers.JSONField()
-    does = serializers.CharField(help_text="what the step does, from the transition table")
-
-
-class BestCandidateSerializer(PayloadSerializer):
-    gear_id = serializers.CharField()
-    shape = serializers.CharField()
-    gain_tokens = serializers.FloatField()
-    cost_tokens = serializers.FloatField()
-    threshold_tokens = serializers.FloatField(help_text="cost x hysteresis factor: what the gain must beat")
-    passes = serializers.BooleanField()
-
-
-class DecisionSerializer(PayloadSerializer):
-    id = serializers.IntegerField()
-    deployment = serializers.CharField()
-    at = serializers.DateTimeField()
-    trigger = serializers.ChoiceField(choices=[t.value for t in Trigger])
-    outcome = serializers.ChoiceField(choices=[o.value for o in Outcome])
-    factor = serializers.FloatField(help_text="the hysteresis factor applied")
-    current_gear_id = serializers.CharField(allow_null=True)
-    target_gear_id = serializers.CharField(allow_null=True)
-    target_shape = serializers.CharField(allow_null=True)
-    reasons = serializers.ListField(child=serializers.CharField())
-    actor = serializers.CharField()
-    note = serializers.CharField()
-    approval = serializers.ChoiceField(choices=APPROVALS[:3], allow_null=True)
-    approved_by = serializers.CharField(allow_null=True)
-    approved_at = serializers.DateTimeField(allow_null=True)
-    candidate_count = serializers.IntegerField()
-    best = BestCandidateSerializer(allow_null=True)
-    transitions = serializers.ListField(child=serializers.IntegerField(), help_text="seqs it started")
-
-
-class CandidateSerializer(BestCandidateSerializer):
-    factor = serializers.FloatField()
-    value_tokens_s = serializers.FloatField(allow_null=True)
-    note = serializers.CharField()
-    cost = serializers.JSONField(help_text="the switch cost in parts: pause_s, prepare_s, kv_migrate_bytes, "
-                                           "replay_tokens, weight_load_bytes, cold_start_s, ...")
-    estimate = serializers.JSONField(help_text="steady state under the offered load: capacity_rps, "
-                                               "goodput_tokens_s, ttft_p99_s, tpot_p99_s, ...")
-    gpu_count = serializers.IntegerField(allow_null=True)
-
-
-class DecisionDetailSerializer(DecisionSerializer):
-    candidates = CandidateSerializer(many=True)
-    current = serializers.JSONField(help_text="the gear it started from: id, valid, value, estimate")
-    workload = serializers.JSONField(allow_null=True, help_text="the offered load it decided on")
-    cooldown_until = serializers.DateTimeField(allow_null=True)
-    target_gear = GearDetailSerializer(allow_null=True)
-
-
-class TransitionDetailSerializer(TransitionSerializer):
-    steps = StepSerializer(many=True)
-    from_gear_detail = GearDetailSerializer(allow_null=True)
-    to_gear_detail = GearDetailSerializer()
-    decision_summary = DecisionSerializer(allow_null=True)
-
-
-# --- request bodies ---------------------------------------------------------------------------------
-class PinSerializer(StrictSerializer):
-    gear_id = serializers.CharField(max_length=40, required=False, default=CURRENT, help_text=(
-        'the gear to pin: "current" (the default) or its id, which must be the gear running now - '
-        "a guard against pinning a gear the operator did not see"))
-
-
-class UnpinSerializer(StrictSerializer):
-    mode = serializers.ChoiceField(choices=[Deployment.AUTO, Deployment.ADVISORY], required=False,
-                                   default=Deployment.AUTO, help_text="the mode after the pin")
-
-
-class ModeSerializer(StrictSerializer):
-    mode = serializers.ChoiceField(choices=[m for m, _ in Deployment.MODES], help_text=(
-        "auto: the gearbox switches; advisory: it proposes, an operator approves; pinned: the current gear "
-        "is pinned"))
-
-
-class EmergencySerializer(StrictSerializer):
-    reason = serializers.CharField(max_length=500, help_text="why the deployment must go back to its baseline")
-
-
-class ApproveSerializer(StrictSerializer):
-    pass
-
-
-EmergencyResult = inline_serializer("EmergencyResult", {
-    "state": serializers.ChoiceField(choices=["requested", "already_requested", "already_running",
-                                              "already_on_baseline"]),
-    "transition": serializers.IntegerField(allow_null=True, help_text=(
-        "the running transition it asked to roll back first, or the emergency transition already running")),
-    "deployment": DeploymentSerializer(),
-})
-
-NAME = OpenApiParameter("name", str, OpenApiParameter.PATH, description="the deployment's name",
-                        examples=[OpenApiExample("the demo's chat deployment", value="chat-8b")])
-REFUSALS = {400: OpenApiResponse(description="a field is invalid: the body names it; nothing changed"),
-            403: OpenApiResponse(description="needs the operator role"),
-            404: OpenApiResponse(description="no such deployment"),
-            409: OpenApiResponse(description="the deployment's state refuses it: the body names the field and why")}
 
 
 def _refused(exc: Rejected) -> Response:
@@ -358,13 +91,16 @@ def _not_nul(value: str) -> str:
     retrieve=extend_schema(summary="One deployment: SLO, mode, gears, routing table, health",
                            responses=DeploymentSerializer, parameters=[NAME]),
 )
-class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):  # type: ignore[type-arg]
+class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,  # type: ignore[type-arg]
+                        viewsets.GenericViewSet):
     serializer_class = DeploymentSerializer
     lookup_field = "name"
     lookup_value_regex = NAME_RE
 
     def get_permissions(self) -> list[Any]:
-        return [IsOperator()] if self.action in ("pin", "unpin", "mode", "emergency") else [IsViewer()]
+        if self.action == "destroy":
+            return [IsAdmin()]
+        return [IsOperator()] if self.action in OPERATOR_VERBS else [IsViewer()]
 
     def get_queryset(self) -> QuerySet[Deployment]:
         qs = Deployment.objects.order_by("-priority", "name")
@@ -395,6 +131,28 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
 
     def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         return Response(_deployment(self.get_object()))
+
+    @extend_schema(summary="Delete a deployment (admin): at once when nothing of it runs, else drained first",
+                   parameters=[NAME], request=None,
+                   responses={204: OpenApiResponse(description="deleted"),
+                              202: inline_serializer("DeploymentDraining", {
+                                  "state": serializers.ChoiceField(choices=["draining"])}),
+                              403: OpenApiResponse(description="needs the admin role"), 404: REFUSALS[404],
+                              409: OpenApiResponse(description="a transition runs: the body names it")},
+                   description=(
+                       "Draining: the routing table is emptied (no new request), each live plan is released with "
+                       "the drain budget (what cannot finish ends with an explicit error), and the row goes once "
+                       "the releases are acknowledged. Its audit entries stay. Asking again while it drains "
+                       "answers 202 again."))
+    def destroy(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        dep = self.get_object()
+        try:
+            state = lifecycle.do_delete_deployment(dep.name, actor=request.user)
+        except Rejected as exc:
+            return _refused(exc)
+        if state == "deleted":
+            return Response(status=status.HTTP_204_NO_CONTENT)
+        return Response({"state": state}, status=status.HTTP_202_ACCEPTED)
 
     def _body(self, serializer: type[StrictSerializer]) -> dict[str, Any]:
         body = serializer(data=request_data(self.request))
@@ -459,24 +217,126 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
                    request=EmergencySerializer, parameters=[NAME],
                    responses={202: EmergencyResult,
                               200: OpenApiResponse(EmergencyResult, description="asked before, running, or "
-                                                   "already on the baseline: nothing new (audited)"),
-                              **REFUSALS},
+                                                   "already there (now held): nothing new (audited)"),
+                              409: OpenApiResponse(EmergencyBlocked, description=(
+                                  "blocked: the target cannot run on the fleet now. Nothing changed but the "
+                                  "recorded decision; the body says why, what to do, and offers safe gears")),
+                              **{k: v for k, v in REFUSALS.items() if k != 409}},
                    description=(
-                       "Works in every mode, pinned included. A running transition is asked to roll back "
-                       "first; then the gearbox starts the downshift as an emergency transition. Asking again "
-                       "changes nothing."))
+                       "Works in every mode, pinned included. The deployment enters mode emergency at once and "
+                       "holds the target - the gearbox never switches it automatically - until an operator "
+                       "releases it (release). A running transition is asked to roll back first; then the "
+                       "gearbox starts the downshift as an emergency transition. Asking again changes nothing."))
     @action(detail=True, methods=["post"])
     def emergency(self, request: Request, name: str | None = None) -> Response:
         dep = self.get_object()
-        reason = self._body(EmergencySerializer)["reason"]
+        body = self._body(EmergencySerializer)
         try:
-            out = actions.do_emergency_downshift(dep.name, reason=reason, actor=request.user)
+            out = emergency.do_emergency_downshift(dep.name, reason=body["reason"], actor=request.user,
+                                                   gear_id=body.get("gear_id"))
         except Rejected as exc:
             return _refused(exc)
+        if out.state == "blocked":
+            assert out.decision is not None
+            return Response({"emergency": list(out.reasons), "decision": out.decision.pk, "offers": list(out.offers)},
+                            status=status.HTTP_409_CONFLICT)
         dep.refresh_from_db()
         body = {"state": out.state, "transition": out.transition.seq if out.transition is not None else None,
                 "deployment": _deployment(dep)}
         return Response(body, status=status.HTTP_202_ACCEPTED if out.state == "requested" else status.HTTP_200_OK)
+
+    @extend_schema(summary="Release an emergency (operator): hand the gear back to auto, advisory or a pin",
+                   request=ReleaseSerializer, responses={200: DeploymentSerializer, **REFUSALS}, parameters=[NAME],
+                   description="409 when the deployment holds no emergency downshift.")
+    @action(detail=True, methods=["post"])
+    def release(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        mode = self._body(ReleaseSerializer)["mode"]
+        try:
+            return Response(_deployment(emergency.do_release_emergency(dep.name, actor=request.user, mode=mode)))
+        except Rejected as exc:
+            return _refused(exc)
+
+
+    @extend_schema(summary="The planner's candidate gears now, with their estimates (what an override chooses from)",
+                   parameters=[NAME], responses={200: inline_serializer("Candidates", {
+                       "deployment": serializers.CharField(), "current_gear_id": serializers.CharField(allow_null=True),
+                       "workload": serializers.JSONField(allow_null=True, help_text="the offered load estimated on"),
+                       "candidates": serializers.ListField(child=serializers.JSONField(), help_text=(
+                           "best first: gear_id, name (shape and placement), gpu_count, meets_slo, gain_tokens, "
+                           "threshold_tokens, estimate {goodput_tokens_s, capacity_rps, ttft_p99_s, tpot_p99_s, ...}"))})})
+    @action(detail=True, methods=["get"])
+    def candidates(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        d = override.candidates_now(dep)
+        return Response({"deployment": dep.name, "current_gear_id": d.current_gear_id,
+                         "workload": d.workload.to_dict() if d.workload else None,
+                         "candidates": override.candidate_payloads(d)})
+
+    @extend_schema(summary="Gear override (operator): switch to a chosen gear as a transition, then pin it",
+                   request=OverrideSerializer, parameters=[NAME],
+                   responses={201: TransitionSerializer, **REFUSALS}, description=(
+                       "Exactly one of gear_id (a current candidate) and spec. The gear is checked against "
+                       "invariant 4 on the fleet now (400 naming the field, with the reasons); a candidate that "
+                       "is no longer one, a running transition or an emergency is a 409. The deployment is "
+                       "pinned to the target at once; the manual transition and the override are audited."))
+    @action(detail=True, methods=["post"])
+    def override(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        body = self._body(OverrideSerializer)
+        try:
+            _, started = override.do_override_gear(dep.name, actor=request.user, gear_id=body.get("gear_id"),
+                                                   spec=body.get("spec"), reason=body["reason"])
+        except Rejected as exc:
+            return _refused(exc)
+        row = present.transitions_with_steps().get(pk=started.pk)
+        return Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
+
+    @extend_schema(summary="Set the baseline gear (operator): the emergency target from now on; nothing switches",
+                   request=GearChoiceSerializer, parameters=[NAME], responses={200: DeploymentSerializer, **REFUSALS},
+                   description=("gear_id: \"current\" or a current candidate; or spec. Checked against invariant 4 "
+                                "like an override. The scenario loader never overwrites a baseline an operator set."))
+    @action(detail=True, methods=["post"])
+    def baseline(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        body = self._body(GearChoiceSerializer)
+        try:
+            dep = override.do_set_baseline(dep.name, actor=request.user, gear_id=body.get("gear_id"),
+                                           spec=body.get("spec"))
+        except Rejected as exc:
+            return _refused(exc)
+        return Response(_deployment(dep))
+
+
+    @extend_schema(summary="Roll a registry version out (operator): a transition with the canary, or a binding "
+                           "when nothing runs yet", request=RolloutSerializer, parameters=[NAME],
+                   responses={201: TransitionSerializer,
+                              200: OpenApiResponse(inline_serializer("RolloutBound", {
+                                  "state": serializers.ChoiceField(choices=["bound", "already_serving"]),
+                                  "deployment": DeploymentSerializer()}), description=(
+                                  "nothing ran yet (bound: its first gear loads it), or it serves it already")),
+                              **REFUSALS},
+                   description=(
+                       "Registering a version changes nothing that serves; this does. The new version comes up "
+                       "as shadow plans beside the running gear (weights checked against its SHA-256, its "
+                       "tokenizer and warm-up checked on the shadow plan), takes the canary share, then every "
+                       "request; a failed check or step rolls back and the old version keeps serving. 400: a "
+                       "version of another model; 404: no such version; 409: not loadable (quarantined, retired, "
+                       "verifying), a running transition, an emergency, or no room beside the running gear."))
+    @action(detail=True, methods=["post"])
+    def rollout(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        body = self._body(RolloutSerializer)
+        try:
+            state, started = rollout.do_rollout_version(dep.name, body["version"], actor=request.user,
+                                                        gear_id=body.get("gear_id"), spec=body.get("spec"))
+        except Rejected as exc:
+            return _refused(exc)
+        if started is not None:
+            row = present.transitions_with_steps().get(pk=started.pk)
+            return Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
+        dep.refresh_from_db()
+        return Response({"state": state, "deployment": _deployment(dep)})
 
 
 def request_data(request: Request) -> Any:

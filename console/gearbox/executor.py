@@ -15,7 +15,7 @@ from django.conf import settings
 from console.gearbox import crashpoints
 from console.gearbox.models import Transition
 from console.gearbox.ports import DjangoAgentPort, DjangoRouting, DjangoStore
-from scheduler.transition import Advance, Executor, TransitionConfig
+from scheduler.transition import Advance, Executor, TransitionConfig, TransitionRecord
 
 
 def transition_config() -> TransitionConfig:
@@ -30,26 +30,26 @@ def transition_config() -> TransitionConfig:
     )
 
 
-def registry_weights(model: str) -> str | None:
-    """The SHA-256 of the weights prepare_plan loads: the model's newest version in the registry
-    that may be loaded (verified, or awaiting the first agent's hash). With none but a quarantined
-    one, that one's registered digest: an agent then refuses weights other than the registered ones
-    instead of loading them unchecked (a quarantined version's wrong weights are never loaded).
-    None when the registry holds no such version (an unregistered model: nothing to check against)."""
-    from console.registry.models import ModelVersion
-
-    newest = ("-registered_at", "-id")
-    loadable = ModelVersion.objects.filter(name=model, status__in=(ModelVersion.VERIFIED, ModelVersion.AWAITING_AGENT))
-    digest = loadable.order_by(*newest).values_list("sha256", flat=True).first()
-    if digest is None:
-        digest = ModelVersion.objects.filter(name=model, status=ModelVersion.QUARANTINED).order_by(*newest) \
-            .values_list("sha256", flat=True).first()
-    return digest
+def version_load(rec: TransitionRecord) -> dict[str, object] | None:
+    """What the new plans of a transition load: the registry version the transition row names (the
+    deployment's own at its start, or the one a rollout rolls out), its SHA-256 - the agent refuses
+    other weights, even for a quarantined version: never loaded unchecked - and what the agent checks
+    on the shadow plan (tokenizer, warm-up). None: the deployment has no registry version."""
+    row = (Transition.objects.filter(deployment__name=rec.deployment_id, seq=rec.seq)
+           .select_related("model_version", "deployment__model_version").first())
+    if row is None:
+        return None
+    version = row.model_version or row.deployment.model_version
+    if version is None:
+        return None
+    return {"weights_sha256": version.sha256,
+            "model_version": {"id": version.pk, "version": version.version, "tokenizer": version.tokenizer,
+                              "warmup_tokens": version.warmup_tokens}}
 
 
 def build_executor(*, actor: str = "system:transitions") -> Executor:
     return Executor(DjangoStore(actor=actor), DjangoAgentPort(), DjangoRouting(actor=actor), time.time,
-                    config=transition_config(), probe=crashpoints.probe, weights=registry_weights)
+                    config=transition_config(), probe=crashpoints.probe, weights=version_load)
 
 
 def advance(deployment: str, seq: int | None = None) -> Advance:

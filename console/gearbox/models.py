@@ -4,19 +4,22 @@ The rules live in scheduler/ (gearbox.decide, transition.Executor); the writes i
 and in ports.py (the Django implementations of the transition ports). What each model holds:
 
 * `Deployment` - one model served by the cluster: SLO, priority, mode (auto | advisory |
-  pinned), baseline gear (the emergency target), current gear (what a finished transition
-  left), pinned gear, the versioned routing table (version + routes: plan, weight, frozen,
+  pinned | emergency), baseline gear (the emergency target), current gear (what a finished
+  transition left), pinned gear (the gear a pin or an emergency holds), the versioned routing table (version + routes: plan, weight, frozen,
   nodes) that the gateway and the simulated fleet route by, a pending emergency request, and
   the load window the gearbox decides on.
 * `Decision` - every decision the gearbox made, switch or not: trigger, outcome, the hysteresis
   factor, candidates with gain / cost / threshold, the full scheduler Decision, and in advisory
   mode its approval.
-* `Transition` - one gear change: seq (strictly increasing per deployment), kind, phase and
-  step, from/to gear, the Decision that caused it, what moved, and `record`: the executor's
+* `Transition` - one gear change: seq (strictly increasing per deployment), kind (auto |
+  approved | manual | emergency | rollout), phase and step, from/to gear, the Decision that caused
+  it, the registry version its new plans load, what moved, and `record`: the executor's
   TransitionRecord (the source of truth for resuming it). At most one is active per deployment:
   the database enforces it (a partial unique index), whatever the code does.
 * `TransitionStep` - one attempt of one step, with its timing, outcome, error and result.
 * `GpuReservation` - the ledger PREPARE books: memory a deployment's plan holds on a GPU.
+* `ServingSample` - what the engines of a deployment's routed plans reported, summed, once per report
+  (the tick stores it): the serving charts' history (the last hour is kept).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ PHASES = ACTIVE_PHASES + ("done", "rolled_back")
 
 
 class Deployment(models.Model):
-    AUTO, ADVISORY, PINNED = "auto", "advisory", "pinned"
-    MODES = [(m, m) for m in (AUTO, ADVISORY, PINNED)]
+    AUTO, ADVISORY, PINNED, EMERGENCY = "auto", "advisory", "pinned", "emergency"
+    MODES = [(m, m) for m in (AUTO, ADVISORY, PINNED, EMERGENCY)]
 
     name = models.CharField(max_length=64, unique=True)  # the deployment id (scenario `deployment`)
     model_name = models.CharField(max_length=128)  # scheduler.modelspec catalog name
@@ -39,15 +42,22 @@ class Deployment(models.Model):
     priority = models.IntegerField(default=0)  # higher is served first
     mode = models.CharField(max_length=16, choices=MODES, default=AUTO)
     baseline_gear = models.JSONField()  # Gear.to_dict(): the static plan, the emergency target
+    baseline_by = models.CharField(max_length=160, blank=True, default="")  # an operator who set it (kept by loaders)
     current_gear = models.JSONField(null=True, blank=True)  # null: nothing runs yet
-    pinned_gear = models.JSONField(null=True, blank=True)  # set while pinned
+    pinned_gear = models.JSONField(null=True, blank=True)  # set while pinned: the gear held (emergency: its target)
     routing_version = models.PositiveBigIntegerField(default=0)  # bumped by every routing commit
     routing = models.JSONField(default=list)  # [Route.to_dict()]: plan, weight, frozen, nodes
     last_transition_seq = models.PositiveBigIntegerField(default=0)  # claimed by a conditional update
     emergency_requested_at = models.DateTimeField(null=True, blank=True)  # pending emergency downshift
     emergency_reason = models.TextField(blank=True, default="")
     emergency_actor = models.CharField(max_length=160, blank=True, default="")
+    deleting_since = models.DateTimeField(null=True, blank=True)  # being drained, then deleted (lifecycle.py)
     load_window = models.JSONField(default=dict)  # gearbox.LoadWindow samples
+    # the registry version its plans load and the gateway tokenizes for; null: none registered (nothing
+    # to check). Only a rollout (or the first binding, before anything runs) changes it: registering
+    # a version changes nothing that serves.
+    model_version = models.ForeignKey("registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT,
+                                      related_name="deployments")
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
 
@@ -87,8 +97,8 @@ class Decision(models.Model):
 
 
 class Transition(models.Model):
-    AUTO, APPROVED, MANUAL, EMERGENCY = "auto", "approved", "manual", "emergency"
-    KINDS = [(k, k) for k in (AUTO, APPROVED, MANUAL, EMERGENCY)]
+    AUTO, APPROVED, MANUAL, EMERGENCY, ROLLOUT = "auto", "approved", "manual", "emergency", "rollout"
+    KINDS = [(k, k) for k in (AUTO, APPROVED, MANUAL, EMERGENCY, ROLLOUT)]
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="transitions")
     seq = models.PositiveBigIntegerField()
@@ -105,6 +115,9 @@ class Transition(models.Model):
     error = models.TextField(blank=True, default="")
     abort_reason = models.TextField(blank=True, default="")  # an operator asked it to roll back
     actor = models.CharField(max_length=160)  # who started it
+    # the registry version its new plans load: the deployment's, or (a rollout) the one rolled out
+    model_version = models.ForeignKey("registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT,
+                                      related_name="transitions")
     kv_bytes_migrated = models.PositiveBigIntegerField(default=0)
     tokens_replayed = models.PositiveBigIntegerField(default=0)
     seqs_migrated = models.PositiveIntegerField(default=0)
@@ -169,3 +182,20 @@ class GpuReservation(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["gpu_uuid", "deployment", "plan_id"],
                                                name="gearbox_reservation_unique")]
+
+
+class ServingSample(models.Model):
+    """One point of a deployment's serving history (console/gearbox/ticks.py stores them)."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="serving_samples")
+    at = models.DateTimeField()  # when the newest of the summed reports arrived
+    tokens_per_s = models.FloatField()  # output tokens/s, summed over the routed plans
+    ttft_p50_ms = models.FloatField(null=True, blank=True)  # worst over the plans
+    ttft_p95_ms = models.FloatField(null=True, blank=True)
+    tpot_p95_ms = models.FloatField(null=True, blank=True)
+    running = models.PositiveIntegerField(default=0)
+    waiting = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["at"]
+        indexes = [models.Index(fields=["deployment", "at"], name="gearbox_serving_at")]

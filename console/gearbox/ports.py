@@ -162,10 +162,29 @@ class DjangoStore:
                               "commands": [c.key for c in cur.intent.pre + cur.intent.commands],
                               "result": _jsonable(cur.result)})
             if rec.phase.value == "done":
-                Deployment.objects.filter(pk=dep_pk).update(current_gear=rec.to_gear.to_dict(), updated_at=now)
+                self._commit_gear(row, rec, now)
             self._audit(row, events, self.actor)
         transaction.on_commit(lambda: live.push_transition(rec.deployment_id, rec.seq))
         return replace(saved, abort_reason=row.abort_reason)
+
+    def _commit_gear(self, row: Transition, rec: TransitionRecord, now: datetime) -> None:
+        """At DONE the target is the deployment's gear - and a rollout's version the one it serves."""
+        dep = Deployment.objects.select_related("model_version").get(pk=row.deployment_id)
+        changes: dict[str, object] = {"current_gear": rec.to_gear.to_dict(), "updated_at": now}
+        version = row.model_version
+        if version is not None and version.pk != dep.model_version_id:
+            changes["model_version"] = version
+            before = dep.model_version.version if dep.model_version is not None else None
+            record("gearbox.version_rolled_out", actor=self.actor, at=now, deployment=dep.name,
+                   transition_seq=row.seq, summary=f"{dep.name}: now serves {version.name} {version.version}"
+                                                   f" (was {before or 'no registry version'})",
+                   before={"model_version": before}, after={"model_version": version.version},
+                   data={"model_version_id": version.pk, "sha256": version.sha256})
+            from console.registry import live as registry_live
+
+            for pk in {version.pk, dep.model_version_id} - {None}:
+                transaction.on_commit(lambda pk=pk: registry_live.push_version(pk))
+        Deployment.objects.filter(pk=row.deployment_id).update(**changes)
 
     def request_abort(self, deployment_id: str, seq: int, reason: str) -> bool:
         with transaction.atomic():

@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db.models import Prefetch
 from django.utils import timezone
 
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Transition, TransitionStep
+from console.gearbox.names import GpuNames, distinct, gear_name, load_names, names_from, plan_name, readable
 from scheduler.plan import Gear, Plan
 from scheduler.transition import STEP_DEFS, Step
 
@@ -67,13 +68,16 @@ def gear_id_of(raw: object) -> str | None:
     return gear.gear_id if gear is not None else None
 
 
-def gear_summary(raw: object) -> dict[str, Any] | None:
-    """Id, shape and plans (id, shape, weight) of a stored gear: what lists show."""
+def gear_summary(raw: object, names: GpuNames | None = None) -> dict[str, Any] | None:
+    """Id, shape, name (shape and placement: console/gearbox/names.py) and plans (id, shape, weight)
+    of a stored gear: what lists show."""
     gear = parse_gear(raw)
     if gear is None:
         return None
-    return {"gear_id": gear.gear_id, "shape": gear.shape(), "gpu_count": len(gear.gpu_uuids),
-            "plans": [{"plan_id": p.plan_id, "shape": p.shape(), "weight": w}
+    names = load_names() if names is None else names
+    return {"gear_id": gear.gear_id, "shape": gear.shape(), "name": gear_name(gear, names),
+            "gpu_count": len(gear.gpu_uuids),
+            "plans": [{"plan_id": p.plan_id, "shape": p.shape(), "name": plan_name(p, names), "weight": w}
                       for p, w in zip(gear.plans, gear.weights, strict=True)]}
 
 
@@ -231,6 +235,14 @@ class FleetView:
     engines: dict[str, list[dict[str, Any]]]  # plan id -> [latest EngineReport + node, reported_at]
     error: str = ""
 
+    @property
+    def names(self) -> dict[str, str]:
+        """uuid -> node/index of every present GPU (console/gearbox/names.py)."""
+        cached: dict[str, str] | None = self.__dict__.get("_names")
+        if cached is None:
+            cached = self.__dict__["_names"] = names_from(self.gpus)
+        return cached
+
 
 def fleet_view(now: datetime | None = None, *, with_blocks: bool = True) -> FleetView:
     from console.fleet.models import Gpu, Node
@@ -310,18 +322,15 @@ def gpu_holders(deployments: Iterable[Deployment], active: Mapping[int, Transiti
 
 
 # --- deployments -----------------------------------------------------------------------------------
-def model_versions(names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """model name -> the registry version a transition prepares now: the newest that may be loaded
-    (verified, or awaiting the first agent's hash) - the rule of executor.registry_weights."""
+def model_versions(deployments: Iterable[Deployment]) -> dict[int, dict[str, Any]]:
+    """deployment pk -> the registry version it serves (its plans load it, the gateway tokenizes
+    with it); only a rollout changes it (console/gearbox/rollout.py)."""
     from console.registry.models import ModelVersion
 
-    out: dict[str, dict[str, Any]] = {}
-    rows = (ModelVersion.objects.filter(name__in=set(names),
-                                        status__in=(ModelVersion.VERIFIED, ModelVersion.AWAITING_AGENT))
-            .order_by("name", "-registered_at", "-id").values("id", "name", "version", "sha256", "status", "engine"))
-    for row in rows:
-        out.setdefault(row["name"], {k: row[k] for k in ("id", "version", "sha256", "status", "engine")})
-    return out
+    ids = {d.model_version_id for d in deployments if d.model_version_id}
+    rows = {r["id"]: r for r in ModelVersion.objects.filter(pk__in=ids).values(
+        "id", "version", "sha256", "status", "engine", "tokenizer")}
+    return {d.pk: rows[d.model_version_id] for d in deployments if d.model_version_id in rows}
 
 
 def active_transitions(deployments: Sequence[Deployment]) -> dict[int, Transition]:
@@ -342,9 +351,12 @@ def health(dep: Deployment, active: Transition | None, fleet: FleetView,
     if dep.emergency_requested_at is not None:
         degraded = True
         reasons.append(f"emergency downshift requested by {dep.emergency_actor}: {dep.emergency_reason}")
+    elif dep.mode == Deployment.EMERGENCY:
+        reasons.append(f"emergency: holds its gear until an operator releases it ({dep.emergency_actor}: "
+                       f"{dep.emergency_reason})")
     if current is not None and fleet.blocks is not None:
-        lost = [f"GPU {u} is out ({fleet.excluded.get(u, 'not reported')})" for u in current.gpu_uuids
-                if u not in fleet.block_of]
+        lost = [f"GPU {fleet.names.get(u, u)} is out ({readable(fleet.excluded.get(u, 'not reported'), fleet.names)})"
+                for u in current.gpu_uuids if u not in fleet.block_of]
         if lost:
             degraded = True
             reasons.extend(lost[:4] + ([f"... and {len(lost) - 4} more"] if len(lost) > 4 else []))
@@ -354,6 +366,9 @@ def health(dep: Deployment, active: Transition | None, fleet: FleetView,
             if isinstance(value, int | float) and value > slo:
                 degraded = True
                 reasons.append(f"{what} P95 {value:.0f} ms is above the SLO of {slo:.0f} ms")
+    if dep.deleting_since is not None:
+        degraded = True
+        reasons.append("being deleted: its plans drain, then it goes (no new request is routed to it)")
     if active is not None:
         reasons.append(f"transition #{active.seq} ({active.kind}) in {active.phase}"
                        + (f": {active.step}" if active.step else ""))
@@ -396,34 +411,48 @@ class DeploymentContext:
     fleet: FleetView
     active: dict[int, Transition]
     pending: dict[int, int]
-    versions: dict[str, dict[str, Any]]
+    versions: dict[int, dict[str, Any]]  # deployment pk -> the version it serves
 
     @classmethod
     def load(cls, deployments: Sequence[Deployment], fleet: FleetView | None = None) -> DeploymentContext:
         return cls(fleet or fleet_view(), active_transitions(deployments), pending_decisions(deployments),
-                   model_versions(d.model_name for d in deployments))
+                   model_versions(deployments))
 
 
 def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any]:
+    from console.gearbox.present_controls import emergency_payload
+
     active = ctx.active.get(dep.pk)
     served = serving(routed_plan_ids(dep), ctx.fleet)
+    names = ctx.fleet.names
     return {
-        "name": dep.name, "model_name": dep.model_name, "model_version": ctx.versions.get(dep.model_name),
+        "name": dep.name, "model_name": dep.model_name, "model_version": ctx.versions.get(dep.pk),
         "slo": {"ttft_ms": dep.ttft_ms, "tpot_ms": dep.tpot_ms}, "priority": dep.priority, "mode": dep.mode,
-        "baseline_gear": gear_summary(dep.baseline_gear), "current_gear": gear_summary(dep.current_gear),
-        "pinned_gear": gear_summary(dep.pinned_gear), "on_baseline": bool(dep.current_gear)
+        "baseline_gear": gear_summary(dep.baseline_gear, names), "current_gear": gear_summary(dep.current_gear, names),
+        "pinned_gear": gear_summary(dep.pinned_gear, names), "on_baseline": bool(dep.current_gear)
         and dep.current_gear == dep.baseline_gear,
         "routing": routing_payload(dep),
         "active_transition": None if active is None else {
             "seq": active.seq, "kind": active.kind, "phase": active.phase, "step": active.step,
-            "to_gear_id": gear_id_of(active.to_gear), "abort_reason": active.abort_reason},
-        "emergency": None if dep.emergency_requested_at is None else {
-            "requested_at": iso(dep.emergency_requested_at), "reason": dep.emergency_reason,
-            "actor": dep.emergency_actor},
+            "to_gear_id": gear_id_of(active.to_gear), "abort_reason": active.abort_reason,
+            "model_version_id": active.model_version_id},
+        "emergency": emergency_payload(dep, active, names),
         "pending_decision": ctx.pending.get(dep.pk), "last_transition_seq": dep.last_transition_seq,
+        "deleting_since": iso(dep.deleting_since),
         "health": health(dep, active, ctx.fleet, served), "serving": served,
         "created_at": iso(dep.created_at), "updated_at": iso(dep.updated_at),
     }
+
+
+def serving_history(dep: Deployment) -> list[dict[str, Any]]:
+    """The last hour of the deployment's serving (ServingSample, one per engine report), oldest first:
+    what its charts start from before live points arrive."""
+    from console.gearbox.models import ServingSample
+
+    since = timezone.now() - timedelta(hours=1)
+    return [{"at": iso(s.at), "tokens_per_s": s.tokens_per_s, "ttft_p50_ms": s.ttft_p50_ms,
+             "ttft_p95_ms": s.ttft_p95_ms, "tpot_p95_ms": s.tpot_p95_ms, "running": s.running}
+            for s in ServingSample.objects.filter(deployment=dep, at__gte=since).order_by("at")]
 
 
 def load_history(dep: Deployment) -> list[dict[str, Any]]:
@@ -471,15 +500,20 @@ def moved_payload(t: Transition) -> dict[str, Any]:
 
 
 def transition_payload(t: Transition, *, detail: bool = False, fleet: FleetView | None = None,
-                       now: datetime | None = None) -> dict[str, Any]:
+                       now: datetime | None = None, names: GpuNames | None = None) -> dict[str, Any]:
     steps = list(t.steps.all())
     now = now or timezone.now()
+    names = (fleet.names if fleet is not None else load_names()) if names is None else names
+    source, target = gear_summary(t.from_gear, names), gear_summary(t.to_gear, names)
+    if source is not None and target is not None:  # two distinct gears never read the same
+        source["name"], target["name"] = distinct((source["name"], source["gear_id"]),
+                                                  (target["name"], target["gear_id"]))
     body: dict[str, Any] = {
         "id": t.pk, "deployment": t.deployment.name, "seq": t.seq, "kind": t.kind, "phase": t.phase,
         "active": t.active, "step": t.step, "attempt": t.attempt, "actor": t.actor, "decision": t.decision_id,
-        "from_gear": gear_summary(t.from_gear), "to_gear": gear_summary(t.to_gear),
+        "from_gear": source, "to_gear": target,
         "created_at": iso(t.created_at), "updated_at": iso(t.updated_at), "finished_at": iso(t.finished_at),
-        "duration_s": seconds_between(t.created_at, t.finished_at or now), "error": t.error,
+        "duration_s": seconds_between(t.created_at, t.finished_at or now), "error": readable(t.error, names),
         "abort_reason": t.abort_reason, "phases": phase_spans(t, steps, now), "moved": moved_payload(t),
     }
     if detail:
@@ -488,7 +522,7 @@ def transition_payload(t: Transition, *, detail: bool = False, fleet: FleetView 
         source = parse_gear(t.from_gear)
         body["to_gear_detail"] = gear_detail(target, fleet) if target is not None else None
         body["from_gear_detail"] = gear_detail(source, fleet) if source is not None else None
-        body["decision_summary"] = decision_payload(t.decision) if t.decision is not None else None
+        body["decision_summary"] = decision_payload(t.decision, names=names) if t.decision is not None else None
     return body
 
 
@@ -540,60 +574,10 @@ def migration_queue(t: Transition | None) -> int:
     return waiting
 
 
-# --- decisions -------------------------------------------------------------------------------------
-def decision_payload(d: Decision, *, detail: bool = False, fleet: FleetView | None = None) -> dict[str, Any]:
-    cands = d.candidates if isinstance(d.candidates, list) else []
-    best = cands[0] if cands and isinstance(cands[0], dict) else None
-    body: dict[str, Any] = {
-        "id": d.pk, "deployment": d.deployment.name, "at": iso(d.at), "trigger": d.trigger, "outcome": d.outcome,
-        "factor": d.factor, "current_gear_id": d.current_gear_id or None, "target_gear_id": d.target_gear_id or None,
-        "target_shape": _target_shape(d), "reasons": list(d.reasons) if isinstance(d.reasons, list) else [],
-        "actor": d.actor, "note": d.note, "approval": d.approval or None,
-        "approved_by": d.approved_by.get_username() if d.approved_by_id and d.approved_by else None,
-        "approved_at": iso(d.approved_at), "candidate_count": len(cands),
-        "best": None if best is None else {k: best.get(k) for k in (
-            "gear_id", "shape", "gain_tokens", "cost_tokens", "threshold_tokens", "passes")},
-        "transitions": [t.seq for t in d.transitions.all()],
-    }
-    if detail:
-        full = d.decision if isinstance(d.decision, dict) else {}
-        body["candidates"] = [_candidate(c, d.factor) for c in full.get("candidates", []) if isinstance(c, dict)]
-        body["current"] = {"gear_id": full.get("current_gear_id"), "valid": full.get("current_valid"),
-                           "value_tokens_s": full.get("current_value_tokens_s"),
-                           "estimate": full.get("current_estimate")}
-        body["workload"] = full.get("workload")
-        cooldown = full.get("cooldown_until_s")
-        body["cooldown_until"] = iso(datetime.fromtimestamp(cooldown, tz=UTC)) \
-            if isinstance(cooldown, int | float) else None
-        target = parse_gear(full.get("target"))
-        body["target_gear"] = gear_detail(target, fleet) if target is not None else None
-    return body
-
-
-def _target_shape(d: Decision) -> str | None:
-    full = d.decision if isinstance(d.decision, dict) else {}
-    target = parse_gear(full.get("target"))
-    return target.shape() if target is not None else None
-
-
-def _candidate(c: Mapping[str, Any], factor: float) -> dict[str, Any]:
-    cost = c.get("cost") if isinstance(c.get("cost"), dict) else {}
-    gear = parse_gear(c.get("gear"))
-    return {"gear_id": c.get("gear_id"), "shape": c.get("shape"), "gain_tokens": c.get("gain_tokens"),
-            "cost_tokens": cost.get("tokens"), "threshold_tokens": c.get("threshold_tokens"), "factor": factor,
-            "passes": c.get("passes"), "value_tokens_s": c.get("value_tokens_s"), "note": c.get("note", ""),
-            "cost": cost, "estimate": c.get("estimate"),
-            "gpu_count": len(gear.gpu_uuids) if gear is not None else None}
-
-
-def decisions_with_links() -> Any:
-    return Decision.objects.select_related("deployment", "approved_by").prefetch_related(
-        Prefetch("transitions", queryset=Transition.objects.only("id", "seq", "decision_id").order_by("seq")))
-
-
 # --- what pages and their websockets send ------------------------------------------------------------
 RECENT_SWITCHES = 12
 PAGE_ROWS = 25
+DECISION_ROWS = 100  # the deployment page folds runs of "stay" (one every tick): it can show more
 
 
 def recent_switches(limit: int = RECENT_SWITCHES, deployment: Deployment | None = None) -> list[dict[str, Any]]:
@@ -601,11 +585,14 @@ def recent_switches(limit: int = RECENT_SWITCHES, deployment: Deployment | None 
     if deployment is not None:
         qs = qs.filter(deployment=deployment)
     now = timezone.now()
-    return [transition_payload(t, now=now) for t in qs[:limit]]
+    names = load_names()
+    return [transition_payload(t, now=now, names=names) for t in qs[:limit]]
 
 
-def recent_decisions(deployment: Deployment, limit: int = PAGE_ROWS) -> list[dict[str, Any]]:
-    return [decision_payload(d) for d in decisions_with_links().filter(deployment=deployment).order_by("-id")[:limit]]
+def recent_decisions(deployment: Deployment, limit: int = DECISION_ROWS) -> list[dict[str, Any]]:
+    names = load_names()
+    return [decision_payload(d, names=names)
+            for d in decisions_with_links().filter(deployment=deployment).order_by("-id")[:limit]]
 
 
 def fleet_payload(fleet: FleetView) -> dict[str, Any]:
@@ -645,7 +632,7 @@ def deployment_state(dep: Deployment) -> dict[str, Any]:
     """Everything the Deployment page shows, as its websocket sends it on connect."""
     ctx = DeploymentContext.load([dep])
     return {"deployment": deployment_payload(dep, ctx), "transitions": recent_switches(PAGE_ROWS, dep),
-            "decisions": recent_decisions(dep), "load": load_history(dep),
+            "decisions": recent_decisions(dep), "load": load_history(dep), "serving_history": serving_history(dep),
             **gears_state(dep, ctx.fleet, ctx.active.get(dep.pk))}
 
 
@@ -664,3 +651,7 @@ def transition_detail(deployment: str, seq: int, fleet: FleetView | None = None)
 def decision_detail(pk: int, fleet: FleetView | None = None) -> dict[str, Any] | None:
     d = decisions_with_links().filter(pk=pk).first()
     return decision_payload(d, detail=True, fleet=fleet or fleet_view()) if d is not None else None
+
+
+# the decisions' shapes live in present_decisions.py (imported last: it builds on the helpers above)
+from console.gearbox.present_decisions import decision_payload, decisions_with_links  # noqa: E402

@@ -18,6 +18,8 @@ def on_command_acked(sender: Any, command: Any, **kwargs: Any) -> None:
 
     if command.transition_seq and command.deployment:
         tasks.enqueue(tasks.advance, deployment=command.deployment, seq=command.transition_seq)
+    elif command.key.startswith("gearbox.delete/") and command.deployment:
+        tasks.enqueue(tasks.tick, trigger="periodic", deployment=command.deployment)  # it may be deleted now
 
 
 @receiver(topology_changed)

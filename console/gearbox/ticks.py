@@ -14,7 +14,9 @@ from datetime import datetime
 from django.conf import settings
 from django.utils import timezone
 
-from console.gearbox.actions import do_decide_gear, do_record_load, held_gpus
+from console.gearbox import present
+from console.gearbox.actions import do_decide_gear, do_record_load, do_record_serving, held_gpus
+from console.gearbox.lifecycle import finish_deletions
 from console.gearbox.models import Deployment, Transition
 from console.gearbox.snapshot import fleet_snapshot, gear_gpus, load_sample
 from scheduler.gearbox import Trigger
@@ -42,17 +44,22 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
     if trigger not in TRIGGERS:
         raise ValueError(f"trigger: must be one of {', '.join(TRIGGERS)}; got {trigger!r}")
     now = now or timezone.now()
+    deleted = finish_deletions(now)
     try:
         base = fleet_snapshot(now)
     except ValueError as exc:  # reports that contradict each other: decide nothing on them
         log.warning("gearbox tick skipped: the fleet does not make a valid snapshot (%s)", exc)
         return {"skipped": str(exc)}
     held = held_gpus()
+    engines = present.fleet_view(now, with_blocks=False)  # the engines' latest reports: serving history
     decided, started, waiting = [], [], []
     deps = Deployment.objects.order_by("-priority", "name")
     if deployment is not None:
         deps = deps.filter(name=deployment)
     for dep in deps:
+        if dep.deleting_since is not None:
+            continue
+        do_record_serving(dep, present.serving(present.routed_plan_ids(dep), engines))
         if _load_settled(dep, now):
             sample = load_sample([r.get("plan_id", "") for r in dep.routing if isinstance(r, dict)], now)
             if sample is not None:
@@ -65,4 +72,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         if out.transition is not None:
             started.append(f"{dep.name}#{out.transition.seq}")
             held.setdefault(dep.name, set()).update(gear_gpus(out.transition.to_gear))
-    return {"trigger": trigger, "decided": decided, "started": started, "waiting": waiting}
+    out: dict[str, object] = {"trigger": trigger, "decided": decided, "started": started, "waiting": waiting}
+    if deleted:
+        out["deleted"] = deleted
+    return out

@@ -14,6 +14,7 @@ from console.accounts.decorators import role_required
 from console.accounts.roles import OPERATOR, VIEWER, has_role
 from console.gearbox import present
 from console.gearbox.models import Deployment, Transition
+from scheduler.gearbox import Outcome
 
 
 @role_required(VIEWER)
@@ -28,7 +29,7 @@ def deployment_page(request: HttpRequest, name: str) -> HttpResponse:
     dep = get_object_or_404(Deployment, name=name)
     can_operate = has_role(request.user, OPERATOR)
     return render(request, "gearbox/deployment.html", {
-        "name": dep.name, "can_operate": can_operate,
+        "name": dep.name, "can_operate": can_operate, "outcomes": [o.value for o in Outcome],
         "page_data": {"name": dep.name, "can_operate": can_operate, **present.deployment_state(dep)}})
 
 

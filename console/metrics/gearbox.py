@@ -8,7 +8,7 @@ the same, and a restart loses nothing. One or two queries per family; a scrape s
     flexpipe_deployment_gear{deployment}                       the gear number: the seq of the transition
                                                                that brought the current gear up (0: none
                                                                yet) - it steps at every gear change
-    flexpipe_deployment_pinned{deployment}                     1 while pinned
+    flexpipe_deployment_pinned{deployment}                     1 while pinned or holding an emergency downshift
     flexpipe_deployment_routing_version{deployment}            the routing table's version
     flexpipe_transition_phase{deployment, phase}               1 for the phase of the running transition
                                                                (prepare | switch | cleanup | rollback),
@@ -59,7 +59,8 @@ class GearboxCollector(Collector):
                                  "1 per plan of the deployment's current gear", labels=["deployment", "plan_id", "gear"])
         gear = GaugeMetricFamily("flexpipe_deployment_gear", "Gear number: the seq of the transition that brought "
                                  "the current gear up (0: nothing runs yet)", labels=["deployment"])
-        pinned = GaugeMetricFamily("flexpipe_deployment_pinned", "1 while the deployment is pinned",
+        pinned = GaugeMetricFamily("flexpipe_deployment_pinned", "1 while the deployment is pinned (or holds an "
+                                   "emergency downshift: never switched automatically)",
                                    labels=["deployment"])
         routing = GaugeMetricFamily("flexpipe_deployment_routing_version", "Version of the deployment's routing table",
                                     labels=["deployment"])
@@ -74,7 +75,7 @@ class GearboxCollector(Collector):
             for plan in current.plans if current is not None else ():
                 info.add_metric([d.name, plan.plan_id, current.gear_id], 1.0)  # type: ignore[union-attr]
             gear.add_metric([d.name], float(latest_done.get(d.pk, 0) if current is not None else 0))
-            pinned.add_metric([d.name], 1.0 if d.mode == Deployment.PINNED else 0.0)
+            pinned.add_metric([d.name], 1.0 if d.mode in (Deployment.PINNED, Deployment.EMERGENCY) else 0.0)
             routing.add_metric([d.name], float(d.routing_version))
             t = active.get(d.pk)
             now_phase = t.phase if t is not None else "idle"

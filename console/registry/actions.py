@@ -11,8 +11,9 @@ lock is held while gigabytes stream through SHA256.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -24,7 +25,7 @@ from console.audit.chain import actor_of, record
 from console.registry import live
 from console.registry.architecture import validate_architecture
 from console.registry.models import ModelVersion
-from console.registry.weights import SHA256_RE, check_readable_file, parse_weights_uri, sha256_file
+from console.registry.weights import SHA256_RE, check_readable_file, confined, parse_weights_uri, sha256_file
 
 log = logging.getLogger(__name__)
 REGISTRY_ACTOR = actor_of(system="registry")
@@ -84,6 +85,26 @@ def _existing_conflicts(spec: VersionSpec) -> tuple[ModelVersion | None, dict[st
     return None, {}
 
 
+def tokenizer_problem(tokenizer: str, roots: list[Path]) -> str | None:
+    """Why the gateway could not tokenize with this version's tokenizer (a tokenizer.json or the model
+    folder holding one, under a model root), or None: it is loaded and tried now, at registration."""
+    from console.gateway import tokens
+
+    if not tokenizer.startswith("/"):
+        return "must be the absolute path of a tokenizer.json (or of the model folder holding one) under a model root"
+    try:
+        path = confined(Path(tokenizer), roots)
+        tok = tokens.load(str(path))
+        ids = tok.encode("FlexPipe registry check")
+    except ValueError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
+        return f"{tokenizer} does not load as a tokenizer ({exc.__class__.__name__}: {exc})"[:400]
+    if not ids:
+        return f"{tokenizer} encodes text to no tokens"
+    return None
+
+
 def do_register_model_version(spec: VersionSpec, *, actor: str, user: Any | None = None,
                               now: datetime | None = None) -> Registration:
     """Register a version; verify its weights now (small local file), later (big local file: Celery
@@ -104,11 +125,17 @@ def do_register_model_version(spec: VersionSpec, *, actor: str, user: Any | None
         spec = VersionSpec(**{**asdict(spec), "architecture": arch.value})
     except ValueError as exc:
         errors["architecture"] = str(exc)
+    roots = list(settings.FLEXPIPE_MODEL_ROOTS)
     try:
         location = parse_weights_uri(spec.weights_uri)
+        if location.local_path is not None:
+            location = replace(location, local_path=confined(location.local_path, roots))
     except ValueError as exc:
         errors["weights_uri"] = str(exc)
         location = None
+    problem = tokenizer_problem(spec.tokenizer, roots)
+    if problem is not None:
+        errors["tokenizer"] = problem
     if errors:
         raise Refused(400, errors)
 
@@ -287,8 +314,9 @@ def verify_local_weights(version_id: int, *, now: datetime | None = None) -> str
     if location.local_path is None:
         return version.status  # not ours to hash: an agent reports it
     try:
-        check_readable_file(location.local_path)
-        observed = sha256_file(location.local_path)
+        path = confined(location.local_path, list(settings.FLEXPIPE_MODEL_ROOTS))
+        check_readable_file(path)
+        observed = sha256_file(path)
     except (ValueError, OSError) as exc:
         reason = str(exc) if isinstance(exc, ValueError) else f"cannot read {location.local_path}: {exc.strerror or exc}"
         do_quarantine_model_version(version, reason=f"weights unreadable, cannot be verified: {reason}",
@@ -306,6 +334,15 @@ def do_retire_model_version(version: ModelVersion, *, actor: str, user: Any | No
     locked = ModelVersion.objects.select_for_update().get(pk=version.pk)
     if locked.status == ModelVersion.RETIRED:
         return False
+    from console.gearbox.models import ACTIVE_PHASES, Transition
+
+    serving = sorted(locked.deployments.values_list("name", flat=True))
+    rolling = sorted(Transition.objects.filter(model_version=locked, phase__in=ACTIVE_PHASES)
+                     .values_list("deployment__name", flat=True))
+    if serving or rolling:
+        who = ", ".join(serving + [f"{n} (rolling it out)" for n in rolling])
+        raise Refused(409, {"status": f"{locked.name} {locked.version} is in use by {who}: roll another version "
+                                      "out first"})
     before = locked.status
     locked.status = ModelVersion.RETIRED
     locked.status_detail = f"retired: {reason}" if reason else "retired"

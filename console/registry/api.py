@@ -47,14 +47,27 @@ class ArchitectureField(serializers.JSONField):
 
 class ModelVersionSerializer(serializers.ModelSerializer):  # type: ignore[type-arg]
     architecture = ArchitectureField(read_only=True)
+    serving = serializers.SerializerMethodField(help_text="deployments that serve this version now")
+    deployments = serializers.SerializerMethodField(help_text=(
+        "deployments of this model: where it can be rolled out (POST /api/v1/deployments/{name}/rollout)"))
 
     class Meta:
         model = ModelVersion
         fields = ["id", "name", "version", "engine", "architecture", "weights_uri", "sha256", "tokenizer",
                   "max_context", "min_gpu_mem_bytes", "warmup_tokens", "status", "status_detail", "weights_bytes",
                   "registered_at", "registered_by", "verified_at", "verified_by", "observed_sha256",
-                  "quarantined_at", "quarantined_by", "retired_at", "retired_by"]
+                  "quarantined_at", "quarantined_by", "retired_at", "retired_by", "serving", "deployments"]
         read_only_fields = fields
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_serving(self, obj: ModelVersion) -> list[str]:
+        return sorted(obj.deployments.values_list("name", flat=True))
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_deployments(self, obj: ModelVersion) -> list[str]:
+        from console.gearbox.models import Deployment
+
+        return sorted(Deployment.objects.filter(model_name=obj.name).values_list("name", flat=True))
 
 
 class RegisterSerializer(StrictSerializer):
@@ -66,11 +79,13 @@ class RegisterSerializer(StrictSerializer):
     architecture = ArchitectureField(help_text="a name of the scheduler's model catalog, or the model's "
                                                "Hugging Face config.json as an object")
     weights_uri = serializers.CharField(max_length=1024, help_text=(
-        "file:///abs/path or /abs/path (hashed by the console), or http(s)://, s3://, hf:// (hashed by the agent "
-        "that downloads it)"))
+        "file:///abs/path or /abs/path under a model root (FLEXPIPE_MODEL_ROOTS; hashed by the console), or "
+        "http(s)://, s3://, hf:// (hashed by the agent that downloads it)"))
     sha256 = serializers.RegexField(r"^[0-9a-f]{64}$", error_messages={
         "invalid": "must be 64 lowercase hexadecimal digits (the SHA256 of the weights file)"})
-    tokenizer = serializers.CharField(max_length=1024, help_text="this model's own tokenizer: a path, URI or name")
+    tokenizer = serializers.CharField(max_length=1024, help_text=(
+        "this model's own tokenizer: the absolute path of its tokenizer.json (or of the model folder holding one) "
+        "under a model root; loaded and tried at registration - the gateway tokenizes with it"))
     max_context = serializers.IntegerField(min_value=1, max_value=MAX_CONTEXT_TOKENS)
     min_gpu_mem_bytes = serializers.IntegerField(min_value=1, max_value=MAX_GPU_MEM_BYTES)
     warmup_tokens = serializers.IntegerField(min_value=0, max_value=MAX_WARMUP_TOKENS)
@@ -186,13 +201,18 @@ class ModelVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
             "detail": cmd.detail, "result": cmd.result if isinstance(cmd.result, dict) else {}}).data)
 
     @extend_schema(summary="Retire a model version (admin; idempotent)", request=RetireSerializer,
-                   responses={200: ModelVersionSerializer})
+                   responses={200: ModelVersionSerializer,
+                              409: OpenApiResponse(description="a deployment serves it (or is rolling it out): "
+                                                               "the body names `status` and who")})
     @action(detail=True, methods=["post"])
     def retire(self, request: Request, pk: str | None = None) -> Response:
         version = self.get_object()
         body = RetireSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        actions.do_retire_model_version(version, actor=actor_of(request.user), user=request.user,
-                                        reason=body.validated_data["reason"])
+        try:
+            actions.do_retire_model_version(version, actor=actor_of(request.user), user=request.user,
+                                            reason=body.validated_data["reason"])
+        except actions.Refused as exc:
+            return refused_response(exc.status, exc.errors)
         version.refresh_from_db()
         return Response(ModelVersionSerializer(version).data)

@@ -1,7 +1,7 @@
 """Where weights live and what their SHA256 is.
 
-A weights URI is either local — `file:///abs/path` or `/abs/path`, a file the console can read and
-hash itself — or remote — `http(s)://host/...`, `s3://bucket/key`, `hf://org/repo[/file]` — which only
+A weights URI is either local — `file:///abs/path` or `/abs/path`, a file under one of the model roots
+(settings.FLEXPIPE_MODEL_ROOTS: `confined`) that the console can read and hash itself — or remote — `http(s)://host/...`, `s3://bucket/key`, `hf://org/repo[/file]` — which only
 the agent that downloads it can hash (DESIGN.md: weights never travel through the controller).
 """
 
@@ -54,6 +54,18 @@ def parse_weights_uri(uri: str) -> WeightsLocation:
             raise ValueError(f"a {scheme}:// URI needs a path after the {'bucket' if scheme == 's3' else 'organisation'}")
         return WeightsLocation(uri, None)
     raise ValueError("must be file:///absolute/path, an absolute path, or an http(s)://, s3:// or hf:// URI")
+
+
+def confined(path: Path, roots: list[Path]) -> Path:
+    """`path` resolved (symlinks and `..` followed), if it lies under one of the model roots; ValueError
+    otherwise: the console reads and hashes files only there, never anywhere on its host."""
+    resolved = path.resolve()
+    for root in roots:
+        if resolved.is_relative_to(root.resolve()):
+            return resolved
+    where = ", ".join(str(r) for r in roots) or "none configured"
+    raise ValueError(f"{path} is not under a model root (FLEXPIPE_MODEL_ROOTS: {where}); put the model there or "
+                     "add its folder to FLEXPIPE_MODEL_ROOTS")
 
 
 def check_readable_file(path: Path) -> int:

@@ -36,6 +36,15 @@
     return parts.join("\n");
   }
 
+  function link(href, text, kind) {
+    const a = document.createElement("a");
+    a.href = href; a.textContent = text; a.dataset.link = kind;
+    a.addEventListener("click", function (ev) { ev.stopPropagation(); });  // a link, not the row's detail
+    const span = document.createElement("div");
+    span.appendChild(a);
+    return span;
+  }
+
   function row(e, fresh) {
     const tr = document.createElement("tr");
     tr.dataset.seq = String(e.seq);
@@ -47,13 +56,22 @@
       if (i === 2) td.className = "mono";
       tr.appendChild(td);
     });
+    // what the entry is about: its transition's and its decision's review pages
+    const links = document.createElement("td");
+    links.className = "links small";
+    if (e.deployment && e.transition_seq) {
+      links.appendChild(link("/deployments/" + encodeURIComponent(e.deployment) + "/transitions/" + e.transition_seq + "/",
+                             "transition #" + e.transition_seq, "transition"));
+    }
+    if (e.decision_id) links.appendChild(link("/decisions/" + e.decision_id + "/", "decision " + e.decision_id, "decision"));
+    tr.appendChild(links);
     tr.addEventListener("click", function () {
       const next = tr.nextElementSibling;
       if (next && next.classList.contains("detail")) { next.remove(); return; }
       const d = document.createElement("tr");
       d.className = "detail";
       const td = document.createElement("td");
-      td.colSpan = 6;
+      td.colSpan = 7;
       const pre = document.createElement("pre");
       pre.textContent = detailText(e);
       td.appendChild(pre);

@@ -38,7 +38,7 @@
     const flag = !g.healthy ? "✕" : (node && !node.schedulable ? "?" : (!g.allocatable ? "T" : ""));
     const held = state.holders[g.uuid] || [];
     const mark = held.some(function (h) { return h.role === "serving"; }) ? "●" : (held.length ? "◐" : "");
-    return { z: used, text: state.blocks ? (flag || (String(g.index) + mark)) : flag,
+    return { z: used, text: flag || mark,
              custom: [g.uuid, g.model, gib(g.mem_used_bytes) + " / " + gib(g.mem_total_bytes), pct(g.sm_util),
                       gpuStatus(g, node), g.temperature_c == null ? "?" : g.temperature_c + " °C", where,
                       holderText(g), g.node_id, g.index] };
@@ -75,21 +75,22 @@
   function render() {
     const rows = layout();
     const gpus = Object.values(state.gpus);
-    const width = Math.max(1, ...rows.map(function (r) { return r.gpus.length; }));
+    // one column per GPU index: a block's GPUs (all on one node) sit under their own index
+    const width = Math.max(1, ...gpus.map(function (g) { return g.index + 1; }));
     const z = [], text = [], custom = [];
     rows.forEach(function (r) {
       const rowZ = new Array(width).fill(null), rowT = new Array(width).fill(""), rowC = new Array(width).fill(null);
-      r.gpus.forEach(function (g, i) {
+      r.gpus.forEach(function (g) {
         if (!g) return;
         const c = cellFor(g, r.where(g));
-        rowZ[i] = c.z; rowT[i] = c.text; rowC[i] = c.custom;
+        rowZ[g.index] = c.z; rowT[g.index] = c.text; rowC[g.index] = c.custom;
       });
       z.push(rowZ); text.push(rowT); custom.push(rowC);
     });
     const byBlock = !!state.blocks;
     const trace = {
       type: "heatmap", z: z, y: rows.map(function (r) { return r.label; }),
-      x: Array.from({ length: width }, function (_, i) { return (byBlock ? "#" : "GPU ") + i; }),
+      x: Array.from({ length: width }, function (_, i) { return "GPU " + i; }),
       text: text, texttemplate: "%{text}", customdata: custom, zmin: 0, zmax: 1, xgap: 3, ygap: 3,
       colorscale: "YlOrRd", reversescale: true, colorbar: { title: { text: "memory used" }, tickformat: ".0%" },
       hovertemplate: "<b>%{customdata[8]} · GPU %{customdata[9]}</b><br>%{customdata[1]}<br>memory %{customdata[2]}" +
@@ -98,8 +99,9 @@
     };
     const el = document.getElementById("heatmap");
     Plotly.react(el, [trace], {
-      margin: { l: 170, r: 20, t: 36, b: 10 }, height: Math.max(220, 36 * rows.length + 80),
-      yaxis: { autorange: "reversed", type: "category" }, xaxis: { side: "top", showticklabels: !byBlock },
+      margin: { l: 20, r: 20, t: 36, b: 10 }, height: Math.max(220, 36 * rows.length + 80),
+      yaxis: { autorange: "reversed", type: "category", automargin: true },  // labels never clipped
+      xaxis: { side: "top", type: "category" },
     }, { displaylogo: false, responsive: true });
     el.dataset.gpuCount = String(gpus.length);
     el.dataset.grouping = byBlock ? "block" : "node";

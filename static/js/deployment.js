@@ -33,10 +33,10 @@
     fact(dl, "SLO", "TTFT " + gb.ms(d.slo.ttft_ms) + " · TPOT " + gb.ms(d.slo.tpot_ms) + " · priority " + d.priority);
     fact(dl, "Current gear", d.current_gear ? gb.gearText(d.current_gear) + " · " + d.current_gear.gear_id + (d.on_baseline ? " (the baseline)" : "") : "none yet");
     fact(dl, "Baseline gear", gb.gearText(d.baseline_gear) + " · " + d.baseline_gear.gear_id);
-    fact(dl, "Pinned gear", d.pinned_gear ? gb.gearText(d.pinned_gear) + " · " + d.pinned_gear.gear_id : "—");
+    fact(dl, d.mode === "emergency" ? "Held gear" : "Pinned gear", d.pinned_gear ? gb.gearText(d.pinned_gear) + " · " + d.pinned_gear.gear_id : "—");
     const at = d.active_transition;
     fact(dl, "Transition", at ? gb.link(gb.transitionUrl(name, at.seq), "#" + at.seq + " " + at.kind + " · " + at.phase + (at.step ? " · " + at.step : "")) : "none running");
-    if (d.emergency) fact(dl, "Emergency", "requested " + gb.when(d.emergency.requested_at) + " by " + d.emergency.actor + ": " + d.emergency.reason);
+    renderEmergency(d.emergency);
     if (d.pending_decision) fact(dl, "Waiting for approval", gb.link(gb.decisionUrl(d.pending_decision), "decision " + d.pending_decision));
     fact(dl, "Routing", "version " + d.routing.version);
     const tbody = document.querySelector("#routes tbody");
@@ -53,15 +53,63 @@
     renderControls();
   }
 
+  // --- the emergency: held, pending, blocked (in red) ------------------------------------------------
+  const EMERGENCY_TITLES = { pending: "Emergency downshift requested", blocked: "Emergency downshift BLOCKED",
+                             running: "Emergency downshift running", holding: "Emergency: holding",
+                             failed: "Emergency downshift FAILED" };
+
+  // The planner's best safe gears, offered when the baseline cannot run - never to be mistaken for it.
+  function offerCards(div, offers, reason) {
+    div.innerHTML = "";
+    (offers || []).slice(0, 3).forEach(function (o, i) {
+      const card = gb.el("div", { className: "offer", "data-offer": o.gear_id });
+      card.appendChild(gb.el("div", { className: "label" }, (i === 0 ? "Offered instead: " : "Also safe: ") + o.label));
+      card.appendChild(gb.el("div", { className: "strong" }, o.name + " · " + o.gpu_count + " GPU" + (o.gpu_count === 1 ? "" : "s")));
+      const e = o.estimate || {};
+      card.appendChild(gb.el("div", { className: "small" }, (o.meets_slo ? "meets the SLOs" : "misses the SLOs") +
+        " · goodput " + gb.num(e.goodput_tokens_s, 0) + " tokens/s · TTFT P99 " + gb.secs(e.ttft_p99_s) +
+        " · TPOT P99 " + gb.secs(e.tpot_p99_s) + " (the planner's estimate)"));
+      if (canOperate) {
+        const b = gb.el("button", { type: "button", className: "danger small" }, "Downshift to this gear instead");
+        b.dataset.acceptOffer = o.gear_id;
+        b.addEventListener("click", function () {
+          b.disabled = true;
+          sendEmergency(reason(), o.gear_id).then(function (r) { if (r.status >= 300) b.disabled = false; });
+        });
+        card.appendChild(b);
+      }
+      div.appendChild(card);
+    });
+  }
+
+  function renderEmergency(e) {
+    const banner = document.getElementById("emergency-banner");
+    banner.hidden = !e;
+    if (!e) { delete banner.dataset.state; return; }
+    banner.dataset.state = e.state;
+    banner.className = "banner " + (e.state === "holding" || e.state === "running" || e.state === "pending" ? "banner-hold" : "banner-bad");
+    document.getElementById("emergency-title").textContent = EMERGENCY_TITLES[e.state] + ":";
+    const target = e.target ? e.target.name + (e.on_baseline ? " (the baseline)" : " (not the baseline: the gear an operator accepted)") : "";
+    const detail = document.getElementById("emergency-detail");
+    detail.textContent = target + " — by " + e.actor + ": " + e.reason + (e.error ? " — " + e.error : "") +
+      (e.state === "holding" ? " — never switched automatically until released." : "");
+    const ul = document.getElementById("emergency-blocked");
+    ul.innerHTML = "";
+    (e.blocked || []).forEach(function (r) { ul.appendChild(gb.el("li", {}, r)); });
+    offerCards(document.getElementById("emergency-offers"), e.offers, function () { return e.reason; });
+  }
+
   // --- controls (operators) --------------------------------------------------------------------------
   function renderControls() {
     if (!canOperate) return;
     const d = state.deployment;
+    const held = d.mode === "emergency";
     document.querySelectorAll("#controls [data-mode]").forEach(function (b) {
       b.classList.toggle("selected", b.dataset.mode === d.mode);
       b.setAttribute("aria-pressed", b.dataset.mode === d.mode ? "true" : "false");
+      b.disabled = held;  // an emergency holds until it is released (the banner's buttons)
     });
-    document.getElementById("pin-button").disabled = !d.current_gear || d.mode === "pinned";
+    document.getElementById("pin-button").disabled = held || !d.current_gear || d.mode === "pinned";
     document.getElementById("unpin-button").disabled = d.mode !== "pinned";
     document.getElementById("emergency-baseline").textContent = gb.gearText(d.baseline_gear);
   }
@@ -72,14 +120,46 @@
     out.className = "small " + (ok ? "ok" : "error");
   }
 
-  function act(path, body, done) {
+  function act(path, body, done, refused) {
     return gb.post("/api/v1/deployments/" + encodeURIComponent(name) + "/" + path, body).then(function (r) {
       if (r.status >= 200 && r.status < 300) {
         const dep = r.body.deployment || r.body;
         if (dep && dep.name === name) { state.deployment = dep; renderSummary(); }
         say(done(r), true);
       } else {
-        say(gb.errorText(r.body), false);
+        say(refused ? refused(r) : gb.errorText(r.body), false);
+      }
+      return r;
+    });
+  }
+
+  // The emergency verb: accepted (202/200) closes the dialog; blocked (409) stays open, in red, with
+  // the reason, what to do and the offered safe gear - the page never says "requested" for it.
+  function sendEmergency(reason, gearId) {
+    const body = { reason: reason };
+    if (gearId) body.gear_id = gearId;
+    const dialog = document.getElementById("emergency-dialog");
+    const error = document.getElementById("emergency-error");
+    return act("emergency", body, function (r) {
+      const words = { requested: "emergency downshift requested: it holds until released",
+                      already_requested: "already requested: nothing new",
+                      already_running: "the downshift is already running", holding: "on the target: held until released" };
+      return words[r.body.state] || r.body.state;
+    }, function (r) {
+      return r.status === 409 && r.body.emergency ? "emergency downshift BLOCKED: " + r.body.emergency.join(" ") : gb.errorText(r.body);
+    }).then(function (r) {
+      if (r.status >= 200 && r.status < 300) { if (dialog.open) dialog.close(); return r; }
+      error.innerHTML = "";
+      if (r.status === 409 && r.body.emergency) {
+        error.dataset.state = "blocked";
+        error.appendChild(gb.el("b", {}, "Blocked — nothing was changed."));
+        const ul = gb.el("ul", { className: "reasons" });
+        r.body.emergency.forEach(function (t) { ul.appendChild(gb.el("li", {}, t)); });
+        error.appendChild(ul);
+        offerCards(document.getElementById("emergency-dialog-offers"), r.body.offers, function () { return reason; });
+        if (!dialog.open) dialog.showModal();
+      } else {
+        error.textContent = gb.errorText(r.body);
       }
       return r;
     });
@@ -101,6 +181,11 @@
     document.getElementById("unpin-button").addEventListener("click", function () {
       act("unpin", { mode: "auto" }, function () { return "unpinned: automatic again"; });
     });
+    document.querySelectorAll("#emergency-banner [data-release]").forEach(function (b) {
+      b.addEventListener("click", function () {
+        act("release", { mode: b.dataset.release }, function (r) { return "emergency released: mode " + r.body.mode; });
+      });
+    });
     const dialog = document.getElementById("emergency-dialog");
     const form = document.getElementById("emergency-form");
     const confirmButton = document.getElementById("emergency-confirm");
@@ -109,7 +194,8 @@
     form.reason.addEventListener("input", ready);
     form.confirm.addEventListener("change", ready);
     document.getElementById("emergency-button").addEventListener("click", function () {
-      form.reset(); error.textContent = ""; ready();
+      form.reset(); error.textContent = ""; delete error.dataset.state; ready();
+      document.getElementById("emergency-dialog-offers").innerHTML = "";
       dialog.showModal();
       form.reason.focus();
     });
@@ -118,15 +204,69 @@
       ev.preventDefault();
       if (confirmButton.disabled) return;
       confirmButton.disabled = true;
-      act("emergency", { reason: form.reason.value }, function (r) {
-        const words = { requested: "emergency downshift requested", already_requested: "already requested: nothing new",
-                        already_running: "the downshift is already running", already_on_baseline: "already on the baseline: nothing to do" };
-        return words[r.body.state] || r.body.state;
-      }).then(function (r) {
-        if (r.status >= 200 && r.status < 300) dialog.close();
-        else { error.textContent = gb.errorText(r.body); ready(); }
-      });
+      sendEmergency(form.reason.value).then(function () { ready(); });
     });
+  }
+
+  // --- choosing a gear: the planner's candidates, an override, the baseline ---------------------------
+  function renderCandidates(body) {
+    const table = document.getElementById("candidates");
+    const tbody = table.querySelector("tbody");
+    tbody.innerHTML = "";
+    table.hidden = false;
+    table.dataset.rows = String(body.candidates.length);
+    document.getElementById("candidates-note").textContent = body.candidates.length + " candidate(s), best first" +
+      (body.workload ? ", at " + gb.num(body.workload.rate_rps, 2) + " req/s offered" : ", no load sample yet (placed for zero load)");
+    body.candidates.forEach(function (c) {
+      const tr = gb.el("tr", { "data-gear": c.gear_id });
+      gb.cell(tr, c.name, "strong").title = c.gear_id + (c.note ? " · " + c.note : "");
+      gb.cell(tr, c.gpu_count);
+      gb.cell(tr, c.meets_slo ? "meets" : "misses", c.meets_slo ? "ok" : "error");
+      gb.cell(tr, gb.num(c.estimate.goodput_tokens_s, 0) + " tok/s");
+      gb.cell(tr, gb.num(c.estimate.capacity_rps, 1) + " req/s");
+      gb.cell(tr, gb.secs(c.estimate.ttft_p99_s));
+      gb.cell(tr, gb.secs(c.estimate.tpot_p99_s));
+      const last = gb.cell(tr, "");
+      if (canOperate) {
+        const o = gb.el("button", { type: "button", className: "small" }, "Override to this gear");
+        o.dataset.override = c.gear_id;
+        o.addEventListener("click", function () { override({ gear_id: c.gear_id }); });
+        const b = gb.el("button", { type: "button", className: "small ghost" }, "Make baseline");
+        b.dataset.baseline = c.gear_id;
+        b.addEventListener("click", function () { setBaseline({ gear_id: c.gear_id }); });
+        last.appendChild(o); last.appendChild(b);
+      }
+      tbody.appendChild(tr);
+    });
+  }
+
+  function listCandidates() {
+    document.getElementById("candidates-note").textContent = "asking the planner…";
+    return fetch("/api/v1/deployments/" + encodeURIComponent(name) + "/candidates", { credentials: "same-origin",
+      headers: { Accept: "application/json" } }).then(function (r) { return r.json(); }).then(renderCandidates);
+  }
+
+  function override(body) {
+    return act("override", body, function (r) {
+      return "override: transition #" + r.body.seq + " to " + r.body.to_gear.name + " started; it holds (pinned)";
+    });
+  }
+
+  function setBaseline(body) {
+    return act("baseline", body, function (r) { return "the baseline is now " + r.body.baseline_gear.name; });
+  }
+
+  function specBody() {
+    try { return { spec: JSON.parse(document.getElementById("spec-text").value) }; }
+    catch (e) { say("spec: not JSON (" + e.message + ")", false); return null; }
+  }
+
+  function wireOverride() {
+    document.getElementById("candidates-button").addEventListener("click", listCandidates);
+    if (!canOperate) return;
+    document.getElementById("spec-override").addEventListener("click", function () { const b = specBody(); if (b) override(b); });
+    document.getElementById("spec-baseline").addEventListener("click", function () { const b = specBody(); if (b) setBaseline(b); });
+    document.getElementById("baseline-current").addEventListener("click", function () { setBaseline({ gear_id: "current" }); });
   }
 
   // --- gears -----------------------------------------------------------------------------------------
@@ -140,24 +280,34 @@
   }
 
   // --- serving charts --------------------------------------------------------------------------------
+  // The charts start from the stored last hour (serving_history), then each report that arrives live.
   function addPoint(serving) {
     if (!serving || !serving.reported_at) return;
     const last = state.points[state.points.length - 1];
-    if (last && last.at === serving.reported_at) return;
+    if (last && Date.parse(last.at) >= Date.parse(serving.reported_at)) return;
     state.points.push({ at: serving.reported_at, tokens_per_s: serving.tokens_per_s, ttft_p50_ms: serving.ttft_p50_ms,
                         ttft_p95_ms: serving.ttft_p95_ms, tpot_p95_ms: serving.tpot_p95_ms, running: serving.running });
     if (state.points.length > MAX_POINTS) state.points.shift();
   }
+  (data.serving_history || []).forEach(function (p) { state.points.push(p); });
 
   function line(name, x, y, extra) { return Object.assign({ type: "scatter", mode: "lines+markers", name: name, x: x, y: y }, extra || {}); }
   function sloLine(x, value) {
     return line("SLO", x.length ? [x[0], x[x.length - 1]] : [], x.length ? [value, value] : [],
                 { mode: "lines", line: { dash: "dash", color: "#c0362c", width: 1 } });
   }
-  const CHART = { margin: { l: 50, r: 10, t: 30, b: 30 }, height: 220, xaxis: { type: "date" }, legend: { orientation: "h", y: -0.25 } };
+  const CHART = { margin: { l: 60, r: 10, t: 30, b: 44 }, height: 230, legend: { orientation: "h", y: -0.32 } };
+  // Wall-clock x axis in UTC; one point alone gets a minute either side (not a millisecond-wide axis).
+  function timeAxis(x) {
+    const axis = { type: "date", title: { text: "wall clock (UTC)", font: { size: 11 } } };
+    if (x.length === 1) axis.range = [Date.parse(x[0]) - 60000, Date.parse(x[0]) + 60000];
+    return axis;
+  }
   // A chart with no sample yet says so, instead of plotly's default axes (a year 2000 date range).
-  function chartLayout(title, n, what, extra) {
-    const layout = Object.assign({}, CHART, { title: { text: title, font: { size: 13 } } }, extra || {});
+  function chartLayout(title, n, what, extra, x, unit) {
+    const layout = Object.assign({}, CHART, { title: { text: title, font: { size: 13 } }, xaxis: timeAxis(x || []),
+                                              yaxis: { title: { text: unit || "", font: { size: 11 } }, rangemode: "tozero" } },
+                                 extra || {});
     if (n) return layout;
     return Object.assign(layout, {
       xaxis: { type: "date", visible: false }, yaxis: { visible: false }, showlegend: false,
@@ -172,18 +322,16 @@
     const cfg = { displaylogo: false, responsive: true };
     const noReport = "no engine report yet";
     Plotly.react("chart-throughput", [line("tokens/s", x, p.map(function (q) { return q.tokens_per_s; }))],
-                 chartLayout("Throughput (output tokens/s)", p.length, noReport, { showlegend: false }), cfg);
+                 chartLayout("Throughput", p.length, noReport, { showlegend: false }, x, "output tokens/s"), cfg);
     Plotly.react("chart-p95", [line("TPOT P95", x, p.map(function (q) { return q.tpot_p95_ms; })), sloLine(x, slo.tpot_ms)],
-                 chartLayout("P95 time per output token (ms)", p.length, noReport), cfg);
+                 chartLayout("Time per output token, P95", p.length, noReport, {}, x, "ms"), cfg);
     Plotly.react("chart-ttft", [line("P50", x, p.map(function (q) { return q.ttft_p50_ms; })),
                                 line("P95", x, p.map(function (q) { return q.ttft_p95_ms; })), sloLine(x, slo.ttft_ms)],
-                 chartLayout("Time to first token (ms)", p.length, noReport), cfg);
+                 chartLayout("Time to first token", p.length, noReport, {}, x, "ms"), cfg);
     const lx = state.load.map(function (s) { return s.at; });
-    // one sample alone would get an axis a millisecond wide: show a minute either side of it
-    const xaxis = lx.length === 1 ? { type: "date", range: [Date.parse(lx[0]) - 60000, Date.parse(lx[0]) + 60000] } : { type: "date" };
     Plotly.react("chart-load", [line("req/s", lx, state.load.map(function (s) { return s.rate_rps; }))],
-                 chartLayout("Offered load (requests/s, the gearbox's window)", lx.length, "no load sample in the window yet",
-                             { xaxis: xaxis, showlegend: false }), cfg);
+                 chartLayout("Offered load (the gearbox's window)", lx.length, "no load sample in the window yet",
+                             { showlegend: false }, lx, "requests/s"), cfg);
     document.getElementById("chart-throughput").dataset.points = String(p.length);
   }
 
@@ -194,36 +342,64 @@
     gb.transitionsTable(document.querySelector("#transitions tbody"), rows, { withActor: true });
   }
 
+  // Newest first; a run of consecutive "stay" decisions with the same reasons (one per tick) folds into
+  // one row that says how many and over what span; the outcome filter shows one kind only.
+  const expanded = {};
+  function decisionRow(tbody, d, extra) {
+    const tr = gb.el("tr", { "data-decision": d.id, "data-outcome": d.outcome });
+    if (extra) Object.keys(extra).forEach(function (k) { tr.setAttribute(k, extra[k]); });
+    gb.cell(tr, gb.link(gb.decisionUrl(d.id), String(d.id)));
+    gb.cell(tr, gb.timeEl(d.at));
+    gb.cell(tr, d.trigger);
+    gb.cell(tr, gb.el("span", { className: "pill " + (d.outcome === "switch" ? "pill-ok" : d.outcome === "advise" ? "pill-wait" : d.outcome === "blocked" ? "pill-bad" : "pill-off") }, d.outcome));
+    gb.cell(tr, d.target_name || d.target_shape || "—", "small");
+    gb.cell(tr, d.best ? gb.num(d.best.gain_tokens, 0) : "—");
+    gb.cell(tr, d.best ? gb.num(d.best.threshold_tokens, 0) : "—");
+    gb.cell(tr, d.reasons.join("; "), "small");
+    const last = gb.cell(tr, d.approval === "pending" ? "" : (d.approval || ""), "small");
+    if (d.approval === "pending" && canOperate) {
+      const b = gb.el("button", { type: "button", className: "small" }, "Approve");
+      b.dataset.approve = String(d.id);
+      b.addEventListener("click", function () {
+        b.disabled = true;
+        gb.post("/api/v1/decisions/" + d.id + "/approve", {}).then(function (r) {
+          if (r.status === 201) say("approved: transition #" + r.body.seq + " started", true);
+          else { say(gb.errorText(r.body), false); b.disabled = false; }
+        });
+      });
+      last.appendChild(b);
+    } else if (d.approval === "pending") {
+      last.textContent = "waiting for approval";
+    }
+    tbody.appendChild(tr);
+    return tr;
+  }
+
   function renderDecisions() {
     const tbody = document.querySelector("#decisions tbody");
     tbody.innerHTML = "";
-    Object.values(state.decisions).sort(function (a, b) { return b.id - a.id; }).slice(0, 25).forEach(function (d) {
-      const tr = gb.el("tr", { "data-decision": d.id, "data-outcome": d.outcome });
-      gb.cell(tr, gb.link(gb.decisionUrl(d.id), String(d.id)));
-      gb.cell(tr, gb.when(d.at));
-      gb.cell(tr, d.trigger);
-      gb.cell(tr, gb.el("span", { className: "pill " + (d.outcome === "switch" ? "pill-ok" : d.outcome === "advise" ? "pill-wait" : d.outcome === "blocked" ? "pill-bad" : "pill-off") }, d.outcome));
-      gb.cell(tr, d.target_shape || "—");
-      gb.cell(tr, d.best ? gb.num(d.best.gain_tokens, 0) : "—");
-      gb.cell(tr, d.best ? gb.num(d.best.threshold_tokens, 0) : "—");
-      gb.cell(tr, d.reasons.join("; "), "small");
-      const last = gb.cell(tr, d.approval === "pending" ? "" : (d.approval || ""), "small");
-      if (d.approval === "pending" && canOperate) {
-        const b = gb.el("button", { type: "button", className: "small" }, "Approve");
-        b.dataset.approve = String(d.id);
-        b.addEventListener("click", function () {
-          b.disabled = true;
-          gb.post("/api/v1/decisions/" + d.id + "/approve", {}).then(function (r) {
-            if (r.status === 201) say("approved: transition #" + r.body.seq + " started", true);
-            else { say(gb.errorText(r.body), false); b.disabled = false; }
-          });
-        });
-        last.appendChild(b);
-      } else if (d.approval === "pending") {
-        last.textContent = "waiting for approval";
-      }
-      tbody.appendChild(tr);
+    const only = document.getElementById("decision-filter").value;
+    const rows = Object.values(state.decisions).sort(function (a, b) { return b.id - a.id; })
+      .filter(function (d) { return !only || d.outcome === only; });
+    const groups = [];
+    rows.forEach(function (d) {
+      const g = groups[groups.length - 1];
+      const key = d.outcome + "|" + d.trigger + "|" + d.reasons.join("|");
+      if (g && d.outcome === "stay" && g.key === key) g.rows.push(d); else groups.push({ key: key, rows: [d] });
     });
+    groups.slice(0, 40).forEach(function (g) {
+      const head = g.rows[0];
+      if (g.rows.length === 1 || expanded[head.id]) { g.rows.forEach(function (d) { decisionRow(tbody, d); }); return; }
+      const oldest = g.rows[g.rows.length - 1];
+      const tr = decisionRow(tbody, head, { "data-folded": String(g.rows.length) });
+      const cell = tr.children[0];
+      cell.appendChild(gb.el("span", { className: "muted small" }, " … " + oldest.id));
+      const more = gb.el("button", { type: "button", className: "small ghost unfold" },
+                         g.rows.length + " × stay since " + gb.relative(oldest.at));
+      more.addEventListener("click", function () { expanded[head.id] = true; renderDecisions(); });
+      tr.children[3].appendChild(more);
+    });
+    document.getElementById("decisions").dataset.rows = String(rows.length);
   }
 
   // --- state -----------------------------------------------------------------------------------------
@@ -256,6 +432,8 @@
 
   apply(Object.assign({ type: "snapshot" }, data));
   wireControls();
+  wireOverride();
+  document.getElementById("decision-filter").addEventListener("change", renderDecisions);
   setInterval(function () {
     if (Object.values(state.transitions).some(function (t) { return t.active; })) renderTimeline();
   }, 1000);

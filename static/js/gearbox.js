@@ -6,7 +6,7 @@
   const PHASE_COLORS = { prepare: "#7c8cf0", switch: "#f0a23c", cleanup: "#46a86b", rollback: "#d0533f",
                          done: "#46a86b", rolled_back: "#d0533f" };
   const HEALTH_PILL = { ok: "pill-ok", switching: "pill-wait", degraded: "pill-bad", idle: "pill-off" };
-  const MODE_PILL = { auto: "pill-ok", advisory: "pill-wait", pinned: "pill-pin" };
+  const MODE_PILL = { auto: "pill-ok", advisory: "pill-wait", pinned: "pill-pin", emergency: "pill-emergency" };
   const STAGE_COLORS = ["#3451b2", "#e07b39", "#2f9e6e", "#b8408a", "#8a6d1f", "#4f9fd8", "#c23b3b", "#6b5bd2"];
 
   function el(tag, attrs, text) {
@@ -47,6 +47,32 @@
     }).join(" · ");
   }
 
+  // A span in words: "4 min 12 s", "2 h 5 min", "850 ms".
+  function span(s) {
+    s = Math.abs(s);
+    if (s < 1) return Math.round(s * 1000) + " ms";
+    if (s < 60) return (s < 10 ? s.toFixed(1) : Math.round(s)) + " s";
+    const m = Math.floor(s / 60), r = Math.round(s % 60);
+    if (m < 60) return m + " min" + (r ? " " + r + " s" : "");
+    const h = Math.floor(m / 60);
+    return h + " h" + (m % 60 ? " " + (m % 60) + " min" : "");
+  }
+  // A moment relative to now: "in 4 min 12 s" or "3 min ago"; the UTC time goes in the title.
+  function relative(iso, now) {
+    if (!iso) return "—";
+    const d = (Date.parse(iso) - (now || Date.now())) / 1000;
+    return Math.abs(d) < 1 ? "now" : d > 0 ? "in " + span(d) : span(d) + " ago";
+  }
+  function timeEl(iso, tag) {
+    const node = el(tag || "span", { className: "when", title: when(iso) }, relative(iso));
+    if (iso) node.dataset.at = iso;
+    return node;
+  }
+  // Every relative time on the page, once a second (they are spans in words, so they age).
+  setInterval(function () {
+    document.querySelectorAll(".when[data-at]").forEach(function (n) { n.textContent = relative(n.dataset.at); });
+  }, 1000);
+
   function when(iso) { return iso ? iso.replace("T", " ").replace(/\.\d+/, "").replace(/(\+00:00|Z)$/, "Z") : "—"; }
   function clock(iso) { return iso ? when(iso).slice(11, 19) : "—"; }
   function secs(s) {
@@ -67,7 +93,7 @@
     return Number(x).toLocaleString("en-US", { maximumFractionDigits: digits === undefined ? 1 : digits });
   }
   function ms(x) { return x === null || x === undefined ? "—" : num(x, 0) + " ms"; }
-  function gearText(g) { return g ? g.shape + " · " + g.gpu_count + " GPU" + (g.gpu_count === 1 ? "" : "s") : "—"; }
+  function gearText(g) { return g ? (g.name || g.shape) + " · " + g.gpu_count + " GPU" + (g.gpu_count === 1 ? "" : "s") : "—"; }
 
   function setPill(node, cls, text, state) {
     node.className = "pill " + cls;
@@ -98,7 +124,7 @@
         trace.x.push(Math.max(end - start, 40));  // a phase of a few ms still shows
         trace.base.push(new Date(start).toISOString());
         trace.y.push(label);
-        trace.customdata.push([secs(p.duration_s), p.running ? "running" : "done", t.phase, t.to_gear ? t.to_gear.shape : ""]);
+        trace.customdata.push([secs(p.duration_s), p.running ? "running" : "done", t.phase, t.to_gear ? t.to_gear.name || t.to_gear.shape : ""]);
       });
     });
     const order = ["prepare", "switch", "cleanup", "rollback"];
@@ -149,7 +175,7 @@
         s.gpus.forEach(function (g) {
           if (g.node === null) return;
           used[g.uuid] = true;
-          x.push("GPU " + g.index); y.push(g.node); text.push("S" + s.index);
+          x.push("GPU " + g.index); y.push(g.node); text.push(g.in_block === false ? "S" + s.index + "✕" : "S" + s.index);
           custom.push([g.uuid, g.model, plan.shape + " · weight " + Math.round(plan.weight * 100) + "%",
                        g.in_block === false ? "out: " + g.out_reason : "in a block"]);
         });
@@ -160,20 +186,30 @@
         colour += 1;
       });
     });
+    // the GPUs around the gear, by what they are: free, another tenant's (T), failed or unreachable (✕)
+    const OTHER = { tenant: ["another tenant's", "T", "#8a94a6", "square"], unhealthy: ["failed", "✕", "#c0362c", "square-x-open"],
+                    unreachable: ["unreachable", "?", "#c0362c", "square-open"] };
     const other = gpus.filter(function (g) { return !used[g.uuid]; });
-    traces.unshift({ type: "scatter", mode: "markers", name: "not in this gear",
-                     x: other.map(function (g) { return "GPU " + g.index; }), y: other.map(function (g) { return g.node; }),
-                     customdata: other.map(function (g) { return [g.uuid, g.model, g.in_block === false ? "out: " + g.out_reason : "free or other"]; }),
-                     marker: { symbol: "square-open", size: 30, color: "#c9ced6" },
-                     hovertemplate: "<b>%{y} · %{x}</b><br>%{customdata[1]} · %{customdata[2]}<extra></extra>" });
+    [["free or another deployment's", null]].concat(Object.keys(OTHER).map(function (k) { return [OTHER[k][0], k]; }))
+      .forEach(function (kind) {
+        const pick = other.filter(function (g) { return kind[1] ? g.state === kind[1] : !OTHER[g.state]; });
+        if (!pick.length) return;
+        const look = kind[1] ? OTHER[kind[1]] : [kind[0], "", "#c9ced6", "square-open"];
+        traces.unshift({ type: "scatter", mode: "markers+text", name: look[0],
+                         x: pick.map(function (g) { return "GPU " + g.index; }), y: pick.map(function (g) { return g.node; }),
+                         text: pick.map(function () { return look[1]; }), textfont: { color: look[2], size: 13 },
+                         customdata: pick.map(function (g) { return [g.uuid, g.model, g.in_block === false ? "out: " + g.out_reason : look[0]]; }),
+                         marker: { symbol: look[3], size: 30, color: look[2], line: { width: 1.5, color: look[2] }, opacity: kind[1] ? 0.55 : 1 },
+                         hovertemplate: "<b>%{y}/%{x}</b><br>%{customdata[1]} · %{customdata[2]}<br>%{customdata[0]}<extra></extra>" });
+      });
     const width = Math.max(1, ...gpus.map(function (g) { return g.index + 1; }));
     div.dataset.gearId = gear.gear_id;
     Plotly.react(div, traces, {
-      title: { text: title + ": " + gear.shape + " <span style='font-size:11px;color:#667085'>" + gear.gear_id + "</span>", font: { size: 13 } },
-      height: Math.max(170, 56 * nodes.length + 110), margin: { l: 70, r: 10, t: 36, b: 10 },
+      title: { text: title + ": " + (gear.name || gear.shape) + " <span style='font-size:11px;color:#667085'>" + gear.gear_id + "</span>", font: { size: 13 } },
+      height: Math.max(170, 56 * nodes.length + 110), margin: { l: 10, r: 10, t: 36, b: 10 },
       xaxis: { type: "category", side: "top", categoryorder: "array",
                categoryarray: Array.from({ length: width }, function (_, i) { return "GPU " + i; }) },
-      yaxis: { type: "category", categoryorder: "array", categoryarray: nodes.slice().reverse() },
+      yaxis: { type: "category", categoryorder: "array", categoryarray: nodes.slice().reverse(), automargin: true },
       legend: { orientation: "h", y: -0.05, font: { size: 11 } }, showlegend: true,
     }, { displaylogo: false, responsive: true });
   }
@@ -206,7 +242,7 @@
       cell(tr, link(deploymentUrl(d.name), d.name), "strong");
       cell(tr, d.model_name + (d.model_version ? " @" + d.model_version.version : ""));
       cell(tr, el("span", { className: "pill " + (MODE_PILL[d.mode] || "") }, d.mode));
-      cell(tr, d.current_gear ? d.current_gear.shape + (d.on_baseline ? " (baseline)" : "") : "—");
+      cell(tr, d.current_gear ? (d.current_gear.name || d.current_gear.shape) + (d.on_baseline ? " (baseline)" : "") : "—", "small");
       cell(tr, d.current_gear ? d.current_gear.gpu_count : 0);
       cell(tr, healthPill(d.health));
       cell(tr, d.serving ? num(d.serving.tokens_per_s, 0) : "—");
@@ -225,9 +261,9 @@
       cell(tr, link(transitionUrl(t.deployment, t.seq), (opts.withDeployment ? t.deployment + " " : "") + "#" + t.seq));
       cell(tr, t.kind);
       cell(tr, phasePill(t));
-      cell(tr, (t.from_gear ? t.from_gear.shape : "∅") + " → " + t.to_gear.shape);
-      cell(tr, when(t.created_at));
-      cell(tr, secs(t.duration_s) + (t.active ? " so far" : ""));
+      cell(tr, (t.from_gear ? t.from_gear.name || t.from_gear.shape : "∅") + " → " + (t.to_gear.name || t.to_gear.shape), "small");
+      cell(tr, timeEl(t.created_at));
+      cell(tr, span(t.duration_s || 0) + (t.active ? " so far" : ""));
       cell(tr, bytes(t.moved.kv_bytes_migrated));
       cell(tr, num(t.moved.tokens_replayed, 0));
       if (opts.withActor) cell(tr, t.actor, "small");
@@ -239,6 +275,7 @@
   window.FlexPipe = window.FlexPipe || {};
   window.FlexPipe.gb = {
     el: el, post: post, errorText: errorText, when: when, clock: clock, secs: secs, bytes: bytes, num: num, ms: ms,
+    span: span, relative: relative, timeEl: timeEl,
     gearText: gearText, setPill: setPill, link: link, cell: cell, healthPill: healthPill, phasePill: phasePill,
     deploymentUrl: deploymentUrl, transitionUrl: transitionUrl, decisionUrl: decisionUrl,
     gantt: gantt, gearDiagram: gearDiagram, deploymentsTable: deploymentsTable, transitionsTable: transitionsTable,

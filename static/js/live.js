@@ -1,9 +1,14 @@
 // A websocket that reconnects by itself and says how it is doing in a status pill.
 // Each page gives it a path and a handler; the handler receives parsed JSON messages.
+// The server pings every few seconds ({"type": "ping", "every_s"}, console/dashboard/consumers.py):
+// pings never reach the handler, and a connection silent for three ping periods is taken as dead
+// and reopened. `FlexPipe.live.stats` counts opens and closes (the idle-page test reads it).
 (function () {
   "use strict";
+  const stats = { opens: 0, closes: [], pings: 0 };
   function connect(path, onMessage, statusEl) {
     let delay = 500;
+    let watchdog = null;
     function setStatus(state, text) {
       if (!statusEl) return;
       statusEl.dataset.state = state;
@@ -13,9 +18,19 @@
     function open() {
       const scheme = window.location.protocol === "https:" ? "wss://" : "ws://";
       const ws = new WebSocket(scheme + window.location.host + path);
-      ws.onopen = function () { delay = 500; setStatus("live", "live"); };
-      ws.onmessage = function (ev) { onMessage(JSON.parse(ev.data), ws); };
+      function watch(everyS) {
+        clearTimeout(watchdog);
+        watchdog = setTimeout(function () { ws.close(4000, "no ping for three periods"); }, 3000 * everyS);
+      }
+      ws.onopen = function () { delay = 500; stats.opens += 1; setStatus("live", "live"); };
+      ws.onmessage = function (ev) {
+        const msg = JSON.parse(ev.data);
+        if (msg.type === "ping") { stats.pings += 1; watch(msg.every_s); return; }
+        onMessage(msg, ws);
+      };
       ws.onclose = function (ev) {
+        clearTimeout(watchdog);
+        stats.closes.push({ at: new Date().toISOString(), code: ev.code });
         if (ev.code === 4401 || ev.code === 4403) { setStatus("closed", "not allowed — log in again"); return; }
         setStatus("connecting", "reconnecting…");
         setTimeout(open, delay);
@@ -25,5 +40,5 @@
     open();
   }
   window.FlexPipe = window.FlexPipe || {};
-  window.FlexPipe.live = { connect: connect };
+  window.FlexPipe.live = { connect: connect, stats: stats };
 })();

@@ -4,6 +4,7 @@
   "use strict";
   const data = JSON.parse(document.getElementById("registry-data").textContent);
   const canAdmin = data.can_admin;
+  const canOperate = data.can_operate;
   const state = { versions: {} };
   window.FlexPipe = window.FlexPipe || {};
   window.FlexPipe.registry = state;
@@ -14,7 +15,7 @@
                         quarantined: "quarantined", retired: "retired" };
 
   function csrfToken() {
-    const el = document.querySelector("[name=csrfmiddlewaretoken]");
+    const el = document.querySelector("[name=csrfmiddlewaretoken]");  // the page's own token (every role)
     return el ? el.value : "";
   }
 
@@ -71,13 +72,59 @@
       yes.addEventListener("click", function () {
         yes.disabled = true;
         post("/api/v1/models/" + v.id + "/retire", { reason: reason.value }).then(function (res) {
-          if (res.status === 200) upsert(res.body);
-          else { td.textContent = JSON.stringify(res.body); }
+          if (res.status === 200) { upsert(res.body); return; }
+          retireControls(td, state.versions[v.id]);
+          say(td, "refused: " + errorText(res.body), false);
         });
       });
       td.append(reason, yes, no);
     });
     td.appendChild(btn);
+  }
+
+  function errorText(body) {
+    return Object.keys(body || {}).map(function (k) { return k + ": " + [].concat(body[k]).join("; "); }).join(" · ");
+  }
+
+  function say(td, text, ok) {
+    const out = document.createElement("div");
+    out.className = "small result " + (ok ? "ok" : "bad");
+    out.setAttribute("role", "status");
+    out.textContent = text;
+    td.appendChild(out);
+    return out;
+  }
+
+  // Roll a version out to one of its model's deployments that does not serve it yet.
+  function rolloutControls(td, v) {
+    const targets = (v.deployments || []).filter(function (d) { return (v.serving || []).indexOf(d) < 0; });
+    if (v.status !== "verified" && v.status !== "awaiting_agent") return;
+    if (!targets.length) return;
+    const select = document.createElement("select");
+    select.className = "rollout-target";
+    targets.forEach(function (d) { const o = document.createElement("option"); o.value = d; o.textContent = d; select.appendChild(o); });
+    const btn = document.createElement("button");
+    btn.type = "button"; btn.className = "small rollout"; btn.textContent = "Roll out to";
+    btn.addEventListener("click", function () {
+      btn.disabled = true;
+      td.querySelectorAll(".result").forEach(function (n) { n.remove(); });
+      post("/api/v1/deployments/" + encodeURIComponent(select.value) + "/rollout", { version: v.id }).then(function (res) {
+        btn.disabled = false;
+        if (res.status === 201) {
+          const out = say(td, "", true);
+          const a = document.createElement("a");
+          a.href = "/deployments/" + encodeURIComponent(select.value) + "/transitions/" + res.body.seq + "/";
+          a.textContent = "rollout #" + res.body.seq + " to " + select.value + " started (canary first)";
+          out.appendChild(a);
+          out.dataset.seq = String(res.body.seq);
+        } else if (res.status === 200) {
+          say(td, select.value + ": " + (res.body.state === "bound" ? "serves it from its first gear on" : "serves it already"), true);
+        } else {
+          say(td, "refused: " + errorText(res.body), false);
+        }
+      });
+    });
+    td.append(btn, select);
   }
 
   function row(v) {
@@ -97,7 +144,12 @@
     st.appendChild(pill);
     cell(tr, checkText(v), v.status === "quarantined" ? "bad check" : "check", v.status_detail);
     cell(tr, when(v.registered_at) + " · " + v.registered_by, "muted");
-    if (canAdmin) retireControls(cell(tr, ""), v);
+    cell(tr, (v.serving || []).join(", ") || "—", "serving");
+    if (canOperate) {
+      const td = cell(tr, "", "actions");
+      rolloutControls(td, v);
+      if (canAdmin) { const span = document.createElement("span"); td.appendChild(span); retireControls(span, v); }
+    }
     return tr;
   }
 

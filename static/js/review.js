@@ -41,9 +41,9 @@
     fact(dl, "By", d.actor);
     fact(dl, "From gear", (d.current && d.current.gear_id) ? d.current.gear_id + (d.current.valid === false ? " (no longer valid)" : "") +
          (d.current.value_tokens_s !== null && d.current.value_tokens_s !== undefined ? " · value " + gb.num(d.current.value_tokens_s, 0) + " tokens/s" : "") : "none");
-    fact(dl, "Target gear", d.target_gear ? d.target_gear.shape + " · " + d.target_gear.gear_id : "none");
+    fact(dl, "Target gear", d.target_gear ? (d.target_name || d.target_gear.shape) + " · " + d.target_gear.gear_id : "none");
     if (d.workload) fact(dl, "Offered load", gb.num(d.workload.rate_rps, 2) + " req/s · prompt " + gb.num(d.workload.prompt_tokens_mean, 0) + " · output " + gb.num(d.workload.output_tokens_mean, 0) + " tokens");
-    if (d.cooldown_until) fact(dl, "Cooldown until", gb.when(d.cooldown_until));
+    if (d.cooldown_until) fact(dl, "Cooldown until", gb.timeEl(d.cooldown_until));
     if (d.note) fact(dl, "Note", d.note);
     fact(dl, "Transitions", d.transitions.length ? d.transitions.map(function (s) { return "#" + s; }).join(", ") : "none");
     const reasons = document.getElementById("decision-reasons");
@@ -66,9 +66,13 @@
     d.candidates.forEach(function (c, i) {
       const card = gb.el("div", { className: "candidate" + (c.gear_id === d.target_gear_id ? " chosen" : ""), "data-gear": c.gear_id });
       const head = gb.el("div", { className: "candidate-head" });
-      head.appendChild(gb.el("b", {}, (i + 1) + ". " + c.shape));
-      head.appendChild(gb.el("span", { className: "pill " + (c.passes ? "pill-ok" : "pill-off") }, c.passes ? "gain > cost × factor" : "does not pass"));
-      if (c.gear_id === d.target_gear_id) head.appendChild(gb.el("span", { className: "pill pill-wait" }, "chosen"));
+      head.appendChild(gb.el("b", {}, (i + 1) + ". " + (c.name || c.shape)));
+      // one badge: what became of it in this decision (present_controls.candidate_badge)
+      const chosen = c.gear_id === d.target_gear_id;
+      const badge = gb.el("span", { className: "pill " + (chosen ? "pill-ok" : c.passes ? "pill-wait" : "pill-off") },
+                          c.badge || (chosen ? "chosen" : c.passes ? "beat its cost" : "gain below cost × factor"));
+      badge.dataset.badge = c.badge || "";
+      head.appendChild(badge);
       card.appendChild(head);
       card.appendChild(gb.el("div", { className: "mono small" }, c.gear_id + (c.gpu_count ? " · " + c.gpu_count + " GPUs" : "")));
       const dl = gb.el("dl", { className: "facts tight" });
@@ -84,7 +88,7 @@
       if (c.note) card.appendChild(gb.el("p", { className: "muted small" }, c.note));
       box.appendChild(card);
     });
-    const labels = d.candidates.map(function (c, i) { return (i + 1) + ". " + c.shape; });
+    const labels = d.candidates.map(function (c, i) { return (i + 1) + ". " + c.shape; });  // short: axis labels
     Plotly.react("candidates-chart", [
       { type: "bar", name: "gain", x: labels, y: d.candidates.map(function (c) { return c.gain_tokens; }), marker: { color: "#2f9e6e" } },
       { type: "bar", name: "cost × factor", x: labels, y: d.candidates.map(function (c) { return c.threshold_tokens; }), marker: { color: "#c0362c" } },

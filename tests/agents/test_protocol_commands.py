@@ -155,3 +155,13 @@ def test_a_verify_weights_answer_without_a_lowercase_digest_is_refused_naming_sh
     with pytest.raises(SchemaError) as refused:
         check_result("verify_weights", result)
     assert "result.sha256" in refused.value.errors, refused.value.errors
+
+
+def test_a_prepare_may_name_the_version_it_loads_and_each_bad_field_of_it_is_named() -> None:
+    sent = dict(next(p for k, p, _ in commands_of_a_run(False) if k == "prepare_plan"))
+    version = {"id": 7, "version": "v2", "tokenizer": "/models/llama/tokenizer.json", "warmup_tokens": 16}
+    check_payload("prepare_plan", {**sent, "model_version": version})
+    for bad, field in (({**version, "id": 0}, "model_version.id"), ({**version, "tokenizer": ""}, "model_version.tokenizer"),
+                       ({**version, "colour": 1}, "model_version.colour"), ("v2", "model_version")):
+        with pytest.raises(SchemaError, match=field.replace(".", r"\.")):
+            check_payload("prepare_plan", {**sent, "model_version": bad})

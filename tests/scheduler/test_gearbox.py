@@ -22,6 +22,7 @@ from scheduler.gearbox import (
     margin_load,
     offered_load,
     record_switch,
+    safe_rank,
     standing,
 )
 from scheduler.modelspec import model_spec
@@ -69,10 +70,43 @@ def test_emergency_is_idempotent() -> None:
     assert d.outcome is Outcome.STAY and d.target is None
 
 
-def test_emergency_to_a_broken_baseline_is_blocked_with_the_reason() -> None:
+def test_emergency_to_a_broken_baseline_is_blocked_with_the_reason_and_offers_the_best_safe_gears() -> None:
     dep = deployment()
     d = decide(dep, tp8("a1"), lose(fleet(), "a2-g3"), window(3.0), NOW, trigger=Trigger.EMERGENCY)
-    assert d.outcome is Outcome.BLOCKED and "baseline gear is not valid" in d.reasons[0]
+    assert d.outcome is Outcome.BLOCKED and d.target is None
+    assert d.reasons[0].startswith("emergency: the baseline gear cannot run on this snapshot: ")
+    assert "a2-g3" in d.reasons[0]
+    assert d.reasons[1].startswith("to fix: restore its GPUs, set a new baseline, or downshift to the planner's "
+                                   "best safe gear ")
+    offers = d.candidates
+    assert offers and all(o.note == "offered: the planner's best safe gear" for o in offers)
+    assert all("a2-g3" not in o.gear.gpu_uuids and o.gear != tp8("a1") for o in offers)
+    assert list(offers) == sorted(offers, key=safe_rank)
+    best = offers[0]
+    assert all((best.standing, best.estimate.goodput_tokens_s) >= (o.standing, o.estimate.goodput_tokens_s)
+               for o in offers)
+    assert best.gear.shape() in d.reasons[1]
+
+
+def test_an_emergency_to_a_gear_the_operator_accepted_instead_goes_there() -> None:
+    dep = deployment()
+    snap = lose(fleet(), "a2-g3")
+    offer = decide(dep, tp8("a1"), snap, window(3.0), NOW, trigger=Trigger.EMERGENCY).candidates[0].gear
+    d = decide(dep, tp8("a1"), snap, window(3.0), NOW, trigger=Trigger.EMERGENCY, requested_gear=offer)
+    assert d.outcome is Outcome.SWITCH and d.target == offer
+    assert d.reasons[0] == "emergency downshift to the accepted emergency gear (operator)"
+    again = decide(dep, offer, snap, window(3.0), NOW, trigger=Trigger.EMERGENCY, requested_gear=offer)
+    assert again.outcome is Outcome.STAY
+
+
+def test_an_emergency_deployment_holds_its_gear_like_a_pin() -> None:
+    dep = deployment(mode=Mode.EMERGENCY)
+    busy = window(40.0)  # far over what the baseline carries: an auto deployment would shift up
+    assert decide(replace(dep, mode=Mode.AUTO), dep.baseline, fleet(), busy, NOW).outcome is Outcome.SWITCH
+    d = decide(dep, dep.baseline, fleet(), busy, NOW)
+    assert d.outcome is Outcome.STAY and d.reasons == ("emergency: holds its gear until an operator releases it",)
+    broken = decide(dep, dep.baseline, lose(fleet(), "a2-g1"), busy, NOW, trigger=Trigger.TOPOLOGY)
+    assert broken.outcome is Outcome.BLOCKED and "an operator must act" in broken.reasons[-1]
 
 
 def test_a_manual_switch_skips_hysteresis_and_cooldown_but_not_validation() -> None:

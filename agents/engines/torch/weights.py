@@ -141,7 +141,18 @@ def make_tiny_llama(out_dir: str | Path, *, seed: int = 0, shape: TinyLlamaShape
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, indent=2) + "\n"
     )
     save_file(_weights(shape, seed), str(out / WEIGHTS_FILE), metadata={"format": "pt"})  # type: ignore[arg-type]
-    (out / "tokenizer.json").write_text(_tokenizer_json(shape.vocab_size))
+    write_tokenizer(out, vocab_size=shape.vocab_size, max_context=shape.max_position_embeddings)
+    return sha256_file(out / WEIGHTS_FILE)
+
+
+def write_tokenizer(out_dir: str | Path, *, vocab_size: int, max_context: int) -> Path:
+    """tokenizer.json (a byte-level BPE trained here on the fixed corpus, padded to `vocab_size`) and
+    tokenizer_config.json (special tokens, chat template, `max_context` as model_max_length) in
+    `out_dir`; returns the folder. Deterministic, never downloaded. The simulated fleet's demo
+    tokenizes with one of these too (agents/sim/dataserver.py)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(_tokenizer_json(vocab_size))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -151,14 +162,14 @@ def make_tiny_llama(out_dir: str | Path, *, seed: int = 0, shape: TinyLlamaShape
                 "unk_token": "<unk>",
                 "pad_token": "<unk>",
                 "add_bos_token": False,
-                "model_max_length": shape.max_position_embeddings,
+                "model_max_length": max_context,
                 "chat_template": _CHAT_TEMPLATE,
             },
             indent=2,
         )
         + "\n"
     )
-    return sha256_file(out / WEIGHTS_FILE)
+    return out
 
 
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
@@ -175,9 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="folder to write the model into (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=TinyLlamaShape.num_hidden_layers)
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="write only the tokenizer (tokenizer.json, tokenizer_config.json): the simulated "
+                             "fleet's demo tokenizes with it")
+    parser.add_argument("--max-context", type=int, default=8192, help="with --tokenizer-only: model_max_length")
     args = parser.parse_args(argv)
     if args.layers < 1:
         parser.error("--layers: must be at least 1")
+    if args.tokenizer_only:
+        if args.max_context < 2:
+            parser.error("--max-context: must be at least 2")
+        out = write_tokenizer(args.out_dir, vocab_size=TinyLlamaShape.vocab_size, max_context=args.max_context)
+        print(f"tokenizer: {out / 'tokenizer.json'}")
+        return 0
     digest = make_tiny_llama(args.out_dir, seed=args.seed, shape=TinyLlamaShape(num_hidden_layers=args.layers))
     print(f"{digest}  {Path(args.out_dir) / WEIGHTS_FILE}")
     return 0

@@ -11,7 +11,7 @@ from django.test import Client
 from console.audit.chain import record
 from console.registry.models import ModelVersion
 from tests.console.people import Person
-from tests.console.registry.conftest import model_body
+from tests.console.registry.conftest import model_body, model_roots, tiny_weights  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db
 

@@ -41,6 +41,7 @@ def verbs() -> list[tuple[str, dict[str, Any]]]:
     return [("/api/v1/deployments/chat/pin", {}), ("/api/v1/deployments/chat/unpin", {}),
             ("/api/v1/deployments/chat/mode", {"mode": "advisory"}),
             ("/api/v1/deployments/chat/emergency", {"reason": "latency alarm"}),
+            ("/api/v1/deployments/chat/release", {}),
             (f"/api/v1/decisions/{d.pk}/approve", {})]
 
 
@@ -101,11 +102,14 @@ def test_a_browser_session_must_send_the_csrf_token(chat: Any, operator: Person)
 # --- reading -----------------------------------------------------------------------------------------
 def test_a_deployment_shows_its_slo_gears_routing_health_and_model_version(viewer: Person) -> None:
     running_deployment()
-    ModelVersion.objects.create(name=M8.name, version="2026-11", engine="vllm", architecture=M8.name,
-                                weights_uri="hf://meta/llama3-8b/model.safetensors", sha256="a" * 64,
-                                tokenizer="meta/llama3-8b", max_context=8192, min_gpu_mem_bytes=2**34,
-                                warmup_tokens=64, status="verified", registered_at=timezone.now(),
-                                registered_by="user:alice")
+    common = {"name": M8.name, "engine": "vllm", "architecture": M8.name, "tokenizer": "/models/llama3-8b",
+              "max_context": 8192, "min_gpu_mem_bytes": 2**34, "warmup_tokens": 64, "status": "verified",
+              "registered_at": timezone.now(), "registered_by": "user:alice"}
+    served = ModelVersion.objects.create(version="2026-11", weights_uri="hf://meta/llama3-8b/w", sha256="a" * 64,
+                                         **common)
+    Deployment.objects.filter(name="chat").update(model_version=served)
+    # a newer version, registered and verified, is not what chat serves until it is rolled out
+    ModelVersion.objects.create(version="2026-12", weights_uri="hf://meta/llama3-8b/w2", sha256="b" * 64, **common)
     body = viewer.api().get("/api/v1/deployments/chat").json()
     assert body["model_name"] == M8.name and body["model_version"]["version"] == "2026-11"
     assert body["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 100.0} and body["mode"] == "auto"
@@ -285,17 +289,62 @@ def test_an_emergency_is_requested_once_and_asking_again_changes_nothing(operato
     assert first.status_code == 202 and first.json()["state"] == "requested"
     dep = first.json()["deployment"]
     assert dep["emergency"]["reason"] == "TTFT alarm on chat" and dep["emergency"]["actor"] == "user:oscar"
-    assert dep["health"]["state"] == "degraded" and dep["mode"] == "pinned"
+    assert dep["emergency"]["state"] == "pending" and dep["emergency"]["target"]["gear_id"] == BASELINE.gear_id
+    assert dep["health"]["state"] == "degraded" and dep["mode"] == "emergency"  # it overrides the pin, and holds
     again = post(api, "/api/v1/deployments/chat/emergency", {"reason": "still bad"})
     assert again.status_code == 200 and again.json()["state"] == "already_requested"
     assert AuditEntry.objects.get(event_type="gearbox.emergency_requested").actor == "user:oscar"
     assert AuditEntry.objects.filter(event_type="gearbox.emergency_repeated").count() == 1
 
 
-def test_an_emergency_on_the_baseline_with_nothing_running_says_so(operator: Person, chat: Any) -> None:
+def test_an_emergency_on_the_baseline_with_nothing_running_holds_it(operator: Person, chat: Any) -> None:
     resp = post(operator.api(), "/api/v1/deployments/chat/emergency", {"reason": "drill"})
-    assert resp.status_code == 200 and resp.json()["state"] == "already_on_baseline"
-    assert Deployment.objects.get(name="chat").emergency_requested_at is None
+    assert resp.status_code == 200 and resp.json()["state"] == "holding"
+    assert resp.json()["deployment"]["emergency"]["state"] == "holding"
+    dep = Deployment.objects.get(name="chat")
+    assert dep.emergency_requested_at is None and dep.mode == "emergency" and dep.pinned_gear == dep.baseline_gear
+    assert Transition.objects.filter(kind="emergency").count() == 0
+
+
+def test_a_blocked_emergency_is_a_409_with_the_reason_what_to_do_and_an_offer(operator: Person) -> None:
+    world = running_deployment()
+    world.reporter.gone = {BASELINE.gpu_uuids[0]}  # another tenant took a GPU of the baseline
+    world.reporter.report("a1")
+    before = Deployment.objects.values("mode", "pinned_gear", "emergency_requested_at").get(name="chat")
+    resp = post(operator.api(), "/api/v1/deployments/chat/emergency", {"reason": "latency alarm"})
+    assert resp.status_code == 409
+    body = resp.json()
+    assert body["emergency"][0].startswith("emergency: the baseline gear cannot run on this snapshot: ")
+    assert "a1/0" in body["emergency"][0] and BASELINE.gpu_uuids[0] not in body["emergency"][0]
+    assert body["emergency"][1].startswith("to fix: restore its GPUs, set a new baseline, or downshift to")
+    assert Decision.objects.get(pk=body["decision"]).outcome == "blocked"
+    offer = body["offers"][0]
+    assert offer["label"] == "the planner's best safe gear - not the baseline" and " on " in offer["name"]
+    assert Deployment.objects.values("mode", "pinned_gear", "emergency_requested_at").get(name="chat") == before
+    taken = post(operator.api(), "/api/v1/deployments/chat/emergency",
+                 {"reason": "latency alarm", "gear_id": offer["gear_id"]})
+    assert taken.status_code == 202 and taken.json()["deployment"]["emergency"]["target"]["gear_id"] == offer["gear_id"]
+    assert post(operator.api(), "/api/v1/deployments/chat/emergency",
+                {"reason": "x", "gear_id": "not-a-gear"}).status_code == 400
+
+
+def test_release_hands_an_emergency_back_and_refuses_what_it_cannot(operator: Person, viewer: Person,
+                                                                    chat: Any) -> None:
+    api = operator.api()
+    resp = post(api, "/api/v1/deployments/chat/release")
+    assert resp.status_code == 409 and "holds no emergency" in resp.json()["mode"][0]
+    assert post(api, "/api/v1/deployments/nope/release").status_code == 404
+    post(api, "/api/v1/deployments/chat/emergency", {"reason": "drill"})
+    before = snapshot()
+    assert post(viewer.api(), "/api/v1/deployments/chat/release").status_code == 403
+    assert post(api, "/api/v1/deployments/chat/release", {"mode": "turbo"}).status_code == 400
+    assert post(api, "/api/v1/deployments/chat/release", {"mode": "auto", "now": True}).status_code == 400
+    refused = post(api, "/api/v1/deployments/chat/mode", {"mode": "auto"})
+    assert refused.status_code == 409 and "release it first" in refused.json()["mode"][0]
+    assert snapshot() == before
+    done = post(api, "/api/v1/deployments/chat/release", {"mode": "advisory"})
+    assert done.status_code == 200 and done.json()["mode"] == "advisory" and done.json()["emergency"] is None
+    assert AuditEntry.objects.get(event_type="gearbox.emergency_released").actor == "user:oscar"
 
 
 # --- approve -----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Operator actions and the gearbox tick: modes, pinning, approval, emergency, topology events."""
+"""Operator actions and the gearbox tick: modes, pinning, approval, topology events (emergency: test_emergency.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from console.fleet.actions import Rejected
 from console.gearbox import ticks
 from console.gearbox.actions import (
     do_approve_decision,
-    do_emergency_downshift,
     do_pin_gear,
     do_request_gear,
     do_set_mode,
     do_unpin_gear,
     scheduler_deployment,
 )
+from console.gearbox.emergency import do_emergency_downshift
 from console.gearbox.executor import build_executor
 from console.gearbox.models import Decision, Deployment, Transition
 from scheduler.invariants import assert_clean
@@ -267,56 +267,6 @@ def test_pin_and_unpin_are_audited_and_unpin_restores_automatic_mode() -> None:
     assert audits("gearbox.gear_pinned") == 1
     dep = do_unpin_gear("chat", actor="system:test")
     assert dep.mode == "auto" and dep.pinned_gear is None and audits("gearbox.gear_unpinned") == 1
-
-
-# --- emergency ---------------------------------------------------------------------------------
-def test_an_emergency_downshift_goes_to_the_baseline_and_is_idempotent() -> None:
-    enroll_fleet()
-    make_deployment()
-    agents = SimAgents()
-    bring_up(agents)
-    do_request_gear("chat", gear("b1", [0, 1, 2, 3]), actor="system:test")
-    drive(agents)
-    do_pin_gear("chat", actor="system:test")  # pinned: the emergency works anyway
-    first = do_emergency_downshift("chat", reason="latency alarm", actor="system:oncall")
-    again = do_emergency_downshift("chat", reason="latency alarm", actor="system:oncall")
-    assert (first.state, again.state) == ("requested", "already_requested")
-    out = ticks.tick(trigger="emergency", deployment="chat")
-    assert out["started"] == ["chat#3"]
-    row = drive(agents)
-    assert row.kind == "emergency" and row.phase == "done"
-    dep = Deployment.objects.get(name="chat")
-    assert dep.current_gear == dep.baseline_gear and dep.emergency_requested_at is None
-    assert do_emergency_downshift("chat", reason="again", actor="system:oncall").state == "already_on_baseline"
-    # the operator's manual switch counts for the cooldown, the emergency downshift does not
-    assert len(scheduler_deployment(dep).last_switch_times_s) == 1
-    assert Transition.objects.filter(kind="emergency").count() == 1
-    assert audits("gearbox.emergency_requested") == 1 and audits("gearbox.emergency_repeated") == 2
-    assert_clean(django_log("chat", agents.log), complete=False)
-
-
-def test_an_emergency_during_a_running_transition_rolls_it_back_first() -> None:
-    enroll_fleet()
-    make_deployment()
-    agents = SimAgents()
-    bring_up(agents)
-    do_request_gear("chat", gear("b1", [0, 1, 2, 3]), actor="system:test")
-    ex = build_executor()
-    while Transition.objects.get(seq=2).step not in ("canary", "flip", "freeze"):
-        ex.advance("chat")
-        agents.run()
-    running = Transition.objects.get(seq=2)
-    assert running.phase == "switch"
-    assert do_emergency_downshift("chat", reason="bad canary", actor="system:oncall").state == "requested"
-    assert ticks.tick(trigger="emergency", deployment="chat")["started"] == []  # it waits for the rollback
-    rolled = drive(agents)
-    assert rolled.seq == 2 and rolled.phase == "rolled_back" and "emergency" in rolled.error
-    assert ticks.tick(trigger="ended", deployment="chat")["started"] == []  # already on the baseline
-    dep = Deployment.objects.get(name="chat")
-    assert dep.current_gear == dep.baseline_gear and dep.emergency_requested_at is None
-    latest = Decision.objects.filter(deployment=dep).first()
-    assert latest is not None and latest.trigger == "emergency" and latest.outcome == "stay"
-    assert_clean(django_log("chat", agents.log), complete=False)
 
 
 def test_a_decision_row_keeps_every_candidate_with_gain_cost_and_factor() -> None:

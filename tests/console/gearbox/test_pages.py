@@ -89,3 +89,20 @@ def test_the_deployments_list_and_the_overview_show_the_gearbox_to_viewers_only(
     assert 'id="overview-deployments"' in viewer.browser().get("/").content.decode()
     html = outsider.browser().get("/").content.decode()  # the Overview is open to every logged-in user ...
     assert 'id="heatmap"' in html and "overview-deployments" not in html  # ... its gearbox part is not
+
+
+def test_the_deployment_page_starts_its_charts_from_the_stored_last_hour(chat: Any, viewer: Person) -> None:
+    from console.gearbox import ticks
+    from console.gearbox.models import ServingSample
+    from tests.console.gearbox.ops import engine_report
+
+    plan = MOVED.plans[0].plan_id
+    for tokens in (700.0, 800.0, 900.0):  # three reports, each followed by a tick (the beat's)
+        chat.report_engines("b1", engine_report(plan, tokens_per_s=tokens))
+        ticks.tick()
+    ticks.tick()  # no newer report: no new point
+    assert ServingSample.objects.filter(deployment__name="chat").count() == 3
+    data = page_data(viewer.browser().get("/deployments/chat/").content.decode(), "deployment-data")
+    history = data["serving_history"]  # type: ignore[index]
+    assert [p["tokens_per_s"] for p in history] == [700.0, 800.0, 900.0]
+    assert all(p["at"].endswith("Z") and p["ttft_p95_ms"] == 180.0 for p in history)

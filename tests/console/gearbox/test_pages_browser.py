@@ -98,7 +98,7 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             assert third.kind == "emergency" and third.to_gear == Deployment.objects.get(name="chat").baseline_gear
             requested = AuditEntry.objects.get(event_type="gearbox.emergency_requested")
             assert requested.actor == "user:oscar" and "TTFT P95" in requested.summary
-            assert Deployment.objects.get(name="chat").mode == "pinned"  # the emergency works on a pinned gear
+            assert Deployment.objects.get(name="chat").mode == "emergency"  # it works on a pinned gear, and holds
             page.wait_for_selector("#gear-target:not([hidden])", timeout=5_000)
             screenshot(page, "deployment")
 
@@ -150,9 +150,9 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
                                    timeout=5_000)
             out = page.evaluate("""() => {
                 const d = document.getElementById('heatmap').data[0];
-                const row = d.y.indexOf('b1 · out');
-                return [d.customdata[row][0][0], d.text[row][0], d.customdata[row][0][6]]; }""")
-            assert out == ["GPU-b1-5", "T", "in no block: not schedulable"]
+                const row = d.y.indexOf('b1 · out');  // its column is its GPU index
+                return [d.customdata[row][5][0], d.text[row][5], d.customdata[row][5][6], d.x[5]]; }""")
+            assert out == ["GPU-b1-5", "T", "in no block: not schedulable", "GPU 5"]
             # the gearbox reacts (a topology tick, once a1 too reported what the last move left there): the
             # switch appears among the recent ones
             elsewhere(self.world.reporter.report, "a1")

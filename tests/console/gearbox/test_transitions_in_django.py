@@ -127,37 +127,43 @@ def test_a_booking_of_another_deployments_gpu_is_refused_and_rolled_back() -> No
     assert_clean(django_log("chat", agents.log), complete=False)
 
 
-def test_prepare_names_the_weights_the_registry_lets_load() -> None:
+def test_prepare_names_the_version_the_deployment_serves_not_the_newest_registered() -> None:
     from console.fleet.models import AgentCommand
     from console.registry.models import ModelVersion
 
     enroll_fleet()
-    make_deployment()
+    dep = make_deployment()
     now = timezone.now()
     common = {"name": "Llama-3-8B", "engine": "vllm", "architecture": "Llama-3-8B", "weights_uri": "/w",
-              "tokenizer": "tok", "max_context": 8192, "min_gpu_mem_bytes": 1, "warmup_tokens": 8,
-              "registered_by": "user:alice"}
-    ModelVersion.objects.create(version="1", sha256="a" * 64, status="verified", registered_at=now, **common)
-    ModelVersion.objects.create(version="2", sha256="b" * 64, status="quarantined", registered_at=now, **common)
+              "tokenizer": "/models/llama/tokenizer.json", "max_context": 8192, "min_gpu_mem_bytes": 1,
+              "warmup_tokens": 8, "registered_by": "user:alice"}
+    served = ModelVersion.objects.create(version="1", sha256="a" * 64, status="verified", registered_at=now,
+                                         **common)
+    dep.model_version = served
+    dep.save(update_fields=["model_version"])
+    # registered later and verified: still nothing that serves changes until it is rolled out
+    ModelVersion.objects.create(version="2", sha256="b" * 64, status="verified", registered_at=now, **common)
     ex = build_executor()
     ex.start("chat", gear("a1", [0, 1]))
     ex.advance("chat")
     prepare = AgentCommand.objects.get(kind="prepare_plan")
-    assert prepare.payload["weights_sha256"] == "a" * 64  # the newest loadable one, never a quarantined one
+    assert prepare.payload["weights_sha256"] == "a" * 64
+    assert prepare.payload["model_version"] == {"id": served.pk, "version": "1",
+                                                "tokenizer": "/models/llama/tokenizer.json", "warmup_tokens": 8}
 
 
-def test_a_model_whose_only_version_is_quarantined_is_prepared_against_its_registered_digest() -> None:
-    """Not None (load anything unchecked): the agent refuses weights other than the registered ones."""
+def test_a_deployment_without_a_version_prepares_without_a_digest_whatever_the_registry_holds() -> None:
     from console.fleet.models import AgentCommand
     from console.registry.models import ModelVersion
 
     enroll_fleet()
     make_deployment()
-    ModelVersion.objects.create(name="Llama-3-8B", version="1", sha256="b" * 64, status="quarantined",
+    ModelVersion.objects.create(name="Llama-3-8B", version="1", sha256="b" * 64, status="verified",
                                 engine="vllm", architecture="Llama-3-8B", weights_uri="hf://org/llama/w",
                                 tokenizer="tok", max_context=8192, min_gpu_mem_bytes=1, warmup_tokens=8,
                                 registered_by="user:alice", registered_at=timezone.now())
     ex = build_executor()
     ex.start("chat", gear("a1", [0, 1]))
     ex.advance("chat")
-    assert AgentCommand.objects.get(kind="prepare_plan").payload["weights_sha256"] == "b" * 64
+    payload = AgentCommand.objects.get(kind="prepare_plan").payload
+    assert payload["weights_sha256"] is None and "model_version" not in payload

@@ -9,7 +9,8 @@ import pytest
 
 from console.fleet.models import AgentCommand
 from console.gearbox import ticks
-from console.gearbox.actions import do_emergency_downshift, do_pin_gear, do_request_gear
+from console.gearbox.actions import do_pin_gear, do_request_gear
+from console.gearbox.emergency import do_emergency_downshift
 from console.gearbox.executor import build_executor
 from console.gearbox.models import Transition
 from tests.console.gearbox.conftest import _fast_transitions  # noqa: F401 - short dwells and drain budget here too

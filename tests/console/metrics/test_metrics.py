@@ -18,7 +18,7 @@ from console.fleet.models import Node
 from tests.builders import report_body
 from tests.console.conftest import AgentHTTP, enroll
 from tests.console.people import Person, make_person
-from tests.console.registry.conftest import OTHER_SHA256, model_body
+from tests.console.registry.conftest import OTHER_SHA256, model_body, model_roots, tiny_weights  # noqa: F401 - fixtures
 
 
 def scrape(client: Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -35,10 +35,20 @@ def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> TinyWeights:
 
 
 OTHER_SHA256 = hashlib.sha256(b"not the weights").hexdigest()
+_TOKENIZER: list[str] = []  # the tiny model's tokenizer.json, set by model_roots below
+
+
+@pytest.fixture(autouse=True)
+def model_roots(settings: Any, tiny_weights: TinyWeights, tmp_path: Path) -> list[Path]:
+    """The registry reads local files under these roots only: the tiny model's folder and the test's tmp."""
+    settings.FLEXPIPE_MODEL_ROOTS = [tiny_weights.path.parent, tmp_path]
+    _TOKENIZER[:] = [str(tiny_weights.path.parent / "tokenizer.json")]
+    return list(settings.FLEXPIPE_MODEL_ROOTS)
 
 
 def model_body(**overrides: Any) -> dict[str, Any]:
-    """A valid registration body for remote weights; tests override what matters to them."""
+    """A valid registration body for remote weights (and the tiny model's tokenizer, which the console
+    loads at registration); tests override what matters to them."""
     body: dict[str, Any] = {
         "name": "tiny-llama",
         "version": "v1",
@@ -46,7 +56,7 @@ def model_body(**overrides: Any) -> dict[str, Any]:
         "architecture": "tiny-llama",
         "weights_uri": "hf://flexpipe/tiny-llama/model.safetensors",
         "sha256": hashlib.sha256(b"remote weights").hexdigest(),
-        "tokenizer": "hf://flexpipe/tiny-llama/tokenizer.json",
+        "tokenizer": _TOKENIZER[0],
         "max_context": 512,
         "min_gpu_mem_bytes": 2**30,
         "warmup_tokens": 16,

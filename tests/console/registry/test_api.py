@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -153,10 +155,43 @@ def test_it_quarantines_weights_with_a_wrong_sha256_and_audits_before_and_after(
     assert verify_chain().ok
 
 
-def test_a_tokenizer_of_its_own_and_the_warmup_are_kept(admin: Person) -> None:
-    version = registered(admin, tokenizer="/models/tiny/tokenizer.json", warmup_tokens=2048, max_context=512)
+def test_a_tokenizer_of_its_own_and_the_warmup_are_kept(admin: Person, tiny_weights: TinyWeights) -> None:
+    folder = str(tiny_weights.path.parent)  # a model folder holding tokenizer.json is a tokenizer too
+    version = registered(admin, tokenizer=folder, warmup_tokens=2048, max_context=512)
     stored = ModelVersion.objects.get(pk=version["id"])
-    assert (stored.tokenizer, stored.warmup_tokens, stored.max_context) == ("/models/tiny/tokenizer.json", 2048, 512)
+    assert (stored.tokenizer, stored.warmup_tokens, stored.max_context) == (folder, 2048, 512)
+
+
+def test_the_tokenizer_is_loaded_at_registration_and_refused_by_name_when_it_cannot_be(
+        admin: Person, tmp_path: Path) -> None:
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text('{"not": "a tokenizer"}')
+    outside = Path(tempfile.mkdtemp(prefix="not-a-model-root-")) / "tokenizer.json"
+    outside.write_text(broken.read_text())
+    for tokenizer, words in ((str(broken), "does not load as a tokenizer"),
+                             (str(outside), "is not under a model root"),
+                             ("meta/llama3-8b", "must be the absolute path"),
+                             (str(tmp_path / "missing.json"), "does not load")):
+        resp = post(admin.api(), MODELS, model_body(tokenizer=tokenizer))
+        assert resp.status_code == 400 and list(resp.json()) == ["tokenizer"], (tokenizer, resp.json())
+        assert words in resp.json()["tokenizer"][0], (tokenizer, resp.json())
+    assert not ModelVersion.objects.exists()
+
+
+def test_local_weights_outside_the_model_roots_are_refused_naming_weights_uri_and_never_read(
+        admin: Person, tmp_path: Path) -> None:
+    secret = Path(tempfile.mkdtemp(prefix="not-a-model-root-")) / "shadow"
+    secret.write_bytes(b"root:$6$not-for-you")
+    link = tmp_path / "model.safetensors"
+    link.symlink_to(secret)  # a link under a root that points out of it is outside too
+    for uri in ("file:///etc/shadow", "/etc/shadow", f"file://{secret}", str(link),
+                f"file://{tmp_path}/../{secret.parent.name}/shadow"):
+        resp = post(admin.api(), MODELS, model_body(weights_uri=uri, sha256=OTHER_SHA256))
+        assert resp.status_code == 400 and list(resp.json()) == ["weights_uri"], (uri, resp.json())
+        assert "is not under a model root (FLEXPIPE_MODEL_ROOTS: " in resp.json()["weights_uri"][0]
+        assert "size" not in resp.content.decode() and hashlib.sha256(secret.read_bytes()).hexdigest() \
+            not in resp.content.decode()
+    assert not ModelVersion.objects.exists()
 
 
 def test_a_hugging_face_config_is_an_architecture(admin: Person) -> None:
@@ -206,7 +241,8 @@ def test_re_registering_the_identical_version_returns_it_unchanged(admin: Person
 
 def test_re_registering_a_version_with_other_fields_is_refused_naming_them(admin: Person) -> None:
     registered(admin)
-    resp = post(admin.api(), MODELS, model_body(tokenizer="another-tokenizer", warmup_tokens=1))
+    resp = post(admin.api(), MODELS, model_body(tokenizer=str(Path(model_body()["tokenizer"]).parent),
+                                                 warmup_tokens=1))
     assert resp.status_code == 409 and sorted(resp.json()) == ["tokenizer", "warmup_tokens"]
     assert ModelVersion.objects.get().warmup_tokens == 16
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+from django.test import override_settings
 
+from agents.engines.torch.weights import write_tokenizer
 from console.registry import actions
 from console.registry.models import ModelVersion
 from tests.browser import screenshot
@@ -23,6 +26,21 @@ pytestmark = [pytest.mark.browser]
 
 
 class RegistryPageInTheBrowser(LivePageTestCase):
+    """The server (forked at class setup) reads model files under one root: this class's folder."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.root = Path(tempfile.mkdtemp(prefix="registry-page-"))
+        write_tokenizer(cls.root / "tiny", vocab_size=512, max_context=512)
+        cls._roots = override_settings(FLEXPIPE_MODEL_ROOTS=[cls.root])
+        cls._roots.enable()
+        super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        super().tearDownClass()
+        cls._roots.disable()
+        shutil.rmtree(cls.root, ignore_errors=True)
 
     def setUp(self) -> None:
         self.alice = make_person("alice", "admin")
@@ -36,12 +54,8 @@ class RegistryPageInTheBrowser(LivePageTestCase):
         self.remote = ModelVersion.objects.get(name="tiny-llama")
         actions.do_record_weights_check(ModelVersion.objects.get(name="Llama-3-8B"),
                                         observed_sha256=hashlib.sha256(b"8b").hexdigest(), node_id="a1")
-        self.tmp = tempfile.TemporaryDirectory()
-        self.weights = Path(self.tmp.name) / "model.safetensors"
+        self.weights = self.root / "model.safetensors"
         self.weights.write_bytes(b"weights the admin registers with a wrong digest")
-
-    def tearDown(self) -> None:
-        self.tmp.cleanup()
 
     def test_an_admin_registers_a_bad_digest_sees_it_quarantined_and_retires_a_version(self) -> None:
         with chromium() as browser:
@@ -62,7 +76,7 @@ class RegistryPageInTheBrowser(LivePageTestCase):
             page.fill(f"{form} [name=architecture]", "tiny-llama")
             page.fill(f"{form} [name=weights_uri]", f"file://{self.weights}")
             page.fill(f"{form} [name=sha256]", "not-hex")
-            page.fill(f"{form} [name=tokenizer]", "/models/tiny/tokenizer.json")
+            page.fill(f"{form} [name=tokenizer]", str(self.root / "tiny"))
             page.fill(f"{form} [name=max_context]", "512")
             page.fill(f"{form} [name=min_gpu_mem_bytes]", str(2**30))
             page.click(f"{form} button[type=submit]")
@@ -99,5 +113,5 @@ class RegistryPageInTheBrowser(LivePageTestCase):
             assert page.locator("#versions tbody tr").count() == 2
             assert page.locator("#register-form").count() == 0
             assert page.locator("button.retire").count() == 0
-            assert page.locator("#versions thead th").count() == 8  # no actions column
+            assert page.locator("#versions thead th").count() == 9  # no actions column
             screenshot(page, "registry-viewer")

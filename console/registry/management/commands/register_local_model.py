@@ -1,9 +1,12 @@
-"""manage.py register_local_model NAME DIR [--model-version V] [--engine torch|vllm]: register a model
-folder on this machine (idempotent).
+"""manage.py register_local_model NAME DIR [--model-version V] [--engine torch|vllm] [--deploy]: register a
+model folder on this machine (idempotent).
 
 For `make run ENGINE=torch|vllm`: the registry keys weights by SHA256, so prepare_plan carries the
 digest and every agent checks the weights it loads against it; the gateway tokenizes with the
-folder's tokenizer. Registering the same folder again changes nothing.
+folder's tokenizer. Registering the same folder again changes nothing. Registering changes nothing
+that serves either: `--deploy` also binds the version to each deployment of the model that serves
+none yet and runs nothing (its first gear loads it); a deployment that serves another version is
+left alone (roll this one out from the console: Registry, Roll out).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class Command(BaseCommand):
         parser.add_argument("--model-version", default="local")
         parser.add_argument("--engine", default="torch", choices=("torch", "vllm"))
         parser.add_argument("--warmup-tokens", type=int, default=8)
+        parser.add_argument("--deploy", action="store_true",
+                            help="bind it to the model's deployments that serve no version and run nothing yet")
 
     def handle(self, *args: Any, **options: Any) -> None:
         folder = Path(options["dir"]).resolve()
@@ -46,3 +51,11 @@ class Command(BaseCommand):
         v = reg.version
         self.stdout.write(f"{v.name} {v.version}: {'registered' if reg.created else 'already registered'} "
                           f"(sha256 {v.sha256[:16]}..., {v.status})")
+        if options["deploy"]:
+            from console.gearbox.models import Deployment
+            from console.gearbox.rollout import do_rollout_version
+
+            for dep in Deployment.objects.filter(model_name=v.name, model_version__isnull=True,
+                                                current_gear__isnull=True):
+                state, _ = do_rollout_version(dep, v, actor="system:make-run")
+                self.stdout.write(f"{dep.name}: {state} to {v.name} {v.version}")
