@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agents.sim.engine import Request
+    from agents.sim.request import Request
 
 
 class WaitQueue:

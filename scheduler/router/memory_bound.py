@@ -48,8 +48,10 @@ def gpu_token_limit(facts: PlanFacts) -> float:
 
 
 def token_capacity(facts: Sequence[PlanFacts]) -> Floats:
-    """Per plan, the KV tokens it can ever hold: its reserve, or less if a GPU is tighter."""
-    return np.array([min(float(f.kv_capacity_tokens), gpu_token_limit(f)) for f in facts], dtype=np.float64)
+    """Per plan, the KV tokens it can ever hold: its reserve, or less if a GPU is tighter. A plan
+    that states no reserve (0: its engine sizes its KV itself) is bounded by its GPUs alone."""
+    return np.array([min(float(f.kv_capacity_tokens) if f.kv_capacity_tokens > 0 else math.inf, gpu_token_limit(f))
+                     for f in facts], dtype=np.float64)
 
 
 def memory_bound(req: RouteRequest, pool: Pool) -> tuple[Bools, Bools]:
@@ -66,7 +68,7 @@ def why(req: RouteRequest, pool: Pool, i: int, *, now: bool) -> str:
     f = pool.facts[i]
     cap = f.kv_capacity_tokens
     used = int(pool.kv_used[i]) if now else 0
-    if used + need > cap:
+    if cap > 0 and used + need > cap:
         if now:
             return f"{used} of its {cap} KV tokens in use (last report): {need} more do not fit now"
         return f"needs {need} KV tokens (prompt + max_tokens); its KV reserve holds {cap}"
