@@ -215,6 +215,8 @@ class Pool:
         self.pre_b: Floats = np.array([m.prefill_s_per_token + m.handoff_s_per_token for m in self.steps],
                                       dtype=np.float64)
         self.pre_c: Floats = np.array([m.prefill_s_per_token_ctx for m in self.steps], dtype=np.float64)
+        # the prefill of p uncached tokens as one product: [c / 2, b, a] . [p^2, p, 1]
+        self.pre_poly: Floats = np.stack([self.pre_c / 2, self.pre_b, self.pre_a], axis=1) if n else np.zeros((0, 3))
         # (a plan the cost model cannot price has an infinite prefill; its TTFT says so already,
         # and its decode slowdown by chunks is left finite, so that no 0 x inf makes a NaN)
         self.pre_b_chunk: Floats = np.where(np.isfinite(self.pre_b), self.pre_b, 0.0)

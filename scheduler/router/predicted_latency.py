@@ -56,16 +56,14 @@ def predict(req: RouteRequest, pool: Pool, cached_tokens: Floats | None) -> tupl
     """(ttft_s, tpot_s) per plan (module docstring); `cached_tokens` None: no plan holds any."""
     p = float(req.prompt_tokens)
     if cached_tokens is None:
-        per_token = pool.pre_c * (p / 2)
-        per_token += pool.pre_b
-        prefill = per_token * p
+        prefill = pool.pre_poly @ np.array((p * p, p, 1.0))
     else:
         new = p - cached_tokens
         per_token = cached_tokens + new * 0.5
         per_token *= pool.pre_c
         per_token += pool.pre_b
         prefill = per_token * new
-    prefill += pool.pre_a
+        prefill += pool.pre_a
     prefill += pool.queue_all_s if req.low_priority else pool.queue_s
     prefill *= pool.share
     tpot = np.minimum(pool.chunk_room, pool.queued_tokens * (1.0 / req.max_tokens))
@@ -77,18 +75,19 @@ def predict(req: RouteRequest, pool: Pool, cached_tokens: Floats | None) -> tupl
 
 def score(req: RouteRequest, pool: Pool, ttft: Floats, tpot: Floats, cand: Bools) -> tuple[Floats, Bools | None]:
     """(score 0..100, predicted to meet the deadline - None without one) per plan."""
+    every = len(cand) == int(np.count_nonzero(cand))  # (the usual case: no need to mask)
     ttft_ref = req.deadline_s
     if ttft_ref is None:
-        t = ttft[cand]
+        t = ttft if every else ttft[cand]
         ttft_ref = float(t[t.argmin()])
-    u = tpot[cand]
+    u = tpot if every else tpot[cand]
     tpot_ref = float(u[u.argmin()])
     if not (math.isfinite(ttft_ref) and math.isfinite(tpot_ref)):
         return _unpriced(ttft, tpot, cand), None
     cost = ttft * (1.0 / max(ttft_ref, 1e-6))
     cost += tpot * (1.0 / max(tpot_ref, 1e-9))
     cost = np.maximum(cost, 1e-9, out=cost)  # plans without step times (unpriced) cost "nothing": equal
-    c = cost[cand]
+    c = cost if every else cost[cand]
     best = float(c[c.argmin()])
     if not math.isfinite(best):
         return _unpriced(ttft, tpot, cand), None

@@ -199,9 +199,10 @@ class Router:
             ttft = ttft * factor  # a demoted plan is priced as its tail says (jitter.py)
         s_lat, deadline_ok = predicted_latency.score(req, pool, ttft, tpot, cand)
         w = cfg.weights
-        total = w.predicted_latency * s_lat + w.topology_affinity * s_topo
+        total = s_lat * w.predicted_latency
+        total += s_topo if w.topology_affinity == 1.0 else s_topo * w.topology_affinity
         if s_prefix is not None:
-            total += w.prefix_affinity * s_prefix
+            total += s_prefix if w.prefix_affinity == 1.0 else s_prefix * w.prefix_affinity
         order = pick(total, cand, demoted, deadline_ok, pool.load_rel, cfg.top_k, self.rng)
         return Decision(self.name, req, pool, order, hard_ok=hard, fits_now=now, relaxed=relaxed,
                         scores={predicted_latency.NAME: s_lat,
