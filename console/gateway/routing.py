@@ -119,6 +119,8 @@ def reset() -> None:
         _reports_cache.clear()
         _open.clear()
         _last_sample.clear()
+        for c in (_pend_count, _pend_tokens, _pend_low):
+            c.clear()
 
 
 @dataclass
@@ -134,19 +136,20 @@ class _Open:
 _open: dict[str, _Open] = {}  # seq_id -> what it holds in the book
 
 
-def _pending(plan_ids: Sequence[str]) -> tuple[Counter[str], Counter[str], Counter[str]]:
-    """Per plan: requests without a first token yet, their prompt tokens, of those low-priority."""
-    count: Counter[str] = Counter()
-    tokens: Counter[str] = Counter()
-    low: Counter[str] = Counter()
-    wanted = set(plan_ids)
-    for o in list(_open.values()):
-        if o.plan_id in wanted and not o.first_seen:
-            count[o.plan_id] += 1
-            tokens[o.plan_id] += o.prompt_tokens
-            if o.low:
-                low[o.plan_id] += o.prompt_tokens
-    return count, tokens, low
+# per plan: requests without a first token yet, their prompt tokens, of those low-priority's
+_pend_count: Counter[str] = Counter()
+_pend_tokens: Counter[str] = Counter()
+_pend_low: Counter[str] = Counter()
+
+
+def _unpend(o: _Open) -> None:
+    _pend_count[o.plan_id] -= 1
+    _pend_tokens[o.plan_id] -= o.prompt_tokens
+    if o.low:
+        _pend_low[o.plan_id] -= o.prompt_tokens
+    if _pend_count[o.plan_id] <= 0:
+        for c in (_pend_count, _pend_tokens, _pend_low):
+            c.pop(o.plan_id, None)
 
 
 # -- facts ---------------------------------------------------------------------------------------------
@@ -259,12 +262,14 @@ def _reports() -> dict[str, dict[str, float]]:
 
 def _decide(name: str, model_name: str, version: int, routes: Sequence[Mapping[str, Any]], req: RouteRequest,
             outstanding: Mapping[str, int]) -> tuple[Decision, list[Candidate]]:
-    """Sync (database reads, cached): the pool with its loads, and the router's decision."""
+    """Sync (database reads, cached): the pool with its loads, and the router's decision. The
+    reads happen outside the lock, which the event loop's hooks (admitted, first_token) take too:
+    it is held only for in-memory work of microseconds."""
+    entry = _pool(name, model_name, version, routes)
+    reports = _reports()
     with _lock:
-        entry = _pool(name, model_name, version, routes)
-        reports = _reports()
         pool = entry.pool
-        count, tokens, low = _pending(pool.ids)
+        count, tokens, low = _pend_count, _pend_tokens, _pend_low
         loads = []
         for pid, reserve in zip(pool.ids, entry.reserve, strict=True):
             rep = reports.get(pid, {})
@@ -295,16 +300,20 @@ def admitted(routed: Routed, cand: Candidate, seq_id: str) -> None:
     slot = d.pool.slot.get(cand.plan_id)
     if slot is None:
         return
+    sample = None
     with _lock:
         router().admitted(d, slot)
-        _open[seq_id] = _Open(cand.plan_id, routed.prompt_tokens, routed.low_priority, d.predicted_ttft_s(slot),
-                              time.monotonic())
-        due = time.monotonic() - _last_sample.get(routed.deployment, -1e18) >= _ttl("FLEXPIPE_ROUTER_SAMPLE_S", 2.0)
-        if due:
+        o = _open[seq_id] = _Open(cand.plan_id, routed.prompt_tokens, routed.low_priority, d.predicted_ttft_s(slot),
+                                  time.monotonic())
+        _pend_count[o.plan_id] += 1
+        _pend_tokens[o.plan_id] += o.prompt_tokens
+        if o.low:
+            _pend_low[o.plan_id] += o.prompt_tokens
+        if time.monotonic() - _last_sample.get(routed.deployment, -1e18) >= _ttl("FLEXPIPE_ROUTER_SAMPLE_S", 2.0):
             _last_sample[routed.deployment] = time.monotonic()
-    if due:
-        decisions.record_soon(routed.deployment, {**d.explain(), "taken_by": cand.plan_id,
-                                                  "at": datetime.now(UTC).isoformat()})
+            sample = {**d.explain(), "taken_by": cand.plan_id, "at": datetime.now(UTC).isoformat()}
+    if sample is not None:
+        decisions.record_soon(routed.deployment, sample)
 
 
 _last_sample: dict[str, float] = {}
@@ -318,13 +327,16 @@ def first_token(seq_id: str) -> None:
         if o is None or o.first_seen:
             return
         o.first_seen = True
+        _unpend(o)
         now = time.monotonic()
         router().first_token(o.plan_id, now, now - o.started, o.predicted_ttft_s)
 
 
 def done(seq_id: str) -> None:
     with _lock:
-        _open.pop(seq_id, None)
+        o = _open.pop(seq_id, None)
+        if o is not None and not o.first_seen:
+            _unpend(o)
 
 
 __all__ = ["Candidate", "Routed", "admitted", "any_frozen", "done", "first_token",

@@ -122,6 +122,9 @@ def test_the_book_counts_prompts_waiting_for_their_first_token_as_queued_work() 
     third = order([a], 100, outstanding={a["plan_id"]: 1})
     assert third.decision.explain()["plans"][0]["load"]["queued_tokens"] == 0
     routing.done("seq-1")
+    routing.admitted(third, third.candidates[0], "seq-2")  # one that fails before its first token
+    routing.done("seq-2")
+    assert order([a], 100).decision.explain()["plans"][0]["load"]["queued_tokens"] == 0
 
 
 def test_a_priority_and_a_deadline_reach_the_router_and_a_sample_reaches_the_deployment_page() -> None:
