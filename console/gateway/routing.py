@@ -229,7 +229,9 @@ def _pool(name: str, model_name: str, version: int, routes: Sequence[Mapping[str
         if made is not None:
             facts.append(made[0])
             cands.append(made[1])
-    entry = _PoolEntry(Pool(facts, model=model_name), cands, now, [f.kv_capacity_tokens for f in facts])
+    router()  # (settings read)
+    entry = _PoolEntry(Pool(facts, model=model_name, prices=_config.prices), cands, now,
+                       [f.kv_capacity_tokens for f in facts])
     for old in [k for k in _pools if k[0] == name]:
         del _pools[old]
     _pools[key] = entry
