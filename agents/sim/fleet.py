@@ -391,7 +391,8 @@ class FleetSim:
         if not engines:
             return None, None
         pool = self._pool(dep, engines)
-        pool.set_load_columns(*zip(*(e.route_load() for e in engines), strict=True))
+        if len(engines) > 1:  # (one plan: the router takes it if it can ever hold the request, load aside)
+            pool.set_load_columns(*zip(*(e.route_load() for e in engines), strict=True))
         rr = req.route_req
         if not isinstance(rr, RouteRequest):
             rr = req.route_req = RouteRequest(req.prompt, req.output, req.priority,

@@ -60,7 +60,7 @@ def test_it_runs_every_policy_at_the_scale_where_least_loaded_meets_the_slo_for_
     assert abs(pols["least-loaded"]["slo_attainment"] - 0.8) <= 0.11  # 48 requests: ~2% a request
     for n in ("8", "64"):
         d = result["decision_us"][n]
-        assert 0 < d["p50"] <= d["p99"] and d["samples"] == 36 and d["rounds"] == 3
+        assert 0 < d["p50"] <= d["p99"] and d["samples"] == 36 and d["rounds"] == 5
     t = result["targets"]
     assert "decision_p99_us_at_64" in t
     assert ("goodput_over_round_robin" in t) == (fmt == "mooncake")
