@@ -179,14 +179,14 @@ class Router:
 
     def route(self, req: RouteRequest, pool: Pool, now_s: float) -> Decision:
         cfg = self.config
+        if pool.n == 1 and not pool.priority_limited and pool.base_ok[0] and pool.cap_tokens[0] >= req.kv_tokens:
+            # one plan, and it can ever hold the request: nothing to score, whatever its load (the
+            # common single-plan gear; it is the prefilter and the memory bound of one plan, inline)
+            return Decision(self.name, req, pool, (0,), note="the only plan")
         hard, now, cand, relaxed = hard_filters(req, pool)
         count = np.count_nonzero(cand)
         if not count:
             return Decision(self.name, req, pool, (), hard_ok=hard, fits_now=now)
-        if count == 1 and pool.n == 1:
-            # one plan, and it can take the request: nothing to score (the common single-plan gear)
-            return Decision(self.name, req, pool, (0,), hard_ok=hard, fits_now=now, relaxed=relaxed,
-                            note="the only plan")
         matched = self.index.match(req.blocks, pool)
         s_prefix, cached = prefix_affinity.score(req, matched, block_tokens=cfg.block_tokens,
                                                  host_tier_weight=cfg.host_tier_weight)
