@@ -55,15 +55,13 @@ def load_terms(pool: Pool) -> tuple[Floats, Floats, Floats, Floats]:
 def predict(req: RouteRequest, pool: Pool, cached_tokens: Floats | None) -> tuple[Floats, Floats]:
     """(ttft_s, tpot_s) per plan (module docstring); `cached_tokens` None: no plan holds any."""
     p = float(req.prompt_tokens)
-    if cached_tokens is None:
-        prefill = pool.pre_poly @ np.array((p * p, p, 1.0))
-    else:
-        new = p - cached_tokens
-        per_token = cached_tokens + new * 0.5
-        per_token *= pool.pre_c
-        per_token += pool.pre_b
-        prefill = per_token * new
-        prefill += pool.pre_a
+    prefill = pool.pre_poly @ np.array((p * p, p, 1.0))
+    if cached_tokens is not None:
+        # a + b (p - h) + c (p - h)(h + (p - h) / 2) = [the whole prompt's] - h (b + c h / 2)
+        saved = pool.pre_poly[:, 0] * cached_tokens
+        saved += pool.pre_b
+        saved *= cached_tokens
+        prefill -= saved
     prefill += pool.queue_all_s if req.low_priority else pool.queue_s
     prefill *= pool.share
     tpot = np.minimum(pool.chunk_room, pool.queued_tokens * (1.0 / req.max_tokens))

@@ -17,8 +17,8 @@ prefill time saved on that plan's hardware, so a long hit on a slow or busy plan
 shorter one on an idle fast plan.
 
 Index layout: a bit per plan; per block hash, the bits of the plans holding it (one dict per
-tier). Matching walks the request's blocks once with a bit mask of the plans still matching -
-O(blocks + plans that ever matched), whatever the number of plans.
+tier). Matching walks the request's blocks with a bit mask of the plans still matching, a stride
+at a time (`_walk`) - its cost does not grow with the number of plans.
 """
 
 from __future__ import annotations
@@ -154,31 +154,56 @@ class PrefixIndex:
         return gpu, total
 
 
+STRIDE = 8  # blocks the walk steps over before it looks again (then it bisects inside the step)
+
+
 def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence[int], mask: int) -> dict[int, int]:
     """bit -> length of the run of `blocks` from the start that the plan holds (in `first`, or in
-    either table when `second` is given), for the plans of `mask` that hold at least the first."""
+    either table when `second` is given), for the plans of `mask` that hold at least the first.
+
+    The index keeps a prompt's head at least as recent as its tail (record touches the blocks
+    last to first, and evicts the least recent), so a plan that holds block i of a chain holds
+    every block before it: the held runs are prefixes. The walk looks at every STRIDE-th block
+    and bisects for each plan inside the stride where it dropped out - O(blocks / STRIDE + plans
+    x log STRIDE) lookups instead of one per block (a 100-block prompt: ~20 instead of 100)."""
+    n = len(blocks)
+
+    def held(i: int) -> int:
+        h = blocks[i]
+        v = first.get(h, 0)
+        if second is not None:
+            v |= second.get(h, 0)
+        return v
+
+    def end(bit: int, lo: int, hi: int) -> int:
+        """The run's length for `bit`, which holds block lo and not block hi (or hi == n)."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if held(mid) & bit:
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1
+
     out: dict[int, int] = {}
-    h0 = blocks[0]
-    alive = mask & (first.get(h0, 0) | (second.get(h0, 0) if second is not None else 0))
+    alive = mask & held(0)
     if not alive:
         return out
-    for i in range(1, len(blocks)):
-        h = blocks[i]
-        held = first.get(h, 0)
-        if second is not None:
-            held |= second.get(h, 0)
-        gone = alive & ~held
+    prev = 0
+    for i in range(STRIDE, n, STRIDE):
+        gone = alive & ~held(i)
         if gone:
-            alive &= held
+            alive &= ~gone
             while gone:
                 low = gone & -gone
-                out[low] = i
+                out[low] = end(low, prev, i)
                 gone ^= low
             if not alive:
                 return out
+        prev = i
     while alive:
         low = alive & -alive
-        out[low] = len(blocks)
+        out[low] = end(low, prev, n)
         alive ^= low
     return out
 

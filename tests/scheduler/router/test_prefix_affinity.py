@@ -86,13 +86,16 @@ def test_a_forgotten_plan_holds_nothing_and_its_bit_is_reused() -> None:
     assert got is not None and got[0].tolist() == [0, 1]
 
 
-def test_matching_sixty_four_plans_finds_each_ones_run() -> None:
+def test_matching_sixty_four_plans_finds_each_ones_run_across_the_walks_strides() -> None:
     pool = pool_of(64)
     idx = PrefixIndex(512)
-    for i, pid in enumerate(pool.ids):
-        idx.record(pid, tuple(range(i % 7 + 1)), gpu_blocks=100)
-    got = idx.match(tuple(range(10)), pool)
-    assert got is not None and got[0].tolist() == [i % 7 + 1 for i in range(64)]
+    runs = [(i * 37) % 101 + 1 for i in range(64)]  # 1..101 blocks: ends inside, at and past a stride
+    for pid, run in zip(pool.ids, runs, strict=True):
+        idx.record(pid, tuple(range(run)), gpu_blocks=200)
+    got = idx.match(tuple(range(120)), pool)
+    assert got is not None and got[0].tolist() == runs
+    short = idx.match(tuple(range(5)), pool)
+    assert short is not None and short[0].tolist() == [min(r, 5) for r in runs]
 
 
 def test_the_router_sends_a_conversations_next_turn_where_its_prefix_is() -> None:
