@@ -218,7 +218,7 @@ class Pool:
         # the prefill of p uncached tokens as one product: [c / 2, b, a] . [p^2, p, 1]
         self.pre_poly: Floats = np.stack([self.pre_c / 2, self.pre_b, self.pre_a], axis=1) if n else np.zeros((0, 3))
         # (a plan the cost model cannot price has an infinite prefill; its TTFT says so already,
-        # and its decode slowdown by chunks is left finite, so that no 0 x inf makes a NaN)
+        # and its queueing and decode slowdown by chunks are left finite, so no 0 x inf is a NaN)
         self.pre_b_chunk: Floats = np.where(np.isfinite(self.pre_b), self.pre_b, 0.0)
         self.dec_0: Floats = np.array([m.decode_fixed_s for m in self.steps], dtype=np.float64)
         self.dec_1: Floats = np.array([m.decode_s_per_seq for m in self.steps], dtype=np.float64)

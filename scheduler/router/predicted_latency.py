@@ -45,8 +45,8 @@ def load_terms(pool: Pool) -> tuple[Floats, Floats, Floats, Floats]:
     request's own context) per plan, from the pool's load (module docstring)."""
     room = np.maximum(CHUNK_TOKENS - pool.running, 1.0)  # prefill tokens a round still carries
     share: Floats = CHUNK_TOKENS / np.maximum(room, CHUNK_TOKENS / 2)
-    queue_all: Floats = pool.queued_tokens * pool.pre_b
-    queue: Floats = (pool.queued_tokens - pool.queued_low_tokens) * pool.pre_b
+    queue_all: Floats = pool.queued_tokens * pool.pre_b_chunk  # (finite: an unpriceable plan's own prefill is inf)
+    queue: Floats = (pool.queued_tokens - pool.queued_low_tokens) * pool.pre_b_chunk
     tpot: Floats = pool.dec_0 + pool.dec_1 * (pool.running + 1.0) + pool.dec_2 * pool.kv_used
     pool.chunk_room = room
     return share, queue, queue_all, tpot
