@@ -256,8 +256,10 @@ class PlanHost(DrainThenHandOver):
     # -- admission -------------------------------------------------------------------------------
 
     def admit(self, seq_id: str, prompt_ids: Sequence[int], max_tokens: int,
-              sampling: SamplingParams | dict[str, Any] | None, *, routing_version: int = 0) -> SeqStream:
-        """Queue a new sequence; its stream fills as the engine decodes.
+              sampling: SamplingParams | dict[str, Any] | None, *, routing_version: int = 0,
+              priority: int = 0) -> SeqStream:
+        """Queue a new sequence; its stream fills as the engine decodes. `priority` is accepted and
+        not used: the torch reference engine admits first come, first served.
 
         Raises Frozen (frozen, stopped), Saturated (waiting queue full), ValueError (bad input,
         naming the field).

@@ -3,7 +3,9 @@
 Endpoints (NDJSON over chunked HTTP/1.1: one JSON object per line):
 
     POST /data/v1/generate
-         {deployment, plan_id, seq_id, prompt_ids, max_tokens, sampling?, routing_version?}
+         {deployment, plan_id, seq_id, prompt_ids, max_tokens, sampling?, routing_version?, priority?}
+         (priority: the request's class, lower first; a host whose engine schedules by priority
+         uses it - vLLM's priority policy - the others admit first come, first served)
          200: {"i": index, "token": id} ... then exactly one of
               {"done": true, "finish_reason": "length" | "stop"}
               {"moved": {"target_addr", "target_plan", "routing_version"}}  (handed over mid-stream)
@@ -40,6 +42,7 @@ from agents.dataplane.hosting import HostedPlan
 from agents.dataplane.stages import MemberRegistry, NotPrepared, stages_problem
 from agents.dataplane.stream import SeqStream
 from agents.engines.torch.kvtransfer import KVTransferError, decode_kv_state
+from scheduler.router.request import PRIORITY_MAX, PRIORITY_MIN
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +232,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             host = self.dataserver.host(body["deployment"], body["plan_id"])
+            extra = {"priority": body["priority"]} if body.get("priority") else {}  # hosts that order by it
             stream = host.admit(body["seq_id"], body["prompt_ids"], body["max_tokens"], body.get("sampling"),
-                                routing_version=int(body.get("routing_version", 0)))
+                                routing_version=int(body.get("routing_version", 0)), **extra)
         except DataPlaneError as exc:
             self._refuse(exc)
             return
@@ -307,6 +311,9 @@ def _generate_problem(body: Any) -> tuple[str, str] | None:
     rv = body.get("routing_version", 0)
     if not isinstance(rv, int) or isinstance(rv, bool) or rv < 0:
         return "routing_version", "must be an integer >= 0"
+    prio = body.get("priority", 0)
+    if not isinstance(prio, int) or isinstance(prio, bool) or not PRIORITY_MIN <= prio <= PRIORITY_MAX:
+        return "priority", f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}]"
     return None
 
 

@@ -312,8 +312,11 @@ class VllmPlanHost(DrainThenHandOver):
     # -- admission -------------------------------------------------------------------------------
 
     def admit(self, seq_id: str, prompt_ids: Sequence[int], max_tokens: int,
-              sampling: SamplingParams | dict[str, Any] | None, *, routing_version: int = 0) -> SeqStream:
-        """Send a new sequence to vLLM; its stream fills as vLLM decodes.
+              sampling: SamplingParams | dict[str, Any] | None, *, routing_version: int = 0,
+              priority: int = 0) -> SeqStream:
+        """Send a new sequence to vLLM; its stream fills as vLLM decodes. `priority` (lower first)
+        goes to vLLM's priority scheduling when the server runs it (spec.scheduling_policy); a
+        sequence handed over to another plan continues there at the default priority.
 
         Raises Frozen (frozen, stopped), Saturated (too many waiting for a first token),
         ValueError (bad input, naming the field).
@@ -337,8 +340,10 @@ class VllmPlanHost(DrainThenHandOver):
             old = self._runs.get(seq_id)
             if old is not None and old.stream.end is None:
                 raise ValueError(f"seq_id: {seq_id!r} is already running on this plan")
-            run = _Run(SeqStream(seq_id, len(prompt_ids), max_tokens, routing_version, self.clock()),
-                       self._body(prompt_ids, max_tokens, params))
+            body = self._body(prompt_ids, max_tokens, params)
+            if priority and self.spec.scheduling_policy == "priority":
+                body["priority"] = priority  # vLLM refuses a priority under fcfs: sent only to priority servers
+            run = _Run(SeqStream(seq_id, len(prompt_ids), max_tokens, routing_version, self.clock()), body)
             self._runs[seq_id] = run
             self._leases[seq_id] = max(routing_version, self._leases.get(seq_id, 0))
         try:

@@ -58,6 +58,7 @@ class _Live:
     output: int  # tokens it will generate
     finish: str  # "stop" (drawn length) or "length" (max_tokens)
     offset: int  # where in the passage its ids start
+    priority: int = 0  # the request's class (the gateway's `priority`): the simulated engine queues by it
     cancelled: bool = False
 
 
@@ -87,7 +88,7 @@ class SimDataPlane:
         return [SimPlan(self, name, e.plan.plan_id) for name in self.sim.deployments for e in self.sim.plans(name)]
 
     def admit(self, deployment: str, plan_id: str, seq_id: str, prompt_tokens: int, max_tokens: int,
-              sampling: Any, routing_version: int) -> SeqStream:
+              sampling: Any, routing_version: int, priority: int = 0) -> SeqStream:
         engine = self.sim.engine_of(deployment, plan_id)
         if engine is None:
             raise UnknownPlan(f"plan_id: {plan_id!r} of deployment {deployment!r} does not run in this fleet")
@@ -105,7 +106,7 @@ class SimDataPlane:
             if drawn < max_tokens:
                 output, finish = drawn, "stop"
         stream = SeqStream(seq_id, prompt_tokens, max_tokens, routing_version, self.clock())
-        live = _Live(stream, None, deployment, plan_id, output, finish, rng.randrange(len(self.ids)))
+        live = _Live(stream, None, deployment, plan_id, output, finish, rng.randrange(len(self.ids)), priority)
         with self._lock:
             self._live[seq_id] = live
         self._incoming.put(live)
@@ -138,7 +139,8 @@ class SimDataPlane:
                 live = self._incoming.get_nowait()
             except queue.Empty:
                 break
-            live.req = self.sim.submit_to(live.deployment, live.plan_id, live.stream.prompt_tokens, live.output)
+            live.req = self.sim.submit_to(live.deployment, live.plan_id, live.stream.prompt_tokens, live.output,
+                                          priority=live.priority)
             if live.req is None:
                 self._end(live, {"error": f"plan {live.plan_id} stopped taking requests before {live.stream.seq_id} "
                                           "reached it"})
@@ -204,9 +206,9 @@ class SimPlan:
         return engine is None or not engine.accepting
 
     def admit(self, seq_id: str, prompt_ids: list[int], max_tokens: int, sampling: Any, *,
-              routing_version: int = 0) -> SeqStream:
+              routing_version: int = 0, priority: int = 0) -> SeqStream:
         stream = self.plane.admit(self.deployment, self.plan_id, seq_id, len(prompt_ids), max_tokens, sampling,
-                                  routing_version)
+                                  routing_version, priority)
         self._admitted = True
         return stream
 

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
+from agents.sim.queues import PrefixCache, WaitQueue
+from agents.sim.request import Request
 from scheduler.costmodel import MAX_BATCHED_TOKENS, MAX_RUNNING_SEQS, PipelineProfile, PlanProfile
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Plan
@@ -61,60 +62,8 @@ MAX_RUN_ROUNDS = 4096  # longest analytic run: bounds the middle-context approxi
 TIME_EPS = 1e-9  # rounding guard when a run is cut at "now"
 
 Event = tuple[float, int, Callable[[float, object], "list[Event] | None"], object]
-
-
-class Request:
-    """One request's life in the simulator. Mutable and slotted: a replay holds ~10^5 of them."""
-
-    __slots__ = (
-        "rid", "deployment", "arrival_s", "prompt", "output", "first_token_s", "finish_s",
-        "generated", "need", "done", "has_kv", "ctx0", "d0", "gen0", "epoch", "pipe", "decoding",
-        "preemptions", "replays", "migrations", "error", "engine_id", "paused_until", "lease",
-    )
-
-    def __init__(self, rid: int, deployment: str, arrival_s: float, prompt: int, output: int) -> None:
-        self.rid = rid
-        self.deployment = deployment
-        self.arrival_s = arrival_s
-        self.prompt = prompt
-        self.output = output
-        self.first_token_s: float | None = None
-        self.finish_s: float | None = None
-        self.generated = 0  # tokens emitted so far (exact while not decoding; see tokens_now)
-        self.need = prompt  # tokens the current prefill pass computes (prompt, or prompt + generated)
-        self.done = 0  # of those, computed so far
-        self.has_kv = False  # its KV is in place: it can decode without a prefill
-        self.ctx0 = 0  # while decoding: context when it joined the decoding set
-        self.d0 = 0  # ... the pipe's decode clock then
-        self.gen0 = 0  # ... and its tokens then
-        self.epoch = 0  # bumps whenever it leaves a pipe: finish-heap entries of older epochs are stale
-        self.pipe: Pipe | None = None  # the pipe that runs it (None while queued outside engines)
-        self.decoding = False  # in its pipe's decoding set
-        self.preemptions = 0  # KV dropped for lack of memory (recomputed)
-        self.replays = 0  # KV lost or dropped by a gear change (recomputed on another plan)
-        self.migrations = 0  # KV moved to another plan
-        self.error: str | None = None  # set when it ends with an explicit error
-        self.engine_id = 0  # the engine that owns it (0: none)
-        self.paused_until = 0.0  # a migration in flight lands then
-        # the routing version of its lease (DESIGN.md invariant 2): the table's version when the
-        # router gave it to its plan, or the version a hand-over carried; a hand-over must be newer
-        self.lease = 0
-
-    def tokens_now(self) -> int:
-        """Tokens emitted so far (reads the pipe's decode clock while decoding)."""
-        if self.decoding and self.pipe is not None:
-            return self.gen0 + self.pipe.clock - self.d0
-        return self.generated
-
-    def context(self) -> int:
-        """Tokens in its KV cache (or to recompute): prompt + what it generated."""
-        return self.prompt + self.tokens_now()
-
-    def drop_kv(self) -> None:
-        """Forget its KV: the next pass recomputes prompt + generated tokens."""
-        self.has_kv = False
-        self.need = self.prompt + self.generated
-        self.done = 0
+__all__ = ["KIND_ARRIVAL", "KIND_BOUNDARY", "KIND_CLUSTER", "KIND_LAND", "KIND_READY", "KIND_TIMER", "MAX_RUN_ROUNDS",
+           "Event", "Pipe", "PlanEngine", "Request"]
 
 
 class Pipe:
@@ -133,8 +82,12 @@ class Pipe:
         self.kv_bytes_per_token = kv_bytes_per_token  # over all GPUs of the pipe (for memory use)
         self.gpus = gpus
         self.max_run = engine.host.max_run_rounds  # longest analytic run (1: every round simulated)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitQueue()  # by priority class, then deadline, then arrival (queues.py)
         self.running: dict[int, Request] = {}  # admission order: the last one is preempted first
+        # (within the least urgent priority class once any other class has run here)
+        self.mixed_priorities = False
+        block_tokens = engine.host.prefix_block_tokens
+        self.cache = PrefixCache(kv_cap // block_tokens, block_tokens) if role != "decode" and block_tokens else None
         self.prefilling: list[Request] = []  # prefill passes in progress, first come first served
         self.n_dec = 0  # decoding sequences
         self.ctx_base = 0  # sum over decoding of (ctx0 - d0): their context is ctx_base + n_dec x clock
@@ -163,6 +116,17 @@ class Pipe:
     @property
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def prefill_left(self) -> tuple[int, int]:
+        """Prompt tokens still to prefill here (queued and in-progress passes), and of those the
+        low-priority requests' (what the router's queue estimate reads)."""
+        tokens, low = self.waiting.tokens, self.waiting.low_tokens
+        for req in self.prefilling:
+            left = req.need - req.done
+            tokens += left
+            if req.priority > 0:
+                low += left
+        return tokens, low
 
     def empty(self) -> bool:
         return not self.waiting and not self.running and not self.chunks
@@ -236,8 +200,11 @@ class Pipe:
         if self.chunks:
             chunks, self.chunks = self.chunks, []
             sampled = 0
+            cache = self.cache
             for req, c in chunks:
                 req.done += c
+                if cache is not None and req.blocks:
+                    self._cache_blocks(cache, req)
                 if req.done < req.need:
                     continue
                 # the pass is complete: it samples one token
@@ -251,6 +218,7 @@ class Pipe:
                     req.epoch += 1
                     if req.first_token_s is None:
                         req.first_token_s = t
+                        host.first_token(req, t)
                     out += host.finished(req, t)
                 elif self.role == "prefill":
                     del self.running[req.rid]
@@ -259,11 +227,25 @@ class Pipe:
                 else:
                     if req.first_token_s is None:
                         req.first_token_s = t
+                        host.first_token(req, t)
                     self._join_decoding(req)
             if sampled:
                 host.tokens(self.engine, t, t, sampled)
         self.run_n = 0
         return out
+
+    @staticmethod
+    def _cache_blocks(cache: PrefixCache, req: Request) -> None:
+        """The prompt blocks this pass has now computed join the cache; when the prompt is done,
+        all of them are touched again, last to first (queues.PrefixCache)."""
+        full = min(req.done, req.prompt) // cache.block_tokens
+        if full > len(req.blocks):
+            full = len(req.blocks)
+        if full > req.blocks_in:
+            cache.insert(req.blocks[req.blocks_in:full])
+            req.blocks_in = full
+        if req.done >= req.need and full:
+            cache.insert(req.blocks[:full])
 
     def _join_decoding(self, req: Request) -> None:
         req.ctx0 = req.prompt + req.generated
@@ -282,8 +264,15 @@ class Pipe:
         self.ctx_base -= req.ctx0 - req.d0
 
     def _preempt_last(self, t: float) -> list[Event]:
-        """Drop the KV of the most recently admitted sequence; it is recomputed later."""
-        _, req = self.running.popitem()
+        """Drop the KV of the most recently admitted sequence of the least urgent priority class
+        here (vLLM's priority policy; plain last-admitted while every sequence has one class); it
+        is recomputed later."""
+        if self.mixed_priorities:
+            worst = max(r.priority for r in self.running.values())
+            rid = next(r.rid for r in reversed(self.running.values()) if r.priority == worst)
+            req = self.running.pop(rid)
+        else:
+            _, req = self.running.popitem()
         if req.decoding:
             self._leave_decoding(req)
         else:
@@ -352,8 +341,17 @@ class Pipe:
                 self.prefilling.append(req)
                 self.kv_pre += need
                 need_kv += need
-                c = min(need, budget)
+                if req.priority:
+                    self.mixed_priorities = True
+                if self.cache is not None and req.blocks and not req.done:
+                    hit = self.cache.match(req.blocks, req.prompt)
+                    req.blocks_in = hit
+                    if hit:
+                        req.done = min(hit * self.cache.block_tokens, need - 1)
+                        self.cache.hit_tokens += req.done
+                c = min(need - req.done, budget)
                 chunks.append((req, c))
+                pre_ctx += req.done
                 pre_tokens += c
                 budget -= c
         n = self.n_dec
@@ -432,7 +430,7 @@ class Pipe:
         out.extend(self.waiting)
         self.running = {}
         self.prefilling = []
-        self.waiting = deque()
+        self.waiting = WaitQueue()
         self.kv_pre = 0
         self.fin = []
         self.chunks = []
@@ -524,6 +522,22 @@ class PlanEngine:
     def empty(self) -> bool:
         return not self.in_flight and all(p.empty() for p in self.pipes)
 
+    def route_load(self) -> tuple[int, int, int, int, int]:
+        """Its load as the router reads it (what its engine report says, exactly), as the fields
+        of scheduler.router.PlanLoad in order: running, waiting, queued prompt tokens (and of
+        low-priority requests), KV tokens in use. A tuple: the router's pool takes columns."""
+        first = self.pipes[0]
+        running = len(first.running) + len(self.in_flight)
+        waiting = len(first.waiting)
+        kv_used = first.kv_used
+        if len(self.pipes) > 1:
+            second = self.pipes[1]
+            running += len(second.running)
+            waiting += len(second.waiting)
+            kv_used = max(kv_used, second.kv_used)
+        tokens, low = first.prefill_left()
+        return running, waiting, tokens, low, kv_used
+
     def submit(self, req: Request, t: float) -> list[Event]:
         """A request routed here: a prefill pass (or straight to decoding when its KV is here)."""
         pipe = self.decode if req.has_kv else self.prefill
@@ -558,6 +572,7 @@ class PlanEngine:
             return []  # the engine stopped meanwhile: the request was handed back then
         if req.first_token_s is None:
             req.first_token_s = t
+            self.host.first_token(req, t)
         return self.decode.enqueue(req, t)
 
     def start(self, t: float) -> list[Event]:

@@ -84,6 +84,16 @@ from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu
+from scheduler.router import (
+    BLOCK_TOKENS,
+    Decision,
+    PlanFacts,
+    Pool,
+    RouteRequest,
+    RoutingPolicy,
+    make_router,
+    plan_facts,
+)
 from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
 
 IDLE_MEM_BYTES = 600 * 2**20  # a CUDA context with nothing loaded (as agents/sim/live.py reports)
@@ -101,6 +111,7 @@ class SimOptions:
     drain_limit_s: float = 7 * 86400.0  # after duration_s, requests still in the system get this long
     disk_cold_start_s: float = COLD_START_S  # a plan started from disk (a restarted pod) also starts its process
     max_run_rounds: int = MAX_RUN_ROUNDS  # longest analytic run of identical rounds (1: simulate each round)
+    prefix_block_tokens: int = BLOCK_TOKENS  # the engines' prefix cache block (a trace's hash block); 0: none
 
 
 DEFAULT_OPTIONS = SimOptions()
@@ -135,8 +146,11 @@ class EngineHost(Protocol):
     """What engines call back into (FleetSim implements it)."""
 
     max_run_rounds: int  # longest analytic run of identical rounds
+    prefix_block_tokens: int  # the prefix cache's block size (0: engines keep no prefix cache)
 
     def tokens(self, engine: PlanEngine, t0: float, t1: float, n: int) -> None: ...
+
+    def first_token(self, req: Request, t: float) -> None: ...
 
     def finished(self, req: Request, t: float) -> list[Event]: ...
 
@@ -157,6 +171,8 @@ class DeploymentRuntime:
     pending: deque[Request] = field(default_factory=deque)  # admitted, no serving plan to take them yet
     routing_version: int = 0  # version of the routing table it follows (set_routing): leases carry it
     baseline: Plan | None = None
+    pool: Pool | None = None  # the router's view of its serving plans (rebuilt when they change)
+    pool_key: tuple[object, ...] = ()
     # load since the last sample (for the gearbox's LoadWindow)
     win_arrivals: int = 0
     win_prompt: float = 0.0
@@ -189,7 +205,8 @@ class FleetSim:
     draws; nothing reads a wall clock or a global random state."""
 
     def __init__(self, scenario: Scenario, *, options: SimOptions = DEFAULT_OPTIONS,
-                 eff: Efficiency = DEFAULT_EFFICIENCY, listener: SimListener | None = None) -> None:
+                 eff: Efficiency = DEFAULT_EFFICIENCY, listener: SimListener | None = None,
+                 router: RoutingPolicy | None = None) -> None:
         self.scenario = scenario
         self.options = options
         self.eff = eff
@@ -200,6 +217,10 @@ class FleetSim:
                                 for n in scenario.all_nodes() for i in range(n.gpus)}
         self.listener: SimListener = listener or _Silent()
         self.max_run_rounds = options.max_run_rounds
+        self.prefix_block_tokens = options.prefix_block_tokens
+        # the one request router (scheduler.router), as the gateway runs it; a baseline in bench.route
+        self.router: RoutingPolicy = router or make_router("flexpipe", seed=scenario.seed)
+        self._facts: dict[tuple[int, int, float], PlanFacts] = {}  # (engine id, profile, weight) -> facts
         # a plan that loses a GPU: its sequences keep their KV (only the oracle, which moved
         # them away just before the loss it knew of, sets this)
         self.kv_survives_loss = False
@@ -325,22 +346,28 @@ class FleetSim:
     def _on_arrival(self, t: float, _: object) -> list[Event]:
         a = self._arrivals[self._next_arrival]
         self._next_arrival += 1
-        out = self._admit(a.deployment, a.prompt_tokens, a.output_tokens, t)
+        out = self._admit(a.deployment, a.prompt_tokens, a.output_tokens, t, priority=a.priority,
+                          deadline_s=a.deadline_s, blocks=a.blocks)
         if self._next_arrival < len(self._arrivals):
             out.append((self._arrivals[self._next_arrival].t_s, KIND_ARRIVAL, self._on_arrival, None))
         return out
 
-    def submit(self, deployment: str, prompt_tokens: int, output_tokens: int) -> int:
-        """Admit one request now (the live fleet's entry); returns its id."""
+    def submit(self, deployment: str, prompt_tokens: int, output_tokens: int, *, priority: int = 0,
+               deadline_s: float | None = None, blocks: tuple[int, ...] = ()) -> int:
+        """Admit one request now (the live fleet's entry); returns its id. `priority`, `deadline_s`
+        and `blocks` as scheduler.router.RouteRequest takes them."""
         if deployment not in self.deployments:
             raise ValueError(f"deployment: unknown {deployment!r}; known: {', '.join(self.deployments)}")
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError("prompt_tokens, output_tokens: must be >= 1")
+        RouteRequest(prompt_tokens, output_tokens, priority, deadline_s)  # its errors name the field
         rid = next(self._rids)
-        self._push_all(self._admit(deployment, prompt_tokens, output_tokens, self.now_s, rid=rid))
+        self._push_all(self._admit(deployment, prompt_tokens, output_tokens, self.now_s, rid=rid, priority=priority,
+                                   deadline_s=deadline_s, blocks=blocks))
         return rid
 
-    def submit_to(self, deployment: str, plan_id: str, prompt_tokens: int, output_tokens: int) -> Request | None:
+    def submit_to(self, deployment: str, plan_id: str, prompt_tokens: int, output_tokens: int, *,
+                  priority: int = 0) -> Request | None:
         """Admit one request now on the plan another router chose (the live fleet's data endpoint: the
         gateway routes); the request, or None when that plan takes nothing new (not serving, frozen)."""
         dep = self._dep(deployment)
@@ -349,13 +376,16 @@ class FleetSim:
         if engine is None or prompt_tokens < 1 or output_tokens < 1:
             return None
         rid = next(self._rids)
-        self._push_all(self._admit(deployment, prompt_tokens, output_tokens, self.now_s, rid=rid, engine=engine))
+        self._push_all(self._admit(deployment, prompt_tokens, output_tokens, self.now_s, rid=rid, engine=engine,
+                                   priority=priority))
         return self.in_system.get(rid)
 
-    def _admit(self, deployment: str, prompt: int, output: int, t: float, rid: int | None = None,
-               engine: PlanEngine | None = None) -> list[Event]:
+    def _admit(self, deployment: str, prompt: int, output: int, t: float, rid: int | None = None, *,
+               engine: PlanEngine | None = None, priority: int = 0, deadline_s: float | None = None,
+               blocks: tuple[int, ...] = ()) -> list[Event]:
         dep = self.deployments[deployment]
-        req = Request(next(self._rids) if rid is None else rid, deployment, t, prompt, output)
+        req = Request(next(self._rids) if rid is None else rid, deployment, t, prompt, output, priority=priority,
+                      deadline_s=deadline_s, blocks=blocks)
         self.in_system[req.rid] = req
         self.recorder.admitted[dep.index] += 1
         if self.events is not None:
@@ -373,24 +403,55 @@ class FleetSim:
     # ======================================================================================
     # routing
     # ======================================================================================
-    def _route(self, dep: DeploymentRuntime) -> PlanEngine | None:
-        """Least loaded relative to its routing weight, among serving plans in the routing table."""
-        best: PlanEngine | None = None
-        best_score = math.inf
-        for e in dep.engines:
-            if e.accepting and e.state == "serving":
-                score = (e.load + 1) / e.weight
-                if score < best_score:
-                    best, best_score = e, score
-        return best
+    def _route(self, dep: DeploymentRuntime, req: Request) -> tuple[PlanEngine | None, Decision | None]:
+        """The router's choice among the deployment's serving plans in the routing table:
+        (engine, decision), (None, decision) when no plan can ever hold the request, and
+        (None, None) when none serves."""
+        engines = [e for e in dep.engines if e.accepting and e.state == "serving"]
+        if not engines:
+            return None, None
+        pool = self._pool(dep, engines)
+        if len(engines) > 1:  # (one plan: the router takes it if it can ever hold the request, load aside)
+            pool.set_load_columns(*zip(*(e.route_load() for e in engines), strict=True))
+        rr = req.route_req
+        if not isinstance(rr, RouteRequest):
+            rr = req.route_req = RouteRequest(req.prompt, req.output, req.priority,
+                                              None if req.deadline_at is None else req.deadline_at - req.arrival_s,
+                                              req.blocks)
+        decision = self.router.route(rr, pool, self.now_s)
+        slot = decision.chosen
+        if slot is None:
+            return None, decision
+        self.router.admitted(decision, slot)
+        req.predicted_ttft_s = decision.predicted_ttft_s(slot)
+        req.routed_plan = pool.ids[slot]
+        return engines[slot], decision
+
+    def _pool(self, dep: DeploymentRuntime, engines: Sequence[PlanEngine]) -> Pool:
+        key = tuple((e.engine_id, id(e.profile), e.weight) for e in engines)
+        if dep.pool is None or key != dep.pool_key:
+            snap = self.snapshot()
+            facts = []
+            for e, k in zip(engines, key, strict=True):
+                f = self._facts.get(k)
+                if f is None:
+                    f = self._facts[k] = plan_facts(e.plan, e.model, snap, weight=e.weight, profile=e.profile)
+                facts.append(f)
+            dep.pool = Pool(facts, model=dep.model.name)
+            dep.pool_key = key
+        return dep.pool
 
     def dispatch(self, deployment: str, req: Request, t: float) -> list[Event]:
         """Route a request that left its plan (the router's choice, or the deployment's queue)."""
         return self._dispatch(self._dep(deployment), req, t)
 
     def _dispatch(self, dep: DeploymentRuntime, req: Request, t: float, new: bool = False) -> list[Event]:
-        engine = self._route(dep)
+        engine, decision = self._route(dep, req)
         if engine is None:
+            if decision is not None:  # no plan of the gear could ever hold it: it ends, explained
+                reasons = "; ".join(f"{pid}: {decision.reason(i)}" for i, pid in enumerate(decision.pool.ids))
+                self._fail(req, t, f"no plan of {dep.name} can hold it ({reasons})")
+                return []
             req.pipe = None
             req.engine_id = 0
             dep.pending.append(req)
@@ -403,7 +464,7 @@ class FleetSim:
 
     def _flush(self, dep: DeploymentRuntime, t: float) -> list[Event]:
         out: list[Event] = []
-        while dep.pending and self._route(dep) is not None:
+        while dep.pending and any(e.accepting and e.state == "serving" for e in dep.engines):
             out += self._dispatch(dep, dep.pending.popleft(), t)
         return out
 
@@ -414,6 +475,12 @@ class FleetSim:
         self.recorder.tokens(t0, t1, n)
         engine.rep_tokens += n
 
+    def first_token(self, req: Request, t: float) -> None:
+        """The router learns how late a first token came against its prediction (jitter), for
+        requests that ran where it sent them (not moved, not recomputed elsewhere)."""
+        if req.routed_plan and not req.migrations and not req.replays:
+            self.router.first_token(req.routed_plan, t, t - req.arrival_s, req.predicted_ttft_s)
+
     def finished(self, req: Request, t: float) -> list[Event]:
         req.finish_s = t
         req.pipe = None
@@ -421,7 +488,7 @@ class FleetSim:
         if self.events is not None:
             self.events.add(LogEvent(t, "seq_finished", deployment=req.deployment, seq_id=str(req.rid)))
         first = req.first_token_s if req.first_token_s is not None else t
-        self.recorder.finished(req.deployment, req.arrival_s, first, t, req.output, req.replays)
+        self.recorder.finished(req.deployment, req.arrival_s, first, t, req.output, req.replays, req.prompt)
         self.preemptions += req.preemptions
         dep = self.deployments[req.deployment]
         dep.win_finished += 1
@@ -651,7 +718,7 @@ class FleetSim:
     def _move(self, dep: DeploymentRuntime, src: PlanEngine, req: Request, t: float,
               record: SwitchRecord | None) -> list[Event]:
         """One sequence leaves `src` for a routed plan: KV migrated or recomputed, the cheaper."""
-        dst = self._route(dep)
+        dst, _ = self._route(dep, req)
         if dst is None or not req.has_kv:
             if req.has_kv:
                 req.drop_kv()
@@ -707,6 +774,7 @@ class FleetSim:
         self.live.pop(engine.engine_id, None)
         self._footprint.pop(engine.engine_id, None)
         self._ended_s[engine.engine_id] = t
+        self.router.forget(engine.plan.plan_id)  # its prefix cache and its latency history went with it
         self._reshare()
         self._snapshot = None
         self.listener.on_released(self, t, engine)

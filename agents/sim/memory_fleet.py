@@ -12,9 +12,10 @@ One `MemoryFleet` plays every node's agent and engines, and a gateway in front o
   length the `Timing` gives for the batch. A sequence holds a lease (plan_id, routing
   version): a hand-over pauses it at the end of its decode iteration (idle ones at once),
   moves it, and the target accepts it only with a newer lease.
-* **The gateway** admits requests and routes each to a plan by the routing table's weights
-  (skipping frozen plans); when no plan accepts it holds the request and tries again, and
-  fails it explicitly after `admit_timeout_s`.
+* **The gateway** admits requests and routes each with the one request router
+  (scheduler.router, as console/gateway does) among the routing table's plans that can take it
+  now (not frozen, weight > 0, prepared on their leader); when no plan accepts it holds the
+  request and tries again, and fails it explicitly after `admit_timeout_s`.
 
 Everything it does goes to an `EventLog`, so `scheduler.invariants.check` can verify
 invariants 1-2 over it (and 3 with the in-memory ports' log). Faults - a command that fails,
@@ -37,8 +38,9 @@ from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, PlanProfile, kv_
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Plan
+from scheduler.router import PlanFacts, PlanLoad, Pool, Router, RouteRequest, RoutingPolicy, plan_facts
 from scheduler.topology import Snapshot
-from scheduler.transition import CommandIntent, CommandKind, CommandStatus, RoutingState, plan_memory
+from scheduler.transition import CommandIntent, CommandKind, CommandStatus, Route, RoutingState, plan_memory
 
 MAX_RUNNING_SEQS = 256
 WARMUP_S = 1.0  # stated: CUDA graph capture and a first batch on a freshly loaded plan
@@ -276,12 +278,16 @@ class MemoryFleet:
     def __init__(self, base: Snapshot, mailbox: Mailbox, routing_fn: Callable[[str], RoutingState],
                  log: EventLog, *, rng: random.Random, timing: Timing | None = None,
                  models: Callable[[str], ModelSpec] = model_spec, max_dt_s: float = 0.05,
-                 admit_timeout_s: float = 120.0, stuck_timeout_s: float = 300.0, start_s: float = 0.0) -> None:
+                 admit_timeout_s: float = 120.0, stuck_timeout_s: float = 300.0, start_s: float = 0.0,
+                 router: RoutingPolicy | None = None) -> None:
         self.base = base
         self.mailbox = mailbox
         self.routing_fn = routing_fn
         self.log = log
         self.rng = rng
+        self.router: RoutingPolicy = router or Router(rng=rng)  # ties between equal plans drawn from `rng`
+        self._facts: dict[str, PlanFacts] = {}  # plan id -> its router facts (plans are immutable)
+        self._pools: dict[tuple[object, ...], Pool] = {}
         self.models = models
         self.timing: Timing = timing or CostModelTiming(self.snapshot, models=models)
         self.max_dt_s = max_dt_s
@@ -375,29 +381,49 @@ class MemoryFleet:
         return sid
 
     def _route(self, s: SimSeq) -> bool:
+        """Give `s` to the plan the router picks among those that can take it now; False when none."""
         table = self.routing_fn(s.deployment)
-        routes = [r for r in table.routes if r.weight > 0 and not r.frozen and r.nodes]
-        while routes:
-            total = sum(r.weight for r in routes)
-            pick = self.rng.random() * total
-            chosen = routes[-1]
-            for r in routes:
-                pick -= r.weight
-                if pick <= 0:
-                    chosen = r
-                    break
-            node = self.nodes.get(chosen.nodes[0])
-            inst = node.instances.get(chosen.plan_id) if node and node.alive else None
+        ready: list[tuple[Route, Node, Instance]] = []
+        for r in table.routes:
+            if r.weight <= 0 or r.frozen or not r.nodes:
+                continue
+            node = self.nodes.get(r.nodes[0])
+            inst = node.instances.get(r.plan_id) if node and node.alive else None
             if inst is not None and inst.leader and inst.state == "ready":
-                s.plan_id, s.lease, s.state = chosen.plan_id, table.version, "waiting"
-                inst.seqs[s.seq_id] = s
-                inst.arrivals += 1
-                inst.prompt_sum += s.prompt_tokens
-                self.log.add(LogEvent(self.now_s, "seq_assigned", deployment=s.deployment, seq_id=s.seq_id,
-                                      plan_id=chosen.plan_id, version=table.version, node=node.node_id if node else ""))
-                return True
-            routes.remove(chosen)
-        return False
+                ready.append((r, node, inst))
+        if not ready:
+            return False
+        pool = self._pool(table, ready)
+        for i, (_, _, inst) in enumerate(ready):
+            pool.set_load(i, _load(inst))
+        decision = self.router.route(RouteRequest(s.prompt_tokens, s.max_tokens), pool, self.now_s)
+        if decision.chosen is None:
+            return False
+        self.router.admitted(decision, decision.chosen)
+        chosen, node, inst = ready[decision.chosen]
+        s.plan_id, s.lease, s.state = chosen.plan_id, table.version, "waiting"
+        inst.seqs[s.seq_id] = s
+        inst.arrivals += 1
+        inst.prompt_sum += s.prompt_tokens
+        self.log.add(LogEvent(self.now_s, "seq_assigned", deployment=s.deployment, seq_id=s.seq_id,
+                              plan_id=chosen.plan_id, version=table.version, node=node.node_id))
+        return True
+
+    def _pool(self, table: RoutingState, ready: Sequence[tuple[Route, Node, Instance]]) -> Pool:
+        key = (table.deployment_id, table.version, tuple(r.plan_id for r, _, _ in ready))
+        pool = self._pools.get(key)
+        if pool is None:
+            snap = self.snapshot()
+            facts = []
+            for r, _, _ in ready:
+                f = self._facts.get(r.plan_id)
+                if f is None:
+                    f = self._facts[r.plan_id] = plan_facts(r.plan, self.models(r.plan.model), snap)
+                facts.append(replace(f, weight=r.weight))
+            if len(self._pools) > 256:
+                self._pools.clear()
+            pool = self._pools[key] = Pool(facts)
+        return pool
 
     # -- time ----------------------------------------------------------------------------------
     def advance_to(self, t_s: float) -> None:
@@ -959,6 +985,20 @@ class MemoryFleet:
             inst.tokens = 0.0
             inst.ttft_s, inst.tpot_s = [], []
         return out
+
+
+def _load(inst: Instance) -> PlanLoad:
+    """A plan's load as the router reads it, from its sequences."""
+    running = waiting = queued = kv = 0
+    for s in inst.seqs.values():
+        if s.state in ("running", "prefill", "pausing"):
+            running += 1
+            kv += s.context_tokens
+        elif s.state in ("waiting", "paused"):
+            waiting += 1
+            if s.state == "waiting":
+                queued += s.context_tokens
+    return PlanLoad(running, waiting, queued, 0, kv)
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:

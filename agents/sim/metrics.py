@@ -111,6 +111,7 @@ class Recorder:
         self.f_tpot: list[float] = []
         self.f_ok: list[bool] = []
         self.f_output: list[int] = []
+        self.f_prompt: list[int] = []
         self.f_replays: list[int] = []
         self.failed: list[tuple[int, str, float, str]] = []  # (rid, deployment, t_s, reason)
         self.changes: list[ChangeRecord] = []
@@ -145,7 +146,7 @@ class Recorder:
             t = edge
 
     def finished(self, deployment: str, arrival_s: float, first_s: float, finish_s: float, output: int,
-                 replays: int) -> None:
+                 replays: int, prompt: int = 0) -> None:
         i = self.dep_index[deployment]
         ttft = first_s - arrival_s
         tpot = (finish_s - first_s) / (output - 1) if output > 1 else 0.0
@@ -157,6 +158,7 @@ class Recorder:
         self.f_tpot.append(tpot)
         self.f_ok.append(ttft <= slo_ttft and tpot <= slo_tpot)
         self.f_output.append(output)
+        self.f_prompt.append(prompt)
         self.f_replays.append(replays)
         if finish_s > self.end_s:
             self.end_s = finish_s

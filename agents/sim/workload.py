@@ -35,6 +35,9 @@ class Arrival:
     deployment: str  # which deployment it is for
     prompt_tokens: int  # prompt length
     output_tokens: int  # tokens it will generate before it stops
+    priority: int = 0  # its priority class (lower is served first; scheduler.router.request)
+    deadline_s: float | None = None  # first token wanted this long after arrival
+    blocks: tuple[int, ...] = ()  # hashes of its prompt's 512-token blocks (a trace's hash_ids)
 
 
 @dataclass(frozen=True)

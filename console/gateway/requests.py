@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.router.request import DEFAULT_PRIORITY, PRIORITY_MAX, PRIORITY_MIN
+
 MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
+MAX_DEADLINE_MS = 86_400_000  # a day: a longer "deadline" is no deadline
 
 
 class BadRequest(ValueError):
@@ -35,6 +38,8 @@ class GenerateRequest:
     include_usage: bool = False  # stream_options.include_usage
     return_token_ids: bool = False  # vLLM's extension: the generated ids on each choice
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-text
+    priority: int = DEFAULT_PRIORITY  # extension (as vLLM's): lower is served first; > 0 low priority
+    deadline_ms: float | None = None  # extension: the first token is wanted within this many ms
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -93,7 +98,28 @@ def _common(body: Any, *, default_max_tokens: int | None) -> dict[str, Any]:
         "include_usage": bool((opts or {}).get("include_usage", False)),
         "return_token_ids": _flag(body, "return_token_ids"),
         "ignore_eos": _flag(body, "ignore_eos"),
+        "priority": _priority(body),
+        "deadline_ms": _deadline_ms(body),
     }
+
+
+def _priority(body: dict[str, Any]) -> int:
+    v = body.get("priority", DEFAULT_PRIORITY)
+    if v is None:
+        return DEFAULT_PRIORITY
+    if isinstance(v, bool) or not isinstance(v, int) or not PRIORITY_MIN <= v <= PRIORITY_MAX:
+        raise BadRequest("priority", f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is served "
+                                     f"first, {DEFAULT_PRIORITY} the default), got {v!r}")
+    return v
+
+
+def _deadline_ms(body: dict[str, Any]) -> float | None:
+    v = body.get("deadline_ms")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_DEADLINE_MS:
+        raise BadRequest("deadline_ms", f"must be a number of milliseconds in (0, {MAX_DEADLINE_MS}], got {v!r}")
+    return float(v)
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:

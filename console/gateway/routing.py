@@ -1,18 +1,65 @@
-"""Choosing a route of a deployment's routing table, and finding where its leader listens.
+"""The gateway's side of the one request router (scheduler.router, shared with the simulators):
+the deployment's routing table and the fleet made into the router's pool, this process's load
+book, and a sample of decisions for the deployment page.
 
-`order_routes` is a pure function (filter -> score -> pick): it drops frozen, weightless and
-nodeless routes, draws one by weight, breaks ties between routes of equal weight by the fewest
-requests this gateway process has outstanding on them, and returns every candidate in the order
-to try them (the drawn one first, then the others by weight), so a plan that answers 429 hands
-the request to the next.
+Per request (views._admit):
+
+    routed = await order(dep, prompt_ids, max_tokens, priority=..., deadline_ms=..., outstanding=...)
+    for cand in routed.candidates: ...           # the order to try: the router's top-K, then its retry pool
+    admitted(routed, cand, seq_id)               # a plan took it: prefix index, load book, decision sample
+    first_token(seq_id)                          # its first token came: TTFT to the jitter tracker
+    done(seq_id)                                 # it ended, however
+
+The pool has one slot per route of the table that names a plan: frozen, weightless and leaderless
+routes are in it too (the prefilter rejects them, and the decision says so). Its facts come from
+the fleet's snapshot (`console.gearbox.snapshot.fleet_snapshot`, cached FLEXPIPE_ROUTER_FLEET_TTL_S)
+and the model's spec; a plan whose GPUs or model the fleet does not describe (a GPU never
+reported, a model outside the catalog) gets facts without hardware (`_unpriced`): no memory bound
+beyond its KV reserve, no step times - the router then balances it by load alone. Loads combine
+what the engines last reported (running, waiting, KV in use: `Node.engines`, cached
+FLEXPIPE_ROUTER_REPORT_TTL_S) with this process's own book (requests it has open on the plan,
+prompt tokens still waiting for their first token), which is fresher than any report.
+
+Settings: FLEXPIPE_ROUTER (scheduler.router.RouterConfig.from_dict: weights, top_k, block_tokens,
+host_tier_weight, jitter, prices), FLEXPIPE_ROUTER_SEED (ties between equal plans; default: from
+the OS), FLEXPIPE_ROUTER_SAMPLE_S (at most one decision per deployment and process is kept for the
+deployment page per this many seconds; default 2).
 """
 
 from __future__ import annotations
 
-import random
+import logging
+import os
+import threading
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from console.gateway import decisions
+from scheduler.modelspec import model_spec
+from scheduler.plan import Plan
+from scheduler.router import (
+    Decision,
+    PlanFacts,
+    PlanLoad,
+    Pool,
+    RouterConfig,
+    RouteRequest,
+    RoutingPolicy,
+    block_hashes,
+    make_router,
+    plan_facts,
+)
+from scheduler.router.pool import StepModel
+from scheduler.topology import Snapshot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,35 +76,270 @@ def leader_of(route: Mapping[str, Any]) -> str | None:
     return str(nodes[0]) if nodes else None
 
 
-def routable(routes: Sequence[Mapping[str, Any]]) -> list[Candidate]:
-    out = []
+def any_frozen(routes: Sequence[Mapping[str, Any]]) -> bool:
+    return any(r.get("frozen") for r in routes)
+
+
+@dataclass
+class Routed:
+    """One decision of the router, with the routes in the order to try them."""
+
+    decision: Decision
+    candidates: list[Candidate]
+    deployment: str
+    prompt_tokens: int
+    low_priority: bool
+
+
+# -- the router and this process's book -------------------------------------------------------------
+
+_lock = threading.RLock()
+_router: RoutingPolicy | None = None
+_config = RouterConfig()
+
+
+def router() -> RoutingPolicy:
+    """The process's router (settings read once)."""
+    global _router, _config
+    with _lock:
+        if _router is None:
+            _config = RouterConfig.from_dict(getattr(settings, "FLEXPIPE_ROUTER", None))
+            seed = getattr(settings, "FLEXPIPE_ROUTER_SEED", None)
+            _router = make_router("flexpipe", _config, seed=int.from_bytes(os.urandom(8)) if seed is None else int(seed))
+        return _router
+
+
+def reset() -> None:
+    """Forget the router, the pools and the book (tests; a settings change)."""
+    global _router
+    with _lock:
+        _router = None
+        _pools.clear()
+        _snapshot_cache.clear()
+        _reports_cache.clear()
+        _open.clear()
+        _last_sample.clear()
+        for c in (_pend_count, _pend_tokens, _pend_low):
+            c.clear()
+
+
+@dataclass
+class _Open:
+    plan_id: str
+    prompt_tokens: int
+    low: bool
+    predicted_ttft_s: float | None
+    started: float
+    first_seen: bool = False
+
+
+_open: dict[str, _Open] = {}  # seq_id -> what it holds in the book
+
+
+# per plan: requests without a first token yet, their prompt tokens, of those low-priority's
+_pend_count: Counter[str] = Counter()
+_pend_tokens: Counter[str] = Counter()
+_pend_low: Counter[str] = Counter()
+
+
+def _unpend(o: _Open) -> None:
+    _pend_count[o.plan_id] -= 1
+    _pend_tokens[o.plan_id] -= o.prompt_tokens
+    if o.low:
+        _pend_low[o.plan_id] -= o.prompt_tokens
+    if _pend_count[o.plan_id] <= 0:
+        for c in (_pend_count, _pend_tokens, _pend_low):
+            c.pop(o.plan_id, None)
+
+
+# -- facts ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _PoolEntry:
+    pool: Pool
+    candidates: list[Candidate | None]
+    made: float
+    reserve: list[int] = field(default_factory=list)
+
+
+_pools: dict[tuple[str, int], _PoolEntry] = {}
+_snapshot_cache: dict[str, tuple[float, Snapshot | None]] = {}
+_reports_cache: dict[str, tuple[float, dict[str, dict[str, float]]]] = {}
+
+
+def _ttl(name: str, default: float) -> float:
+    return float(getattr(settings, name, default))
+
+
+def _snapshot() -> Snapshot | None:
+    now = time.monotonic()
+    hit = _snapshot_cache.get("fleet")
+    if hit is not None and now - hit[0] < _ttl("FLEXPIPE_ROUTER_FLEET_TTL_S", 10.0):
+        return hit[1]
+    from console.gearbox.snapshot import fleet_snapshot
+
+    try:
+        snap: Snapshot | None = fleet_snapshot(datetime.now(UTC))
+    except ValueError as exc:  # reports that do not make a valid snapshot: route on load alone
+        log.warning("gateway routing: no fleet snapshot (%s); plans are routed without hardware facts", exc)
+        snap = None
+    _snapshot_cache["fleet"] = (now, snap)
+    return snap
+
+
+def _unpriced(plan: Plan, *, weight: float, frozen: bool, routable: bool) -> PlanFacts:
+    """Facts for a plan the fleet cannot describe (module docstring)."""
+    return PlanFacts(plan_id=plan.plan_id, model=plan.model, gpu_model="unknown", gpus=len(plan.gpu_uuids),
+                     kv_capacity_tokens=plan.kv_reserve_tokens, flops_per_gpu=0.0, link_bytes_per_s=0.0,
+                     budgets=(), steps=StepModel(0.0, 0.0, 0.0, 0.0, 0.0, 0.0), weight=weight, frozen=frozen,
+                     routable=routable)
+
+
+def _facts(route: Mapping[str, Any], snap: Snapshot | None) -> tuple[PlanFacts, Candidate | None] | None:
+    try:
+        plan = Plan.from_dict(route.get("plan"), "route.plan")
+    except ValueError:
+        return None  # a route without a valid plan is no route
+    plan_id = str(route.get("plan_id") or plan.plan_id)  # the table's name for it is what the data plane knows
+    weight = float(route.get("weight") or 0.0)
+    leader = leader_of(route)
+    frozen = bool(route.get("frozen"))
+    routable = leader is not None
+    cand = Candidate(plan_id, weight, leader, route) if leader is not None else None
+    if snap is not None and all(u in snap.gpu_by_uuid for u in plan.gpu_uuids):
+        try:
+            made = plan_facts(plan, model_spec(plan.model), snap, weight=weight, frozen=frozen, routable=routable)
+            return replace(made, plan_id=plan_id), cand
+        except (KeyError, ValueError):
+            pass
+    return replace(_unpriced(plan, weight=weight, frozen=frozen, routable=routable), plan_id=plan_id), cand
+
+
+def _pool(name: str, model_name: str, version: int, routes: Sequence[Mapping[str, Any]]) -> _PoolEntry:
+    key = (name, version)
+    now = time.monotonic()
+    hit = _pools.get(key)
+    if hit is not None and now - hit.made < _ttl("FLEXPIPE_ROUTER_FLEET_TTL_S", 10.0):
+        return hit
+    snap = _snapshot()
+    facts: list[PlanFacts] = []
+    cands: list[Candidate | None] = []
     for r in routes:
-        leader = leader_of(r)
-        weight = float(r.get("weight") or 0.0)
-        if r.get("frozen") or weight <= 0 or leader is None or not r.get("plan_id"):
-            continue
-        out.append(Candidate(str(r["plan_id"]), weight, leader, r))
+        made = _facts(r, snap)
+        if made is not None:
+            facts.append(made[0])
+            cands.append(made[1])
+    router()  # (settings read)
+    entry = _PoolEntry(Pool(facts, model=model_name, prices=_config.prices), cands, now,
+                       [f.kv_capacity_tokens for f in facts])
+    for old in [k for k in _pools if k[0] == name]:
+        del _pools[old]
+    _pools[key] = entry
+    return entry
+
+
+def _reports() -> dict[str, dict[str, float]]:
+    """plan id -> its engines' last report: running and waiting summed, KV usage the worst."""
+    now = time.monotonic()
+    hit = _reports_cache.get("engines")
+    if hit is not None and now - hit[0] < _ttl("FLEXPIPE_ROUTER_REPORT_TTL_S", 1.0):
+        return hit[1]
+    from console.fleet.models import Node
+
+    out: dict[str, dict[str, float]] = {}
+    for reports in Node.objects.exclude(engines=[]).values_list("engines", flat=True):
+        for e in reports if isinstance(reports, list) else []:
+            if not isinstance(e, dict) or not e.get("plan_id"):
+                continue
+            mine = out.setdefault(str(e["plan_id"]), {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0})
+            for k in ("running", "waiting"):
+                v = e.get(k)
+                mine[k] += float(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0.0
+            kv = e.get("kv_usage")
+            if isinstance(kv, int | float) and not isinstance(kv, bool):
+                mine["kv_usage"] = max(mine["kv_usage"], min(1.0, max(0.0, float(kv))))
+    _reports_cache["engines"] = (now, out)
     return out
 
 
-def order_routes(routes: Sequence[Mapping[str, Any]], outstanding: Mapping[str, int],
-                 rng: random.Random) -> list[Candidate]:
-    """Every routable candidate, in the order to try them (module docstring)."""
-    cands = routable(routes)
-    if not cands:
-        return []
-    pick = rng.random() * sum(c.weight for c in cands)
-    drawn = cands[-1]
-    for c in cands:
-        pick -= c.weight
-        if pick <= 0:
-            drawn = c
-            break
-    ties = [c for c in cands if c.weight == drawn.weight]
-    first = min(ties, key=lambda c: outstanding.get(c.plan_id, 0))
-    rest = sorted((c for c in cands if c is not first), key=lambda c: (-c.weight, outstanding.get(c.plan_id, 0)))
-    return [first, *rest]
+def _decide(name: str, model_name: str, version: int, routes: Sequence[Mapping[str, Any]], req: RouteRequest,
+            outstanding: Mapping[str, int]) -> tuple[Decision, list[Candidate]]:
+    """Sync (database reads, cached): the pool with its loads, and the router's decision. The
+    reads happen outside the lock, which the event loop's hooks (admitted, first_token) take too:
+    it is held only for in-memory work of microseconds."""
+    entry = _pool(name, model_name, version, routes)
+    reports = _reports()
+    with _lock:
+        pool = entry.pool
+        count, tokens, low = _pend_count, _pend_tokens, _pend_low
+        loads = []
+        for pid, reserve in zip(pool.ids, entry.reserve, strict=True):
+            rep = reports.get(pid, {})
+            mine = int(outstanding.get(pid, 0))
+            running = max(int(rep.get("running", 0)), mine - count[pid])
+            waiting = max(int(rep.get("waiting", 0)), count[pid])
+            loads.append(PlanLoad(running, waiting, tokens[pid], low[pid], int(rep.get("kv_usage", 0.0) * reserve)))
+        pool.set_loads(loads)
+        decision = router().route(req, pool, time.monotonic())
+        cands = [entry.candidates[s] for s in decision.order]
+        return decision, [c for c in cands if c is not None]
 
 
-def any_frozen(routes: Sequence[Mapping[str, Any]]) -> bool:
-    return any(r.get("frozen") for r in routes)
+async def order(name: str, model_name: str, version: int, routes: Sequence[Mapping[str, Any]],
+                prompt_ids: Sequence[int], max_tokens: int, *, priority: int = 0, deadline_ms: float | None = None,
+                outstanding: Mapping[str, int]) -> Routed:
+    """The routes to try for one request, best first (module docstring)."""
+    router()
+    req = RouteRequest(len(prompt_ids), max_tokens, priority, None if deadline_ms is None else deadline_ms / 1e3,
+                       block_hashes(prompt_ids, _config.block_tokens))
+    decision, cands = await sync_to_async(_decide)(name, model_name, version, routes, req, outstanding)
+    return Routed(decision, cands, name, len(prompt_ids), req.low_priority)
+
+
+def admitted(routed: Routed, cand: Candidate, seq_id: str) -> None:
+    """`cand` took the request: remember its prefix there, book it, keep a sample of the decision."""
+    d = routed.decision
+    slot = d.pool.slot.get(cand.plan_id)
+    if slot is None:
+        return
+    sample = None
+    with _lock:
+        router().admitted(d, slot)
+        o = _open[seq_id] = _Open(cand.plan_id, routed.prompt_tokens, routed.low_priority, d.predicted_ttft_s(slot),
+                                  time.monotonic())
+        _pend_count[o.plan_id] += 1
+        _pend_tokens[o.plan_id] += o.prompt_tokens
+        if o.low:
+            _pend_low[o.plan_id] += o.prompt_tokens
+        if time.monotonic() - _last_sample.get(routed.deployment, -1e18) >= _ttl("FLEXPIPE_ROUTER_SAMPLE_S", 2.0):
+            _last_sample[routed.deployment] = time.monotonic()
+            sample = {**d.explain(), "taken_by": cand.plan_id, "at": datetime.now(UTC).isoformat()}
+    if sample is not None:
+        decisions.record_soon(routed.deployment, sample)
+
+
+_last_sample: dict[str, float] = {}
+
+
+def first_token(seq_id: str) -> None:
+    """The request's first token came: its prompt no longer waits, and the TTFT the router
+    predicted meets the one observed (the jitter tracker)."""
+    with _lock:
+        o = _open.get(seq_id)
+        if o is None or o.first_seen:
+            return
+        o.first_seen = True
+        _unpend(o)
+        now = time.monotonic()
+        router().first_token(o.plan_id, now, now - o.started, o.predicted_ttft_s)
+
+
+def done(seq_id: str) -> None:
+    with _lock:
+        o = _open.pop(seq_id, None)
+        if o is not None and not o.first_seen:
+            _unpend(o)
+
+
+__all__ = ["Candidate", "Routed", "admitted", "any_frozen", "done", "first_token",
+           "leader_of", "order", "reset", "router"]

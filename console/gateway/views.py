@@ -6,9 +6,10 @@ once without a thread each. A request:
 1. authenticates (`Authorization: Bearer fpu_...`, a user API token of any console role), parses
    its body (400 naming `param` on anything wrong: nothing is sent anywhere before), tokenizes
    with the deployment's own tokenizer;
-2. routes by the deployment's routing table (routing.py): a non-frozen route by weight, to its
-   leader node's data address; a plan that answers 429 passes it to the next; while the table
-   says a switch froze a route (or a leader says it is frozen), it waits up to
+2. routes with the one request router (routing.py over scheduler.router) among the deployment's
+   routing table, to the chosen plan's leader node's data address; a plan that answers 429 passes
+   it to the next of the router's order (its top-K, then its retry pool); while the table says a
+   switch froze a route (or a leader says it is frozen), it waits up to
    FLEXPIPE_GATEWAY_FROZEN_WAIT_S for the new table; then 429 with Retry-After;
 3. streams token ids from the data plane across hand-overs (upstream.py), detokenizes them
    incrementally and answers as SSE (`data: {...}` ... `data: [DONE]`) or as one JSON body;
@@ -25,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 import uuid
 from collections import Counter
@@ -41,14 +41,13 @@ from django.db.models import Q
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from console.gateway import metrics, tokens, upstream
+from console.gateway import metrics, routing, tokens, upstream
 from console.gateway.requests import BadRequest, GenerateRequest, parse_chat, parse_completion
-from console.gateway.routing import Candidate, any_frozen, order_routes
+from console.gateway.routing import Candidate, any_frozen
 
 log = logging.getLogger(__name__)
 OUTSTANDING: Counter[str] = Counter()  # plan_id -> requests this process has open on it
 MAX_FAILOVERS = 3  # resumes of one request after its plan failed (step 4 of the module docstring)
-_rng = random.Random()
 
 
 class ApiError(Exception):
@@ -190,12 +189,16 @@ async def _admit(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], 
     while True:
         retry_after: float | None = None
         frozen = any_frozen(dep.routes)
-        for cand in order_routes(dep.routes, OUTSTANDING, _rng):
+        routed = await routing.order(dep.name, dep.model_name, dep.version, dep.routes, prompt_ids, max_tokens,
+                                     priority=req.priority, deadline_ms=req.deadline_ms, outstanding=OUTSTANDING)
+        for cand in routed.candidates:
             addr = await sync_to_async(_data_addr)(cand.leader)
             if not addr:
                 continue
             body = {"deployment": dep.name, "plan_id": cand.plan_id, "seq_id": seq_id, "prompt_ids": prompt_ids,
                     "max_tokens": max_tokens, "sampling": sampling, "routing_version": dep.version}
+            if req.priority:
+                body["priority"] = req.priority
             try:
                 resp = await upstream.open_generate(addr, body)
             except upstream.Refused as r:
@@ -209,6 +212,7 @@ async def _admit(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], 
                 continue
             except httpx.HTTPError:
                 continue  # the leader does not answer: try another plan
+            routing.admitted(routed, cand, seq_id)
             return Admitted(dep, cand, resp, seq_id)
         if frozen and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -320,6 +324,7 @@ async def _resume(job: _Job, adm: Admitted, ids: list[int], why: str) -> None:
                 raise upstream.UpstreamError(f"{why}; resuming it elsewhere failed: {exc}") from None
             await asyncio.sleep(0.25)
     _release(adm.route.plan_id)
+    routing.done(adm.seq_id)
     OUTSTANDING[new.route.plan_id] += 1
     adm.route, adm.resp, adm.seq_id = new.route, new.resp, new.seq_id
 
@@ -338,6 +343,7 @@ async def _pieces(job: _Job, adm: Admitted, info: upstream.Followed,
                     if not ids:
                         stats["ttft_s"] = now - t0
                         stats["first_token_s"] = now
+                        routing.first_token(adm.seq_id)
                     stats["last_s"] = now
                     ids.append(tid)
                     piece = stop.feed(detok.push(tid))
@@ -410,6 +416,7 @@ def _release(plan_id: str) -> None:
 
 async def _finish(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[str, Any], status: int) -> None:
     _release(adm.route.plan_id)
+    routing.done(adm.seq_id)
     _observe(job, info, stats, status)
     await sync_to_async(metrics.record_load)(job.dep.name)
 

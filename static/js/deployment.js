@@ -402,6 +402,42 @@
     document.getElementById("decisions").dataset.rows = String(rows.length);
   }
 
+  // --- routing decisions (a sample the gateways keep) -------------------------------------------------
+  function short(id) { return id.length > 14 ? id.slice(0, 12) + "…" : id; }
+
+  function planText(p) {
+    if (p.filtered) return short(p.plan_id) + " (" + p.gpu + "): " + p.filtered;
+    const s = p.scores || {};
+    const parts = [short(p.plan_id) + " (" + p.gpu + ")"];
+    if (p.total !== undefined) {
+      parts.push(gb.num(p.total, 0) + " = " + gb.num(s.predicted_latency, 0) + " · " + gb.num(s.prefix_affinity, 0)
+                 + " · " + gb.num(s.topology_affinity, 0));
+    }
+    if (p.predicted_ttft_ms !== undefined) parts.push("TTFT ~" + gb.ms(p.predicted_ttft_ms));
+    if (p.demoted) parts.push("demoted (jitter)");
+    return parts.join(" ");
+  }
+
+  function renderRouteSamples(samples) {
+    const tbody = document.querySelector("#route-samples tbody");
+    if (!samples || !samples.length) return;
+    tbody.innerHTML = "";
+    samples.forEach(function (d) {
+      const tr = gb.el("tr", { "data-chosen": d.taken_by || d.chosen || "" });
+      const r = d.request;
+      gb.cell(tr, gb.when(d.at));
+      gb.cell(tr, r.prompt_tokens + " + " + r.max_tokens + " tokens" + (r.priority ? " · priority " + r.priority : "")
+                  + (r.deadline_ms ? " · deadline " + gb.ms(r.deadline_ms) : ""), "small");
+      gb.cell(tr, short(d.taken_by || d.chosen || "—") + (d.note ? " (" + d.note + ")" : ""), "mono");
+      const ul = gb.el("ul", { className: "reasons small" });
+      d.plans.slice().sort(function (a, b) { return (a.rank || 99) - (b.rank || 99); }).forEach(function (p) {
+        ul.appendChild(gb.el("li", {}, planText(p)));
+      });
+      gb.cell(tr, ul);
+      tbody.appendChild(tr);
+    });
+  }
+
   // --- state -----------------------------------------------------------------------------------------
   function apply(msg) {
     if (msg.type === "snapshot") {
@@ -421,6 +457,7 @@
       renderSummary();
       renderGears();
       renderCharts();
+      renderRouteSamples(msg.route_samples);
     } else if (msg.type === "transition") {
       state.transitions[msg.transition.seq] = msg.transition;
       renderTimeline();

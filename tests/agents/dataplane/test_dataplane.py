@@ -206,11 +206,13 @@ def test_an_unknown_plan_answers_409_and_bad_input_400_naming_the_field(
     bad_ids = httpx.post(url, json={**gen_body(host, new_seq_id(), 4), "prompt_ids": [1, "x"]})
     too_big = httpx.post(url, json={**gen_body(host, new_seq_id(), 4), "prompt_ids": [1, 100_000]})
     bad_temp = httpx.post(url, json={**gen_body(host, new_seq_id(), 4), "sampling": {"temperature": -1}})
+    bad_priority = httpx.post(url, json={**gen_body(host, new_seq_id(), 4), "priority": "soon"})
 
     assert unknown.status_code == 409 and unknown.json()["reason"] == "unknown_plan"
     assert bad_ids.status_code == 400 and bad_ids.json()["param"] == "prompt_ids"
     assert too_big.status_code == 400 and too_big.json()["param"] == "prompt_ids[1]"
     assert bad_temp.status_code == 400 and bad_temp.json()["param"] == "sampling.temperature"
+    assert bad_priority.status_code == 400 and bad_priority.json()["param"] == "priority"
     assert httpx.get(f"http://{a.addr}/data/v1/sequences/none/stream").status_code == 404
 
 

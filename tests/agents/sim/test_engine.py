@@ -73,7 +73,7 @@ def test_a_request_larger_than_the_plans_kv_ends_with_an_explicit_error() -> Non
     sim.run_to_completion()
     assert len(sim.recorder.f_e2e) == 1
     (_, dep, _, reason), = sim.recorder.failed
-    assert dep == "d" and "needs 500 KV tokens" in reason
+    assert dep == "d" and "needs 510 KV tokens" in reason and "holds 300" in reason  # prompt + max_tokens
 
 
 def test_a_pipeline_of_two_stages_serves_everything() -> None:

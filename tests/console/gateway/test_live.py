@@ -22,7 +22,7 @@ from django.test import override_settings
 
 from agents.dataplane import PlanHost
 from agents.engines.torch.weights import make_tiny_llama
-from console.gateway import tokens
+from console.gateway import decisions, tokens
 from console.gearbox.models import Deployment
 from tests.agents.dataplane.conftest import PLAN_PP2, PLAN_TP1, PLAN_TP2
 from tests.console.gateway.world import Hosts, make_deployment, make_node, route, set_routes
@@ -47,7 +47,7 @@ class GatewayLive(ChannelsLiveServerTestCase):
         cls.sha = make_tiny_llama(cls.model_dir)
         cls._gw = override_settings(FLEXPIPE_GATEWAY_TOKENIZERS={"tiny-llama": str(cls.model_dir)},
                                     FLEXPIPE_GATEWAY_FROZEN_WAIT_S=10.0, FLEXPIPE_GATEWAY_LOAD_INTERVAL_S=0.0,
-                                    FLEXPIPE_GATEWAY_FAILOVER_WAIT_S=2.0)
+                                    FLEXPIPE_GATEWAY_FAILOVER_WAIT_S=2.0, FLEXPIPE_ROUTER_SAMPLE_S=0.0)
         cls._gw.enable()
         super().setUpClass()  # forks daphne with these settings
         cls.hosts = Hosts(cls.model_dir, cls.sha)
@@ -124,6 +124,37 @@ class GatewayLive(ChannelsLiveServerTestCase):
 
     def test_a_stream_replayed_mid_way_reads_as_one_stream_with_the_no_switch_tokens(self) -> None:
         self.switched("replay", self.c)
+
+    def test_a_request_with_priority_and_one_without_both_complete_and_the_priority_reaches_the_plan(self) -> None:
+        seen: list[int] = []
+        admit = self.a.admit
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            seen.append(kw.get("priority", 0))
+            return admit(*args, **kw)
+
+        self.a.admit = spy  # type: ignore[method-assign]
+        try:
+            plain = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                                   extra_body=GREEDY)
+            urgent = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                                    extra_body={**GREEDY, "priority": -5, "deadline_ms": 30_000})
+            with pytest.raises(openai.BadRequestError) as bad:
+                self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5,
+                                               extra_body={"priority": "high"})
+        finally:
+            del self.a.admit
+        assert plain.choices[0].text == urgent.choices[0].text and urgent.choices[0].finish_reason == "length"
+        assert seen == [0, -5]  # the refused one reached no plan
+        assert bad.value.param == "priority" and "priority" in bad.value.message
+        # the router saw it too: a sample of its decisions for the deployment page carries it
+        deadline = time.monotonic() + 30
+        while not any(d["request"]["priority"] == -5 for d in decisions.recent("tiny", 20)):
+            assert time.monotonic() < deadline, "no sampled decision with the request's priority"
+            time.sleep(0.05)
+        sample = next(d for d in decisions.recent("tiny", 20) if d["request"]["priority"] == -5)
+        assert sample["request"]["deadline_ms"] == 30_000 and sample["taken_by"] == self.a.plan_id
+        assert sample["chosen"] == self.a.plan_id and sample["note"] == "the only plan"  # nothing to score
 
     def test_chat_streams_deltas_that_add_up_to_the_whole_answer(self) -> None:
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]

@@ -72,6 +72,15 @@ def test_a_request_without_a_valid_api_token_gets_401_in_openai_shape(viewer: Pe
      "messages[0].content"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": -1},
      "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "priority": 5000}, "priority"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "priority": "high"}, "priority"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "priority": 1.5}, "priority"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "priority": True},
+     "priority"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "deadline_ms": 0}, "deadline_ms"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "deadline_ms": "soon"}, "deadline_ms"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "deadline_ms": -5},
+     "deadline_ms"),
 ])
 def test_bad_input_gets_400_naming_the_param_and_changes_nothing(
         viewer: Person, deployment: Deployment, path: str, body: dict[str, Any], param: str) -> None:

@@ -69,6 +69,32 @@ def test_the_deployment_page_embeds_what_the_api_shows(chat: Any, viewer: Person
     assert [d["id"] for d in data["decisions"]] == list(Decision.objects.order_by("-id").values_list("id", flat=True))
 
 
+def sampled_decision() -> dict[str, Any]:
+    """A routing decision as a gateway samples it (scheduler.router on a mixed pool)."""
+    from tests.scheduler.router.builders import idle, mixed_pool, req, router
+
+    pool = idle(mixed_pool())
+    d = router().route(req(30_000, 64, priority=2), pool, 0.0)
+    return {**d.explain(), "taken_by": d.chosen_id, "at": "2026-01-01T00:00:00+00:00"}
+
+
+def test_the_deployment_page_shows_the_newest_routing_decisions_the_gateways_sampled(chat: Any,
+                                                                                       viewer: Person) -> None:
+    from console.gateway import decisions
+
+    redis_key = decisions.PREFIX + "chat"
+    decisions._client().delete(redis_key)
+    html = viewer.browser().get("/deployments/chat/").content.decode()
+    assert page_data(html, "deployment-data")["route_samples"] == []  # type: ignore[index]
+    assert 'data-testid="route-samples"' in html and "no request routed through a gateway yet" in html
+    sample = sampled_decision()
+    for _ in range(7):
+        decisions.record("chat", sample)
+    shown: Any = page_data(viewer.browser().get("/deployments/chat/").content.decode(), "deployment-data")
+    assert len(shown["route_samples"]) == 5 and shown["route_samples"][0] == sample
+    decisions._client().delete(redis_key)
+
+
 def test_the_review_pages_replay_the_decision_and_its_transition(chat: Any, viewer: Person) -> None:
     t = Transition.objects.get(seq=2)
     browser = viewer.browser()

@@ -103,10 +103,18 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             screenshot(page, "deployment")
 
     def test_a_viewer_sees_no_control_and_the_api_refuses_the_emergency_anyway(self) -> None:
+        from console.gateway import decisions
+        from tests.console.gearbox.test_pages import sampled_decision
+
+        sample = sampled_decision()
+        decisions.record("chat", sample)  # what a gateway keeps of its routing (the page shows it too)
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "vera", "/deployments/chat/")
             page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
             page.wait_for_selector("#timeline[data-rows='2']")
+            row = page.locator(f"#route-samples tr[data-chosen='{sample['taken_by']}']")
+            assert row.count() >= 1 and "priority 2" in row.first.inner_text()
+            assert "memory_bound" in row.first.inner_text() or "4x L40S" in row.first.inner_text()
             for selector in ("#controls", "#emergency-button", "#pin-button", "#unpin-button", "#emergency-dialog",
                              "#decisions button"):
                 assert page.locator(selector).count() == 0, selector

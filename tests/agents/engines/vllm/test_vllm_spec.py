@@ -34,7 +34,8 @@ def test_a_single_gpu_plan() -> None:
         "--model", "/models/llama", "--served-model-name", "llama",
         "--host", "127.0.0.1", "--port", "8100", "--dtype", "auto", "--max-model-len", "8192",
         "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
-        "--enable-prefix-caching", "--disable-uvicorn-access-log", "--enable-server-load-tracking",
+        "--enable-prefix-caching", "--scheduling-policy", "priority", "--disable-uvicorn-access-log",
+        "--enable-server-load-tracking",
     ]
     env = build_env(s, base={"PATH": "/usr/bin"})
     assert env == {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
@@ -56,6 +57,13 @@ def test_tensor_and_pipeline_parallel_plans(tp: int, pp: int, gpus: tuple[str, .
     # vLLM numbers the visible GPUs 0..n-1 in the order given: TP ranks fill stage 0 first.
     assert build_env(s, base={})["CUDA_VISIBLE_DEVICES"] == ",".join(gpus)
     assert s.world_size == tp * pp == len(gpus)
+
+
+def test_a_server_schedules_by_the_requests_priority_unless_told_fcfs() -> None:
+    assert flag(build_command(spec(), PY), "--scheduling-policy") == "priority"
+    assert flag(build_command(spec(scheduling_policy="fcfs"), PY), "--scheduling-policy") == "fcfs"
+    with pytest.raises(ValueError, match="scheduling_policy: must be one of priority, fcfs"):
+        spec(scheduling_policy="lottery")
 
 
 def test_gpus_can_be_named_by_uuid() -> None:

@@ -1,0 +1,102 @@
+"""Predicted latency: when the request's first token would come out on each plan, and how fast
+its tokens would follow, from the plan's own step times (pool.StepModel, fitted to
+scheduler.costmodel on that plan's hardware) and its load.
+
+    ttft = (queue + prefill) x share
+      queue   = prefill time of the prompt tokens queued ahead of it: a normal or urgent request
+                overtakes low-priority work (the engines' priority queue), a low-priority one
+                waits behind everything
+      prefill = its uncached tokens, the cached prefix as their attention context (a prefix hit
+                saves exactly the prefill of the cached blocks)
+      share   = budget / (budget - running): the decodes of a round take part of its token budget
+    tpot = one decode step of the batch with this request in it (d0 + d1 x seqs + d2 x KV read)
+           + the prefill chunks that share its rounds: the Q prompt tokens queued on the plan go
+           through its next rounds, (budget - running) a round, so over its max_tokens rounds
+           each costs pre_b x min(budget - running, Q / max_tokens) more - at most one full
+           chunk per token (chunked prefill's stall on decodes, Sarathi-Serve's subject)
+
+`load_terms` computes the load-only parts once per load update (Pool.set_loads); a decision adds
+the request's own terms.
+
+Score: cost = ttft / ttft_ref + tpot / tpot_ref, with the request's deadline as TTFT yardstick when
+it has one, else the best candidate's TTFT, and the best candidate's TPOT (so both count as ratios
+to what the pool can do now); score = 100 x the best candidate's cost / the plan's cost.
+`deadline_ok` marks the plans predicted to meet the request's deadline: the pick prefers those.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from scheduler.router._arrays import CHUNK_TOKENS, Bools, Floats
+from scheduler.router.request import RouteRequest
+
+if TYPE_CHECKING:
+    from scheduler.router.pool import Pool
+
+NAME = "predicted_latency"
+
+
+def load_terms(pool: Pool) -> tuple[Floats, Floats, Floats, Floats]:
+    """(share, queue_s of a normal request, queue_s of a low-priority one, tpot before the
+    request's own context) per plan, from the pool's load (module docstring)."""
+    room = np.maximum(CHUNK_TOKENS - pool.running, 1.0)  # prefill tokens a round still carries
+    share: Floats = CHUNK_TOKENS / np.maximum(room, CHUNK_TOKENS / 2)
+    queue_all: Floats = pool.queued_tokens * pool.pre_b_chunk  # (finite: an unpriceable plan's own prefill is inf)
+    queue: Floats = (pool.queued_tokens - pool.queued_low_tokens) * pool.pre_b_chunk
+    tpot: Floats = pool.dec_0 + pool.dec_1 * (pool.running + 1.0) + pool.dec_2 * pool.kv_used
+    pool.chunk_room = room
+    return share, queue, queue_all, tpot
+
+
+def predict(req: RouteRequest, pool: Pool, cached_tokens: Floats | None) -> tuple[Floats, Floats]:
+    """(ttft_s, tpot_s) per plan (module docstring); `cached_tokens` None: no plan holds any."""
+    p = float(req.prompt_tokens)
+    prefill = pool.pre_poly @ np.array((p * p, p, 1.0))
+    if cached_tokens is not None:
+        # a + b (p - h) + c (p - h)(h + (p - h) / 2) = [the whole prompt's] - h (b + c h / 2)
+        saved = pool.pre_poly[:, 0] * cached_tokens
+        saved += pool.pre_b
+        saved *= cached_tokens
+        prefill -= saved
+    prefill += pool.queue_all_s if req.low_priority else pool.queue_s
+    prefill *= pool.share
+    tpot = np.minimum(pool.chunk_room, pool.queued_tokens * (1.0 / req.max_tokens))
+    tpot *= pool.pre_b_chunk
+    tpot += pool.dec_2 * p
+    tpot += pool.tpot_base
+    return prefill, tpot
+
+
+def score(req: RouteRequest, pool: Pool, ttft: Floats, tpot: Floats, cand: Bools) -> tuple[Floats, Bools | None]:
+    """(score 0..100, predicted to meet the deadline - None without one) per plan."""
+    every = len(cand) == int(np.count_nonzero(cand))  # (the usual case: no need to mask)
+    ttft_ref = req.deadline_s
+    if ttft_ref is None:
+        t = ttft if every else ttft[cand]
+        ttft_ref = float(t[t.argmin()])
+    u = tpot if every else tpot[cand]
+    tpot_ref = float(u[u.argmin()])
+    if not (math.isfinite(ttft_ref) and math.isfinite(tpot_ref)):
+        return _unpriced(ttft, tpot, cand), None
+    cost = ttft * (1.0 / max(ttft_ref, 1e-6))
+    cost += tpot * (1.0 / max(tpot_ref, 1e-9))
+    cost = np.maximum(cost, 1e-9, out=cost)  # plans without step times (unpriced) cost "nothing": equal
+    c = cost if every else cost[cand]
+    best = float(c[c.argmin()])
+    if not math.isfinite(best):
+        return _unpriced(ttft, tpot, cand), None
+    out: Floats = np.reciprocal(cost)
+    out *= 100.0 * best
+    ok: Bools | None = ttft <= req.deadline_s if req.deadline_s is not None else None
+    return out, ok
+
+
+def _unpriced(ttft: Floats, tpot: Floats, cand: Bools) -> Floats:
+    """Scores when the best candidate's time is infinite (the cost model cannot price a plan: a
+    stage pair with no link): every plan that can be priced gets 100, the others 0."""
+    out: Floats = np.where(np.isfinite(ttft) & np.isfinite(tpot), 100.0, 0.0)
+    return out

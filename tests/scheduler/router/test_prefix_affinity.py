@@ -1,0 +1,113 @@
+"""prefix_affinity: the index of what each plan recently served (GPU and host tiers, LRU, head
+kept longest) and the score it gives; chained block hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.router import Pool, block_hashes
+from scheduler.router.prefix_affinity import PrefixIndex, score
+from tests.scheduler.router.builders import copies, facts, idle, mixed_snapshot, req, router
+
+
+def pool_of(n: int) -> Pool:
+    return idle(Pool(copies(facts("h100"), n), model="Qwen2-72B"))
+
+
+def test_block_hashes_are_chained_full_blocks_equal_exactly_for_equal_prefixes() -> None:
+    a = block_hashes(list(range(1200)), 512)
+    b = block_hashes(list(range(1024)) + [7] * 176, 512)
+    c = block_hashes([9] + list(range(1, 1200)), 512)
+    assert len(a) == 2 and a == b  # the partial third block is not hashed
+    assert c[0] != a[0] and c[1] != a[1]  # a different first token changes every later block
+    assert block_hashes(list(range(100)), 512) == ()
+    with pytest.raises(ValueError, match="block_tokens"):
+        block_hashes([1], 0)
+
+
+def test_the_longest_held_run_from_the_first_block_is_the_match_per_plan() -> None:
+    pool = pool_of(3)
+    idx = PrefixIndex(512)
+    idx.record(pool.ids[0], (1, 2, 3, 4), gpu_blocks=100)
+    idx.record(pool.ids[1], (1, 2, 9), gpu_blocks=100)
+    got = idx.match((1, 2, 3, 4, 5), pool)
+    assert got is not None
+    gpu, total = got
+    assert gpu.tolist() == [4, 2, 0] and total is gpu
+    assert idx.match((7, 1, 2), pool) is None  # nobody holds the first block: no hit anywhere
+
+
+def test_a_full_gpu_tier_evicts_the_tail_first_and_keeps_the_shared_head() -> None:
+    pool = pool_of(1)
+    idx = PrefixIndex(512)
+    pid = pool.ids[0]
+    idx.record(pid, (1, 2, 3, 4), gpu_blocks=4)
+    idx.record(pid, (1, 2, 8, 9), gpu_blocks=4)  # the same head, a new tail: the old tail goes
+    got = idx.match((1, 2, 3, 4), pool)
+    assert got is not None and got[0].tolist() == [2]
+    assert idx.size(pid) == 4
+
+
+def test_evicted_blocks_stay_on_the_host_tier_and_count_less() -> None:
+    pool = pool_of(1)
+    idx = PrefixIndex(512)
+    pid = pool.ids[0]
+    idx.record(pid, (1, 2, 3, 4), gpu_blocks=4, host_blocks=8)
+    idx.record(pid, (5, 6, 7, 8), gpu_blocks=4, host_blocks=8)  # (1..4) moved to the host tier
+    got = idx.match((1, 2, 3, 4), pool)
+    assert got is not None
+    gpu, total = got
+    assert gpu.tolist() == [0] and total.tolist() == [4]
+    s, cached = score(req(4 * 512 + 100), got, block_tokens=512, host_tier_weight=0.5)
+    assert s is not None and cached is not None
+    assert cached.tolist() == [0.5 * 4 * 512]
+    assert s[0] == pytest.approx(100 * 1024 / 2148)
+    idx.record(pid, (1, 2), gpu_blocks=4, host_blocks=8)  # back on the GPU: off the host tier
+    got = idx.match((1, 2, 3), pool)
+    assert got is not None and got[0].tolist() == [2] and got[1].tolist() == [3]
+
+
+def test_a_hit_never_covers_the_last_prompt_token() -> None:
+    pool = pool_of(1)
+    idx = PrefixIndex(512)
+    idx.record(pool.ids[0], (1, 2), gpu_blocks=10)
+    s, cached = score(req(1024), idx.match((1, 2), pool), block_tokens=512, host_tier_weight=0.5)
+    assert cached is not None and cached.tolist() == [1023]
+
+
+def test_a_forgotten_plan_holds_nothing_and_its_bit_is_reused() -> None:
+    pool = pool_of(2)
+    idx = PrefixIndex(512)
+    idx.record(pool.ids[0], (1, 2), gpu_blocks=10)
+    idx.forget(pool.ids[0])
+    assert idx.match((1, 2), pool) is None and idx.size(pool.ids[0]) == 0
+    idx.record(pool.ids[1], (1,), gpu_blocks=10)
+    got = idx.match((1, 2), pool)
+    assert got is not None and got[0].tolist() == [0, 1]
+
+
+def test_matching_sixty_four_plans_finds_each_ones_run_across_the_walks_strides() -> None:
+    pool = pool_of(64)
+    idx = PrefixIndex(512)
+    runs = [(i * 37) % 101 + 1 for i in range(64)]  # 1..101 blocks: ends inside, at and past a stride
+    for pid, run in zip(pool.ids, runs, strict=True):
+        idx.record(pid, tuple(range(run)), gpu_blocks=200)
+    got = idx.match(tuple(range(120)), pool)
+    assert got is not None and got[0].tolist() == runs
+    short = idx.match(tuple(range(5)), pool)
+    assert short is not None and short[0].tolist() == [min(r, 5) for r in runs]
+
+
+def test_the_router_sends_a_conversations_next_turn_where_its_prefix_is() -> None:
+    snap = mixed_snapshot()
+    pool = idle(Pool(copies(facts("h100", snap), 4), model="Qwen2-72B"))
+    r = router(3)
+    turn1 = req(8000, 50, blocks=tuple(range(15)))
+    first = r.route(turn1, pool, 0.0)
+    assert first.chosen is not None
+    r.admitted(first, first.chosen)
+    turn2 = req(9000, 50, blocks=tuple(range(17)))
+    second = r.route(turn2, pool, 1.0)
+    assert second.chosen == first.chosen
+    assert second.scores["prefix_affinity"][first.chosen] == pytest.approx(100 * 15 * 512 / 9000)
+    assert second.ttft_s is not None and second.ttft_s[first.chosen] < second.ttft_s.max() / 3
