@@ -47,11 +47,14 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     uuids, rank order], ranks: [the ranks on this node]}]), reserve_bytes ({gpu uuid: bytes to
     reserve: weight shard + KV reserve}), peers ({node id: data_addr} of the plan's other nodes,
     for its communication groups: a torch leader asks each peer's data server to start the
-    stage workers that peer's own `stages` place on it - agents/dataplane/stages.py).
-    The agent reserves the memory, loads the weights, builds the communication groups, warms
-    up (graph capture, a first batch), then acks ok with {plan_id, reserved_bytes, load_s,
-    weights_sha256 (the digest the node computed for the weights before loading them, when it
-    hashed them)}. Weights whose digest is not the registry's: ack failed with weights_sha256,
+    stage workers that peer's own `stages` place on it - agents/dataplane/stages.py),
+    warmup_tokens (optional, default 1: tokens the leader generates before the plan is served -
+    the registry's warm-up for the model; 0: none).
+    The agent reserves the memory, loads the weights (from its host-memory weight cache when
+    they are there: agents/node/weightcache.py), builds the communication groups, warms up,
+    then acks ok with {plan_id, reserved_bytes, load_s, weights_sha256 (the digest the node
+    computed for the weights before loading them, when it hashed them), weights_source
+    (host_cache | disk: where this node read them from), weights_bytes}. Weights whose digest is not the registry's: ack failed with weights_sha256,
     the digest observed (the console quarantines that model version).
     Already prepared: ack ok at once. GPUs not ours: ack failed, reason "preempted".
 `abort_plan` - undo a prepare (rollback); safe if it never ran (ack ok, noop: true)
@@ -140,6 +143,8 @@ TRANSITION_KINDS = tuple(k.value for k in CommandKind)  # sent by scheduler.tran
 NODE_KINDS = tuple(k.value for k in NodeCommandKind)  # about the node itself: no deployment, no plan
 COMMAND_KINDS = TRANSITION_KINDS + NODE_KINDS  # every kind an agent may be sent
 FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_lease", "timeout")
+WEIGHTS_SOURCES = ("host_cache", "disk")  # prepare_plan's ack: where the node read the weights from
+MAX_WARMUP_TOKENS = 1_000_000  # the registry's bound on a model's warm-up (console/registry/api.py)
 
 # Generous upper bounds that catch unit mistakes (bytes vs GiB) without limiting real hardware.
 _MAX_MEM_BYTES = 4 * 1024**4  # 4 TiB per GPU
@@ -585,6 +590,7 @@ def _prepare(r: ObjectReader) -> None:
                         st.problems.add(path, "must be an integer rank >= 0")
             st.done()
     _gpu_map(r, "reserve_bytes")
+    r.int("warmup_tokens", 1, min=0, max=MAX_WARMUP_TOKENS)
     peers = r.raw("peers", {})
     if peers is not None and (not isinstance(peers, dict) or not all(isinstance(v, str) for v in peers.values())):
         r.fail("peers", "must be an object of node id -> data address")
@@ -718,6 +724,8 @@ def check_result(kind: str, result: Any) -> dict[str, Any]:
         sha = r.str("weights_sha256", None, max_len=64)
         if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
             r.fail("weights_sha256", "must be 64 lowercase hex digits")
+        r.str("weights_source", None, choices=WEIGHTS_SOURCES)
+        r.int("weights_bytes", 0, min=0)
     elif kind == NodeCommandKind.VERIFY_WEIGHTS.value:
         _sha256(r, "sha256")
     problems.raise_if_any(f"{kind} result")

@@ -718,6 +718,7 @@ Clock = Callable[[], float]
 Probe = Callable[[str], None]
 ModelResolver = Callable[[str], ModelSpec]
 WeightsResolver = Callable[[str], "str | None"]  # model name -> SHA-256 of the weights to load (None: unknown)
+WarmupResolver = Callable[[str], int]  # model name -> tokens a new plan generates before it is served
 
 
 def _no_probe(point: str) -> None:
@@ -726,6 +727,10 @@ def _no_probe(point: str) -> None:
 
 def _no_digest(model: str) -> str | None:
     return None
+
+
+def _one_token(model: str) -> int:
+    return 1
 
 
 # --- sequences and the per-sequence choice -------------------------------------------------------
@@ -960,7 +965,7 @@ class Executor:
     def __init__(self, store: TransitionStore, agents: AgentPort, routing: RoutingTable, clock: Clock, *,
                  config: TransitionConfig = DEFAULT_TRANSITION_CONFIG, probe: Probe = _no_probe,
                  models: ModelResolver = model_spec, eff: Efficiency = DEFAULT_EFFICIENCY,
-                 weights: WeightsResolver = _no_digest) -> None:
+                 weights: WeightsResolver = _no_digest, warmup: WarmupResolver = _one_token) -> None:
         self.store = store
         self.agents = agents
         self.routing = routing
@@ -970,6 +975,7 @@ class Executor:
         self.models = models
         self.eff = eff
         self.weights = weights
+        self.warmup = warmup
 
     # -- starting --------------------------------------------------------------------------
     def start(self, deployment_id: str, to_gear: Gear, *, kind: Kind = Kind.AUTO, model: str | None = None,
@@ -1284,6 +1290,7 @@ class Executor:
             "plan": plan.to_dict(),
             "model": rec.model,
             "weights_sha256": self.weights(rec.model),
+            "warmup_tokens": self.warmup(rec.model),
             "role": "leader" if nodes and nodes[0] == node else "member",
             "stages": stages,
             "reserve_bytes": {u: memory[u] for u in sorted(mine)},

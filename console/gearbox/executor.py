@@ -47,9 +47,23 @@ def registry_weights(model: str) -> str | None:
     return digest
 
 
+def registry_warmup(model: str) -> int:
+    """Tokens a new plan of `model` generates before it is served: the registry's `warmup_tokens`
+    of the version prepare_plan loads (registry_weights' choice); 1 for a model it does not hold."""
+    from console.registry.models import ModelVersion
+
+    digest = registry_weights(model)
+    if digest is None:
+        return 1
+    found = ModelVersion.objects.filter(name=model, sha256=digest).order_by("-registered_at", "-id") \
+        .values_list("warmup_tokens", flat=True).first()
+    return int(found) if found is not None else 1
+
+
 def build_executor(*, actor: str = "system:transitions") -> Executor:
     return Executor(DjangoStore(actor=actor), DjangoAgentPort(), DjangoRouting(actor=actor), time.time,
-                    config=transition_config(), probe=crashpoints.probe, weights=registry_weights)
+                    config=transition_config(), probe=crashpoints.probe, weights=registry_weights,
+                    warmup=registry_warmup)
 
 
 def advance(deployment: str, seq: int | None = None) -> Advance:
