@@ -138,12 +138,25 @@ def test_prepare_names_the_weights_the_registry_lets_load() -> None:
               "tokenizer": "tok", "max_context": 8192, "min_gpu_mem_bytes": 1, "warmup_tokens": 8,
               "registered_by": "user:alice"}
     ModelVersion.objects.create(version="1", sha256="a" * 64, status="verified", registered_at=now, **common)
-    ModelVersion.objects.create(version="2", sha256="b" * 64, status="quarantined", registered_at=now, **common)
+    ModelVersion.objects.create(version="2", sha256="b" * 64, status="quarantined", registered_at=now,
+                                **{**common, "warmup_tokens": 99})
     ex = build_executor()
     ex.start("chat", gear("a1", [0, 1]))
     ex.advance("chat")
     prepare = AgentCommand.objects.get(kind="prepare_plan")
     assert prepare.payload["weights_sha256"] == "a" * 64  # the newest loadable one, never a quarantined one
+    assert prepare.payload["warmup_tokens"] == 8, "the warm-up of the version it loads"
+
+
+def test_a_model_the_registry_does_not_hold_is_warmed_up_with_one_token() -> None:
+    from console.fleet.models import AgentCommand
+
+    enroll_fleet()
+    make_deployment()
+    ex = build_executor()
+    ex.start("chat", gear("a1", [0, 1]))
+    ex.advance("chat")
+    assert AgentCommand.objects.get(kind="prepare_plan").payload["warmup_tokens"] == 1
 
 
 def test_a_model_whose_only_version_is_quarantined_is_prepared_against_its_registered_digest() -> None:
