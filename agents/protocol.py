@@ -48,10 +48,13 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     reserve: weight shard + KV reserve}), peers ({node id: data_addr} of the plan's other nodes,
     for its communication groups: a torch leader asks each peer's data server to start the
     stage workers that peer's own `stages` place on it - agents/dataplane/stages.py).
-    The agent reserves the memory, loads the weights, builds the communication groups, warms
-    up (graph capture, a first batch), then acks ok with {plan_id, reserved_bytes, load_s,
-    weights_sha256 (the digest the node computed for the weights before loading them, when it
-    hashed them)}. Weights whose digest is not the registry's: ack failed with weights_sha256,
+    The agent reserves the memory, loads the weights (from its host-memory weight cache when
+    they are there: agents/node/weightcache.py), builds the communication groups, warms up,
+    then acks ok with {plan_id, reserved_bytes, load_s, weights_sha256 (the digest the node
+    computed for the weights before loading them, when it hashed them), weights_source
+    (host_cache | disk: where this node read them from), weights_bytes}. Before it is served the
+    leader generates model_version's warmup_tokens (below; 1 without a model_version, 0: none).
+    Weights whose digest is not the registry's: ack failed with weights_sha256,
     the digest observed (the console quarantines that model version).
     Already prepared: ack ok at once. GPUs not ours: ack failed, reason "preempted".
     Optional model_version ({id, version, tokenizer, warmup_tokens}: the registry version the
@@ -146,6 +149,8 @@ TRANSITION_KINDS = tuple(k.value for k in CommandKind)  # sent by scheduler.tran
 NODE_KINDS = tuple(k.value for k in NodeCommandKind)  # about the node itself: no deployment, no plan
 COMMAND_KINDS = TRANSITION_KINDS + NODE_KINDS  # every kind an agent may be sent
 FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_lease", "timeout")
+WEIGHTS_SOURCES = ("host_cache", "disk")  # prepare_plan's ack: where the node read the weights from
+MAX_WARMUP_TOKENS = 1_000_000  # the registry's bound on a model's warm-up (console/registry/api.py)
 
 # Generous upper bounds that catch unit mistakes (bytes vs GiB) without limiting real hardware.
 _MAX_MEM_BYTES = 4 * 1024**4  # 4 TiB per GPU
@@ -596,7 +601,7 @@ def _prepare(r: ObjectReader) -> None:
         version.int("id", min=1)
         version.str("version", max_len=64)
         version.str("tokenizer", max_len=1024)
-        version.int("warmup_tokens", min=0, max=1_000_000)
+        version.int("warmup_tokens", min=0, max=MAX_WARMUP_TOKENS)
         version.done()
     peers = r.raw("peers", {})
     if peers is not None and (not isinstance(peers, dict) or not all(isinstance(v, str) for v in peers.values())):
@@ -731,6 +736,8 @@ def check_result(kind: str, result: Any) -> dict[str, Any]:
         sha = r.str("weights_sha256", None, max_len=64)
         if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
             r.fail("weights_sha256", "must be 64 lowercase hex digits")
+        r.str("weights_source", None, choices=WEIGHTS_SOURCES)
+        r.int("weights_bytes", 0, min=0)
     elif kind == NodeCommandKind.VERIFY_WEIGHTS.value:
         _sha256(r, "sha256")
     problems.raise_if_any(f"{kind} result")

@@ -82,9 +82,21 @@ class PlanHost(DrainThenHandOver):
         device: str = "cpu",
         gpus: Sequence[int] | None = None,
         placement: Mapping[str, Placement] | None = None,
+        warmup_tokens: int = 1,
+        verified_sha256: str | None = None,
+        host_kv_bytes: int = 0,
     ) -> None:
         """`placement`: for a plan whose stages span nodes, which ranks of each worker group run
-        here and which member nodes start the others (TorchEngine's argument); None: all here."""
+        here and which member nodes start the others (TorchEngine's argument); None: all here.
+        `warmup_tokens`: generated at start, before the plan is served (the registry's warm-up).
+        `verified_sha256`: the digest the node's model store computed for these weights (the
+        engine does not hash them again). `host_kv_bytes`: the engine's host KV tier (finished
+        sequences' KV kept for the next turn of their conversation; 0: none)."""
+        self.verified_sha256 = verified_sha256
+        self.host_kv_bytes = host_kv_bytes
+        if not isinstance(warmup_tokens, int) or isinstance(warmup_tokens, bool) or warmup_tokens < 0:
+            raise ValueError(f"warmup_tokens: must be an integer >= 0, got {warmup_tokens!r}")
+        self.warmup_tokens = warmup_tokens
         self.deployment = deployment
         self.plan = dict(plan)
         self.plan_id: str = Plan.from_dict({k: v for k, v in plan.items() if k != "plan_id"}).plan_id
@@ -124,19 +136,18 @@ class PlanHost(DrainThenHandOver):
     # -- lifetime --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the workers, warm up with one token, start the engine thread. Idempotent."""
+        """Start the workers, warm up (`warmup_tokens`), start the engine thread. Idempotent."""
         with self._lock:
             if self.state != "new":
                 if self.state in ("stopped", "broken"):
                     raise Frozen(f"plan {self.plan_id} is {self.state}; build a new PlanHost")
                 return
             engine = TorchEngine(self.model_dir, self.layout, device=self.device, gpus=self.gpus,
-                                 expected_sha256=self.weights_sha256, num_kv_blocks=self.num_kv_blocks,
+                                 expected_sha256=self.weights_sha256, verified_sha256=self.verified_sha256,
+                                 num_kv_blocks=self.num_kv_blocks, host_kv_bytes=self.host_kv_bytes,
                                  placement=self.placement)
             try:
-                engine.add_request(WARMUP_ID, [1], 1)
-                while engine.has_unfinished():
-                    engine.step()
+                engine.warm_up(self.warmup_tokens, WARMUP_ID)
             except BaseException:
                 engine.shutdown()
                 raise

@@ -125,7 +125,13 @@ class VllmPlanHost(DrainThenHandOver):
         log_dir: str | Path | None = None,
         policy: RestartPolicy | None = None,
         engine_options: dict[str, Any] | None = None,
+        warmup_tokens: int = 1,
     ) -> None:
+        """`warmup_tokens`: generated once the server is up, before it is served (the registry's
+        warm-up for the model; 0: none)."""
+        if not isinstance(warmup_tokens, int) or isinstance(warmup_tokens, bool) or warmup_tokens < 0:
+            raise ValueError(f"warmup_tokens: must be an integer >= 0, got {warmup_tokens!r}")
+        self.warmup_tokens = warmup_tokens
         self.deployment = deployment
         self.plan = dict(plan)
         self.model_dir = str(model_dir)
@@ -183,6 +189,7 @@ class VllmPlanHost(DrainThenHandOver):
         # not under the lock: a big model loads for minutes, and stream() must answer meanwhile
         try:
             self.engine.wait_ready(timeout_s if timeout_s is not None else self.engine.policy.startup_timeout_s + 30)
+            self._warm_up()
             self.engine.report()  # the first report covers what follows, not the server's start
         except BaseException:
             self.engine.stop(grace_s=5.0)
@@ -230,6 +237,20 @@ class VllmPlanHost(DrainThenHandOver):
         for sid, r in list(self._runs.items()):
             if r.stream.ended_s is not None and r.stream.ended_s < cutoff:
                 del self._runs[sid]
+
+    def _warm_up(self) -> None:
+        """Generate `warmup_tokens` before the plan takes traffic, so its first requests do not pay
+        for what the first forward passes initialise (allocator, kernels, the prefix cache)."""
+        if self.warmup_tokens == 0:
+            return
+        body = self._body([1], self.warmup_tokens, SamplingParams())
+        body["ignore_eos"] = True
+        resp = self._open(body)
+        try:
+            for _ in resp.iter_lines():
+                pass
+        finally:
+            resp.close()
 
     # -- the completion requests -------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from types import FrameType
 
 from agents.node.daemon import NodeAgent, default_node_id
 from agents.node.plans import Backend, ModelStore, TorchBackend, VllmBackend
+from agents.node.weightcache import DEFAULT_CACHE_ROOT, HostWeightCache, default_capacity_bytes
 from agents.probes import Probe
 from agents.protocol import NODE_ID_RE
 from agents.schema import SchemaError
@@ -47,6 +48,14 @@ def parser() -> argparse.ArgumentParser:
                    help="with a --static-gpus spec: the namespace of the GPU UUIDs (a scenario's name gives that "
                         "scenario's GPUs)")
     p.add_argument("--models-dir", default=".run/models", help="model folders by name (tiny-llama is made here)")
+    p.add_argument("--weight-cache-bytes", type=int, default=None,
+                   help="host-memory weight cache size (default: $FLEXPIPE_WEIGHT_CACHE_BYTES, else a quarter of "
+                        "RAM; 0: off - every prepare reads the disk)")
+    p.add_argument("--host-kv-bytes", type=int, default=2 << 30,
+                   help="torch: each plan's host KV tier - finished sequences' KV kept in host memory for the next "
+                        "turn of their conversation (default 2 GiB; 0: off)")
+    p.add_argument("--weight-cache-dir", default=None,
+                   help="where the cache keeps its copies: a RAM file system (default: /dev/shm/flexpipe-weights-NODE)")
     p.add_argument("--rack", default=None)
     p.add_argument("--report-interval", type=float, default=None,
                    help="seconds between reports (default: what the controller asks)")
@@ -94,10 +103,28 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             return _fail(str(exc))
 
-    models = ModelStore(Path(args.models_dir))
+    try:
+        cache_bytes = args.weight_cache_bytes if args.weight_cache_bytes is not None else default_capacity_bytes()
+    except ValueError as exc:
+        return _fail(str(exc))
+    if cache_bytes < 0:
+        return _fail(f"--weight-cache-bytes: must be >= 0, got {cache_bytes}")
+    cache = None
+    if cache_bytes > 0:
+        cache_dir = Path(args.weight_cache_dir) if args.weight_cache_dir else DEFAULT_CACHE_ROOT / f"flexpipe-weights-{node_id}"
+        if args.weight_cache_dir is None and not DEFAULT_CACHE_ROOT.is_dir():
+            print(f"{PROG}: no {DEFAULT_CACHE_ROOT} on this host: the weight cache is off", file=sys.stderr)
+        else:
+            try:
+                cache = HostWeightCache(cache_dir, cache_bytes)
+            except OSError as exc:
+                return _fail(f"--weight-cache-dir {cache_dir}: {exc.strerror or exc}")
+    models = ModelStore(Path(args.models_dir), cache)
     backend: Backend
     if args.backend == "torch":
-        torch_backend = TorchBackend(models, data_addr)
+        if args.host_kv_bytes < 0:
+            return _fail(f"--host-kv-bytes: must be >= 0, got {args.host_kv_bytes}")
+        torch_backend = TorchBackend(models, data_addr, host_kv_bytes=args.host_kv_bytes)
         if args.probe == "nvml":  # real GPUs: the engine's workers run on the plan's CUDA devices
             torch_backend.device = "cuda"
             torch_backend.gpu_index = {g.uuid: g.index for g in probe.gpus()}

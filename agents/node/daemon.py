@@ -398,7 +398,8 @@ class NodeAgent:
                 if self.backend is None:
                     raise PrepareError(f"this node runs no engine backend ({self.backend_name})")
                 engine = self.backend.make(deployment, p["plan"], plan_id, str(p["model"]), p.get("weights_sha256"),
-                                           stages=list(p.get("stages") or []), peers=dict(p.get("peers") or {}))
+                                           stages=list(p.get("stages") or []), peers=dict(p.get("peers") or {}),
+                                           warmup_tokens=int((p.get("model_version") or {}).get("warmup_tokens", 1)))
                 slot.engine = engine
                 engine.start()
             elif self.backend is not None:
@@ -425,7 +426,11 @@ class NodeAgent:
         digest = self._weights_digest(str(p["model"]))
         if digest is not None:
             result["weights_sha256"] = digest  # hashed here before loading: the registry verifies the version
-        return _Outcome("ok", f"prepared ({slot.role})", result)
+        checkout = getattr(slot.engine, "checkout", None) or getattr(slot.part, "checkout", None)
+        if checkout is not None:
+            result["weights_source"], result["weights_bytes"] = checkout.source, checkout.weights_bytes
+        return _Outcome("ok", f"prepared ({slot.role}, weights from {result.get('weights_source', 'disk')})",
+                        result)
 
     def _weights_digest(self, model: str) -> str | None:
         """What this node's model store computed for the weights it loaded (None when it hashed none)."""

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agents.engines.torch.weights import WEIGHTS_FILE, make_tiny_llama, sha256_file
+from agents.node.weightcache import HostWeightCache, Source
 from agents.protocol import EngineReport
 
 if TYPE_CHECKING:
@@ -75,17 +76,48 @@ class PlanEngine(Protocol):
 
 
 # -- models on this node ------------------------------------------------------------------------------
+@dataclass
+class Checkout:
+    """The model folder one plan loads from, held until the plan stops (ModelStore.checkout)."""
+
+    folder: Path  # the disk folder, or its copy in the host-memory weight cache
+    digest: str  # the weights' SHA256 (of the disk copy, checked against the registry's)
+    source: Source  # host_cache: loaded from RAM; disk: read from the disk for this prepare
+    weights_bytes: int
+    cache: HostWeightCache | None = None
+    released: bool = False
+
+    def release(self) -> None:
+        """Idempotent: the plan stopped, the cache may evict its entry again."""
+        if not self.released and self.cache is not None:
+            self.released = True
+            self.cache.release(self.digest)
+
+
 class ModelStore:
     """Model folders under one directory, one per model name; checks each weights file's SHA256 once.
 
     The tiny model is made here on first use (deterministic: the same bytes, the same digest as the
-    registry's); any other model must already be in `<root>/<model name>/`.
+    registry's); any other model must already be in `<root>/<model name>/`. With a host-memory
+    weight cache (agents/node/weightcache.py) a plan loads the cache's copy: from RAM.
     """
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, cache: HostWeightCache | None = None) -> None:
         self.root = Path(root)
+        self.cache = cache
         self._digests: dict[Path, str] = {}
         self._lock = threading.Lock()
+
+    def checkout(self, model: str, weights_sha256: str | None) -> Checkout:
+        """Where a plan of `model` loads its weights from (resolve's checks first); release it when
+        the plan stops."""
+        folder, digest = self.resolve(model, weights_sha256)
+        if self.cache is None:
+            size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+            return Checkout(folder, digest, "disk", size)
+        got = self.cache.fetch(folder, digest)
+        leased = self.cache if got.folder != folder else None
+        return Checkout(got.folder, digest, got.source, got.weights_bytes, leased)
 
     def resolve(self, model: str, weights_sha256: str | None) -> tuple[Path, str]:
         """(model folder, its weights' SHA256); PrepareError when missing or other weights."""
@@ -164,6 +196,7 @@ class TorchBackend:
     num_kv_blocks: int = 256  # per plan: this machine's CPU memory, not the plan's KV reserve on a GPU
     device: str = "cpu"  # "cuda" on a GPU node (--probe nvml)
     gpu_index: dict[str, int] = field(default_factory=dict)  # GPU uuid -> CUDA index (from the NVML probe)
+    host_kv_bytes: int = 0  # per plan: its engine's host KV tier (agents/engines/torch/kvtier.py); 0: none
     _server: Any = None
     _members: Any = None  # agents.dataplane.stages.MemberRegistry, made with the server
 
@@ -180,23 +213,28 @@ class TorchBackend:
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
-             peers: dict[str, str] | None = None) -> PlanEngine:
+             peers: dict[str, str] | None = None, warmup_tokens: int = 1) -> PlanEngine:
         """The leader's engine. `stages` (this node's part, prepare_plan's) and `peers` place the
         ranks of other nodes there; without peers every rank runs here (a one-node plan, or a
         controller that names no peers)."""
-        folder, digest = self.models.resolve(model, weights_sha256)
         try:
             from agents.dataplane import PlanHost
         except ImportError as exc:
             raise PrepareError(f"the torch data plane is not installed on this node ({exc})") from None
-        placement = self.placement(deployment, plan, plan_id, digest, stages or [], peers or {})
-        host = PlanHost(deployment=deployment, plan=plan, model_dir=str(folder), layout=layout_of(plan),
-                        weights_sha256=digest, max_waiting=self.max_waiting, num_kv_blocks=self.num_kv_blocks,
-                        device=self.device, gpus=self.cuda_indexes(plan) if self.device == "cuda" else None,
-                        placement=placement)
-        if host.plan_id != plan_id:
-            raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
-        return _Served(host, self.server())
+        co = self.models.checkout(model, weights_sha256)
+        try:
+            placement = self.placement(deployment, plan, plan_id, co.digest, stages or [], peers or {})
+            host = PlanHost(deployment=deployment, plan=plan, model_dir=str(co.folder), layout=layout_of(plan),
+                            weights_sha256=co.digest, max_waiting=self.max_waiting,
+                            num_kv_blocks=self.num_kv_blocks, device=self.device,
+                            gpus=self.cuda_indexes(plan) if self.device == "cuda" else None, placement=placement,
+                            warmup_tokens=warmup_tokens, verified_sha256=co.digest, host_kv_bytes=self.host_kv_bytes)
+            if host.plan_id != plan_id:
+                raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
+        except BaseException:
+            co.release()
+            raise
+        return _Served(host, self.server(), co)
 
     def placement(self, deployment: str, plan: dict[str, Any], plan_id: str, digest: str,
                   stages: list[dict[str, Any]], peers: dict[str, str]) -> dict[str, Any] | None:
@@ -227,16 +265,21 @@ class TorchBackend:
         prepare fails), and let the leader start this node's ranks through the data server."""
         from agents.dataplane.stages import MemberStages
 
-        folder, digest = self.models.resolve(model, weights_sha256)
+        co = self.models.checkout(model, weights_sha256)
         ranks: dict[str, dict[tuple[int, int], int | None]] = {}
         for st in stages:
             gpus = list(st.get("gpus", []))
             for r in st.get("ranks", []):
                 gpu = self.gpu_index.get(gpus[r]) if self.device == "cuda" and r < len(gpus) else None
                 ranks.setdefault(str(st["pipeline"]), {})[(int(st["index"]), int(r))] = gpu
-        part = MemberStages(deployment, plan_id, node_id, str(folder), digest, ranks)
-        self.server()
-        self._members.add(part)
+        try:
+            part = MemberStages(deployment, plan_id, node_id, str(co.folder), co.digest, ranks)
+            part.checkout = co
+            self.server()
+            self._members.add(part)
+        except BaseException:
+            co.release()
+            raise
         return part
 
     def leave(self, part: Any) -> None:
@@ -244,6 +287,9 @@ class TorchBackend:
         if self._members is not None:
             self._members.remove(part.deployment, part.plan_id)
         part.stop()
+        co = getattr(part, "checkout", None)
+        if co is not None:
+            co.release()
 
     def cuda_indexes(self, plan: dict[str, Any]) -> list[int] | None:
         """The plan's GPUs on this node as CUDA indexes, in the engine's rank order (prefill or main
@@ -290,9 +336,10 @@ def local_ranks(plan: dict[str, Any], stages: list[dict[str, Any]]) -> dict[str,
 class _Served:
     """A PlanHost or VllmPlanHost that the node's DataServer serves from start() until stop()."""
 
-    def __init__(self, host: Any, server: Any) -> None:
+    def __init__(self, host: Any, server: Any, checkout: Checkout) -> None:
         self.host = host
         self.server = server
+        self.checkout = checkout  # where its weights came from (prepare_plan's ack says it)
         self.plan_id: str = host.plan_id
 
     def start(self) -> None:
@@ -317,7 +364,10 @@ class _Served:
     def stop(self) -> None:
         # The stopped host stays served: a reader late for a stream's end event ("moved" to the
         # new plan) still finds it; preparing the same plan again replaces it.
-        self.host.stop()
+        try:
+            self.host.stop()
+        finally:
+            self.checkout.release()
 
 
 # -- vLLM -------------------------------------------------------------------------------------------------
@@ -365,12 +415,21 @@ class VllmBackend:
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
-             peers: dict[str, str] | None = None) -> PlanEngine:
+             peers: dict[str, str] | None = None, warmup_tokens: int = 1) -> PlanEngine:
         """(`stages`, `peers`: unused - a vLLM plan runs on its leader's machine)"""
+        co = self.models.checkout(model, weights_sha256)
+        try:
+            return self._make(deployment, plan, plan_id, model, co, warmup_tokens)
+        except BaseException:
+            co.release()
+            raise
+
+    def _make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, co: Checkout,
+              warmup_tokens: int) -> PlanEngine:
         from agents.dataplane import VllmPlanHost
         from agents.engines.vllm import RestartPolicy
 
-        folder, digest = self.models.resolve(model, weights_sha256)
+        folder, digest = co.folder, co.digest
         spec = self.spec(plan, plan_id, model, folder)
         # A VllmPlanHost behind the node's DataServer: the gateway streams from it and sequences
         # move agent to agent by replay, as with torch plans (agents/dataplane/vllm_host.py).
@@ -381,10 +440,11 @@ class VllmBackend:
                             engine_options={"tensor_parallel_size": spec.tensor_parallel_size,
                                             "pipeline_parallel_size": spec.pipeline_parallel_size,
                                             "dtype": spec.dtype, "enforce_eager": spec.enforce_eager,
-                                            "env": spec.env})
+                                            "env": spec.env},
+                            warmup_tokens=warmup_tokens)
         if host.plan_id != plan_id:
             raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
-        return _Served(host, self.server())
+        return _Served(host, self.server(), co)
 
     def join(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, weights_sha256: str | None,
              *, stages: list[dict[str, Any]], node_id: str) -> Any:
@@ -406,7 +466,7 @@ class VllmBackend:
 class Backend(Protocol):
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
-             peers: dict[str, str] | None = None) -> PlanEngine: ...
+             peers: dict[str, str] | None = None, warmup_tokens: int = 1) -> PlanEngine: ...
 
     def join(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, weights_sha256: str | None,
              *, stages: list[dict[str, Any]], node_id: str) -> Any: ...

@@ -6,12 +6,18 @@
         for seq_id, token_id, finished in engine.step(): ...
     state = engine.export_kv("r1")        # between two steps = at a safe boundary
     other.import_kv("r1", state); engine.drop("r1")
+    engine.offload("r2"); engine.restore("r2")   # KV to host memory and back (host_kv_bytes > 0)
     engine.shutdown()
 
 The engine is a continuous-batching scheduler over one worker group (colocated) or two
 (disaggregated: a prefill group hands each sequence's KV to a decode group after its first
 token). Not thread-safe: drive it from one thread. Every public method runs between two steps,
 which is exactly the safe boundary a gear switch needs (the end of a decode iteration).
+
+With `host_kv_bytes` > 0 the engine has a host tier (agents/engines/torch/kvtier.py): `offload`
+moves a sequence's KV off the GPU into host memory and `restore` brings it back, token-exact; a
+finished sequence's KV goes there too, and a new prompt that starts with a held sequence's tokens
+(the next turn of a conversation) takes that KV as its prefix instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from agents.engines.torch.comm import check_device, check_gpus
 from agents.engines.torch.group import EngineError, WorkerGroup
 from agents.engines.torch.kvcache import KVCacheFullError
+from agents.engines.torch.kvtier import HostKVTier
 from agents.engines.torch.layout import Layout
 from agents.engines.torch.model import ModelConfig, SeqChunk
 from agents.engines.torch.remote import Placement
@@ -115,6 +122,7 @@ class EngineStats:
     preemptions: int = 0
     handoffs: int = 0  # disaggregated prefill -> decode hand-overs
     handoff_bytes: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the host tier instead of a prefill
     groups: dict[str, int] = field(default_factory=dict)  # steps run per group
 
 
@@ -135,10 +143,15 @@ class TorchEngine:
         num_threads: int = 1,
         start_method: str = "forkserver",
         placement: Mapping[str, Placement] | None = None,
+        host_kv_bytes: int = 0,
+        verified_sha256: str | None = None,
     ) -> None:
         """`placement`: per group name (main, or prefill and decode), which of its ranks run here
         and which nodes to ask for the others (agents/engines/torch/remote.py). A group without
-        an entry runs every rank on this node, as a one-node plan does."""
+        an entry runs every rank on this node, as a one-node plan does. `host_kv_bytes`: the host
+        tier's size (0: no host tier; module docstring). `verified_sha256`: the weights' digest when
+        the caller has hashed this very file already (not hashed again)."""
+        self.host_tier = HostKVTier(host_kv_bytes) if host_kv_bytes else None
         self.model_dir = str(model_dir)
         self.cfg = ModelConfig.from_dir(model_dir)
         self.layout = layout if isinstance(layout, Layout) else Layout.from_dict(layout)
@@ -152,7 +165,10 @@ class TorchEngine:
         weights = Path(model_dir) / WEIGHTS_FILE
         if not weights.is_file():
             raise ValueError(f"model_dir: {model_dir} has no {WEIGHTS_FILE}")
-        self.model_sha256 = sha256_file(weights)
+        # A digest the caller computed for these very bytes (the node's ModelStore hashes a model
+        # once, and its host-cache copy is a byte copy) is taken as it is: hashing tens of GB again
+        # at every start would cost more than the load it checks.
+        self.model_sha256 = verified_sha256 or sha256_file(weights)
         if expected_sha256 is not None and expected_sha256 != self.model_sha256:
             raise ValueError(
                 f"expected_sha256: the weights in {model_dir} hash to {self.model_sha256}, not {expected_sha256}"
@@ -241,8 +257,32 @@ class TorchEngine:
         max_new_tokens: int,
         sampling: SamplingParams | dict[str, object] | None = None,
     ) -> None:
-        """Queue a new sequence; it joins the batch at the next step with room for it."""
-        self._admit(seq_id, list(prompt_ids), [], max_new_tokens, sampling)
+        """Queue a new sequence; it joins the batch at the next step with room for it.
+
+        With a host tier, the longest held sequence whose cached tokens start this prompt lends it
+        their KV (it leaves the tier): only the rest of the prompt is computed."""
+        prompt = list(prompt_ids)
+        hit = self.host_tier.longest_prefix(prompt) if self.host_tier is not None and prompt else None
+        if hit is None:
+            self._admit(seq_id, prompt, [], max_new_tokens, sampling)
+            return
+        donor = self.host_tier.take(hit[0])  # type: ignore[union-attr]
+        assert donor is not None  # noqa: S101 - longest_prefix named it
+        n = hit[1]
+        params = self._sampling(sampling)
+        try:
+            if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+            state = KVState(seq_id=seq_id, model_sha256=self.model_sha256, token_ids=tuple(int(t) for t in prompt),
+                            num_prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, sampling=params,
+                            sampler_draws=draws_after(params, 0), num_cached_tokens=n,
+                            keys=donor.keys[:, :n].contiguous(), values=donor.values[:, :n].contiguous())
+            self._check_length(len(prompt), max_new_tokens)
+            self.import_kv(seq_id, state)
+        except BaseException:
+            self.host_tier.put(donor)  # type: ignore[union-attr] - refused: the donor stays held
+            raise
+        self.stats.prefix_hit_tokens += n
 
     def replay(
         self,
@@ -288,19 +328,7 @@ class TorchEngine:
             raise ValueError(
                 f"generated_ids: {len(generated)} tokens already reach max_new_tokens {max_new_tokens}: nothing to do"
             )
-        total = len(prompt) + max_new_tokens
-        if total > self.cfg.max_positions:
-            raise ValueError(
-                f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
-                f"max_position_embeddings {self.cfg.max_positions}"
-            )
-        for name, group in self._groups.items():
-            alloc = group.allocator
-            if alloc.blocks_for(total) > alloc.num_blocks:
-                raise ValueError(
-                    f"max_new_tokens: a sequence of {total} tokens needs {alloc.blocks_for(total)} KV blocks, "
-                    f"group {name!r} has {alloc.num_blocks} in all (raise num_kv_blocks or shorten it)"
-                )
+        self._check_length(len(prompt), max_new_tokens)
         seq = _Seq(
             seq_id=seq_id,
             token_ids=[int(t) for t in prompt + generated],
@@ -313,6 +341,21 @@ class TorchEngine:
         )
         self._seqs[seq_id] = seq
         return seq
+
+    def _check_length(self, num_prompt: int, max_new_tokens: int) -> None:
+        total = num_prompt + max_new_tokens
+        if total > self.cfg.max_positions:
+            raise ValueError(
+                f"max_new_tokens: prompt ({num_prompt}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+                f"max_position_embeddings {self.cfg.max_positions}"
+            )
+        for name, group in self._groups.items():
+            alloc = group.allocator
+            if alloc.blocks_for(total) > alloc.num_blocks:
+                raise ValueError(
+                    f"max_new_tokens: a sequence of {total} tokens needs {alloc.blocks_for(total)} KV blocks, "
+                    f"group {name!r} has {alloc.num_blocks} in all (raise num_kv_blocks or shorten it)"
+                )
 
     def _sampling(self, sampling: SamplingParams | dict[str, object] | None) -> SamplingParams:
         if sampling is None:
@@ -379,6 +422,9 @@ class TorchEngine:
                     token in self.cfg.eos_token_ids and not seq.sampling.ignore_eos
                 )
                 if finished:
+                    if self.host_tier is not None:
+                        # its KV stays in host memory: the next turn of the conversation starts with it
+                        self.host_tier.put(self._state(seq, seq.num_computed))
                     self._remove(seq)
                 outputs.append(StepOutput(seq.seq_id, token, finished))
         if self.disaggregated:
@@ -499,14 +545,17 @@ class TorchEngine:
         """
         self._check_open()
         seq = self._seq(seq_id)
-        n = seq.num_computed if include_kv else 0
+        return self._state(seq, seq.num_computed if include_kv else 0)
+
+    def _state(self, seq: _Seq, n: int) -> KVState:
+        """The sequence's tokens, sampler and its first `n` tokens' KV, read from its group's workers."""
         try:
-            k, v = self._groups[seq.group].export_kv(seq_id, n)
+            k, v = self._groups[seq.group].export_kv(seq.seq_id, n)
         except EngineError:
             self.shutdown()
             raise
         return KVState(
-            seq_id=seq_id,
+            seq_id=seq.seq_id,
             model_sha256=self.model_sha256,
             token_ids=tuple(seq.token_ids),
             num_prompt_tokens=seq.num_prompt,
@@ -517,6 +566,45 @@ class TorchEngine:
             keys=torch.from_numpy(k),
             values=torch.from_numpy(v),
         )
+
+    # -- warm-up and the host tier ---------------------------------------------------------------
+
+    def warm_up(self, tokens: int, seq_id: str = "__warmup__") -> None:
+        """Generate `tokens` tokens (from a one-token prompt, past any end-of-sequence) and forget
+        them: what a new plan does before it takes traffic, so the first requests do not pay for
+        the first forward passes (allocations, thread pools, kernels). 0: nothing."""
+        if tokens <= 0:
+            return
+        self.add_request(seq_id, [1], tokens, SamplingParams(ignore_eos=True))
+        while seq_id in self._seqs:
+            self.step()
+        if self.host_tier is not None:
+            self.host_tier.take(seq_id)  # not a conversation to continue
+
+
+    def offload(self, seq_id: str) -> int:
+        """Move a sequence's KV off the GPU into the host tier (it leaves the batch); the bytes moved.
+
+        At a safe boundary, like export_kv: `restore` continues it token for token."""
+        if self.host_tier is None:
+            raise ValueError("host_kv_bytes: this engine has no host tier (build it with host_kv_bytes > 0)")
+        state = self.export_kv(seq_id)
+        self.drop(seq_id)
+        self.host_tier.put(state)
+        return state.kv_bytes
+
+    def restore(self, seq_id: str) -> int:
+        """Bring an offloaded sequence back from the host tier; the KV bytes copied back (0: its KV
+        had been pushed out of the tier, so it is recomputed from its tokens). All or nothing."""
+        state = self.host_tier.take(seq_id) if self.host_tier is not None else None
+        if state is None:
+            raise KeyError(f"seq_id: {seq_id!r} is not in this engine's host tier")
+        try:
+            self.import_kv(seq_id, state)
+        except BaseException:
+            self.host_tier.put(state)  # type: ignore[union-attr]
+            raise
+        return state.kv_bytes
 
     def import_kv(self, seq_id: str, state: KVState) -> None:
         """Adopt a sequence exported by any engine of the same weights, re-sharding its KV here.
