@@ -145,6 +145,9 @@ FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_l
 _MAX_MEM_BYTES = 4 * 1024**4  # 4 TiB per GPU
 _MAX_GPUS_PER_NODE = 64
 _MAX_PLANS_PER_NODE = 1024
+_MAX_LINKS_PER_REPORT = 256  # one per peer node measured; each is an upsert under the report's write lock
+_MAX_COUNTER = 2**31 - 1  # xid_errors, ecc_errors: the console stores them as 32-bit counters
+_MAX_SEQUENCES_PER_PLAN = 10**7  # running / waiting: far above any engine's batch or queue
 
 
 __all__ = [
@@ -428,8 +431,8 @@ def parse_report(body: Any) -> Report:
             temp = g.num("temperature_c", min=-50.0, max=200.0)
             healthy = g.bool("healthy")
             allocatable = g.bool("allocatable", True)
-            xid = g.int("xid_errors", 0, min=0)
-            ecc = g.int("ecc_errors", 0, min=0)
+            xid = g.int("xid_errors", 0, min=0, max=_MAX_COUNTER)
+            ecc = g.int("ecc_errors", 0, min=0, max=_MAX_COUNTER)
             g.done()
             if used is not None and total is not None and used > total:
                 g.fail("mem_used_bytes", f"must not exceed mem_total_bytes ({total}); got {used}")
@@ -442,7 +445,7 @@ def parse_report(body: Any) -> Report:
             if None not in values:
                 gpus.append(GpuReport(uuid, used, total, sm_util, temp, healthy, allocatable, xid, ecc))
     links: list[LinkReport] = []
-    llist = r.list("links", [], max_len=10_000)
+    llist = r.list("links", [], max_len=_MAX_LINKS_PER_REPORT)
     if llist is not None:
         for lk in llist.objects():
             peer = _node_id(lk, "peer")
@@ -459,8 +462,8 @@ def parse_report(body: Any) -> Report:
         for e in elist.objects():
             rep = EngineReport(
                 plan_id=e.str("plan_id", max_len=128),
-                running=e.int("running", min=0),
-                waiting=e.int("waiting", min=0),
+                running=e.int("running", min=0, max=_MAX_SEQUENCES_PER_PLAN),
+                waiting=e.int("waiting", min=0, max=_MAX_SEQUENCES_PER_PLAN),
                 tokens_per_s=e.num("tokens_per_s", min=0.0),
                 kv_usage=e.num("kv_usage", min=0.0, max=1.0),
                 ttft_p50_ms=e.num("ttft_p50_ms", None, min=0.0),

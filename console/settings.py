@@ -215,7 +215,7 @@ REST_FRAMEWORK = {
     # JSON both ways: Swagger UI at /api/docs/ is the interactive view, and a form-encoded body could not
     # carry `architecture` (an object) anyway.
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["console.api.parsers.BoundedJSONParser"],
 }
 
 SPECTACULAR_SETTINGS = {

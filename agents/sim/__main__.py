@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from agents.schema import SchemaError
 from agents.sim.live import LiveFleet, parse_fault, wait_for_controller
@@ -19,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--controller", required=True, help="console base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--join-token", default=os.environ.get("FLEXPIPE_ENROLL_TOKEN", ""),
                         help="the cluster's join token (default: $FLEXPIPE_ENROLL_TOKEN)")
+    parser.add_argument("--token-dir", default=None,
+                        help="folder where each agent keeps its own token once enrolled (NODE.token), so a "
+                             "restarted fleet registers again without re-enrolling")
     parser.add_argument("--report-interval", type=float, default=None,
                         help="seconds between reports when nothing changes (default: what the controller asks)")
     parser.add_argument("--time-scale", type=float, default=None,
@@ -60,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
     wait_for_controller(args.controller, args.wait_for_controller)
     fleet = LiveFleet(scenario, args.controller, args.join_token, report_interval_s=args.report_interval,
-                      time_scale=args.time_scale, faults=faults, long_poll_s=args.long_poll)
+                      time_scale=args.time_scale, faults=faults, long_poll_s=args.long_poll,
+                      token_dir=Path(args.token_dir) if args.token_dir else None)
     logging.getLogger("agents.sim").info("%s: %d nodes, time x%g", scenario.name, len(scenario.nodes),
                                          fleet.time_scale)
     started = time.monotonic()

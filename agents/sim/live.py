@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import httpx
 
@@ -204,8 +205,9 @@ class LiveFleet:
                  report_interval_s: float | None = None, time_scale: float | None = None,
                  faults: Sequence[Fault] = (), long_poll_s: float | None = 10.0,
                  clock: Callable[[], float] = time.monotonic, routing_every_s: float = 0.5,
-                 admit_timeout_s: float = ADMIT_TIMEOUT_S) -> None:
+                 admit_timeout_s: float = ADMIT_TIMEOUT_S, token_dir: Path | None = None) -> None:
         self.scenario = scenario
+        self.token_dir = token_dir  # each agent keeps its own token here once enrolled (agents.client)
         self.controller = controller
         self.join_token = join_token
         self.time_scale = time_scale or scenario.time_scale
@@ -249,7 +251,8 @@ class LiveFleet:
     def _agent(self, node_id: str) -> SimAgent:
         agent = self.agents.get(node_id)
         if agent is None:
-            agent = SimAgent(node_id, AgentClient(self.controller, self.join_token),
+            token_file = self.token_dir / f"{node_id}.token" if self.token_dir is not None else None
+            agent = SimAgent(node_id, AgentClient(self.controller, self.join_token, token_file=token_file),
                              rng=random.Random(f"{self.scenario.seed}/{node_id}"))
             self.agents[node_id] = agent
         return agent

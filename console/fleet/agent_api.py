@@ -7,7 +7,6 @@ refusal is JSON: {"errors": {field path: reason}} with a 4xx status, and stores 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from agents import schema
 from agents.protocol import Command, RegisterResponse, SchemaError, parse_ack, parse_register, parse_report
 from console.fleet import actions, live
 from console.fleet.models import AgentCommand, Node
@@ -48,9 +48,9 @@ def _has_nul(value: Any) -> bool:
 
 def _json_body(request: HttpRequest) -> Any:
     try:
-        body = json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise actions.Rejected(400, {"(body)": f"not valid JSON: {exc}"}) from exc
+        body = schema.loads(request.body)
+    except SchemaError as exc:
+        raise actions.Rejected(400, exc.errors) from exc
     # PostgreSQL text and jsonb cannot hold U+0000: refuse it here rather than fail with a 500 on save.
     if _has_nul(body):
         raise actions.Rejected(400, {"(body)": "must not contain NUL (\\u0000) characters"})

@@ -41,6 +41,7 @@ from django.db.models import Q
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from agents import schema
 from console.gateway import metrics, tokens, upstream
 from console.gateway.requests import BadRequest, GenerateRequest, parse_chat, parse_completion
 from console.gateway.routing import Candidate, any_frozen, order_routes
@@ -155,9 +156,9 @@ async def _authenticate(request: HttpRequest) -> Any:
 
 def _json_body(request: HttpRequest) -> Any:
     try:
-        return json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        return schema.loads(request.body)
+    except schema.SchemaError as exc:
+        raise ApiError(400, f"the body: {'; '.join(exc.errors.values())}") from None
 
 
 def _bad(exc: BadRequest) -> ApiError:
