@@ -15,8 +15,8 @@ django_asgi_app = get_asgi_application()  # before importing consumers: it sets 
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from console.dashboard.origin import SameOriginValidator  # noqa: E402
 from console.routing import websocket_urlpatterns  # noqa: E402
 
 STOP_KEY = "flexpipe.stop"  # scope key: an asyncio.Event set when the server cancels the request
@@ -107,6 +107,6 @@ class StopOnCancel:
 application = ProtocolTypeRouter(
     {
         "http": StopOnCancel(django_asgi_app),
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

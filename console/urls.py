@@ -4,6 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
+from console.accounts.views import ThrottledAdminAuthenticationForm, ThrottledLoginView
 from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
@@ -12,6 +13,9 @@ from console.gearbox import agent_api as gearbox_agent_api
 from console.gearbox import views as gearbox_pages
 from console.metrics.views import MetricsView
 from console.registry import views as registry_pages
+
+# The admin's login page checks passwords too: the same throttle.
+admin.site.login_form = ThrottledAdminAuthenticationForm
 
 urlpatterns = [
     path("", dashboard.overview, name="overview"),
@@ -25,7 +29,7 @@ urlpatterns = [
     path("registry/", registry_pages.registry_page, name="registry-page"),
     path("metrics", MetricsView.as_view(), name="metrics"),
     path("healthz", dashboard.healthz, name="healthz"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("", include("console.api.urls")),
