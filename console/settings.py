@@ -165,6 +165,11 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("FLEXPIPE_QUEUE", "flexpipe")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# A request path that sends a task never waits long on a broker that is away (console.celery.enqueue):
+# a short publish retry and bounded sockets (redis-py waits forever by default).
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.25, "interval_max": 0.5}
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 10}
+CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = 2
 
 # The cluster's join token: an agent presents it once to enroll and receives its own token.
 # Empty = enrollment closed (agents then need a token issued with `manage.py issue_agent_token`).

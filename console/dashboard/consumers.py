@@ -5,7 +5,8 @@ A page's consumer names its `group` (where `transaction.on_commit` pushes land),
 metrics label) and the `required_role`; it sends its first message in `on_accepted` and adds one
 handler per event type (`"type": "audit.entry"` -> `async def audit_entry(self, event)`).
 
-Close codes: 4401 not logged in (or deactivated since), 4403 logged in without the role (or it was
+Close codes: 1013 degraded (the channel layer failed: a {"type": "degraded"} message comes first;
+the browser reconnects and re-syncs from the snapshot), 4401 not logged in (or deactivated since), 4403 logged in without the role (or it was
 taken away since). static/js/live.js stops reconnecting on both. A socket joins its user's group too
 (console.accounts.live): when an admin deactivates the user or changes their role, every socket of
 theirs checks again at once and closes if the user may no longer watch.
@@ -13,14 +14,21 @@ theirs checks again at once and closes if the user may no longer watch.
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
+import redis
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from console.accounts import live as account_live
 from console.accounts.roles import VIEWER, has_role
 from console.metrics import websockets as ws_metrics
+
+log = logging.getLogger(__name__)
+DEGRADED_CLOSE = 1013  # "try again later": the channel layer (Redis) does not answer
+LAYER_ERRORS = (redis.RedisError, OSError)
 
 
 def _refusal(user_pk: int, role: str | None) -> int | None:
@@ -42,6 +50,34 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     # Channels joins `groups` before connect() runs, i.e. before the checks below: keep it empty.
     groups: list[str] = []
     _counted = False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the consumer; when the channel layer (Redis) fails under it, tell the browser the page is
+        degraded - it misses pushes from now on - and close with 1013: live.js shows "degraded" and
+        reconnects, and the snapshot it gets on connect re-syncs the page once Redis is back."""
+        accepted = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal accepted
+            accepted = accepted or message.get("type") == "websocket.accept"
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, tracking_send)
+        except LAYER_ERRORS as exc:
+            log.warning("%s websocket: the channel layer failed (%s); told the browser it is degraded", self.page, exc)
+            if self._counted:
+                self._counted = False
+                ws_metrics.disconnected(self.page)
+            try:
+                if not accepted:
+                    await send({"type": "websocket.accept"})
+                await send({"type": "websocket.send", "text": json.dumps(
+                    {"type": "degraded", "reason": "live updates are interrupted (the channel layer does not answer); "
+                                                   "reconnecting"})})
+                await send({"type": "websocket.close", "code": DEGRADED_CLOSE})
+            except Exception:  # noqa: BLE001 - the browser may be gone already; nothing left to tell
+                pass
 
     async def connect(self) -> None:
         user = self.scope.get("user")

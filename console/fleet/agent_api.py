@@ -20,6 +20,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from agents import schema
 from agents.protocol import Command, RegisterResponse, SchemaError, parse_ack, parse_register, parse_report
+from console.celery import flush_owed
 from console.fleet import actions, live
 from console.fleet.models import AgentCommand, Node
 
@@ -100,6 +101,9 @@ def report(request: HttpRequest) -> JsonResponse:
         return _error(400, exc.errors)
     except actions.Rejected as exc:
         return _error(exc.status, exc.errors)
+    # Whatever this process could not send during a broker outage (a topology tick, an advance) goes
+    # now, at the first report after the broker is back - not at the next beat.
+    flush_owed()
     return JsonResponse({"accepted": seq})
 
 

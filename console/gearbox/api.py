@@ -33,6 +33,7 @@ from rest_framework.response import Response
 from console.accounts.auth import IsOperator, IsViewer
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
+from console.celery import watching_broker
 from console.fleet.actions import Rejected
 from console.gearbox import actions, present
 from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
@@ -324,6 +325,9 @@ EmergencyResult = inline_serializer("EmergencyResult", {
     "transition": serializers.IntegerField(allow_null=True, help_text=(
         "the running transition it asked to roll back first, or the emergency transition already running")),
     "deployment": DeploymentSerializer(),
+    "queued": serializers.ListField(child=serializers.CharField(), required=False, help_text=(
+        "only when the task broker (Redis) did not answer: the request is stored and these tasks are "
+        "queued when the broker is back (console.celery.enqueue)")),
 })
 
 NAME = OpenApiParameter("name", str, OpenApiParameter.PATH, description="the deployment's name",
@@ -470,12 +474,15 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         dep = self.get_object()
         reason = self._body(EmergencySerializer)["reason"]
         try:
-            out = actions.do_emergency_downshift(dep.name, reason=reason, actor=request.user)
+            with watching_broker() as deferred:
+                out = actions.do_emergency_downshift(dep.name, reason=reason, actor=request.user)
         except Rejected as exc:
             return _refused(exc)
         dep.refresh_from_db()
         body = {"state": out.state, "transition": out.transition.seq if out.transition is not None else None,
                 "deployment": _deployment(dep)}
+        if deferred:
+            body["queued"] = sorted(set(deferred))
         return Response(body, status=status.HTTP_202_ACCEPTED if out.state == "requested" else status.HTTP_200_OK)
 
 
@@ -663,8 +670,12 @@ class DecisionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         body = ApproveSerializer(data=request_data(request))
         body.is_valid(raise_exception=True)
         try:
-            started = actions.do_approve_decision(decision.pk, actor=request.user)
+            with watching_broker() as deferred:
+                started = actions.do_approve_decision(decision.pk, actor=request.user)
         except Rejected as exc:
             return _refused(exc)
         row = present.transitions_with_steps().get(pk=started.pk)
-        return Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
+        resp = Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
+        if deferred:  # stored; its first step is taken when the broker is back (console.celery.enqueue)
+            resp["X-FlexPipe-Queued"] = ",".join(sorted(set(deferred)))
+        return resp
