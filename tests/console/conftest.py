@@ -41,3 +41,4 @@ def agent(db: None, client: Client) -> AgentHTTP:
 
 
 from tests.console.people import admin, operator, outsider, viewer  # noqa: E402,F401 - fixtures
+from tests.redis_outage import private_redis  # noqa: E402,F401 - a fixture

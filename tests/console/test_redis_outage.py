@@ -8,6 +8,7 @@ its own redis-server (tests/redis_outage.py), which it stops and starts again.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from scheduler.invariants import assert_clean
 from tests.builders import report_body
 from tests.console.gearbox.harness import SimAgents, django_log, enroll_fleet, make_deployment
 from tests.console.people import Person
-from tests.redis_outage import PrivateRedis, needs_redis_server, private_redis  # noqa: F401 - a fixture
+from tests.redis_outage import PrivateRedis, needs_redis_server
 
 pytestmark = [pytest.mark.django_db(transaction=True), needs_redis_server]
 
@@ -36,7 +37,7 @@ def queued_tasks(server: PrivateRedis) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for raw in server.client().lrange(app.conf.task_default_queue, 0, -1):
         msg = json.loads(raw)
-        body = json.loads(__import__("base64").b64decode(msg["body"]))
+        body = json.loads(base64.b64decode(msg["body"]))
         out.append((msg["headers"]["task"], body[1]))
     return out
 
