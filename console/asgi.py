@@ -65,7 +65,7 @@ class StopOnCancel:
     When daphne stops (Ctrl-C) it cancels every pending request, but the cancellation never
     reaches an async view that runs behind Django's sync middleware (it runs in the middleware's
     thread, which waits for it), and daphne then waits for that thread: an agent's pending long
-    poll held the web process until its wait ran out, longer than honcho waits before a SIGKILL.
+    poll held the web process until its wait ran out, longer than the process manager waits before a SIGKILL.
     An agent answered early polls again at once, in a request daphne takes in after it cancelled
     the others. So each request runs as its own task with an event in its scope, set when the
     request is cancelled, when the client disconnects, and (for every request, new ones included)

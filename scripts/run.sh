@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Start the whole system in the foreground: web (daphne), Celery worker and beat, the fleet
 # (ENGINE=sim: the simulated fleet; ENGINE=torch|vllm: real engine agents, scripts/fleet.sh).
-# Ctrl-C stops every process it started: honcho forwards the signal to all of its processes, and
-# the private Redis (when no REDIS_URL answered) is stopped on the way out.
+# supervisord (scripts/supervisord.conf) runs them and restarts any that exits. Ctrl-C (or SIGTERM)
+# stops every process it started: supervisord stops its programs, then the private Redis (when no
+# REDIS_URL answered) is stopped on the way out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -13,7 +14,6 @@ export REDIS_URL="$($PY scripts/services.py redis)"
 if [ -s .run/redis.port ] && [ "$REDIS_URL" = "redis://127.0.0.1:$(cat .run/redis.port)/0" ]; then
   trap '$PY scripts/services.py stop-redis' EXIT
 fi
-trap 'exit 130' INT TERM  # after honcho has stopped its processes: run the EXIT trap
 export DJANGO_SETTINGS_MODULE=console.settings
 PORT="${FLEXPIPE_PORT:-$($PY scripts/services.py free-port 8000)}"
 export FLEXPIPE_PORT="$PORT"
@@ -44,5 +44,11 @@ echo
 echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"
 echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
+echo "  Processes:         .venv/bin/supervisorctl -c scripts/supervisord.conf status   (restarts: .run/supervisord.log)"
 echo
-.venv/bin/honcho -f Procfile start
+# In the background, so this shell can pass SIGTERM on (a foreground child would hold it back);
+# Ctrl-C reaches supervisord itself too. Its programs run in process groups of their own.
+.venv/bin/supervisord -c scripts/supervisord.conf &
+supervisor=$!
+trap 'kill -TERM "$supervisor" 2>/dev/null; wait "$supervisor"; exit 130' INT TERM
+wait "$supervisor"
