@@ -233,6 +233,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "SCHEMA_PATH_PREFIX": r"/api/v1",
+    # every operation's 400/401/403/404 and their bodies; request bodies refuse unknown keys
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "console.api.openapi.document_errors"],
     # The schema is public (it holds no data) so tools and the Swagger page can load it; every
     # operation in it still needs a token or a session with the right role.
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],

@@ -44,3 +44,6 @@ urlpatterns = [
     path("v1/chat/completions", gateway.chat_completions, name="gateway-chat"),
     path("v1/models", gateway.models, name="gateway-models"),
 ]
+
+# JSON 404s on the API paths (console/api/errors.py); Django uses it when DEBUG is off.
+handler404 = "console.api.errors.not_found"

@@ -122,6 +122,17 @@ class GearDetailSerializer(GearSerializer):
     plans = GearPlanSerializer(many=True)  # type: ignore[assignment]
 
 
+class GearContentSerializer(PayloadSerializer):
+    """A gear as a value (present.gear_detail): what it is, not who uses it."""
+
+    gear_id = serializers.CharField()
+    model = serializers.CharField()
+    shape = serializers.CharField()
+    gpu_count = serializers.IntegerField()
+    weights = serializers.ListField(child=serializers.FloatField())
+    plans = GearPlanSerializer(many=True)
+
+
 class PlanRouteSerializer(PayloadSerializer):
     deployment = serializers.CharField()
     version = serializers.IntegerField(help_text="the routing table's version")
@@ -283,7 +294,7 @@ class DecisionDetailSerializer(DecisionSerializer):
     current = serializers.JSONField(help_text="the gear it started from: id, valid, value, estimate")
     workload = serializers.JSONField(allow_null=True, help_text="the offered load it decided on")
     cooldown_until = serializers.DateTimeField(allow_null=True)
-    target_gear = GearDetailSerializer(allow_null=True)
+    target_gear = GearContentSerializer(allow_null=True)
 
 
 class TransitionDetailSerializer(TransitionSerializer):
@@ -572,7 +583,7 @@ class PlanViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
         OpenApiParameter("deployment", str), OpenApiParameter("phase", str, enum=list(PHASES)),
         OpenApiParameter("active", bool, description="only running (true) or finished (false) transitions"),
         OpenApiParameter("kind", str, enum=[k for k, _ in Transition.KINDS]),
-        OpenApiParameter("decision", int, description="the decision that caused it"),
+        OpenApiParameter("decision", {"type": "integer", "minimum": 1}, description="the decision that caused it"),
         OpenApiParameter("since", OpenApiTypes.DATETIME, description="created at or after"),
         OpenApiParameter("until", OpenApiTypes.DATETIME, description="created before")]),
     retrieve=extend_schema(summary="One transition: phases, steps, timings and what moved",
