@@ -11,6 +11,11 @@ versions with a 400 that names the field, so an old agent fails loudly instead o
 Authentication: `Authorization: Bearer <token>`. An agent enrolls once with the cluster's join
 token (FLEXPIPE_ENROLL_TOKEN) and receives its own agent token in the RegisterResponse; from
 then on it uses only that token, which is valid for its own node and only on these endpoints.
+It keeps it (agents.client: --token-file): the join token enrolls only a node id nobody holds, so
+an enrolled node registers again with its own token, or one an operator issued for it
+(DESIGN.md invariant 8; 403 naming `node_id` otherwise). Another node's GPUs or commands are
+refused too (403 naming `gpus[i].uuid` or `id`). Every integer fits 64 bits, every number is
+finite, bodies nest at most agents.schema.MAX_DEPTH deep.
 
 Ordering: `register` starts a new *epoch* for the node; each report carries (epoch, seq) with
 seq strictly increasing inside an epoch. A report from an older epoch, or with a seq not above

@@ -33,6 +33,9 @@ $PY manage.py migrate --noinput -v 0
 $PY manage.py ensure_demo_operator
 # The scenario's deployments and their baseline gears (idempotent); the gearbox brings them up.
 $PY manage.py load_scenario_deployments "$SCENARIO"
+# Agents keep their own token under .run/agent-tokens/ (the join token re-enrolls no node): a node
+# of this database whose agent kept none gets one issued now - make run is the local fleet's operator.
+$PY manage.py ensure_agent_tokens "$SCENARIO" .run/agent-tokens
 if [ "$ENGINE" != sim ]; then
   # Real engines load real weights: make the tiny model (deterministic, no download) and register
   # it, so prepare_plan carries its SHA256 and the gateway finds its tokenizer.

@@ -107,12 +107,17 @@ class GearUseSerializer(PayloadSerializer):
     transitions = serializers.ListField(child=serializers.IntegerField(), help_text="seqs from or to this gear")
 
 
-class GearSerializer(PayloadSerializer):
+class GearValueSerializer(PayloadSerializer):
+    """What a gear is (its content), whoever uses it."""
+
     gear_id = serializers.CharField()
     model = serializers.CharField()
     shape = serializers.CharField()
     gpu_count = serializers.IntegerField()
     weights = serializers.ListField(child=serializers.FloatField())
+
+
+class GearSerializer(GearValueSerializer):
     plans = PlanRefSerializer(many=True)
     deployments = GearUseSerializer(many=True)
     last_seen_at = serializers.DateTimeField(allow_null=True)
@@ -122,14 +127,9 @@ class GearDetailSerializer(GearSerializer):
     plans = GearPlanSerializer(many=True)  # type: ignore[assignment]
 
 
-class GearContentSerializer(PayloadSerializer):
-    """A gear as a value (present.gear_detail): what it is, not who uses it."""
+class GearContentSerializer(GearValueSerializer):
+    """A gear as a value with its plans in full (present.gear_detail): not who uses it."""
 
-    gear_id = serializers.CharField()
-    model = serializers.CharField()
-    shape = serializers.CharField()
-    gpu_count = serializers.IntegerField()
-    weights = serializers.ListField(child=serializers.FloatField())
     plans = GearPlanSerializer(many=True)
 
 

@@ -70,6 +70,15 @@ def test_deeply_nested_json_is_refused_on_the_agent_api(agent: AgentHTTP, path: 
     assert resp.status_code == 400 and "nest deeper" in resp.json()["errors"]["(body)"]
 
 
+@pytest.mark.parametrize("path", ["/agent/v1/report", "/v1/completions", "/api/v1/users"])
+def test_a_body_over_the_size_limit_is_refused_not_a_server_error(agent: AgentHTTP, admin: Any, path: str,
+                                                                  settings: Any) -> None:
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 64 * 1024  # Django's limit on every body (2.5 MB by default)
+    token = agent.token if path.startswith("/agent/") else admin.token
+    resp = raw_post(Client(), path, json.dumps({"model": "x", "prompt": "a" * 100_000}), token)
+    assert resp.status_code in (400, 413), resp.status_code
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_deeply_nested_json_is_refused_by_the_gateway(viewer: Any, path: str) -> None:
     resp = viewer.api().post(path, DEEP, content_type="application/json")
@@ -79,6 +88,19 @@ def test_deeply_nested_json_is_refused_by_the_gateway(viewer: Any, path: str) ->
 def test_deeply_nested_json_is_refused_by_the_rest_api(admin: Any) -> None:
     resp = admin.api().post("/api/v1/users", DEEP, content_type="application/json")
     assert resp.status_code == 400 and "nest deeper" in resp.json()["detail"]
+
+
+def test_a_number_where_the_schema_says_string_is_refused_not_coerced(operator: Any) -> None:
+    # DRF's CharField turned 0 into "0": {"reason": 0} started a real emergency
+    from tests.console.gearbox.harness import enroll_fleet, make_deployment
+
+    enroll_fleet()
+    make_deployment("chat")
+    resp = operator.api().post("/api/v1/deployments/chat/emergency", {"reason": 0}, content_type="application/json")
+    assert resp.status_code == 400 and resp.json() == {"reason": ["must be a string"]}
+    from console.gearbox.models import Deployment
+
+    assert Deployment.objects.get(name="chat").emergency_requested_at is None
 
 
 # -- fuzzing ------------------------------------------------------------------------------------------
