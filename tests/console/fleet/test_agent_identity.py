@@ -92,3 +92,23 @@ def test_an_agent_cannot_ack_another_nodes_command(agent: AgentHTTP, victim: Age
     resp = agent.post(f"/agent/v1/commands/{cmd.pk}/ack", {"protocol": 1, "status": "failed"})
     assert resp.status_code == 403 and "id" in resp.json()["errors"]
     assert AgentCommand.objects.get(pk=cmd.pk).state == "pending"
+
+
+def test_make_run_issues_a_token_to_an_enrolled_demo_node_whose_agent_kept_none(client: Client, tmp_path: Any) -> None:
+    from pathlib import Path
+
+    from django.core.management import call_command
+
+    from agents.client import load_token
+
+    enroll(client, "h100-a")  # a database from before agents kept their tokens: no token file
+    scenario = Path(__file__).resolve().parents[3] / "scenarios" / "demo.yaml"
+    call_command("ensure_agent_tokens", str(scenario), str(tmp_path))
+    token = load_token(tmp_path / "h100-a.token")
+    assert token is not None and not (tmp_path / "a100-b.token").exists()  # only enrolled nodes
+    again = client.post("/agent/v1/register", register_body("h100-a"), content_type="application/json",
+                        headers={"Authorization": f"Bearer {token}"})
+    assert again.status_code == 200
+    assert AuditEntry.objects.filter(event_type="fleet.agent_token_issued", actor="system:make run").count() == 1
+    call_command("ensure_agent_tokens", str(scenario), str(tmp_path))  # kept: nothing issued again
+    assert AuditEntry.objects.filter(event_type="fleet.agent_token_issued").count() == 1
