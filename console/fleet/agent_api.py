@@ -194,4 +194,5 @@ def ack(request: HttpRequest, command_id: int) -> JsonResponse:
         return _error(400, exc.errors)
     except actions.Rejected as exc:
         return _error(exc.status, exc.errors)
+    flush_owed()  # as after a report: what a broker outage held back goes now
     return JsonResponse({"command": cmd.id, "status": cmd.state})
