@@ -15,6 +15,7 @@ Bounded both ways:
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,17 @@ _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _slots: dict[int, asyncio.Semaphore] = {}  # per event loop (tests run several)
 _running = 0  # jobs on a thread right now (read by tests and metrics)
+
+
+def _forget_after_fork() -> None:
+    # A forked process (a live test server, a preforking server) has none of the parent's threads: a
+    # pool made before the fork would take jobs and never run them. Each process makes its own.
+    global _pool, _lock, _running
+    _pool, _lock, _running = None, threading.Lock(), 0
+    _slots.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _executor() -> ThreadPoolExecutor:

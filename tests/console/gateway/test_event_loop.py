@@ -76,3 +76,28 @@ async def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing() 
             assert resp.status_code == 400, resp.text
             err = resp.json()["error"]
             assert err["param"] in ("prompt", "messages") and "cannot fit the model's context" in err["message"]
+
+
+def test_a_forked_process_makes_its_own_pool() -> None:
+    # daphne's live test servers (and preforking servers) are forked: a pool made before the fork has no
+    # threads in the child, and a job given to it never ran - the gateway hung there
+    import os
+    import time
+
+    assert asyncio.run(cpu.run(sum, [1, 2])) == 3  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its own job ran, and never return into pytest
+        ok = False
+        try:
+            ok = asyncio.run(asyncio.wait_for(cpu.run(sum, [2, 3]), timeout=60)) == 5
+        except BaseException:  # noqa: BLE001, S110 - the exit status says it
+            pass
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        assert time.monotonic() < deadline, "the forked child's job never ran"
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
