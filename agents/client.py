@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,13 +30,40 @@ class ControllerError(RuntimeError):
         super().__init__(f"controller answered {status}: {where}")
 
 
+def load_token(path: Path | None) -> str | None:
+    """The agent token kept at `path` by an earlier enrollment, or None."""
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError:
+        return None
+    return token or None
+
+
+def save_token(path: Path, token: str) -> None:
+    """Keep the agent's own token (mode 0600, replaced atomically): a restarted agent registers with
+    it, since the join token re-enrolls an existing node only with an operator's approval."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
+
+
 class AgentClient:
-    """One agent's connection to the controller. Not thread-safe: one per agent thread."""
+    """One agent's connection to the controller. Not thread-safe: one per agent thread.
+
+    `token` is the join token or the agent's own one; with `token_file` the agent's own token, once
+    enrollment handed it out, is kept there and used from then on (also by the next process).
+    """
 
     def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, token_file: Path | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self.token = token
+        self.token_file = token_file
+        self.token = load_token(token_file) or token
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
@@ -68,6 +97,8 @@ class AgentClient:
         if resp.agent_token:
             # Enrollment hands out the agent's own token: from now on use it, never the join token.
             self.token = resp.agent_token
+            if self.token_file is not None:
+                save_token(self.token_file, resp.agent_token)
         return resp
 
     def report(self, report: Report) -> int:

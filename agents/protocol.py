@@ -11,6 +11,11 @@ versions with a 400 that names the field, so an old agent fails loudly instead o
 Authentication: `Authorization: Bearer <token>`. An agent enrolls once with the cluster's join
 token (FLEXPIPE_ENROLL_TOKEN) and receives its own agent token in the RegisterResponse; from
 then on it uses only that token, which is valid for its own node and only on these endpoints.
+It keeps it (agents.client: --token-file): the join token enrolls only a node id nobody holds, so
+an enrolled node registers again with its own token, or one an operator issued for it
+(DESIGN.md invariant 8; 403 naming `node_id` otherwise). Another node's GPUs or commands are
+refused too (403 naming `gpus[i].uuid` or `id`). Every integer fits 64 bits, every number is
+finite, bodies nest at most agents.schema.MAX_DEPTH deep.
 
 Ordering: `register` starts a new *epoch* for the node; each report carries (epoch, seq) with
 seq strictly increasing inside an epoch. A report from an older epoch, or with a seq not above
@@ -156,6 +161,9 @@ MAX_WARMUP_TOKENS = 1_000_000  # the registry's bound on a model's warm-up (cons
 _MAX_MEM_BYTES = 4 * 1024**4  # 4 TiB per GPU
 _MAX_GPUS_PER_NODE = 64
 _MAX_PLANS_PER_NODE = 1024
+_MAX_LINKS_PER_REPORT = 256  # one per peer node measured; each is an upsert under the report's write lock
+_MAX_COUNTER = 2**31 - 1  # xid_errors, ecc_errors: the console stores them as 32-bit counters
+_MAX_SEQUENCES_PER_PLAN = 10**7  # running / waiting: far above any engine's batch or queue
 
 
 __all__ = [
@@ -439,8 +447,8 @@ def parse_report(body: Any) -> Report:
             temp = g.num("temperature_c", min=-50.0, max=200.0)
             healthy = g.bool("healthy")
             allocatable = g.bool("allocatable", True)
-            xid = g.int("xid_errors", 0, min=0)
-            ecc = g.int("ecc_errors", 0, min=0)
+            xid = g.int("xid_errors", 0, min=0, max=_MAX_COUNTER)
+            ecc = g.int("ecc_errors", 0, min=0, max=_MAX_COUNTER)
             g.done()
             if used is not None and total is not None and used > total:
                 g.fail("mem_used_bytes", f"must not exceed mem_total_bytes ({total}); got {used}")
@@ -453,7 +461,7 @@ def parse_report(body: Any) -> Report:
             if None not in values:
                 gpus.append(GpuReport(uuid, used, total, sm_util, temp, healthy, allocatable, xid, ecc))
     links: list[LinkReport] = []
-    llist = r.list("links", [], max_len=10_000)
+    llist = r.list("links", [], max_len=_MAX_LINKS_PER_REPORT)
     if llist is not None:
         for lk in llist.objects():
             peer = _node_id(lk, "peer")
@@ -470,8 +478,8 @@ def parse_report(body: Any) -> Report:
         for e in elist.objects():
             rep = EngineReport(
                 plan_id=e.str("plan_id", max_len=128),
-                running=e.int("running", min=0),
-                waiting=e.int("waiting", min=0),
+                running=e.int("running", min=0, max=_MAX_SEQUENCES_PER_PLAN),
+                waiting=e.int("waiting", min=0, max=_MAX_SEQUENCES_PER_PLAN),
                 tokens_per_s=e.num("tokens_per_s", min=0.0),
                 kv_usage=e.num("kv_usage", min=0.0, max=1.0),
                 ttft_p50_ms=e.num("ttft_p50_ms", None, min=0.0),

@@ -8,9 +8,17 @@ call `done()` on each object reader, and raise `SchemaError` if anything was col
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
+
+# Every integer a document carries fits a signed 64-bit column (PostgreSQL bigint, jsonb read back
+# by other tools): a bigger one is refused by the reader, whatever the field, before anything stores it.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# How deep a wire document may nest. Ours nest 4 levels (a report's gpus[i].custom_spec.links...);
+# a 100,000-deep body would otherwise exhaust the parser's recursion (a 500) or a walker after it.
+MAX_DEPTH = 32
 
 
 class SchemaError(ValueError):
@@ -118,6 +126,9 @@ class ObjectReader:
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(key, f"must be an integer, not {_type_name(value)}")
             return None
+        if not INT64_MIN <= value <= INT64_MAX:
+            self.fail(key, "must fit in a signed 64-bit integer (at most 2^63 - 1 in size)")
+            return None
         return self._bounded(key, value, min, max)
 
     def num(self, key: str, default: Any = _MISSING, *, min: float | None = None,
@@ -125,7 +136,7 @@ class ObjectReader:
         value, final = self._get(key, default)
         if final:
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
             self.fail(key, f"must be a finite number, not {_type_name(value)}")
             return None
         if exclusive_min and min is not None and value <= min:
@@ -196,6 +207,52 @@ class ListReader:
     def objects(self) -> Iterator[ObjectReader]:
         for path, item in self.items():
             yield ObjectReader(item, path, self.problems)
+
+
+def _finite(value: int | float) -> bool:
+    # A 400-digit integer is an int, and math.isfinite() raises OverflowError converting it.
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+
+
+def loads(raw: bytes | str, *, max_depth: int = MAX_DEPTH, where: str = "(body)") -> Any:
+    """Decode one JSON document, or raise SchemaError naming `where`: not JSON, NaN/Infinity
+    (Python's json accepts them), an integer of over 4300 digits, or nesting deeper than max_depth.
+
+    The one JSON reader of request bodies (agent API, gateway, REST): none of them may answer 500.
+    """
+    try:
+        value = json.loads(raw or b"null", parse_constant=_refuse_constant)
+    except RecursionError:
+        raise SchemaError({where: f"must not nest deeper than {max_depth} levels"}, "body") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SchemaError({where: f"not valid JSON: {exc}"}, "body") from None
+    if depth_exceeds(value, max_depth):
+        raise SchemaError({where: f"must not nest deeper than {max_depth} levels"}, "body")
+    return value
+
+
+def depth_exceeds(value: Any, max_depth: int) -> bool:
+    """True when lists/objects nest deeper than max_depth (a scalar is depth 0). Iterative: no recursion."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth + 1 > max_depth:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def read_document(value: Any) -> tuple[ObjectReader, Problems]:

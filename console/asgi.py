@@ -15,8 +15,8 @@ django_asgi_app = get_asgi_application()  # before importing consumers: it sets 
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from console.dashboard.origin import SameOriginValidator  # noqa: E402
 from console.routing import websocket_urlpatterns  # noqa: E402
 
 STOP_KEY = "flexpipe.stop"  # scope key: an asyncio.Event set when the server cancels the request
@@ -65,7 +65,7 @@ class StopOnCancel:
     When daphne stops (Ctrl-C) it cancels every pending request, but the cancellation never
     reaches an async view that runs behind Django's sync middleware (it runs in the middleware's
     thread, which waits for it), and daphne then waits for that thread: an agent's pending long
-    poll held the web process until its wait ran out, longer than honcho waits before a SIGKILL.
+    poll held the web process until its wait ran out, longer than the process manager waits before a SIGKILL.
     An agent answered early polls again at once, in a request daphne takes in after it cancelled
     the others. So each request runs as its own task with an event in its scope, set when the
     request is cancelled, when the client disconnects, and (for every request, new ones included)
@@ -107,6 +107,6 @@ class StopOnCancel:
 application = ProtocolTypeRouter(
     {
         "http": StopOnCancel(django_asgi_app),
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

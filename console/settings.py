@@ -203,6 +203,11 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("FLEXPIPE_QUEUE", "flexpipe")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# A request path that sends a task never waits long on a broker that is away (console.celery.enqueue):
+# a short publish retry and bounded sockets (redis-py waits forever by default).
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.25, "interval_max": 0.5}
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 10}
+CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = 2
 
 # The cluster's join token: an agent presents it once to enroll and receives its own token.
 # Empty = enrollment closed (agents then need a token issued with `manage.py issue_agent_token`).
@@ -261,7 +266,7 @@ REST_FRAMEWORK = {
     # JSON both ways: Swagger UI at /api/docs/ is the interactive view, and a form-encoded body could not
     # carry `architecture` (an object) anyway.
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["console.api.parsers.BoundedJSONParser"],
 }
 
 SPECTACULAR_SETTINGS = {
@@ -274,6 +279,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "SCHEMA_PATH_PREFIX": r"/api/v1",
+    # every operation's 400/401/403/404 and their bodies; request bodies refuse unknown keys
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "console.api.openapi.document_errors"],
     # The schema is public (it holds no data) so tools and the Swagger page can load it; every
     # operation in it still needs a token or a session with the right role.
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],

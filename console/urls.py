@@ -5,6 +5,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from console.accounts import views as accounts_pages
+from console.accounts.login import ThrottledAdminAuthenticationForm, ThrottledLoginView
 from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
@@ -13,6 +14,9 @@ from console.gearbox import agent_api as gearbox_agent_api
 from console.gearbox import views as gearbox_pages
 from console.metrics.views import MetricsView
 from console.registry import views as registry_pages
+
+# The admin's login page checks passwords too: the same throttle.
+admin.site.login_form = ThrottledAdminAuthenticationForm
 
 urlpatterns = [
     path("", dashboard.overview, name="overview"),
@@ -27,7 +31,7 @@ urlpatterns = [
     path("users/", accounts_pages.users_page, name="users-page"),
     path("metrics", MetricsView.as_view(), name="metrics"),
     path("healthz", dashboard.healthz, name="healthz"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("", include("console.api.urls")),

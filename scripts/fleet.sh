@@ -4,8 +4,10 @@
 #   torch, vllm  one real agent daemon (python -m agents.node) per node of $SCENARIO, on this
 #                machine: static probes describe each node's GPUs (CPU stand-ins named as the
 #                scenario's cluster names them), each daemon has its own data port.
-# honcho stops this script with SIGTERM (Ctrl-C); it passes the signal on to every daemon it
+# supervisord stops this script with SIGTERM (Ctrl-C); it passes the signal on to every daemon it
 # started and waits for them: each stops its engines before it exits, so nothing is left behind.
+# Each agent keeps its own token under $FLEXPIPE_AGENT_TOKENS (make run: beside its database; agents.client): a restarted fleet
+# registers again with it, without re-enrolling.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -14,7 +16,7 @@ ENGINE="${ENGINE:-sim}"
 
 case "$ENGINE" in
   sim)
-    exec $PY -m agents.sim --scenario "$SCENARIO" --controller "$CONTROLLER" ;;
+    exec $PY -m agents.sim --scenario "$SCENARIO" --controller "$CONTROLLER" --token-dir "${FLEXPIPE_AGENT_TOKENS:-.run/agent-tokens}" ;;
   torch|vllm) ;;
   *)
     echo "fleet: ENGINE must be sim, torch or vllm; got '$ENGINE'" >&2; exit 2 ;;
@@ -50,7 +52,7 @@ while read -r ns node gpu count rack; do
   port=$($PY scripts/services.py free-port "$port")
   args=(--controller "$CONTROLLER" --backend "$ENGINE" --probe static --static-gpus "${count}x${gpu}"
         --gpu-namespace "$ns" --node-id "$node" --data-addr "127.0.0.1:${port}" --models-dir .run/models
-        --vllm-port-base "$vllm_port")
+        --vllm-port-base "$vllm_port" --token-file "${FLEXPIPE_AGENT_TOKENS:-.run/agent-tokens}/${node}.token")
   [ "$rack" = "-" ] || args+=(--rack "$rack")
   echo "fleet: $node (${count}x${gpu}, $ENGINE) data on 127.0.0.1:${port}"
   $PY -m agents.node "${args[@]}" &
@@ -59,7 +61,7 @@ while read -r ns node gpu count rack; do
   vllm_port=$((vllm_port + 20))
 done <<< "$nodes"
 
-# One daemon that dies takes the fleet down with it (honcho then stops the rest of the system).
+# One daemon that dies takes the fleet down with it: supervisord starts the fleet again.
 set +e
 wait -n
 status=$?

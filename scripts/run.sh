@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Start the whole system in the foreground: web (daphne), Celery worker and beat, the fleet
 # (ENGINE=sim: the simulated fleet; ENGINE=torch|vllm: real engine agents, scripts/fleet.sh).
-# Ctrl-C stops every process it started: honcho forwards the signal to all of its processes, and
-# the private Redis (when no REDIS_URL answered) is stopped on the way out.
+# supervisord (scripts/supervisord.conf) runs them and restarts any that exits. Ctrl-C (or SIGTERM)
+# stops every process it started: supervisord stops its programs, then the private Redis (when no
+# REDIS_URL answered) is stopped on the way out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -13,7 +14,6 @@ export REDIS_URL="$($PY scripts/services.py redis)"
 if [ -s .run/redis.port ] && [ "$REDIS_URL" = "redis://127.0.0.1:$(cat .run/redis.port)/0" ]; then
   trap '$PY scripts/services.py stop-redis' EXIT
 fi
-trap 'exit 130' INT TERM  # after honcho has stopped its processes: run the EXIT trap
 export DJANGO_SETTINGS_MODULE=console.settings
 # The demo runs with DEBUG on (tracebacks in the browser, the development SECRET_KEY); settings
 # refuse that key without it. Anything but a demo on this machine: DEBUG=0 and a SECRET_KEY.
@@ -34,15 +34,23 @@ esac
 
 # One SQLite database per engine and scenario under .run/: another scenario or engine starts from a
 # clean slate (and switching back finds that run as it was); FRESH=1 starts this one over.
+# Agents keep their own tokens beside the database that enrolled them (the join token re-enrolls no
+# node): a token kept for another database would be unknown to this one.
 if [ -z "${DATABASE_URL:-}" ]; then
-  DB=".run/db-${ENGINE}-$(basename "$SCENARIO" .yaml).sqlite3"
-  [ "${FRESH:-0}" = 0 ] || { rm -f "$DB"; echo "FRESH=1: starting over with an empty $DB"; }
+  RUN_NAME="${ENGINE}-$(basename "$SCENARIO" .yaml)"
+  DB=".run/db-${RUN_NAME}.sqlite3"
+  export FLEXPIPE_AGENT_TOKENS="${FLEXPIPE_AGENT_TOKENS:-.run/agent-tokens-${RUN_NAME}}"
+  [ "${FRESH:-0}" = 0 ] || { rm -rf "$DB" "$FLEXPIPE_AGENT_TOKENS"; echo "FRESH=1: starting over with an empty $DB"; }
   export DATABASE_URL="sqlite:///$PWD/$DB"
 fi
+export FLEXPIPE_AGENT_TOKENS="${FLEXPIPE_AGENT_TOKENS:-.run/agent-tokens}"
 $PY manage.py migrate --noinput -v 0
 $PY manage.py ensure_demo_operator
 # The scenario's deployments and their baseline gears (idempotent); the gearbox brings them up.
 $PY manage.py load_scenario_deployments "$SCENARIO"
+# Agents keep their own token under $FLEXPIPE_AGENT_TOKENS (the join token re-enrolls no node): a
+# node of this database whose agent kept none gets one issued now - make run is the local fleet's operator.
+$PY manage.py ensure_agent_tokens "$SCENARIO" "$FLEXPIPE_AGENT_TOKENS"
 if [ "$ENGINE" = sim ]; then
   # The simulated engines answer the OpenAI API through the gateway: a small tokenizer made here (never
   # downloaded) gives prompts their token counts and the simulator's tokens their ids.
@@ -61,5 +69,11 @@ echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
 echo "  Database:          ${DATABASE_URL}"
 [ "$DEBUG" = 0 ] || echo "  Debug:             on, for this demo only (DEBUG=0 and a SECRET_KEY for anything else)"
+echo "  Processes:         .venv/bin/supervisorctl -c scripts/supervisord.conf status   (restarts: .run/supervisord.log)"
 echo
-.venv/bin/honcho -f Procfile start
+# In the background, so this shell can pass SIGTERM on (a foreground child would hold it back);
+# Ctrl-C reaches supervisord itself too. Its programs run in process groups of their own.
+.venv/bin/supervisord -c scripts/supervisord.conf &
+supervisor=$!
+trap 'kill -TERM "$supervisor" 2>/dev/null; wait "$supervisor"; exit 130' INT TERM
+wait "$supervisor"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import configparser
 import importlib
 import os
 import re
@@ -86,14 +87,37 @@ def test_the_dockerfile_builds_on_python_311_with_the_pinned_requirements() -> N
     assert "-r requirements.txt" in text and "COPY requirements.txt" in text
 
 
-def test_the_procfile_runs_the_same_four_processes_as_make_run() -> None:
-    lines = dict(line.split(":", 1) for line in (ROOT / "Procfile").read_text().splitlines() if line.strip())
-    assert set(lines) == {"web", "worker", "beat", "fleet"}
-    assert "console.asgi:application" in lines["web"]
+def supervised() -> dict[str, dict[str, str]]:
+    """The programs of `make run`, as scripts/supervisord.conf has them."""
+    conf = configparser.RawConfigParser()
+    conf.read(ROOT / "scripts" / "supervisord.conf")
+    return {name.split(":", 1)[1]: dict(conf[name]) for name in conf.sections() if name.startswith("program:")}
+
+
+def test_make_run_supervises_the_same_four_processes_and_restarts_each() -> None:
+    programs = supervised()
+    assert set(programs) == {"web", "worker", "beat", "fleet"}
+    assert "console.asgi:application" in programs["web"]["command"]
     # the fleet by ENGINE: the simulated one (sim) or real agent daemons (torch, vllm)
-    assert shlex.split(lines["fleet"]) == ["scripts/fleet.sh"]
+    assert shlex.split(programs["fleet"]["command"]) == ["scripts/fleet.sh"]
     fleet = (ROOT / "scripts" / "fleet.sh").read_text()
     assert "-m agents.sim --scenario" in fleet and "-m agents.node" in fleet
+    for name, program in programs.items():
+        assert program["autorestart"] == "true", name  # a crash is not an outage (invariant 9)
+        assert program["stopasgroup"] == program["killasgroup"] == "true", name
+    assert "supervisord -c scripts/supervisord.conf" in (ROOT / "scripts" / "run.sh").read_text()
+
+
+LONG_RUNNING = ("postgres", "redis", "web", "worker", "beat", "fleet")
+
+
+def test_every_long_running_service_restarts_and_has_a_health_check(compose: dict[str, Any]) -> None:
+    for name in LONG_RUNNING:
+        svc = compose["services"][name]
+        assert svc.get("restart") in ("unless-stopped", "always"), name
+        check = svc.get("healthcheck")
+        assert check and check["test"][0] in ("CMD", "CMD-SHELL") and len(check["test"]) > 1, name
+    assert compose["services"]["migrate"]["restart"] == "no"  # a one-shot job
 
 
 def test_every_worker_consumes_the_queue_tasks_are_sent_to(compose: dict[str, Any]) -> None:
@@ -105,8 +129,7 @@ def test_every_worker_consumes_the_queue_tasks_are_sent_to(compose: dict[str, An
                                "print(settings.CELERY_TASK_DEFAULT_QUEUE)"],
         env={**env, "DJANGO_SETTINGS_MODULE": "console.settings"}, cwd=ROOT, capture_output=True, text=True,
         check=True).stdout.strip()
-    procfile = dict(line.split(":", 1) for line in (ROOT / "Procfile").read_text().splitlines() if line.strip())
     for where, command in (("docker-compose worker", compose["services"]["worker"]["command"]),
-                           ("Procfile worker", shlex.split(procfile["worker"]))):
+                           ("supervisord.conf worker", shlex.split(supervised()["worker"]["command"]))):
         assert "-Q" in command, where
         assert command[command.index("-Q") + 1].split(",") == [queue], where

@@ -1,9 +1,13 @@
-"""`make run`'s start script end to end: no Redis that answers, an empty checkout, then Ctrl-C.
+"""`make run`'s start script end to end: no Redis that answers, an empty checkout, each process
+SIGKILLed in turn, then Ctrl-C.
 
 It runs scripts/run.sh (what `make run` runs once the venv is there) in a copy of this checkout
 with the project's venv linked in, so the SQLite database, .run/ and the private Redis it makes
-are the copy's. Ctrl-C is a SIGINT to the whole process group, as a terminal sends it; afterwards
-no process that the run started may be left, the private Redis included.
+are the copy's. supervisord (scripts/supervisord.conf) must restart each killed process - web,
+worker, beat, fleet - and the console serve again (DESIGN.md invariant 9), and the transitions in
+flight end done or rolled back (invariant 3). Ctrl-C is a SIGINT to the whole process group, as a
+terminal sends it; afterwards no process that the run started may be left, the private Redis
+included.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
 import urllib.error
@@ -35,16 +40,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def group_pids(pgid: int) -> set[int]:
-    out = set()
+def descendants(root: int) -> set[int]:
+    """root and every live process below it (supervisord puts each program in a process group of its own)."""
+    parent: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(") ", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            out.add(int(stat.parent.name))
-    return out
+        if fields[0] != "Z":
+            parent[int(stat.parent.name)] = int(fields[1])
+    out, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [child for child, ppid in parent.items() if ppid == pid and child not in out]
+        out.update(kids)
+        frontier.extend(kids)
+    return {pid for pid in out if pid in parent}
+
+
+def supervised_pid(checkout: Path, name: str) -> int:
+    out = subprocess.run([str(checkout / ".venv" / "bin" / "supervisorctl"), "-c", "scripts/supervisord.conf",
+                          "pid", name], cwd=checkout, capture_output=True, text=True, timeout=30)
+    return int(out.stdout.strip()) if out.stdout.strip().isdigit() else 0
+
+
+def transitions(checkout: Path) -> list[tuple[str, int, str]]:
+    """(deployment, seq, phase) of every transition in the run's SQLite database."""
+    try:
+        with sqlite3.connect(f"file:{checkout / '.run' / 'db-sim-demo.sqlite3'}?mode=ro", uri=True, timeout=5) as db:
+            return list(db.execute("SELECT d.name, t.seq, t.phase FROM gearbox_transition t "
+                                   "JOIN gearbox_deployment d ON d.id = t.deployment_id ORDER BY t.id"))
+    except sqlite3.Error:
+        return []
 
 
 def alive(pid: int) -> bool:
@@ -90,8 +118,20 @@ def openai_calls(checkout: Path, port: int) -> tuple[Any, Any]:
     return completion, chat
 
 
+ACTIVE = {"prepare", "switch", "cleanup", "rollback"}
+
+
+def wait_until(cond: object, max_s: float, what: str, log: Path) -> float:
+    """Seconds it took; fails with the run's log after max_s (generous: the machine may be loaded)."""
+    t0 = time.monotonic()
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() - t0 < max_s, f"{what}: not within {max_s:g} s\n{log.read_text()[-6000:]}"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="needs Debian's redis-server (run.sh installs it)")
-def test_it_starts_everything_prints_the_url_and_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
+def test_it_starts_everything_restarts_what_is_killed_and_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     checkout = tmp_path / "flexpipe"
     shutil.copytree(ROOT, checkout, ignore=lambda d, names: [n for n in names if n in NOT_COPIED])
     (checkout / ".venv").symlink_to((ROOT / ".venv").resolve())
@@ -136,8 +176,34 @@ def test_it_starts_everything_prints_the_url_and_ctrl_c_leaves_nothing_running(t
         assert re.search(rf"user 'operator', password '{re.escape(password)}'", printed)
         assert f"REDIS_URL={dead_redis} does not answer" in printed
         redis_pid = int((checkout / ".run" / "redis.pid").read_text())
-        started = group_pids(proc.pid) | {redis_pid}
-        assert len(started) >= 6, printed  # run.sh/honcho, web, worker, beat, fleet, and the Redis
+        run_log = tmp_path / "run.log"
+
+        # Each process SIGKILLed in turn (the worker first, while the first transitions run):
+        # supervisord starts it again and the console serves again.
+        wait_until(lambda: transitions(checkout), 120, "a first transition", run_log)
+        in_flight = [(d, seq) for d, seq, phase in transitions(checkout) if phase in ACTIVE]
+        took: dict[str, float] = {}
+        for name in ("worker", "web", "beat", "fleet"):
+            old = supervised_pid(checkout, name)
+            assert old > 0, name
+            os.kill(old, signal.SIGKILL)
+            def back(name: str = name, old: int = old) -> bool:
+                return (supervised_pid(checkout, name) not in (0, old)
+                        and answers(f"http://127.0.0.1:{port}/healthz") == 200)
+            took[name] = wait_until(back, 90, f"{name} restarted and the console serving", run_log)
+        print("\nSIGKILL -> restarted and /healthz 200: " + ", ".join(f"{n} {t:.1f} s" for n, t in took.items()))
+        supervisor_log = (checkout / ".run" / "supervisord.log").read_text()
+        for name in took:
+            assert f"exited: {name} (terminated by SIGKILL; not expected)" in supervisor_log, supervisor_log
+        # what was in flight resumed or rolled back: nothing stays half done
+        wait_until(lambda: not [t for t in transitions(checkout) if t[2] in ACTIVE], 180,
+                   "every transition ended", run_log)
+        ended = {(d, seq): phase for d, seq, phase in transitions(checkout)}
+        assert all(ended[t] in ("done", "rolled_back") for t in in_flight), (in_flight, ended)
+        assert "done" in ended.values(), ended
+
+        started = descendants(proc.pid) | {redis_pid}
+        assert len(started) >= 7, started  # run.sh, supervisord, web, worker, beat, fleet, and the Redis
 
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         proc.wait(timeout=60)
@@ -146,9 +212,10 @@ def test_it_starts_everything_prints_the_url_and_ctrl_c_leaves_nothing_running(t
             time.sleep(0.2)
         left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in started if alive(pid)}
         assert left == {}, left
-        # every process stopped on its own: honcho never had to SIGKILL one (a pending long poll of an
+        # every process stopped on its own: supervisord never had to SIGKILL one (a pending long poll of an
         # agent used to hold daphne until its wait ran out)
-        assert "SIGKILL" not in (tmp_path / "run.log").read_text()
+        shutdown = (checkout / ".run" / "supervisord.log").read_text().split("received SIGINT", 1)
+        assert len(shutdown) == 2 and "SIGKILL" not in shutdown[1], shutdown[-1]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--controller", required=True, help="console base URL, e.g. http://console:8000")
     p.add_argument("--token", default=os.environ.get("FLEXPIPE_ENROLL_TOKEN", ""),
                    help="the cluster's join token, or this node's own agent token (default: $FLEXPIPE_ENROLL_TOKEN)")
+    p.add_argument("--token-file", default=os.environ.get("FLEXPIPE_AGENT_TOKEN_FILE") or None,
+                   help="where the node keeps its own agent token once enrolled, and reads it at start (a restart "
+                        "then needs no join token; re-enrolling an enrolled node with the join token is refused)")
     p.add_argument("--backend", choices=("torch", "vllm"), required=True, help="the engine that runs plans")
     p.add_argument("--probe", choices=("nvml", "static"), required=True,
                    help="nvml: this machine's NVIDIA GPUs; static: GPUs described by --static-gpus")
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     agent = NodeAgent(controller=args.controller, join_token=args.token, probe=probe, backend=backend,
                       backend_name=args.backend, node_id=node_id, data_addr=data_addr, rack=args.rack,
                       long_poll_s=args.long_poll, report_interval_s=args.report_interval,
-                      book_memory=args.probe == "static")
+                      book_memory=args.probe == "static",
+                      token_file=Path(args.token_file) if args.token_file else None)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         agent.stop()

@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -101,7 +102,8 @@ class NodeAgent:
     def __init__(self, *, controller: str, join_token: str, probe: Probe, backend: Backend | None,
                  backend_name: str, node_id: str, data_addr: str | None = None, hostname: str | None = None,
                  rack: str | None = None, long_poll_s: float = 10.0, report_interval_s: float | None = None,
-                 book_memory: bool = True, workers: int = 4, clock: Callable[[], float] = time.monotonic) -> None:
+                 book_memory: bool = True, workers: int = 4, clock: Callable[[], float] = time.monotonic,
+                 token_file: Path | None = None) -> None:
         self.controller = controller
         self.join_token = join_token
         self.probe = probe
@@ -116,7 +118,7 @@ class NodeAgent:
         self.book_memory = book_memory  # add booked memory to what the probe reports as used
         self.clock = clock
         self.state = NodeState()
-        self.client = AgentClient(controller, join_token)
+        self.client = AgentClient(controller, join_token, token_file=token_file)
         self.plans: dict[tuple[str, str], PlanSlot] = {}
         self.acks: dict[int, Ack] = {}  # command id -> the ack sent (or to send)
         self.executed: Counter[str] = Counter()  # command kinds actually run (not answered from `acks`)

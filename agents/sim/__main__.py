@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from agents.schema import SchemaError
 from agents.sim.live import LiveFleet, parse_fault, wait_for_controller
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--controller", required=True, help="console base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--join-token", default=os.environ.get("FLEXPIPE_ENROLL_TOKEN", ""),
                         help="the cluster's join token (default: $FLEXPIPE_ENROLL_TOKEN)")
+    parser.add_argument("--token-dir", default=None,
+                        help="folder where each agent keeps its own token once enrolled (NODE.token), so a "
+                             "restarted fleet registers again without re-enrolling")
     parser.add_argument("--report-interval", type=float, default=None,
                         help="seconds between reports when nothing changes (default: what the controller asks)")
     parser.add_argument("--time-scale", type=float, default=None,
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fleet = LiveFleet(scenario, args.controller, args.join_token, report_interval_s=args.report_interval,
                       time_scale=args.time_scale, faults=faults, long_poll_s=args.long_poll, tokenizer=args.tokenizer,
-                      data_port=args.data_port)
+                      data_port=args.data_port, token_dir=Path(args.token_dir) if args.token_dir else None)
     logging.getLogger("agents.sim").info("%s: %d nodes, time x%g%s", scenario.name, len(scenario.nodes),
                                          fleet.time_scale, f", data plane on {fleet.data.server.address}"
                                          if fleet.data is not None and fleet.data.server is not None else "")

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import httpx
 
@@ -210,8 +211,9 @@ class LiveFleet:
                  faults: Sequence[Fault] = (), long_poll_s: float | None = 10.0,
                  clock: Callable[[], float] = time.monotonic, routing_every_s: float = 0.5,
                  admit_timeout_s: float = ADMIT_TIMEOUT_S, tokenizer: str | None = None,
-                 data_host: str = "127.0.0.1", data_port: int = 0) -> None:
+                 data_host: str = "127.0.0.1", data_port: int = 0, token_dir: Path | None = None) -> None:
         self.scenario = scenario
+        self.token_dir = token_dir  # each agent keeps its own token here once enrolled (agents.client)
         self.controller = controller
         self.join_token = join_token
         self.time_scale = time_scale or scenario.time_scale
@@ -262,7 +264,8 @@ class LiveFleet:
     def _agent(self, node_id: str) -> SimAgent:
         agent = self.agents.get(node_id)
         if agent is None:
-            agent = SimAgent(node_id, AgentClient(self.controller, self.join_token),
+            token_file = self.token_dir / f"{node_id}.token" if self.token_dir is not None else None
+            agent = SimAgent(node_id, AgentClient(self.controller, self.join_token, token_file=token_file),
                              rng=random.Random(f"{self.scenario.seed}/{node_id}"))
             self.agents[node_id] = agent
         return agent

@@ -15,6 +15,7 @@ from django.contrib.auth.models import Group
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from console.accounts import live
 from console.accounts.auth import new_api_token
 from console.accounts.models import ApiToken
 from console.accounts.roles import ADMIN, ROLES, role_of
@@ -60,7 +61,8 @@ def do_create_user(*, username: str, password: str, role: str | None, actor: str
 def do_set_user_role(target: Any, *, role: str | None, actor: str, user: Any | None = None,
                      now: datetime | None = None) -> bool:
     """Give `target` exactly `role` (None: no role). True when it changed. An admin cannot drop
-    their own admin role: someone must be left to manage users."""
+    their own admin role: someone must be left to manage users. A superuser (an admin by that flag,
+    whatever their groups) who is given another role loses the flag too: the audit says what holds."""
     if role is not None and role not in ROLES:
         raise Refused(400, {"role": f"must be one of {', '.join(ROLES)} or null"})
     before = role_of(target)
@@ -69,6 +71,10 @@ def do_set_user_role(target: Any, *, role: str | None, actor: str, user: Any | N
     if user is not None and target.pk == user.pk and before == ADMIN:
         raise Refused(409, {"role": "you cannot take the admin role from yourself; ask another admin"})
     _grant(target, role)
+    if role != ADMIN and (target.is_superuser or target.is_staff):
+        target.is_superuser = target.is_staff = False
+        target.save(update_fields=["is_superuser", "is_staff"])
+    transaction.on_commit(lambda: live.account_changed(target.pk))
     record("accounts.role_changed", actor=actor, user=user, at=now or timezone.now(),
            summary=f"user {target.get_username()}: role {before or 'none'} -> {role or 'none'}",
            data={"username": target.get_username()}, before={"role": before}, after={"role": role})
@@ -85,6 +91,7 @@ def do_set_user_active(target: Any, *, active: bool, actor: str, user: Any | Non
         raise Refused(409, {"active": "you cannot deactivate yourself; ask another admin"})
     target.is_active = active
     target.save(update_fields=["is_active"])
+    transaction.on_commit(lambda: live.account_changed(target.pk))
     record("accounts.user_activated" if active else "accounts.user_deactivated", actor=actor, user=user,
            at=now or timezone.now(),
            summary=f"user {target.get_username()} {'activated' if active else 'deactivated'}",

@@ -82,7 +82,8 @@ def _password_errors(value: str) -> list[str]:
 class CreateUserSerializer(StrictSerializer):
     username = serializers.RegexField(USERNAME_RE, max_length=150, error_messages={
         "invalid": "1-150 letters, digits or . @ + - _"})
-    password = serializers.CharField(max_length=128, write_only=True, trim_whitespace=False)
+    # min_length: Django's MinimumLengthValidator (settings.AUTH_PASSWORD_VALIDATORS), so the schema says it
+    password = serializers.CharField(min_length=8, max_length=128, write_only=True, trim_whitespace=False)
     role = serializers.ChoiceField(choices=ROLES, allow_null=True)
 
     def validate_password(self, value: str) -> str:

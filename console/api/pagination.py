@@ -16,8 +16,10 @@ MAX_OFFSET = 10**9
 
 def _int_param(request: Any, name: str, *, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return default
+    if raw == "":
+        raise ValidationError({name: [f"must not be empty: an integer between {low} and {high}"]})
     try:
         value = int(raw)
     except ValueError:

@@ -22,9 +22,21 @@ MAX_BIGINT = 2**63 - 1
 
 
 class QueryParams:
-    def __init__(self, params: Mapping[str, str]) -> None:
+    """`blank_is_absent`: a page's filter form sends every field, the empty ones as ``name=``; the API
+    refuses an empty choice, integer or date-time (the schema says what each must be), and reads an
+    empty text filter as no filter."""
+
+    def __init__(self, params: Mapping[str, str], *, blank_is_absent: bool = False) -> None:
         self._params = params  # request.query_params (DRF) or request.GET (a page)
+        self.blank_is_absent = blank_is_absent
         self.errors: dict[str, list[str]] = {}
+
+    def _typed(self, name: str, max_len: int) -> str | None:
+        """The raw value of a choice, integer or date-time parameter: empty is an error for the API."""
+        if self._params.get(name) == "" and not self.blank_is_absent:
+            self.fail(name, "must not be empty")
+            return None
+        return self.text(name, max_len=max_len)
 
     def fail(self, name: str, reason: str) -> None:
         self.errors.setdefault(name, []).append(reason)
@@ -42,14 +54,14 @@ class QueryParams:
         return str(raw)
 
     def choice(self, name: str, choices: Sequence[str]) -> str | None:
-        raw = self.text(name)
+        raw = self._typed(name, 200)
         if raw is not None and raw not in choices:
             self.fail(name, f"must be one of {', '.join(choices)}; got {raw[:40]!r}")
             return None
         return raw
 
     def integer(self, name: str, *, low: int = 0, high: int = MAX_BIGINT) -> int | None:
-        raw = self.text(name, max_len=30)
+        raw = self._typed(name, 30)
         if raw is None:
             return None
         try:
@@ -63,7 +75,7 @@ class QueryParams:
         return value
 
     def datetime(self, name: str) -> datetime | None:
-        raw = self.text(name, max_len=64)
+        raw = self._typed(name, 64)
         if raw is None:
             return None
         try:

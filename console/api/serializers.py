@@ -18,6 +18,12 @@ class StrictSerializer(serializers.Serializer):  # type: ignore[type-arg]
             if unknown:
                 raise serializers.ValidationError(
                     {k[:100]: [f"unknown field; expected one of {', '.join(sorted(writable))}"] for k in unknown})
+            # DRF's CharField turns 0 into "0": a number where the schema says string is an error here
+            not_text = {name: ["must be a string"] for name, value in data.items()
+                        if isinstance(self.fields.get(name), serializers.CharField)
+                        and value is not None and not isinstance(value, str)}
+            if not_text:
+                raise serializers.ValidationError(not_text)
         return super().to_internal_value(data)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view, inline_serializer
 from rest_framework import serializers, viewsets
 from rest_framework.decorators import action
@@ -90,8 +91,8 @@ def filter_entries(q: QueryParams) -> QuerySet[AuditEntry]:
         OpenApiParameter("type", str, description='event type, exact, or a prefix ending in "*" (registry.*)'),
         OpenApiParameter("actor", str, description='exact ("user:alice") or a prefix ending in "*" (agent:*)'),
         OpenApiParameter("deployment", str),
-        OpenApiParameter("since", str, description="ISO 8601 date-time; entries at or after it"),
-        OpenApiParameter("until", str, description="ISO 8601 date-time; entries before it"),
+        OpenApiParameter("since", OpenApiTypes.DATETIME, description="ISO 8601 date-time; entries at or after it"),
+        OpenApiParameter("until", OpenApiTypes.DATETIME, description="ISO 8601 date-time; entries before it"),
         OpenApiParameter("after_seq", int, description="entries with a larger seq (catching up after a reconnect)"),
     ]),
     retrieve=extend_schema(summary="One audit entry by its sequence number"),

@@ -17,7 +17,7 @@ PAGE_ROWS = 200
 
 @role_required(VIEWER)
 def audit_page(request: HttpRequest) -> HttpResponse:
-    q = QueryParams(request.GET)
+    q = QueryParams(request.GET, blank_is_absent=True)
     entries = filter_entries(q)
     rows = [] if q.errors else [entry_payload(e) for e in entries[:PAGE_ROWS]]
     head = AuditHead.objects.filter(pk=1).values_list("seq", flat=True).first() or 0

@@ -1,26 +1,26 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 
+from console.accounts.decorators import role_required
 from console.accounts.roles import VIEWER, has_role
 from console.fleet import live
 
 
-@login_required
+@role_required(VIEWER)
 def overview(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/overview.html", {
-        "heartbeat_timeout_s": settings.FLEXPIPE_HEARTBEAT_TIMEOUT_S,
-        # the deployments, switches and atomic blocks come from /ws/gearbox/, which needs the viewer role
-        "gearbox": has_role(request.user, VIEWER),
-    })
+    return render(request, "dashboard/overview.html", {"heartbeat_timeout_s": settings.FLEXPIPE_HEARTBEAT_TIMEOUT_S})
 
 
-@login_required
 def cluster_json(request: HttpRequest) -> JsonResponse:
-    """The same state the websocket sends on connect, for scripts and for a page's first paint."""
+    """The same state the websocket sends on connect, for scripts and for a page's first paint. Like
+    every live path (the websockets, the REST API), it needs the viewer role."""
+    if not request.user.is_authenticated:
+        return JsonResponse({"detail": "log in first"}, status=401)
+    if not has_role(request.user, VIEWER):
+        return JsonResponse({"detail": "requires the viewer role (or operator, admin)"}, status=403)
     return JsonResponse(live.cluster_state())
 
 

@@ -61,8 +61,14 @@ class Registration:
 def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Registration:
     """Register (or re-register) an agent. The token is its own, or the cluster's join token.
 
-    With its own token an agent may only speak for its own node. With the join token it
-    enrolls: a fresh agent token is issued (rotating any previous one).
+    Invariant 8 (DESIGN.md): an agent is only itself.
+    - With its own token an agent may only speak for its own node.
+    - The join token enrolls a node id nobody holds yet, and hands out a fresh agent token. A node
+      that is enrolled already is re-enrolled only with its own token, or with one an operator
+      issued for it (do_issue_agent_token: the operator's approval); the join token alone would
+      let anyone who holds it rotate the real agent's token out and take its place.
+    - A GPU uuid present on another node stays that node's: registering it is refused (403 naming
+      `gpus[i].uuid`). One that its old node no longer lists (re-racked) may move.
     """
     existing = Node.objects.select_for_update().filter(node_id=req.node_id).first()
     own = node_for_token(token)
@@ -71,9 +77,21 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
         if own.node_id != req.node_id:
             raise Rejected(403, {"node_id": f"this agent token belongs to node {own.node_id!r}"})
     elif enroll_token_matches(token):
+        if existing is not None:
+            raise Rejected(403, {"node_id": (
+                f"node {req.node_id!r} is enrolled already: register with its own agent token, or ask an "
+                f"operator to approve re-enrolling it (POST /api/v1/nodes/{req.node_id}/agent-token, or "
+                f"manage.py issue_agent_token {req.node_id}) and register with the token issued")})
         issued = new_agent_token()
     else:
         raise Rejected(401, {"Authorization": "unknown agent token and not the cluster's join token"})
+    owners = dict(Gpu.objects.filter(uuid__in=[g.uuid for g in req.gpus], present=True)
+                  .exclude(node__node_id=req.node_id).values_list("uuid", "node__node_id"))
+    taken = {f"gpus[{i}].uuid": f"GPU {g.uuid!r} belongs to node {owners[g.uuid]!r}; an agent registers only "
+                                f"its own GPUs"
+             for i, g in enumerate(req.gpus) if g.uuid in owners}
+    if taken:
+        raise Rejected(403, taken)
 
     node = existing or Node(node_id=req.node_id, registered_at=now)
     node.hostname = req.hostname
@@ -96,7 +114,8 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
     node.lost_plans = lost
     node.save()
 
-    # A GPU that moved to this node from another one (re-racked) keeps its uuid: re-home it.
+    # A GPU that moved to this node from another one (re-racked, not listed there any more) keeps
+    # its uuid: re-home it.
     listed = {g.uuid for g in req.gpus}
     Gpu.objects.filter(node=node, present=True).exclude(uuid__in=listed).update(present=False)
     for info in req.gpus:
@@ -116,7 +135,8 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
     record("fleet.node_registered", actor=actor_of(agent=node.node_id), at=now,
            summary=f"{node.node_id} {'enrolled' if issued else 'registered'} with {len(req.gpus)} GPU(s), "
                    f"epoch {node.epoch}",
-           data={"epoch": node.epoch, "enrolled": bool(issued), "hostname": req.hostname,
+           data={"epoch": node.epoch, "enrolled": bool(issued), "credential": "join token" if issued else "agent token",
+                 "hostname": req.hostname,
                  "agent_version": req.agent_version, "gpus": [g.uuid for g in req.gpus]})
     if lost:
         record("fleet.plans_lost", actor=actor_of(agent=node.node_id), at=now,
@@ -125,6 +145,23 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
     # a topology event: the gearbox ticks, drops the lost plans from their gears and replaces them
     transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=True))
     return Registration(node, issued)
+
+
+@transaction.atomic
+def do_issue_agent_token(node_id: str, *, actor: str, user: object | None = None, now: datetime) -> tuple[Node, str]:
+    """An operator approves (re-)enrolling `node_id`: a new agent token for it, rotating the old one
+    out. The token is returned once, never stored (only its hash); the node's agent registers with it.
+    A node id nobody enrolled yet is created, so closed clusters can enroll nodes this way too."""
+    token = new_agent_token()
+    node, created = Node.objects.select_for_update().get_or_create(
+        node_id=node_id, defaults={"hostname": node_id, "agent_version": "", "token_hash": hash_token(token),
+                                   "registered_at": now})
+    if not created:
+        Node.objects.filter(pk=node.pk).update(token_hash=hash_token(token))
+    record("fleet.agent_token_issued", actor=actor, user=user, at=now,
+           summary=f"agent token {'issued' if created else 'rotated'} for {node_id}: its agent registers with it",
+           data={"node_id": node_id, "created": created, "prefix": token[:8]})
+    return node, token
 
 
 def _plans_routed_to(node_id: str) -> set[str]:
@@ -151,10 +188,15 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
     if report.node_id != node.node_id:
         raise Rejected(403, {"node_id": f"this agent token belongs to node {node.node_id!r}"})
     gpus = {g.uuid: g for g in Gpu.objects.filter(node=node, present=True)}
-    unknown = {f"gpus[{i}].uuid": f"GPU {g.uuid!r} is not registered on {node.node_id}; register again"
-               for i, g in enumerate(report.gpus) if g.uuid not in gpus}
-    if unknown:
-        raise Rejected(400, unknown)
+    strangers = [g.uuid for g in report.gpus if g.uuid not in gpus]
+    if strangers:
+        owners = dict(Gpu.objects.filter(uuid__in=strangers, present=True).values_list("uuid", "node__node_id"))
+        others = {f"gpus[{i}].uuid": f"GPU {g.uuid!r} belongs to node {owners[g.uuid]!r}, not to {node.node_id}"
+                  for i, g in enumerate(report.gpus) if g.uuid in owners}
+        if others:
+            raise Rejected(403, others)
+        raise Rejected(400, {f"gpus[{i}].uuid": f"GPU {g.uuid!r} is not registered on {node.node_id}; register again"
+                             for i, g in enumerate(report.gpus) if g.uuid not in gpus})
 
     claimed = Node.objects.filter(pk=node.pk, epoch=report.epoch, last_seq__lt=report.seq).update(
         last_seq=report.seq,
@@ -267,6 +309,8 @@ def do_ack_command(node: Node, command_id: int, *, status: str, detail: str, res
     """Record an agent's answer. Repeating the same final answer is harmless; changing it is refused."""
     cmd = AgentCommand.objects.select_for_update().filter(pk=command_id, node=node).first()
     if cmd is None:
+        if AgentCommand.objects.filter(pk=command_id).exists():
+            raise Rejected(403, {"id": f"command {command_id} is another node's; this agent token is {node.node_id}'s"})
         raise Rejected(404, {"id": f"no command {command_id} for node {node.node_id}"})
     final = {"ok": AgentCommand.OK, "failed": AgentCommand.FAILED, "running": AgentCommand.RUNNING}[status]
     if cmd.state in (AgentCommand.OK, AgentCommand.FAILED):
@@ -286,6 +330,7 @@ __all__ = [
     "Registration",
     "do_ack_command",
     "do_ingest_report",
+    "do_issue_agent_token",
     "do_issue_command",
     "do_register_node",
     "do_sweep_heartbeats",

@@ -7,7 +7,6 @@ refusal is JSON: {"errors": {field path: reason}} with a 4xx status, and stores 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -19,7 +18,9 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from agents import schema
 from agents.protocol import Command, RegisterResponse, SchemaError, parse_ack, parse_register, parse_report
+from console.celery import flush_owed
 from console.fleet import actions, live
 from console.fleet.models import AgentCommand, Node
 
@@ -48,9 +49,9 @@ def _has_nul(value: Any) -> bool:
 
 def _json_body(request: HttpRequest) -> Any:
     try:
-        body = json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise actions.Rejected(400, {"(body)": f"not valid JSON: {exc}"}) from exc
+        body = schema.loads(request.body)
+    except SchemaError as exc:
+        raise actions.Rejected(400, exc.errors) from exc
     # PostgreSQL text and jsonb cannot hold U+0000: refuse it here rather than fail with a 500 on save.
     if _has_nul(body):
         raise actions.Rejected(400, {"(body)": "must not contain NUL (\\u0000) characters"})
@@ -100,6 +101,9 @@ def report(request: HttpRequest) -> JsonResponse:
         return _error(400, exc.errors)
     except actions.Rejected as exc:
         return _error(exc.status, exc.errors)
+    # Whatever this process could not send during a broker outage (a topology tick, an advance) goes
+    # now, at the first report after the broker is back - not at the next beat.
+    flush_owed()
     return JsonResponse({"accepted": seq})
 
 
@@ -190,4 +194,5 @@ def ack(request: HttpRequest, command_id: int) -> JsonResponse:
         return _error(400, exc.errors)
     except actions.Rejected as exc:
         return _error(exc.status, exc.errors)
+    flush_owed()  # as after a report: what a broker outage held back goes now
     return JsonResponse({"command": cmd.id, "status": cmd.state})

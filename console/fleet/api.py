@@ -7,11 +7,23 @@ from typing import Any
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, extend_schema_view
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+    extend_schema_view,
+)
 from rest_framework import serializers, viewsets
+from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound
+from rest_framework.request import Request
+from rest_framework.response import Response
 
+from console.accounts.auth import IsOperator, IsViewer
 from console.api.params import QueryParams
+from console.audit.chain import actor_of
+from console.fleet.actions import do_issue_agent_token
 from console.fleet.models import GPU_STATE_Q, GPU_STATES, Gpu, Node, NodeLink
 
 
@@ -67,6 +79,11 @@ class NodeDetailSerializer(NodeSerializer):
         return list(GpuSerializer(gpus, many=True).data)
 
 
+class AgentTokenSerializer(serializers.Serializer):  # type: ignore[type-arg]
+    node_id = serializers.CharField(read_only=True)
+    agent_token = serializers.CharField(read_only=True, help_text="shown once: the agent registers with it")
+
+
 def _not_nul(value: str) -> str:
     if "\x00" in value:
         raise NotFound()
@@ -84,7 +101,27 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):  # type: ignore[type-arg]
     lookup_value_regex = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
     def get_serializer_class(self) -> type[serializers.Serializer]:  # type: ignore[type-arg]
+        if self.action == "agent_token":
+            return AgentTokenSerializer
         return NodeDetailSerializer if self.action == "retrieve" else NodeSerializer
+
+    def get_permissions(self) -> list[Any]:
+        return [IsOperator()] if self.action == "agent_token" else [IsViewer()]
+
+    @extend_schema(summary="Approve re-enrolling a node (operator): a new agent token for it", request=None,
+                   responses={201: AgentTokenSerializer,
+                              403: OpenApiResponse(description="needs the operator role"),
+                              404: OpenApiResponse(description="no such node")},
+                   description=(
+                       "The join token enrolls only node ids nobody holds; an enrolled node is re-enrolled "
+                       "with its own agent token or with this one (DESIGN.md invariant 8). The old token stops "
+                       "working; the new one is in this answer only. Audited as fleet.agent_token_issued."))
+    @action(detail=True, methods=["post"], url_path="agent-token")
+    def agent_token(self, request: Request, node_id: str | None = None) -> Response:
+        node = self.get_object()
+        _, token = do_issue_agent_token(node.node_id, actor=actor_of(request.user), user=request.user,
+                                        now=timezone.now())
+        return Response({"node_id": node.node_id, "agent_token": token}, status=201)
 
     def get_queryset(self) -> QuerySet[Node]:
         qs = Node.objects.annotate(gpu_count=Count("gpus", filter=Q(gpus__present=True))).order_by("node_id")

@@ -13,7 +13,6 @@ from console.fleet import live
 class ClusterConsumer(LiveConsumer):
     group = live.CLUSTER_GROUP
     page = "cluster"
-    required_role = None  # the Overview is for every logged-in user
 
     async def on_accepted(self) -> None:
         # Also the answer to {"type": "resync"} (after a reconnect, say).

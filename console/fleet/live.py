@@ -87,10 +87,10 @@ def push_nodes(node_pks: list[int], *, topology_changed: bool = False) -> None:
 def ring_doorbell(node_id: str) -> None:
     """Wake the agent's pending long poll (if any) so it fetches its new command at once."""
     try:
-        client = redis.Redis.from_url(settings.REDIS_URL)
+        client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=1, socket_timeout=2)
         with client.pipeline() as pipe:
             pipe.lpush(doorbell_key(node_id), 1)
             pipe.expire(doorbell_key(node_id), DOORBELL_TTL_S)
             pipe.execute()
-    except redis.RedisError as exc:
+    except (redis.RedisError, OSError) as exc:
         log.warning("doorbell for %s failed (the agent finds the command on its next poll): %s", node_id, exc)

@@ -5,7 +5,8 @@ once without a thread each. A request:
 
 1. authenticates (`Authorization: Bearer fpu_...`, a user API token of any console role), parses
    its body (400 naming `param` on anything wrong: nothing is sent anywhere before), tokenizes
-   with the deployment's own tokenizer;
+   with the deployment's own tokenizer - both on console.gateway.cpu's pool, never on the event
+   loop, and a prompt too long for the context is refused before tokenizing;
 2. routes with the one request router (routing.py over scheduler.router) among the deployment's
    routing table, to the chosen plan's leader node's data address; a plan that answers 429 passes
    it to the next of the router's order (its top-K, then its retry pool); while the table says a
@@ -41,7 +42,8 @@ from django.db.models import Q
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from console.gateway import metrics, routing, tokens, upstream
+from agents import schema
+from console.gateway import cpu, metrics, routing, tokens, upstream
 from console.gateway.requests import BadRequest, GenerateRequest, parse_chat, parse_completion
 from console.gateway.routing import Candidate, any_frozen
 
@@ -153,11 +155,11 @@ async def _authenticate(request: HttpRequest) -> Any:
     return user
 
 
-def _json_body(request: HttpRequest) -> Any:
+def _json_body_of(raw: bytes) -> Any:
     try:
-        return json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        return schema.loads(raw)
+    except schema.SchemaError as exc:
+        raise ApiError(400, f"the body: {'; '.join(exc.errors.values())}") from None
 
 
 def _bad(exc: BadRequest) -> ApiError:
@@ -242,13 +244,57 @@ class _Job:
     created: int
 
 
-async def _prepare(request: HttpRequest, endpoint: str) -> _Job:
-    await _authenticate(request)
-    body = _json_body(request)
+def _parse(raw: bytes, endpoint: str) -> GenerateRequest:
+    """The body as a request (CPU: run through console.gateway.cpu)."""
+    body = _json_body_of(raw)
     try:
-        req = parse_completion(body) if endpoint == "completions" else parse_chat(body)
+        return parse_completion(body) if endpoint == "completions" else parse_chat(body)
     except BadRequest as exc:
         raise _bad(exc) from None
+
+
+def _prompt_limit(tok: tokens.ModelTokenizer) -> int:
+    configured = int(getattr(settings, "FLEXPIPE_GATEWAY_MAX_PROMPT_CHARS", 0) or 0)
+    return configured if configured > 0 else tok.max_prompt_chars()
+
+
+def _prompt_ids(req: GenerateRequest, tok: tokens.ModelTokenizer, endpoint: str) -> list[int]:
+    """The prompt as token ids (CPU: run through console.gateway.cpu). A text too long to fit the
+    context is refused by its length, before tokenizing it (tokens.ModelTokenizer.max_prompt_chars)."""
+    if req.prompt_ids is not None:
+        if len(req.prompt_ids) > tok.max_context:
+            raise ApiError(400, f"prompt: {len(req.prompt_ids)} token ids exceed the model's context of "
+                                f"{tok.max_context}", param="prompt")
+        prompt_ids = list(req.prompt_ids)
+        vocab = tok.tokenizer.get_vocab_size()
+        bad = next((i for i, t in enumerate(prompt_ids) if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {prompt_ids[bad]} at {bad} is outside the vocabulary ({vocab})",
+                           param="prompt")
+        return prompt_ids
+    limit = _prompt_limit(tok)
+    param = "prompt" if endpoint == "completions" else "messages"
+    size = len(req.prompt_text) if req.prompt_text is not None else sum(len(m["content"]) for m in req.messages)
+    if size > limit:
+        raise ApiError(400, f"{param}: {size} characters cannot fit the model's context of {tok.max_context} "
+                            f"tokens (at most {limit} characters are tokenized)", param=param)
+    if req.prompt_text is not None:
+        return tok.encode(req.prompt_text)
+    return tok.encode(tok.chat_prompt(list(req.messages)))
+
+
+async def _off_loop(fn: Any, *args: Any) -> Any:
+    try:
+        return await cpu.run(fn, *args)
+    except cpu.Busy:
+        raise ApiError(429, "the gateway is busy tokenizing other requests; retry shortly",
+                       type_="rate_limit_error", code="gateway_busy", retry_after_s=1.0) from None
+
+
+async def _prepare(request: HttpRequest, endpoint: str) -> _Job:
+    await _authenticate(request)
+    # parsing and tokenizing are CPU work: off daphne's event loop (console.gateway.cpu)
+    req: GenerateRequest = await _off_loop(_parse, request.body, endpoint)
     dep = await sync_to_async(_deployment)(req.model)
     if dep is None:
         raise ApiError(404, f"model: no deployment is named {req.model!r} (GET /v1/models lists them)",
@@ -257,21 +303,11 @@ async def _prepare(request: HttpRequest, endpoint: str) -> _Job:
     if path is None:
         raise ApiError(503, f"model: no tokenizer is registered for {dep.model_name}", type_="server_error")
     try:
-        tok = await sync_to_async(tokens.load)(path)
+        tok = await _off_loop(tokens.load, path)
     except (OSError, ValueError) as exc:
         raise ApiError(503, f"model: the tokenizer of {dep.model_name} cannot be loaded: {exc}",
                        type_="server_error") from None
-    if req.prompt_ids is not None:
-        prompt_ids = list(req.prompt_ids)
-        vocab = tok.tokenizer.get_vocab_size()
-        bad = next((i for i, t in enumerate(prompt_ids) if t >= vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt: token id {prompt_ids[bad]} at {bad} is outside the vocabulary ({vocab})",
-                           param="prompt")
-    elif req.prompt_text is not None:
-        prompt_ids = tok.encode(req.prompt_text)
-    else:
-        prompt_ids = tok.encode(tok.chat_prompt(list(req.messages)))
+    prompt_ids: list[int] = await _off_loop(_prompt_ids, req, tok, endpoint)
     if not prompt_ids:
         raise ApiError(400, "prompt: it encodes to no tokens", param="prompt")
     room = tok.max_context - len(prompt_ids)

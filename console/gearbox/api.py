@@ -32,6 +32,7 @@ from rest_framework.response import Response
 from console.accounts.auth import IsAdmin, IsOperator, IsViewer
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
+from console.celery import watching_broker
 from console.fleet.actions import Rejected
 from console.gearbox import actions, emergency, lifecycle, override, present, rollout
 from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
@@ -232,8 +233,9 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins
         dep = self.get_object()
         body = self._body(EmergencySerializer)
         try:
-            out = emergency.do_emergency_downshift(dep.name, reason=body["reason"], actor=request.user,
-                                                   gear_id=body.get("gear_id"))
+            with watching_broker() as deferred:
+                out = emergency.do_emergency_downshift(dep.name, reason=body["reason"], actor=request.user,
+                                                       gear_id=body.get("gear_id"))
         except Rejected as exc:
             return _refused(exc)
         if out.state == "blocked":
@@ -243,6 +245,8 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins
         dep.refresh_from_db()
         body = {"state": out.state, "transition": out.transition.seq if out.transition is not None else None,
                 "deployment": _deployment(dep)}
+        if deferred:
+            body["queued"] = sorted(set(deferred))
         return Response(body, status=status.HTTP_202_ACCEPTED if out.state == "requested" else status.HTTP_200_OK)
 
     @extend_schema(summary="Release an emergency (operator): hand the gear back to auto, advisory or a pin",
@@ -425,7 +429,7 @@ class PlanViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
         OpenApiParameter("deployment", str), OpenApiParameter("phase", str, enum=list(PHASES)),
         OpenApiParameter("active", bool, description="only running (true) or finished (false) transitions"),
         OpenApiParameter("kind", str, enum=[k for k, _ in Transition.KINDS]),
-        OpenApiParameter("decision", int, description="the decision that caused it"),
+        OpenApiParameter("decision", {"type": "integer", "minimum": 1}, description="the decision that caused it"),
         OpenApiParameter("since", OpenApiTypes.DATETIME, description="created at or after"),
         OpenApiParameter("until", OpenApiTypes.DATETIME, description="created before")]),
     retrieve=extend_schema(summary="One transition: phases, steps, timings and what moved",
@@ -523,8 +527,12 @@ class DecisionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         body = ApproveSerializer(data=request_data(request))
         body.is_valid(raise_exception=True)
         try:
-            started = actions.do_approve_decision(decision.pk, actor=request.user)
+            with watching_broker() as deferred:
+                started = actions.do_approve_decision(decision.pk, actor=request.user)
         except Rejected as exc:
             return _refused(exc)
         row = present.transitions_with_steps().get(pk=started.pk)
-        return Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
+        resp = Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
+        if deferred:  # stored; its first step is taken when the broker is back (console.celery.enqueue)
+            resp["X-FlexPipe-Queued"] = ",".join(sorted(set(deferred)))
+        return resp

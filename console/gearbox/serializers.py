@@ -84,12 +84,17 @@ class GearUseSerializer(PayloadSerializer):
     transitions = serializers.ListField(child=serializers.IntegerField(), help_text="seqs from or to this gear")
 
 
-class GearSerializer(PayloadSerializer):
+class GearValueSerializer(PayloadSerializer):
+    """What a gear is (its content), whoever uses it."""
+
     gear_id = serializers.CharField()
     model = serializers.CharField()
     shape = serializers.CharField()
     gpu_count = serializers.IntegerField()
     weights = serializers.ListField(child=serializers.FloatField())
+
+
+class GearSerializer(GearValueSerializer):
     plans = PlanRefSerializer(many=True)
     deployments = GearUseSerializer(many=True)
     last_seen_at = serializers.DateTimeField(allow_null=True)
@@ -97,6 +102,12 @@ class GearSerializer(PayloadSerializer):
 
 class GearDetailSerializer(GearSerializer):
     plans = GearPlanSerializer(many=True)  # type: ignore[assignment]
+
+
+class GearContentSerializer(GearValueSerializer):
+    """A gear as a value with its plans in full (present.gear_detail): not who uses it."""
+
+    plans = GearPlanSerializer(many=True)
 
 
 class PlanRouteSerializer(PayloadSerializer):
@@ -261,7 +272,7 @@ class DecisionDetailSerializer(DecisionSerializer):
     current = serializers.JSONField(help_text="the gear it started from: id, valid, value, estimate")
     workload = serializers.JSONField(allow_null=True, help_text="the offered load it decided on")
     cooldown_until = serializers.DateTimeField(allow_null=True)
-    target_gear = GearDetailSerializer(allow_null=True)
+    target_gear = GearContentSerializer(allow_null=True)
 
 
 class TransitionDetailSerializer(TransitionSerializer):
@@ -332,6 +343,9 @@ EmergencyResult = inline_serializer("EmergencyResult", {
     "transition": serializers.IntegerField(allow_null=True, help_text=(
         "the running transition it asked to roll back first, or the emergency transition already running")),
     "deployment": DeploymentSerializer(),
+    "queued": serializers.ListField(child=serializers.CharField(), required=False, help_text=(
+        "only when the task broker (Redis) did not answer: the request is stored and these tasks are "
+        "queued when the broker is back (console.celery.enqueue)")),
 })
 
 NAME = OpenApiParameter("name", str, OpenApiParameter.PATH, description="the deployment's name",

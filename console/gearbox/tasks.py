@@ -21,22 +21,14 @@ import time
 from typing import Any
 
 from celery import shared_task
-from kombu.exceptions import OperationalError
-from redis.exceptions import RedisError
 
+from console.celery import enqueue
 from console.gearbox import executor, ticks
 from console.gearbox.models import ACTIVE_PHASES, Transition
 
 log = logging.getLogger(__name__)
 SHORT_WAIT_S = 10.0  # a dwell or back-off shorter than this is woken by a countdown, not the sweep
-
-
-def enqueue(task: Any, **kwargs: Any) -> None:
-    """Send a task; a broker that does not answer is logged, not raised (the sweep catches up)."""
-    try:
-        task.apply_async(kwargs=kwargs)
-    except (OperationalError, RedisError, OSError) as exc:
-        log.warning("could not enqueue %s(%s): %s", task.name, kwargs, exc)
+__all__ = ["advance", "enqueue", "sweep", "tick"]
 
 
 RETICK_S = 1.0  # a deployment waiting for its agents' reports is decided again this soon
@@ -49,10 +41,7 @@ def tick(trigger: str = "periodic", deployment: str | None = None, **kwargs: Any
     # the next beat (the wait is bounded: actions._reports_mirror_last_transition)
     waiting = out.get("waiting") or []
     for name in waiting if isinstance(waiting, list) else []:
-        try:
-            tick.apply_async(kwargs={"trigger": trigger, "deployment": name}, countdown=RETICK_S)
-        except (OperationalError, RedisError, OSError) as exc:
-            log.warning("could not schedule a tick of %s: %s", name, exc)
+        enqueue(tick, countdown=RETICK_S, trigger=trigger, deployment=name)
     return out
 
 
@@ -65,10 +54,7 @@ def advance(deployment: str, seq: int | None = None, **kwargs: Any) -> dict[str,
     elif rec is not None and rec.active and out.wake_at_s is not None and not out.waiting_for:
         delay = out.wake_at_s - time.time()
         if 0 < delay < SHORT_WAIT_S:
-            try:
-                advance.apply_async(kwargs={"deployment": deployment, "seq": rec.seq}, countdown=delay + 0.05)
-            except (OperationalError, RedisError, OSError) as exc:
-                log.warning("could not schedule advance of %s#%s: %s", deployment, rec.seq, exc)
+            enqueue(advance, countdown=delay + 0.05, deployment=deployment, seq=rec.seq)
     return {"deployment": deployment, "seq": rec.seq if rec else None, "phase": rec.phase.value if rec else None,
             "step": rec.current.step.value if rec and rec.current else None, "finished": out.finished}
 

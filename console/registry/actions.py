@@ -19,7 +19,6 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-from kombu.exceptions import OperationalError as KombuOperationalError
 
 from console.audit.chain import actor_of, record
 from console.registry import live
@@ -190,14 +189,12 @@ def _register(spec: VersionSpec, *, local: bool, size: int | None, observed: str
 
 
 def _enqueue_verification(version_id: int) -> None:
+    from console.celery import enqueue
     from console.registry.tasks import verify_weights
 
-    try:
-        verify_weights.delay(version_id=version_id)
-    except (KombuOperationalError, OSError) as exc:
-        # A broker outage must not turn a committed registration into a 500; the version says verifying.
-        log.error("could not enqueue registry.verify_weights for version %s (it stays verifying): %s",
-                  version_id, exc)
+    # A broker outage must not turn a committed registration into a 500: the version says verifying
+    # and the task is sent when the broker answers again (console.celery.enqueue).
+    enqueue(verify_weights, version_id=version_id)
 
 
 @dataclass(frozen=True)

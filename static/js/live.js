@@ -13,7 +13,7 @@
       if (!statusEl) return;
       statusEl.dataset.state = state;
       statusEl.textContent = text;
-      statusEl.className = "pill " + (state === "live" ? "pill-ok" : state === "closed" ? "pill-bad" : "pill-wait");
+      statusEl.className = "pill " + (state === "live" ? "pill-ok" : state === "closed" || state === "degraded" ? "pill-bad" : "pill-wait");
     }
     function open() {
       const scheme = window.location.protocol === "https:" ? "wss://" : "ws://";
@@ -26,13 +26,19 @@
       ws.onmessage = function (ev) {
         const msg = JSON.parse(ev.data);
         if (msg.type === "ping") { stats.pings += 1; watch(msg.every_s); return; }
+        // the server lost its channel layer (Redis): updates stop until the reconnect's snapshot
+        if (msg.type === "degraded") { setStatus("degraded", "degraded — reconnecting"); return; }
         onMessage(msg, ws);
       };
       ws.onclose = function (ev) {
         clearTimeout(watchdog);
         stats.closes.push({ at: new Date().toISOString(), code: ev.code });
         if (ev.code === 4401 || ev.code === 4403) { setStatus("closed", "not allowed — log in again"); return; }
-        setStatus("connecting", "reconnecting…");
+        if (ev.code === 1013 || statusEl && statusEl.dataset.state === "degraded") {
+          setStatus("degraded", "degraded — reconnecting");
+        } else {
+          setStatus("connecting", "reconnecting…");
+        }
         setTimeout(open, delay);
         delay = Math.min(delay * 2, 10000);
       };

@@ -37,7 +37,19 @@ def enroll(client: Client, node_id: str = "a1", **kw: Any) -> AgentHTTP:
 
 @pytest.fixture
 def agent(db: None, client: Client) -> AgentHTTP:
-    return enroll(client, "a1")
+    """The agent of node a1: enrolled now, or - when a fixture enrolled a1 already (the join token
+    re-enrolls no node) - holding a token an operator issued for it."""
+    from django.utils import timezone
+
+    from console.fleet.actions import do_issue_agent_token
+    from console.fleet.models import Node
+
+    node = Node.objects.filter(node_id="a1").first()
+    if node is None:
+        return enroll(client, "a1")
+    _, token = do_issue_agent_token("a1", actor="system:test", now=timezone.now())
+    return AgentHTTP(client, "a1", token, node.epoch)
 
 
 from tests.console.people import admin, operator, outsider, viewer  # noqa: E402,F401 - fixtures
+from tests.redis_outage import private_redis  # noqa: E402,F401 - a fixture

@@ -65,13 +65,15 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def make_agent(models_dir: Path) -> Iterator[Any]:
-    """NodeAgent(node_id, spec, backend=True) with a torch backend on a free data port; closed after."""
+def make_agent(models_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    """NodeAgent(node_id, spec, backend=True) with a torch backend on a free data port; closed after.
+    Each node keeps its agent token in tmp_path, so a second agent of a node is that node restarted."""
     made: list[NodeAgent] = []
 
     def make(node_id: str = "n1", spec: str = "2xA100-80G", *, controller: str = "http://127.0.0.1:9",
              token: str = "fpj_unused", backend: bool = True, kv_blocks: int = 256, **kwargs: Any) -> NodeAgent:
         addr = f"127.0.0.1:{free_port()}"
+        kwargs.setdefault("token_file", tmp_path / "agent-tokens" / f"{node_id}.token")
         agent = NodeAgent(controller=controller, join_token=token, probe=SpecProbe(spec, node_id),
                           backend=TorchBackend(ModelStore(models_dir), addr, num_kv_blocks=kv_blocks) if backend else None,
                           backend_name="torch", node_id=node_id, data_addr=addr, **kwargs)

@@ -149,3 +149,17 @@ def test_a_browser_write_needs_the_csrf_token(admin: Person) -> None:
     resp = post(admin.browser(), "/api/v1/users", NEW_USER)
     assert resp.status_code == 403 and "CSRF" in resp.json()["detail"]
     assert not get_user_model().objects.filter(username="nina").exists()
+
+
+def test_demoting_a_superuser_takes_the_admin_power_for_real(admin: Person) -> None:
+    root = get_user_model().objects.create_superuser("root", password="a-long-enough-password")
+    resp = post(admin.api(), "/api/v1/users/root/role", {"role": "viewer"})
+    assert resp.status_code == 200 and resp.json()["role"] == "viewer"
+    root.refresh_from_db()
+    assert not root.is_superuser and not root.is_staff
+    client = Client()
+    client.force_login(root)
+    assert client.get("/api/v1/users").status_code == 403  # the audit said admin -> viewer: so it is
+    assert client.get("/api/v1/me").json() == {"username": "root", "role": "viewer"}
+    entry = AuditEntry.objects.get(event_type="accounts.role_changed")
+    assert json.loads(entry.body)["before"] == {"role": "admin"} and json.loads(entry.body)["after"] == {"role": "viewer"}

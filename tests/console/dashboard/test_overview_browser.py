@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
 from django.test import override_settings
 from playwright.sync_api import sync_playwright
 
@@ -28,7 +29,8 @@ pytestmark = [pytest.mark.browser]
 class OverviewInTheBrowser(LivePageTestCase):
 
     def setUp(self) -> None:
-        get_user_model().objects.create_user("operator", password="operator-pass-1")
+        user = get_user_model().objects.create_user("operator", password="operator-pass-1")
+        user.groups.add(Group.objects.get_or_create(name="operator")[0])  # the live paths need a role
         self.scenario = load_scenario(ROOT / "scenarios" / "demo.yaml")
         self.fleet = LiveFleet(self.scenario, self.live_server_url, JOIN, report_interval_s=3600)
         self.fleet.step()  # every agent registers and reports once
@@ -76,10 +78,14 @@ class OverviewInTheBrowser(LivePageTestCase):
                 page.wait_for_function(
                     f"() => window.FlexPipe.cluster.gpus['{gpu.uuid}'].allocatable === false", timeout=5_000)
                 assert page.evaluate("() => window.FlexPipe.cluster.nodes['l40s-c'].last_seen_at") != marker
+                # rows are atomic blocks (then each node's GPUs in no block): find the GPU's cell by its uuid
                 cell = page.evaluate(f"""() => {{
                     const d = document.getElementById('heatmap').data[0];
-                    const row = d.y.indexOf('l40s-c');
-                    return [d.text[row][{gpu.index}], d.customdata[row][{gpu.index}][4]]; }}""")
+                    for (let r = 0; r < d.customdata.length; r++)
+                      for (let c = 0; c < d.customdata[r].length; c++)
+                        if (d.customdata[r][c] && d.customdata[r][c][0] === '{gpu.uuid}')
+                          return [d.text[r][c], d.customdata[r][c][4]];
+                    return null; }}""")
                 assert cell == ["T", "held by another tenant"]
                 # a reload would have dropped the marker set before the report
                 assert page.evaluate("() => window.__noReloadMarker") == "still the same page"

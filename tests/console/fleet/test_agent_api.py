@@ -246,6 +246,6 @@ class TestCommands:
         enroll(client, "b1")
         cmd = self.issue("b1", key="k-b1")
         resp = agent.post(f"/agent/v1/commands/{cmd.pk}/ack", {"protocol": 1, "status": "ok"})
-        assert resp.status_code == 404
+        assert resp.status_code == 403 and "another node's" in resp.json()["errors"]["id"]
         cmd.refresh_from_db()
         assert cmd.state == "pending"

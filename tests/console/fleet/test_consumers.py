@@ -10,6 +10,7 @@ from django.test import Client
 from console.asgi import application
 from tests.builders import GIB, report_body
 from tests.console.conftest import enroll
+from tests.console.people import make_person
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -32,7 +33,7 @@ async def test_an_anonymous_browser_is_turned_away() -> None:
 
 
 async def test_a_logged_in_operator_gets_a_snapshot_then_a_delta_for_each_report(django_user_model: Any) -> None:
-    user = await sync_to_async(django_user_model.objects.create_user)("ops", password="pw-long-enough")
+    user = (await sync_to_async(make_person)("ops", "viewer")).user
     client = Client()
     agent = await sync_to_async(enroll)(client, "a1", gpus=2)
     comm = await _connect(user)
@@ -54,7 +55,7 @@ async def test_a_logged_in_operator_gets_a_snapshot_then_a_delta_for_each_report
 
 
 async def test_a_refused_report_pushes_nothing(django_user_model: Any) -> None:
-    user = await sync_to_async(django_user_model.objects.create_user)("ops", password="pw-long-enough")
+    user = (await sync_to_async(make_person)("ops", "viewer")).user
     agent = await sync_to_async(enroll)(Client(), "a1", gpus=2)
     comm = await _connect(user)
     await comm.connect()

@@ -31,7 +31,7 @@ BASELINE = gear("a1", [0, 1])
 MOVED = gear("b1", [4, 5])
 
 
-def drive(agents: SimAgents, name: str = "chat", *, max_s: float = 30.0) -> Transition:
+def drive(agents: SimAgents, name: str = "chat", *, max_s: float = 120.0) -> Transition:
     """Advance the deployment's transition until it ended (the agents answer as they go)."""
     ex = build_executor()
     deadline = time.monotonic() + max_s

@@ -107,15 +107,16 @@ def test_a_lost_gpu_makes_the_next_topology_tick_move_the_gear_at_once() -> None
 
 
 def restart_agent(node_id: str, runs: tuple[str, ...] = ()) -> int:
-    """The agent of `node_id` comes back (a new process: a new epoch), running `runs`."""
+    """The agent of `node_id` comes back (a new process: a new epoch), running `runs`. It registers with
+    its own token (the harness keeps none: an operator-issued one stands in for the kept one)."""
     from agents.protocol import GpuInfo, RegisterRequest
-    from console.fleet.actions import do_register_node
-    from tests.builders import JOIN_TOKEN
+    from console.fleet.actions import do_issue_agent_token, do_register_node
 
     req = RegisterRequest(node_id, f"{node_id}.test", "test", tuple(
         GpuInfo(f"GPU-{node_id}-{i}", i, "H100-SXM", 80 * 2**30, "nvl0") for i in range(8)),
         rack="A", data_addr=f"{node_id}.test:7070", plans=runs)
-    return do_register_node(req, token=JOIN_TOKEN, now=timezone.now()).node.epoch
+    _, token = do_issue_agent_token(node_id, actor="system:test", now=timezone.now())
+    return do_register_node(req, token=token, now=timezone.now()).node.epoch
 
 
 def test_a_plan_its_agent_came_back_without_leaves_the_gear_and_the_gearbox_brings_one_up() -> None:

@@ -80,7 +80,7 @@ def test_two_executors_advancing_one_transition_at_once_do_every_step_once() -> 
     workers = [threading.Thread(target=lambda: (advance_until_done(), connection.close())) for _ in range(2)]
     for w in workers:
         w.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
         agents.run()
         time.sleep(0.01)

@@ -63,7 +63,7 @@ def test_phase_shadow_plan_and_pin_follow_a_running_emergency(viewer: Person) ->
 
     # the agents prepare the shadow plan; the executor stops at the canary (a dwell)
     ex = build_executor()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # a condition, not a speed: generous for a loaded machine
     while Transition.objects.get(seq=3).step != "canary":
         assert time.monotonic() < deadline, Transition.objects.get(seq=3).step
         ex.advance("chat")
@@ -83,7 +83,7 @@ def test_the_migration_queue_counts_migrations_whose_command_is_not_acknowledged
     # to two other GPUs of the same node: NVLink makes migrating the KV cheaper than replaying it
     do_request_gear("chat", gear("a1", [2, 3]), actor="system:test")
     ex = build_executor()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # a condition, not a speed: generous for a loaded machine
     while Transition.objects.get(seq=2).step != "move":
         assert time.monotonic() < deadline, Transition.objects.get(seq=2).step
         ex.advance("chat")

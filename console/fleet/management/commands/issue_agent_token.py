@@ -1,4 +1,5 @@
-"""Issue (or rotate) the token of one node's agent, for clusters that keep enrollment closed."""
+"""Issue (or rotate) the token of one node's agent: for clusters that keep enrollment closed, and the
+operator's approval to re-enroll a node that is enrolled already (console.fleet.actions)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from agents.protocol import NODE_ID_RE
-from console.fleet.actions import hash_token, new_agent_token
-from console.fleet.models import Node
+from console.audit.chain import actor_of
+from console.fleet.actions import do_issue_agent_token
 
 
 class Command(BaseCommand):
@@ -21,12 +22,6 @@ class Command(BaseCommand):
     def handle(self, *args: Any, node_id: str, **options: Any) -> None:
         if not NODE_ID_RE.match(node_id):
             raise CommandError("node_id: 1-64 letters, digits, '.', '_' or '-'")
-        token = new_agent_token()
-        node, created = Node.objects.get_or_create(
-            node_id=node_id,
-            defaults={"hostname": node_id, "agent_version": "", "token_hash": hash_token(token),
-                      "registered_at": timezone.now()},
-        )
-        if not created:
-            Node.objects.filter(pk=node.pk).update(token_hash=hash_token(token))
+        _, token = do_issue_agent_token(node_id, actor=actor_of(system="manage.py issue_agent_token"),
+                                        now=timezone.now())
         self.stdout.write(token)
