@@ -7,8 +7,11 @@ in tests/console/api/test_schema.py):
 - 400 on an operation that reads parameters or a body: a field is invalid. The body names each
   field: {"field": ["reason", ...]} (a nested field: an object of the same), or {"detail": "..."}
   for a body that is not JSON;
-- 401 without credentials, 403 without the role, 404 on a path with an id that names nothing:
-  {"detail": "..."};
+- 401 without credentials, 403 without the role: {"detail": "..."}; 404 on a path with an id that
+  names nothing: {"detail": "..."}, or the field that names what does not exist (a rollout's
+  `version`): {"field": ["reason"]};
+- 409: the deployment's state refuses it, the body naming the field: {"field": ["reason"]}; an
+  operation whose 409 has a body of its own (a blocked emergency) may answer either;
 - a request body's schema refuses unknown keys (additionalProperties: false): the serializers are
   StrictSerializer, a typo is an error, not a no-op.
 """
@@ -29,12 +32,21 @@ GENERIC = {
     "400": "a parameter or a field of the body is invalid: the body names it; nothing changed",
     "401": "no credentials, or an unknown or revoked API token",
     "403": "the caller lacks the role this needs",
-    "404": "the id in the path names nothing",
+    "404": "the id in the path names nothing (or a field of the body names an object that does not exist: the body names it)",
 }
 
 
 def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
+
+
+def _or_refusal(response: dict[str, Any]) -> None:
+    """A 409 with a body of its own (a blocked emergency's offers) is still refused the usual way
+    when the deployment's state refuses the request itself: either body may come."""
+    for media in response.get("content", {}).values():
+        schema = media.get("schema", {})
+        if schema.get("$ref") and schema["$ref"] != "#/components/schemas/Refusal":
+            media["schema"] = {"anyOf": [schema, {"$ref": "#/components/schemas/Refusal"}]}
 
 
 def document_errors(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
@@ -58,7 +70,9 @@ def document_errors(result: dict[str, Any], generator: Any, request: Any, public
                 responses.setdefault(code, {"description": GENERIC[code]})
             for code, response in responses.items():
                 if code.startswith("4") and "content" not in response:
-                    response["content"] = _json("Refusal" if code in ("400", "409") else "Detail")
+                    response["content"] = _json("Refusal" if code in ("400", "404", "409") else "Detail")
+                elif code == "409":
+                    _or_refusal(response)
             for media in (operation.get("requestBody") or {}).get("content", {}).values():
                 ref = media.get("schema", {}).get("$ref", "")
                 if ref.startswith("#/components/schemas/"):
