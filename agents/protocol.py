@@ -88,7 +88,7 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     plan: ack ok, noop: true.
 
 A failed ack's result carries `reason` (preempted | failed | conflict | target_refused |
-stale_lease | timeout) and, for preemptions, `gpus`: the controller retries SWITCH steps that
+stale_lease | timeout | out_of_memory | unsupported) and, for preemptions, `gpus`: the controller retries SWITCH steps that
 fail (twice), rolls back PREPARE ones.
 
 Node commands (v1)
@@ -120,6 +120,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents.schema import ListReader, ObjectReader, Problems, SchemaError, read_document
+from scheduler.capabilities import EngineCaps
 from scheduler.plan import Plan
 from scheduler.transition import CommandKind
 
@@ -139,7 +140,10 @@ class NodeCommandKind(enum.StrEnum):
 TRANSITION_KINDS = tuple(k.value for k in CommandKind)  # sent by scheduler.transition, keyed by deployment and plan
 NODE_KINDS = tuple(k.value for k in NodeCommandKind)  # about the node itself: no deployment, no plan
 COMMAND_KINDS = TRANSITION_KINDS + NODE_KINDS  # every kind an agent may be sent
-FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_lease", "timeout")
+# out_of_memory: the plan would book more than 92% of a GPU (scheduler.booking, the same words from
+# every agent); unsupported: the node's engine cannot run the plan (scheduler.capabilities)
+FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_lease", "timeout", "out_of_memory",
+                   "unsupported")
 
 # Generous upper bounds that catch unit mistakes (bytes vs GiB) without limiting real hardware.
 _MAX_MEM_BYTES = 4 * 1024**4  # 4 TiB per GPU
@@ -200,6 +204,10 @@ class RegisterRequest:
     # controller drops from its gears the plans it placed on this node that are not listed
     # (console.fleet.actions.do_register_node). None: not said - nothing is reconciled.
     plans: tuple[str, ...] | None = None
+    # What each backend's engine can run (scheduler.capabilities.EngineCaps.to_dict(), schema
+    # version CAPS_VERSION), by backend name; every key is one of `backends`. None: not said
+    # (an older agent) - the planner then restricts nothing on this node.
+    capabilities: dict[str, dict[str, Any]] | None = None
     protocol: int = PROTOCOL_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -210,6 +218,8 @@ class RegisterRequest:
             del d["plans"]
         else:
             d["plans"] = list(self.plans)
+        if self.capabilities is None:
+            del d["capabilities"]
         return d
 
 
@@ -355,6 +365,28 @@ def parse_register(body: Any) -> RegisterRequest:
                 problems.add(path, f"must be a plan id (a string of 1 to 64 characters); got {item!r}")
             else:
                 plans.append(item)
+    capabilities: dict[str, dict[str, Any]] | None = None
+    raw_caps = r.raw("capabilities", None)
+    if raw_caps is not None:
+        if not isinstance(raw_caps, dict):
+            r.fail("capabilities", "must be an object of backend name -> capabilities")
+        else:
+            capabilities = {}
+            for name, caps in raw_caps.items():
+                where = f"capabilities.{name}"
+                if name not in backends:
+                    problems.add(where, f"names no backend this agent runs ({', '.join(backends)})")
+                    continue
+                try:
+                    parsed = EngineCaps.from_dict(caps, where)
+                except ValueError as exc:
+                    path, _, why = str(exc).partition(": ")
+                    problems.add(path, why or str(exc))
+                    continue
+                if parsed.backend != name:
+                    problems.add(f"{where}.backend", f"must be {name!r}, the key it is listed under")
+                    continue
+                capabilities[name] = parsed.to_dict()
     gpus: list[GpuInfo] = []
     seen_uuids: dict[str, str] = {}
     seen_index: dict[int, str] = {}
@@ -393,6 +425,7 @@ def parse_register(body: Any) -> RegisterRequest:
         backends=tuple(backends),
         data_addr=data_addr,
         plans=None if plans is None else tuple(plans),
+        capabilities=capabilities,
     )
 
 

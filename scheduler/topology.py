@@ -5,7 +5,8 @@ scenario); both go through the same plain-JSON shape (`Snapshot.from_dict` / `to
 
     {
       "now_s": 1200.0,                      # when the snapshot was taken (injected clock)
-      "nodes": [{"id": "a1", "rack": "A", "schedulable": true, "last_seen_s": 1195.0}],
+      "nodes": [{"id": "a1", "rack": "A", "schedulable": true, "last_seen_s": 1195.0,
+                 "engine": {"backend": "torch", ...}}],     # capabilities.EngineCaps; optional
       "gpus": [{
           "uuid": "GPU-a1-0", "node_id": "a1", "index": 0,
           "model": "H100-SXM",              # catalog name, or the name of a custom spec below
@@ -22,7 +23,7 @@ scenario); both go through the same plain-JSON shape (`Snapshot.from_dict` / `to
     }
 
 Optional keys and their defaults: node `rack` (its own id), `schedulable` (true),
-`last_seen_s` (now_s); GPU `sm_util` (0), `temperature_c` (0), `healthy` and `schedulable`
+`last_seen_s` (now_s), `engine` (null: not reported, unrestricted); GPU `sm_util` (0), `temperature_c` (0), `healthy` and `schedulable`
 (true), `nvlink_group` (null), the three error counters (0), `last_seen_s` (its node's);
 `links`, `custom_specs` ([]); `network` ({} = no default path between nodes); link
 `latency_us` (null: the cost model's own latency). Unknown keys are an error; every error
@@ -51,6 +52,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
+from scheduler.capabilities import EngineCaps
 from scheduler.hardware import CATALOG as GPU_CATALOG
 from scheduler.hardware import GpuSpec, gpu_spec
 
@@ -68,6 +70,7 @@ class NodeState:
     rack: str  # rack (or any locality group); links inside a rack default to intra_rack_gbps
     schedulable: bool = True  # false: cordoned by an operator or the platform
     last_seen_s: float = 0.0  # when its agent last reported (snapshot clock)
+    engine: EngineCaps | None = None  # what its engine can run (capabilities.py); None: not reported, unrestricted
 
 
 @dataclass(frozen=True)
@@ -267,7 +270,8 @@ class Snapshot:
         return {
             "now_s": self.now_s,
             "nodes": [
-                {"id": n.id, "rack": n.rack, "schedulable": n.schedulable, "last_seen_s": n.last_seen_s}
+                {"id": n.id, "rack": n.rack, "schedulable": n.schedulable, "last_seen_s": n.last_seen_s,
+                 **({"engine": n.engine.to_dict()} if n.engine is not None else {})}
                 for n in self.nodes
             ],
             "gpus": [
@@ -306,14 +310,17 @@ class Snapshot:
         now_s = r.number("now_s")
         nodes = []
         for i, item in enumerate(r.items("nodes")):
-            n = _Reader(item, f"nodes[{i}]", required=("id",), optional=("rack", "schedulable", "last_seen_s"))
+            n = _Reader(item, f"nodes[{i}]", required=("id",),
+                        optional=("rack", "schedulable", "last_seen_s", "engine"))
             node_id = n.string("id")
+            engine = n.raw("engine")
             nodes.append(
                 NodeState(
                     id=node_id,
                     rack=n.string("rack", node_id),
                     schedulable=n.boolean("schedulable", True),
                     last_seen_s=n.number("last_seen_s", now_s),
+                    engine=None if engine is None else EngineCaps.from_dict(engine, f"nodes[{i}].engine"),
                 )
             )
         node_seen = {n.id: n.last_seen_s for n in nodes}

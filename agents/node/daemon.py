@@ -15,7 +15,9 @@ Invariants:
 - Every ok-ack's result passes agents.protocol.check_result before it leaves; a result that would
   break the protocol is sent as a failed ack instead (reason "failed"), never half right.
 - A plan's GPUs keep its reserve_bytes booked from prepare until abort or release; a prepare that
-  fails books nothing. Reports show booked memory as used (the static probe's GPUs have no real
+  fails books nothing. A prepare that would book more than 92% of a GPU beside what is used and
+  booked there is refused (reason out_of_memory, scheduler.booking's words); one whose plan this
+  node's engine cannot run is refused too (reason unsupported, scheduler.capabilities' words). Reports show booked memory as used (the static probe's GPUs have no real
   memory to measure; NVML measures what the engines really hold).
 """
 
@@ -51,6 +53,9 @@ from agents.protocol import (
     check_payload,
     check_result,
 )
+from scheduler.booking import REFUSAL_REASON, refuse_booking
+from scheduler.capabilities import DEFAULT_CAPS, EngineCaps, engine_refusals
+from scheduler.plan import Plan
 
 log = logging.getLogger("agents.node")
 
@@ -101,7 +106,8 @@ class NodeAgent:
     def __init__(self, *, controller: str, join_token: str, probe: Probe, backend: Backend | None,
                  backend_name: str, node_id: str, data_addr: str | None = None, hostname: str | None = None,
                  rack: str | None = None, long_poll_s: float = 10.0, report_interval_s: float | None = None,
-                 book_memory: bool = True, workers: int = 4, clock: Callable[[], float] = time.monotonic) -> None:
+                 book_memory: bool = True, workers: int = 4, clock: Callable[[], float] = time.monotonic,
+                 capabilities: EngineCaps | None = None) -> None:
         self.controller = controller
         self.join_token = join_token
         self.probe = probe
@@ -114,6 +120,8 @@ class NodeAgent:
         self.long_poll_s = long_poll_s
         self.fixed_interval_s = report_interval_s
         self.book_memory = book_memory  # add booked memory to what the probe reports as used
+        # what its engine can run (reported at registration; PREPAREs beyond it are refused)
+        self.capabilities = capabilities if capabilities is not None else DEFAULT_CAPS.get(backend_name)
         self.clock = clock
         self.state = NodeState()
         self.client = AgentClient(controller, join_token)
@@ -137,7 +145,9 @@ class NodeAgent:
             held = tuple(sorted({slot.plan_id for slot in self.plans.values()}))
         req = RegisterRequest(node_id=self.node_id, hostname=self.hostname[:255], agent_version=AGENT_VERSION,
                               gpus=self.probe.gpus(), rack=self.rack, backends=(self.backend_name,),
-                              data_addr=self.data_addr, plans=held)
+                              data_addr=self.data_addr, plans=held,
+                              capabilities={self.backend_name: self.capabilities.to_dict()}
+                              if self.capabilities is not None else None)
         with self._http_lock:
             resp = self.client.register(req)
         with self._lock:
@@ -388,6 +398,7 @@ class NodeAgent:
             return _Outcome("ok", "already prepared", {"plan_id": plan_id, "reserved_bytes": slot.reserve_bytes,
                                                       "load_s": slot.load_s, "already": True})
         want = {str(u): int(b) for u, b in p["reserve_bytes"].items()}
+        self._check_engine(p)
         self._check_gpus(want)
         slot = PlanSlot(deployment, plan_id, str(p["role"]), want, prepared_at_s=self.clock())
         with self._lock:
@@ -457,12 +468,26 @@ class NodeAgent:
         if lost:
             raise PrepareError(f"GPU(s) {', '.join(lost)} are unhealthy or held by another tenant", "preempted",
                                lost)
-        booked = self.booked()
-        for u, need in sorted(want.items()):
-            g = reports[u]
-            used = g.mem_used_bytes + (booked.get(u, 0) if self.book_memory else 0)
-            if used + need > g.mem_total_bytes:
-                raise PrepareError(f"GPU {u}: {need} bytes wanted, {g.mem_total_bytes - used} free", "conflict", [u])
+        booked = self.booked() if self.book_memory else {}
+        over = refuse_booking(want, {u: g.mem_used_bytes + booked.get(u, 0) for u, g in reports.items()},
+                              {u: g.mem_total_bytes for u, g in reports.items()})
+        if over is not None:
+            # scheduler.booking: the words every agent (and the simulated ones) refuses with
+            raise PrepareError(over.message(), REFUSAL_REASON, [over.gpu])
+
+    def _check_engine(self, p: dict[str, Any]) -> None:
+        """PrepareError unless this node's engine can run the plan (scheduler.capabilities: the
+        planner's filter, in the same words)."""
+        if self.capabilities is None:
+            return
+        try:
+            plan = Plan.from_dict(p["plan"])
+        except ValueError as exc:
+            raise PrepareError(f"plan: {exc}") from None
+        nodes = sorted({self.node_id, *(str(n) for n in (p.get("peers") or {}))})
+        problems = engine_refusals(plan, nodes, {self.node_id: self.capabilities})
+        if problems:
+            raise PrepareError("; ".join(problems), "unsupported")
 
     def _stop_engine(self, engine: PlanEngine) -> None:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from agents.protocol import check_result
+from scheduler.booking import refuse_booking
 from tests.agents.node.conftest import command, gpus, prepare_payload, tiny_plan
 
 
@@ -78,15 +79,22 @@ def test_gpus_of_another_node_are_refused_as_preempted(make_agent: Any) -> None:
     assert agent.booked() == {}
 
 
-def test_more_memory_than_a_gpu_has_free_is_a_conflict(make_agent: Any) -> None:
+def test_a_plan_that_would_book_over_92_percent_beside_another_is_refused_out_of_memory(make_agent: Any) -> None:
     agent = make_agent("n2")
     a, b = gpus("n1", 1)[0], gpus("n2", 1)[0]
     node_of = {a: "n1", b: "n2"}
     first = prepare_payload(tiny_plan([[a], [b]]), "n2", reserve_bytes=60 * 10**9, node_of=node_of)
     ok("prepare_plan", agent.handle(command("prepare_plan", first)))
-    second = prepare_payload(tiny_plan([[a], [b]], kv_tokens=4096), "n2", reserve_bytes=30 * 10**9, node_of=node_of)
+    # 60 GB + 15 GB fits in 80 GiB's 100% but not in its 92%: the old check let it through
+    second = prepare_payload(tiny_plan([[a], [b]], kv_tokens=4096), "n2", reserve_bytes=15 * 10**9, node_of=node_of)
     ack = agent.handle(command("prepare_plan", second))
-    assert ack.status == "failed" and ack.result["reason"] == "conflict" and "free" in ack.detail
+    total = agent.probe.report()[0].mem_total_bytes
+    used = next(g.mem_used_bytes for g in agent.probe.report() if g.uuid == b) + 60 * 10**9
+    # the words every agent refuses with (scheduler.booking): the simulated fleets send the same
+    expected = refuse_booking({b: 15 * 10**9}, {b: used}, {b: total})
+    assert expected is not None
+    assert ack.status == "failed" and ack.result["reason"] == "out_of_memory" and ack.result["gpus"] == [b]
+    assert ack.detail == expected.message() and "above the 92% limit" in ack.detail
     assert agent.booked() == {b: 60 * 10**9}
 
 
