@@ -300,6 +300,7 @@ class Decision:
     # stage 2 (its drivers ask for it once stage 1 is done) goes on to it. 0: a plain switch
     stage: int = 0
     staged_target: Gear | None = None  # stage 1: where the staged switch goes next
+    excluded: tuple[str, ...] = ()  # plans the planner left out because a node's engine cannot run them, and why
 
     @property
     def target_gear_id(self) -> str | None:
@@ -332,6 +333,7 @@ class Decision:
             "cooldown_until_s": self.cooldown_until_s,
             "stage": self.stage,
             "staged_target": self.staged_target.to_dict() if self.staged_target is not None else None,
+            "excluded": list(self.excluded),
         }
 
     @classmethod
@@ -366,6 +368,7 @@ class Decision:
                 cooldown_until_s=None if cooldown is None else _num(cooldown),
                 stage=int(stage),
                 staged_target=None if staged is None else Gear.from_dict(staged, "decision.staged_target"),
+                excluded=tuple(str(x) for x in _list(d.get("excluded"))),
             )
         except KeyError as exc:
             raise ValueError(f"decision.{exc.args[0]}: required") from None
@@ -375,6 +378,10 @@ def _obj(v: object) -> Mapping[str, object]:
     if not isinstance(v, Mapping):
         raise ValueError(f"decision: expected an object, got {type(v).__name__}")
     return v
+
+
+def _list(v: object) -> list[object]:
+    return list(v) if isinstance(v, list | tuple) else []
 
 
 def _num(v: object) -> float:
@@ -598,6 +605,7 @@ def decide(
                     and stands(current_gear, cur.estimate, cur.profiles))
     cool_until = cooldown_until(deployment, config)
     reasons: list[str] = []
+    left_out: list[str] = []  # the planner's exclusions (engine capabilities), for the candidate list
 
     def finish(outcome: Outcome, target: Gear | None, evals: Sequence[CandidateEval], why: Sequence[str],
                value: float | None = None, *, stage: int = 0, staged: Gear | None = None) -> Decision:
@@ -618,6 +626,7 @@ def decide(
             cooldown_until_s=cool_until,
             stage=stage,
             staged_target=staged,
+            excluded=tuple(left_out),
         )
 
     def evaluate(gear: Gear, est: Estimate, note: str,
@@ -812,6 +821,7 @@ def decide(
         reclaimable_bytes=reclaim, prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy,
         eff=eff,
     )
+    left_out.extend(cands.excluded)
     if cap_per_gpu == 0.0 and cands.feasible:
         # nothing runs now: charge the rent against the most GPU-efficient candidate
         cap_per_gpu = max(c.estimate.capacity_rps * workload.output_tokens_mean / max(1, c.estimate.gpus)

@@ -3,9 +3,11 @@
 Filter -> build -> score, pruned so that the work grows with the number of atomic blocks
 (in fact with the number of distinct block *shapes*), not with the number of GPUs:
 
-1. Filter blocks: usable memory per GPU (92% rule, others' use, what this deployment would
-   give back), and - for latency-critical deployments - stability (blocks that keep
-   shrinking are left out, seed 000 section 4.1).
+1. Filter blocks: usable memory per GPU (92% rule - or less on a node whose engine takes a
+   fixed share, capabilities.py - others' use, what this deployment would give back), and -
+   for latency-critical deployments - stability (blocks that keep shrinking are left out,
+   seed 000 section 4.1). Plans a node's engine cannot run (its modes, TP sizes, PP, mixed TP,
+   spanning nodes) are never built; `Candidates.excluded` says which were left out and why.
 2. Units (single plans): TP groups only inside one block, sized from the memory floor up
    (the minimum TP is the smallest that holds weights plus the minimum KV reserve); a block
    hosts as many disjoint groups as fit. PP chains of whole groups across blocks whose
@@ -32,6 +34,7 @@ from functools import lru_cache, partial
 from typing import Literal
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
+from scheduler.capabilities import engine_refusals, mem_fraction_of
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     MAX_RUNNING_SEQS,
@@ -118,6 +121,7 @@ class Candidates:
     blocks_considered: int  # blocks after filtering
     block_shapes: int  # distinct block shapes (what the enumeration scales with)
     unit_types: int  # distinct unit plans estimated
+    excluded: tuple[str, ...] = ()  # plans left out because a node's engine cannot run them, and why
 
     @property
     def ok(self) -> bool:
@@ -130,6 +134,7 @@ class Candidates:
             "blocks_considered": self.blocks_considered,
             "block_shapes": self.block_shapes,
             "unit_types": self.unit_types,
+            "excluded": list(self.excluded),
         }
 
 
@@ -305,11 +310,21 @@ def plan_candidates(
     latency_critical, min_stability = options.latency_critical, options.min_stability
     caps: dict[int, int] = {}  # capacity -> int(frac x capacity): one figure per GPU model
     reclaim_uuids = set(reclaim)  # (a set: dict keys test a tuple for overlap by scanning it)
+    # what the nodes' engines can run (capabilities.py; none reported: no restriction)
+    engines = {n.id: n.engine for n in snapshot.nodes if n.engine is not None}
+    excluded_units: dict[str, int] = {}  # why plans were left out -> how many
+    memos: dict[float, dict[int, int]] = {frac: caps}
     for b in blocks:
         score = stability.get(b.id, 1.0) if stability else 1.0
         if latency_critical and score < min_stability:
             unstable.append(b.id)
             continue
+        if engines and b.node_id in engines:
+            # an engine that takes a fixed share of each GPU (vLLM) leaves the plan that much
+            frac = mem_fraction_of(snapshot, b.node_id, options.mem_fraction)
+            caps = memos.setdefault(frac, {})
+        else:
+            frac, caps = options.mem_fraction, memos[options.mem_fraction]
         # usable bytes per GPU, as plan.usable_bytes counts them (used = total - free)
         totals, frees, uuids = b.mem_total_bytes, b.mem_free_bytes, b.gpu_uuids
         if reclaim_uuids and not reclaim_uuids.isdisjoint(uuids):
@@ -349,8 +364,16 @@ def plan_candidates(
 
     types: dict[tuple[object, ...], _UnitType] = {}
     used_in_type: dict[tuple[object, ...], set[str]] = {}
+    block_node = {r.block.id: r.block.node_id for r in rooms}
 
     def add_unit(unit: _Unit, label: str, check: bool = True) -> None:
+        if engines:
+            nodes = sorted({block_node[b] for b in unit.blocks if b in block_node})
+            why = engine_refusals(unit.plan, nodes, engines)
+            if why:
+                key = f"{label}: {why[0]}"
+                excluded_units[key] = excluded_units.get(key, 0) + 1
+                return
         t = types.get(unit.type_key)
         if t is None:
             t = types[unit.type_key] = _UnitType(unit.type_key, label, len(types))
@@ -373,14 +396,23 @@ def plan_candidates(
     terms = {tp: _stage_terms(model, 0, layers, tp) for tp in valid_tps}
     max_units = options.max_plans_per_gear
     floors = {tp: terms[tp][0] + -(-(min_kv * terms[tp][1]) // terms[tp][2]) for tp in valid_tps}
+    curved = bool(snapshot.collectives)
     for r in rooms:
         size = len(r.uuids)
         block = r.block
         block_ids = (block.id,)
-        key_head = ("tp", block.gpu_model, block.link_kind, r.shape[3])
+        # with measured collective curves, blocks of one shape on different nodes may differ (each
+        # node's all-reduce is its own curve): their units are types of their own
+        key_head = ("tp", block.gpu_model, block.link_kind, r.shape[3]) + ((block.node_id,) if curved else ())
+        engine = engines.get(block.node_id) if engines else None
         for tp in valid_tps:
             if tp > size:
                 break
+            if engine is not None and (not engine.allows_tp(tp) or "colocated" not in engine.modes):
+                why = engine_refusals(_colocated(model, tuple(r.uuids[:tp]), 1), (block.node_id,), engines)
+                if why:
+                    excluded_units[f"TP{tp} on {block.node_id}: {why[0]}"] = 1
+                continue
             weights, kv_per_token, shards = terms[tp]
             floor_bytes = floors[tp]
             for g in range(size // tp):
@@ -424,8 +456,10 @@ def plan_candidates(
             first = t.units[0]
             if first.kind == "tp":
                 block = block_by_id[first.blocks[0]]
+                tp = len(first.uuids)
+                curve = snapshot.allreduce_curve(block.node_id, tp) if tp > 1 and snapshot.collectives else None
                 t.profile = PlanProfile.single_block(first.plan, model, snapshot.spec(block.gpu_model),
-                                                     block.tp_link_bytes_per_s, eff)
+                                                     block.tp_link_bytes_per_s, eff, curve)
             else:
                 t.profile = PlanProfile.build(first.plan, model, snapshot, eff)
             t.state = steady_state(t.profile, workload, slo)
@@ -470,11 +504,13 @@ def plan_candidates(
 
     if not types:
         reasons.extend(_no_fit_reasons(model, snapshot, rooms, min_kv, options))
-        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), 0)
+        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), 0,
+                          _left_out(excluded_units))
     if not live:
         reasons.append("every plan that fits has zero capacity for this workload (KV reserve too small for one"
                        " request); to fix: free memory or lower the prompt/output lengths")
-        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
+        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types),
+                          _left_out(excluded_units))
 
     # 3. gears: replicas of each unit type, the single unit, and the mixed fill. Each gear is
     # estimated and ranked as a draft (units + weights); Gear and Plan objects are built only
@@ -530,7 +566,13 @@ def plan_candidates(
             f"no gear reaches the offered {workload.rate_rps:.2f} rps (best: {best.estimate.capacity_rps:.2f} rps"
             f" on {best.estimate.gpus} GPUs); to fix: free more GPUs, raise max_plans_per_gear, or shed load"
         )
-    return Candidates(feasible, tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
+    return Candidates(feasible, tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types),
+                      _left_out(excluded_units))
+
+
+def _left_out(excluded: Mapping[str, int]) -> tuple[str, ...]:
+    """'P:TP2 L40S / D:TP4 A100-80G: node b1 (vllm) cannot run disaggregated plans (x3)', sorted."""
+    return tuple(f"left out {k}" + (f" (x{n})" if n > 1 else "") for k, n in sorted(excluded.items()))
 
 
 class _Draft:

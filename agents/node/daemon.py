@@ -11,7 +11,9 @@ Invariants:
 - Each transition command is idempotent on the plan's state too (a retry is a new command id):
   prepare of a prepared plan acks ok at once; abort, thaw and release of a plan this node does not
   hold ack ok with `noop: true`; freeze of one acks no sequences; move names each sequence "gone".
-- Node commands (verify_weights) run outside every plan lock: they name no deployment or plan.
+- Node commands (verify_weights, probe_links) run outside every plan lock: they name no deployment
+  or plan. Links to the peers `probe_links` named are probed again every FLEXPIPE_LINK_PROBE_S
+  (agents/node/links.py) and every report carries the latest figure per peer.
 - Every ok-ack's result passes agents.protocol.check_result before it leaves; a result that would
   break the protocol is sent as a failed ack instead (reason "failed"), never half right.
 - A plan's GPUs keep its reserve_bytes booked from prepare until abort or release; a prepare that
@@ -36,12 +38,14 @@ from typing import Any
 import httpx
 
 from agents.client import AgentClient, ControllerError
+from agents.node.links import LinkProber
 from agents.node.plans import Backend, ModelStore, PlanEngine, PrepareError
 from agents.probes import Probe
 from agents.protocol import (
     FAILURE_REASONS,
     NODE_KINDS,
     Ack,
+    CollectiveReport,
     Command,
     CommandKind,
     EngineReport,
@@ -107,7 +111,7 @@ class NodeAgent:
                  backend_name: str, node_id: str, data_addr: str | None = None, hostname: str | None = None,
                  rack: str | None = None, long_poll_s: float = 10.0, report_interval_s: float | None = None,
                  book_memory: bool = True, workers: int = 4, clock: Callable[[], float] = time.monotonic,
-                 capabilities: EngineCaps | None = None) -> None:
+                 capabilities: EngineCaps | None = None, links: LinkProber | None = None) -> None:
         self.controller = controller
         self.join_token = join_token
         self.probe = probe
@@ -122,6 +126,9 @@ class NodeAgent:
         self.book_memory = book_memory  # add booked memory to what the probe reports as used
         # what its engine can run (reported at registration; PREPAREs beyond it are refused)
         self.capabilities = capabilities if capabilities is not None else DEFAULT_CAPS.get(backend_name)
+        self.links = links if links is not None else LinkProber()  # links to peers (probe_links, periodic)
+        # collective sweeps measured on this node's GPUs (agents/probes/collectives.py), reported as they are
+        self.collectives: tuple[CollectiveReport, ...] = ()
         self.clock = clock
         self.state = NodeState()
         self.client = AgentClient(controller, join_token)
@@ -156,6 +163,16 @@ class NodeAgent:
         log.info("%s registered (epoch %d, %d GPUs, report every %g s)", self.node_id, resp.epoch,
                  len(req.gpus), self.state.report_interval_s)
 
+    def _serve_data(self) -> None:
+        """Start this node's data server before registering: peers probe the link to it (and
+        send it KV) as soon as the controller names it."""
+        serve = getattr(self.backend, "server", None)
+        if callable(serve) and self.data_addr:
+            try:
+                serve()
+            except OSError as exc:
+                log.warning("%s: data server on %s not started: %s", self.node_id, self.data_addr, exc)
+
     def booked(self) -> dict[str, int]:
         """GPU uuid -> bytes booked by the plans held now."""
         out: dict[str, int] = {}
@@ -189,7 +206,8 @@ class NodeAgent:
             self.state.seq += 1
             epoch, seq = self.state.epoch, self.state.seq
         body = Report(node_id=self.node_id, epoch=epoch, seq=seq, gpus=self.gpu_reports(),
-                      engines=self.engine_reports())
+                      engines=self.engine_reports(), links=self.links.reports(),
+                      collectives=self.collectives)
         with self._http_lock:
             self.client.report(body)
         with self._lock:
@@ -212,9 +230,12 @@ class NodeAgent:
         """One pass of the main loop: (re)register, acks left unsent, a report when due."""
         try:
             if self.state.epoch == 0:
+                self._serve_data()
                 self.register()
                 self._start_poller()
             self._flush_acks()
+            if self.links.due():
+                self._reprobe()
             due = self.clock() - self.state.last_report_s >= self.state.report_interval_s
             if self.state.dirty or due:
                 self.report()
@@ -370,7 +391,8 @@ class NodeAgent:
         if cmd.kind in NODE_KINDS:
             # About the node, not a plan: no plan lock (the payload names no deployment or plan_id).
             self.executed[cmd.kind] += 1
-            return {NodeCommandKind.VERIFY_WEIGHTS: self._verify_weights}[NodeCommandKind(cmd.kind)](payload)
+            return {NodeCommandKind.VERIFY_WEIGHTS: self._verify_weights,
+                    NodeCommandKind.PROBE_LINKS: self._probe_links}[NodeCommandKind(cmd.kind)](payload)
         kind = CommandKind(cmd.kind)
         key = (str(payload["deployment"]), str(payload["plan_id"]))
         with self._lock:
@@ -457,6 +479,33 @@ class NodeAgent:
         weights, digest = store.hash_held(name)
         same = "the registry's" if digest == p["sha256"] else f"not the registry's {str(p['sha256'])[:16]}..."
         return _Outcome("ok", f"model {name!r}: {weights} has sha256 {digest[:16]}..., {same}", {"sha256": digest})
+
+    def _probe_links(self, p: dict[str, Any]) -> _Outcome:
+        """probe_links: measure the named peers now and keep probing them (agents/node/links.py)."""
+        peers = {str(n): str(a) for n, a in dict(p["peers"]).items() if str(n) != self.node_id}
+        self.links.tell(peers)
+        if p.get("bulk_bytes"):
+            self.links.bulk_bytes = int(p["bulk_bytes"])
+        measured = self.links.probe()
+        self.state.dirty = True  # the new figures go out with the next report at once
+        detail = ", ".join(f"{r.peer} {r.bw_gbps:.2f} Gb/s" for r in measured) or "no peer answered"
+        return _Outcome("ok", f"links measured: {detail}",
+                        {"links": [{k: v for k, v in r.__dict__.items() if v is not None} for r in measured]})
+
+    def _reprobe(self) -> None:
+        """The periodic link probe (FLEXPIPE_LINK_PROBE_S), on the command pool: never in the way of
+        reports or commands."""
+        def run() -> None:
+            try:
+                self.links.probe()
+                self.state.dirty = True
+            except Exception:  # noqa: BLE001 - a failed round must not kill the pool thread
+                log.exception("%s: the periodic link probe failed", self.node_id)
+
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # the pool is shut down: the agent is closing
+            pass
 
     def _check_gpus(self, want: dict[str, int]) -> None:
         """PrepareError unless every GPU is ours, healthy, allocatable and has the memory free."""

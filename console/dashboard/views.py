@@ -4,9 +4,10 @@ from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+from django.utils import timezone
 
 from console.accounts.roles import VIEWER, has_role
-from console.fleet import live
+from console.fleet import links, live
 
 
 @login_required
@@ -15,6 +16,7 @@ def overview(request: HttpRequest) -> HttpResponse:
         "heartbeat_timeout_s": settings.FLEXPIPE_HEARTBEAT_TIMEOUT_S,
         # the deployments, switches and atomic blocks come from /ws/gearbox/, which needs the viewer role
         "gearbox": has_role(request.user, VIEWER),
+        "links": links.link_table(timezone.now()),
     })
 
 

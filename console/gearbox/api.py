@@ -153,6 +153,7 @@ class DeploymentSerializer(PayloadSerializer):
     slo = inline_serializer("Slo", {"ttft_ms": serializers.FloatField(), "tpot_ms": serializers.FloatField()})
     priority = serializers.IntegerField()
     mode = serializers.ChoiceField(choices=[m for m, _ in Deployment.MODES])
+    latency_critical = serializers.BooleanField(help_text="its plans stay off blocks that keep shrinking")
     baseline_gear = GearSummarySerializer(help_text="the emergency target")
     current_gear = GearSummarySerializer(allow_null=True)
     pinned_gear = GearSummarySerializer(allow_null=True)
@@ -310,6 +311,12 @@ class ModeSerializer(StrictSerializer):
         "is pinned"))
 
 
+class LatencyCriticalSerializer(StrictSerializer):
+    latency_critical = serializers.BooleanField(help_text=(
+        "true: the planner keeps this deployment's plans off blocks whose fragment history says they keep "
+        "shrinking (stability below 0.5); false: any block"))
+
+
 class EmergencySerializer(StrictSerializer):
     reason = serializers.CharField(max_length=500, help_text="why the deployment must go back to its baseline")
 
@@ -364,7 +371,8 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     lookup_value_regex = NAME_RE
 
     def get_permissions(self) -> list[Any]:
-        return [IsOperator()] if self.action in ("pin", "unpin", "mode", "emergency") else [IsViewer()]
+        operator = ("pin", "unpin", "mode", "emergency", "latency_critical")
+        return [IsOperator()] if self.action in operator else [IsViewer()]
 
     def get_queryset(self) -> QuerySet[Deployment]:
         qs = Deployment.objects.order_by("-priority", "name")
@@ -454,6 +462,18 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         except Rejected as exc:
             return _refused(exc)
         return Response(_deployment(dep))
+
+    @extend_schema(summary="Mark latency-critical or not (operator): its plans stay off shrinking blocks",
+                   request=LatencyCriticalSerializer, responses={200: DeploymentSerializer, **REFUSALS},
+                   parameters=[NAME])
+    @action(detail=True, methods=["post"], url_path="latency-critical")
+    def latency_critical(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        value = self._body(LatencyCriticalSerializer)["latency_critical"]
+        try:
+            return Response(_deployment(actions.do_set_latency_critical(dep.name, value, actor=request.user)))
+        except Rejected as exc:
+            return _refused(exc)
 
     @extend_schema(summary="Emergency downshift to the baseline gear (operator; reason required; idempotent)",
                    request=EmergencySerializer, parameters=[NAME],
