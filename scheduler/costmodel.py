@@ -15,8 +15,8 @@ Physics, and only a handful of fitted factors (`Efficiency`):
   + the reduction's own HBM traffic (3 x (t-1)/t x bytes at the MBU). Small messages are
   latency-bound (the fixed part is ~45-70 us for 2-8 GPUs, as Vidur measured NCCL, against
   ~2 us of bandwidth time for a decode step's 16 KB), large ones bandwidth-bound.
-  Point-to-point (PP hand-off, KV hand-off and migration): one kernel launch + one hop +
-  bytes / (efficiency x B/s). Where an agent measured the collective itself (a sweep of message
+  Point-to-point (PP hand-off, KV hand-off and migration): one kernel launch + a send/recv
+  handshake + one hop + bytes / (p2p efficiency x B/s). Where an agent measured the collective itself (a sweep of message
   sizes, scheduler.collectives), its curve replaces the model: the TP all-reduce of a group on
   that node and size, and copies between the two nodes. Links measured by the agents' probes are used as measured for
   copies (their efficiency is already in the number); datasheet links (NVLink, PCIe) are
@@ -91,13 +91,19 @@ class Efficiency:
     # engines that capture decode steps in graphs and use a custom all-reduce for small messages.
     # (Last, so that the fields before it keep their positions.)
     allreduce_latency_s: float = 39e-6
+    # A point-to-point copy over a datasheet link (NVLink/PCIe: a PP hand-off, a KV move inside a
+    # node) is one copy stream with no reduction: it reaches more of the link than a ring's share
+    # (fitted on Vidur's in-node NCCL send/recv: ~0.94), and an NCCL send/recv call pays a
+    # handshake beyond a kernel launch (~4 us). Measured paths are used as measured.
+    p2p_link_efficiency: float = 0.94
+    p2p_latency_s: float = 4e-6
 
     def __post_init__(self) -> None:
-        for name in ("mfu", "mbu", "link_efficiency"):
+        for name in ("mfu", "mbu", "link_efficiency", "p2p_link_efficiency"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name}: must be within (0, 1], got {value}")
-        for name in ("link_latency_s", "allreduce_latency_s", "kernel_overhead_s"):
+        for name in ("link_latency_s", "allreduce_latency_s", "kernel_overhead_s", "p2p_latency_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.roofline_norm < 1:
@@ -148,7 +154,8 @@ class Path:
     curve: CollectiveCurve | None = None  # a measured send/recv sweep over this path: point-to-point copies use it
 
     def effective_bytes_per_s(self, eff: Efficiency) -> float:
-        return self.bytes_per_s if self.measured else self.bytes_per_s * eff.link_efficiency
+        """What one point-to-point copy gets of the path: as measured, or the datasheet figure derated."""
+        return self.bytes_per_s if self.measured else self.bytes_per_s * eff.p2p_link_efficiency
 
     def latency(self, eff: Efficiency) -> float:
         """One hop over the path: the link's latency (plus what a probe measured beyond it)."""
@@ -156,8 +163,8 @@ class Path:
 
     def transfer_latency(self, eff: Efficiency) -> float:
         """Fixed time of a point-to-point copy: one kernel launch (send/recv is a kernel, with
-        the same fixed cost as any other) and one hop."""
-        return eff.kernel_overhead_s + self.latency(eff)
+        the same fixed cost as any other), the send/recv handshake, and one hop."""
+        return eff.kernel_overhead_s + eff.p2p_latency_s + self.latency(eff)
 
 
 def transfer_time_s(bytes_moved: float, path: Path, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
@@ -211,7 +218,10 @@ def gpu_path(snapshot: Snapshot, u: str, v: str) -> Path:
     """The path between two GPUs of a snapshot (nominal inside a node, measured across nodes)."""
     gu, gv = snapshot.gpu_by_uuid[u], snapshot.gpu_by_uuid[v]
     if gu.node_id == gv.node_id:
-        return Path(bytes_per_s=snapshot.gpu_link_bytes_per_s(u, v))
+        # a measured copy sweep (an agent times GPU 0 -> 1) stands for pairs of one NVLink group
+        curve = (snapshot.copy_curve(gu.node_id) if snapshot.collectives and gu.nvlink_group is not None
+                 and gu.nvlink_group == gv.nvlink_group else None)
+        return Path(bytes_per_s=snapshot.gpu_link_bytes_per_s(u, v), curve=curve)
     # across nodes: what Snapshot.gpu_link_bytes_per_s and gpu_link_latency_s give, with the
     # host links and the node link looked up once for both
     host = min(snapshot.spec(gu.model).host_link_bytes_per_s, snapshot.spec(gv.model).host_link_bytes_per_s)
@@ -636,8 +646,8 @@ def kv_route(src: Sequence[Stage], dst: Sequence[Stage], model: ModelSpec, snaps
                 return KvRoute(latency_s=math.inf, s_per_token=math.inf, bytes_per_token=max(1, moved))
             path = gpu_path(snapshot, u, v)
             lanes = min(s.tp, t.tp) if gpus[u].node_id == gpus[v].node_id else 1
-            if path.curve is not None:  # a measured send/recv sweep between the nodes: its bandwidth and floor
-                bw = path.curve.bandwidth_bytes_per_s()
+            if path.curve is not None:  # a measured copy sweep over this path: its bandwidth (per lane) and floor
+                bw = path.curve.bandwidth_bytes_per_s() * lanes
                 if math.isfinite(bw):
                     worst_s_per_token = max(worst_s_per_token, overlap * per_layer / bw)
                 worst_latency = max(worst_latency, path.curve.latency_s())

@@ -666,7 +666,7 @@ def decide(
         known = {**cur.profiles, **profiles_of.get(e.gear, {})}
         options: list[tuple[str, Gear, SwitchCost]] = []
         firsts = [(v.gear, v.estimate, v.cost, "staged") for v in vias if v.gear != e.gear]
-        sub = drain_gear(current_gear, found)
+        sub = drain_gear(current_gear, found, snapshot)
         if sub is not None:
             sub_est = estimate_of(sub)
             sub_cost = switch_cost(current_gear, sub, spec, snapshot, workload, current_estimate=cur.estimate,
@@ -717,7 +717,8 @@ def decide(
             return replace(ev, path=DIRECT)
         found = plan_candidates(spec, snapshot, workload, slo=deployment.slo, options=planner_options or DEFAULT_OPTIONS,
                                 blocks=blocks, reclaimable_bytes=reclaim,
-                                prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy, eff=eff)
+                                prefer_gpus=current_gear.gpu_uuids if current_gear else (),
+                                keep=current_gear.plans if current_gear is not None else (), policy=policy, eff=eff)
         pool = [evaluate(c.gear, c.estimate, c.kind, c.profiles) for c in found.feasible
                 if c.gear not in (current_gear, ev.gear)]
         return with_paths([ev, *pool])[0] if pool else routed(ev, [])
@@ -732,7 +733,7 @@ def decide(
                                                              f" {ev.gear.shape()}"], stage=1, staged=ev.gear)
 
     # 0. the second stage of a staged switch whose first stage is done (its drivers ask)
-    ignore_cooldown = False
+    ignore_cooldown = direct_only = False
     if staged_target is not None and trigger is not Trigger.EMERGENCY and not transition_running:
         if deployment.mode is Mode.PINNED:
             return finish(Outcome.STAY, None, [], [f"pinned: the staged switch toward {staged_target.shape()} stops"
@@ -750,6 +751,7 @@ def decide(
         reasons.append(f"the staged switch toward {staged_target.shape()} cannot go on ({'; '.join(why)});"
                        " deciding afresh")
         ignore_cooldown = True  # the intermediate gear was never meant to stay
+        direct_only = True  # and no new staged path from it: one failed already (no loop of first stages)
 
     # 1. emergency: the baseline, now, whatever the mode
     if trigger is Trigger.EMERGENCY:
@@ -818,8 +820,8 @@ def decide(
         options = PlannerOptions(**{**options.__dict__, "latency_critical": True})
     cands = plan_candidates(
         spec, snapshot, workload, slo=deployment.slo, options=options, blocks=blocks, stability=stability,
-        reclaimable_bytes=reclaim, prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy,
-        eff=eff,
+        reclaimable_bytes=reclaim, prefer_gpus=current_gear.gpu_uuids if current_gear else (),
+        keep=current_gear.plans if current_gear is not None and cur.valid else (), policy=policy, eff=eff,
     )
     left_out.extend(cands.excluded)
     if cap_per_gpu == 0.0 and cands.feasible:
@@ -836,6 +838,10 @@ def decide(
                        f" {best_path.path.note.split('; ', 1)[-1]}")
     if backoff is not None and backoff.entries:
         evals = [backed_off(e, backoff) for e in evals]
+    if direct_only:
+        evals = [e if e.path is None or not e.path.staged else replace(e, passes=False, note=(
+            f"{e.note}; not now: the staged switch before it could not go on") if e.note else
+            "not now: the staged switch before it could not go on") for e in evals]
     cur_value = _value(cur.estimate, rent)
 
     def rank(e: CandidateEval) -> tuple[object, ...]:
@@ -859,7 +865,7 @@ def decide(
     offered_tokens_s = workload.rate_rps * workload.output_tokens_mean
 
     if not cur.valid:
-        reachable = [e for e in evals if e.path is None or e.path.executable]
+        reachable = [e for e in evals if e.path is None or (e.path.executable and not (direct_only and e.path.staged))]
         if not reachable:
             return finish(Outcome.BLOCKED, None, evals, reasons + ["no feasible gear to move to"] + list(cands.infeasible))
         # a gear that meets the SLOs first (the cheapest of them after rent); else the most goodput

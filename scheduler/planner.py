@@ -59,7 +59,7 @@ from scheduler.topology import (
     partition,
 )
 
-UnitKind = Literal["tp", "pp", "pd"]
+UnitKind = Literal["tp", "pp", "pd", "keep"]
 MAX_CHAINS_PER_LENGTH = 8  # PP chains built per pipeline length (keeps the work O(blocks))
 
 
@@ -280,6 +280,7 @@ def plan_candidates(
     stability: Mapping[str, float] | None = None,
     reclaimable_bytes: Mapping[str, int] | None = None,
     prefer_gpus: Iterable[str] = (),
+    keep: Sequence[Plan] = (),
     policy: BlockPolicy = DEFAULT_POLICY,
     eff: Efficiency = DEFAULT_EFFICIENCY,
 ) -> Candidates:
@@ -287,7 +288,10 @@ def plan_candidates(
 
     `reclaimable_bytes`: memory the deployment holds now per GPU and would give back (so its
     current GPUs count as free). `prefer_gpus`: GPUs to pick first among equals (the current
-    gear's), so candidates keep weights in place where they can. Deterministic.
+    gear's), so candidates keep weights in place where they can. `keep`: the current gear's
+    plans, each offered as a unit as it is - a gear that keeps a running plan books nothing new
+    for it, so under the memory a transition holds (scheduler.booking) it can grow beside it
+    where a re-planned copy of it could not. Deterministic.
     """
     if blocks is None:
         part = partition(snapshot, policy)
@@ -365,6 +369,7 @@ def plan_candidates(
     types: dict[tuple[object, ...], _UnitType] = {}
     used_in_type: dict[tuple[object, ...], set[str]] = {}
     block_node = {r.block.id: r.block.node_id for r in rooms}
+    block_node_of = {u: r.block.id for r in rooms for u in r.uuids}  # GPU -> its block
 
     def add_unit(unit: _Unit, label: str, check: bool = True) -> None:
         if engines:
@@ -387,7 +392,19 @@ def plan_candidates(
             t.units.append(unit)
             used.update(unit.uuids)
 
-    # 2a. single-block TP units (groups of one block, and blocks, are disjoint by construction)
+    # 2a. the plans running now, as they are (a unit type each; first, so that among equals a
+    # gear keeps what runs rather than re-planning it)
+    in_rooms = {u for r in rooms for u in r.uuids}
+    stability_of = {r.block.id: r.stability for r in rooms}
+    for plan in dict.fromkeys(keep):
+        if plan.model != model.name or not in_rooms.issuperset(plan.gpu_uuids):
+            continue  # it lost GPUs (or runs on ones planning may not use): nothing to keep
+        kept_blocks = tuple(sorted({block_node_of[u] for u in plan.gpu_uuids}))
+        add_unit(_Unit(("keep", plan.plan_id), plan.gpu_uuids, kept_blocks,
+                       min(stability_of.get(b, 1.0) for b in kept_blocks), "keep", _const(plan)),
+                 f"kept {plan.shape()}")
+
+    # 2b. single-block TP units (groups of one block, and blocks, are disjoint by construction)
     layers = model.num_layers
     cap1 = _kv_cap_tokens(model, workload, 1)
     # KV beyond what the running-sequence cap can fill changes no estimate: units that reserve
@@ -439,7 +456,7 @@ def plan_candidates(
                 group = tuple(r.uuids[g * tp:(g + 1) * tp])
                 t.units.append(_Unit(key, group, block_ids, r.stability, "tp", partial(_colocated, model, group, kv)))
 
-    # 2b. prefill/decode splits across two blocks (bounded by the few best shapes)
+    # 2c. prefill/decode splits across two blocks (bounded by the few best shapes)
     if options.allow_disaggregated and len(rooms) >= 2:
         for unit, label in _pd_units(model, snapshot, rooms, valid_tps, min_kv, workload, options):
             add_unit(unit, label)

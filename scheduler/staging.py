@@ -32,7 +32,7 @@ from typing import Literal
 from scheduler.booking import Overbooking, beside_conflicts, describe, new_plan_bytes, plans_memory
 from scheduler.costmodel import Estimate, SwitchCost
 from scheduler.modelspec import ModelSpec
-from scheduler.plan import Gear
+from scheduler.plan import Gear, Plan
 from scheduler.topology import Snapshot
 
 PathKind = Literal["direct", "staged", "drain", "blocked"]
@@ -89,18 +89,29 @@ def fits_after(current: Gear | None, first: Gear, target: Gear, model: ModelSpec
     """Whether `target` fits beside `first` once the switch current -> first is done: the
     current gear's plans that `first` does not keep are released, `first`'s new plans hold
     their memory."""
-    released = plans_memory([p for p in current.plans if p not in first.plans], model) if current else {}
+    # what the first stage frees: the current plans it does not keep and that still hold memory
+    # (a plan that lost a GPU crashed with it: its memory is already free in the snapshot)
+    released = plans_memory([p for p in current.plans if p not in first.plans and _holds(p, snapshot)],
+                            model) if current else {}
     added = new_plan_bytes(current, first, model)
     return not beside_conflicts(first, target, model, snapshot, released=released, added=added)
 
 
-def drain_gear(current: Gear | None, found: Sequence[Overbooking]) -> Gear | None:
-    """The current gear without its plans that hold a conflicting GPU, weights renormalised;
-    None when nothing would be left (a full drain) or nothing would be dropped."""
+def _holds(plan: Plan, snapshot: Snapshot) -> bool:
+    """Whether the plan still holds its memory: every GPU of it present, healthy and ours."""
+    gpus = snapshot.gpu_by_uuid
+    return all((g := gpus.get(u)) is not None and g.healthy and g.schedulable for u in plan.gpu_uuids)
+
+
+def drain_gear(current: Gear | None, found: Sequence[Overbooking], snapshot: Snapshot) -> Gear | None:
+    """The current gear without its plans that hold a conflicting GPU (and without those that
+    lost GPUs: they serve nothing), weights renormalised; None when nothing would be left (a
+    full drain) or nothing would be dropped."""
     if current is None:
         return None
     hot = {c.gpu for c in found}
-    kept = [(p, w) for p, w in zip(current.plans, current.weights, strict=True) if hot.isdisjoint(p.gpu_uuids)]
+    kept = [(p, w) for p, w in zip(current.plans, current.weights, strict=True)
+            if hot.isdisjoint(p.gpu_uuids) and _holds(p, snapshot)]
     if not kept or len(kept) == len(current.plans):
         return None
     total = sum(w for _, w in kept)

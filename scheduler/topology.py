@@ -156,6 +156,12 @@ class Snapshot:
             return None
         return self._curves.get(("all_reduce", "intra", node_id, "", ranks))
 
+    def copy_curve(self, node_id: str) -> CollectiveCurve | None:
+        """A measured device-to-device copy sweep between two GPUs of one node, if any."""
+        if not self.collectives:
+            return None
+        return self._curves.get(("send_recv", "intra", node_id, "", 2))
+
     def sendrecv_curve(self, a: str, b: str) -> CollectiveCurve | None:
         """A measured send/recv between two nodes (either end's report), if any."""
         if not self.collectives or a == b:
