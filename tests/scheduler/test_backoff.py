@@ -8,8 +8,7 @@ from dataclasses import replace
 from scheduler.backoff import BASE_S, MAX_S, Backoff, fingerprint, refusal
 from scheduler.gearbox import Deployment, LoadSample, LoadWindow, Outcome, decide
 from scheduler.modelspec import model_spec
-from scheduler.transition import Kind, Phase, Step, StepRecord, StepState, TransitionRecord
-from scheduler.transition import Intent
+from scheduler.transition import Intent, Kind, Phase, Step, StepRecord, StepState, TransitionRecord
 from tests.scheduler.builders import CHAT_SLO, NodeSpec, make_fleet, one_plan_gear, tp_plan
 
 M8 = model_spec("Llama-3-8B")
