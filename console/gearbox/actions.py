@@ -241,9 +241,9 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
         return _emergency_tick(dep, active, base, held, now, actor)
     if active is not None:
         return Decided(None, None)
+    dep = fold_backoff(dep, base, now)  # (before waiting for reports: a refusal is known at once)
     if not _reports_mirror_last_transition(dep, base, now):
         return Decided(None, None, waiting_for_reports=True)
-    dep = fold_backoff(dep, base, now)
     staged, staged_kind = _staged(dep)
     current = _gear(dep, "current_gear")
     if trigger is Trigger.PERIODIC and current is not None and any(lost_gpus(p, base) for p in current.plans):
