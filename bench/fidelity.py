@@ -147,6 +147,31 @@ def read_compute(root: FsPath, skipped: list[str]) -> list[Row]:
     return rows
 
 
+def read_measured(root: FsPath, skipped: list[str]) -> list[dict[str, object]]:
+    """Whole engine steps measured by this project (bench.gpu_check's measured/<gpu>/steps.csv),
+    each predicted again with the cost model as it is now: out-of-sample rows (the factors were
+    never fitted on them)."""
+    from bench.gpu_check import predict, shape_model
+
+    out: list[dict[str, object]] = []
+    for path in sorted(root.glob("**/measured/*/steps.csv")):
+        with path.open() as fh:
+            for i, rec in enumerate(csv.DictReader(fh)):
+                try:
+                    model = shape_model(rec["model"], int(rec["layers"]))
+                    pre, dec, _ = predict(model, rec["gpu"], int(rec["batch"]), int(rec["prompt_tokens"]),
+                                          int(rec["context_tokens"]) or int(rec["prompt_tokens"]))
+                    measured = float(rec["measured_s"])
+                except (KeyError, ValueError) as exc:
+                    skipped.append(f"{path} row {i + 2}: {exc}")
+                    continue
+                predicted = pre if rec["phase"] == "prefill" else dec
+                out.append({"gpu": rec["gpu"], "model": rec["model"], "phase": rec["phase"], "batch": int(rec["batch"]),
+                            "measured_s": measured, "predicted_s": predicted, "date": rec.get("date", ""),
+                            "error": (predicted - measured) / measured})
+    return out
+
+
 def _probe(path: FsPath) -> Path | None:
     """Emulate the agents' link probe from the 2-node send/recv: large-message bandwidth,
     small-message latency."""
@@ -623,6 +648,15 @@ def main(argv: Iterable[str] | None = None) -> int:
     for name, t in result["targets"].items():  # type: ignore[union-attr]
         print(f"  {name:<48} {t['value'] if t['value'] is not None else '-':>8}  limit {t['limit']}  "
               f"{'met' if t['met'] else ('no data' if t['value'] is None else 'NOT met')}")
+    measured = read_measured(root, skipped)
+    if measured:
+        print("\nengine steps measured by this project (bench.gpu_check; out of sample):")
+        for m in measured:
+            print(f"  {m['gpu']:<10} {m['model']:<10} {m['phase']:<8} batch {m['batch']:>3}  measured"
+                  f" {float(m['measured_s']) * 1e3:8.2f} ms  predicted {float(m['predicted_s']) * 1e3:8.2f} ms"  # type: ignore[arg-type]
+                  f"  error {float(m['error']):+6.1%}")  # type: ignore[arg-type]
+        errs = np.array([abs(float(m["error"])) for m in measured])  # type: ignore[arg-type]
+        result["measured_steps"] = {"rows": measured, **summary(errs)}
     anchors = decode_anchors(eff)
     print(f"\nsingle-stream decode anchors (Llama-3-8B BF16, vLLM, context {ANCHOR_CONTEXT_TOKENS}):")
     for a in anchors:

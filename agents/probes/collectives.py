@@ -134,19 +134,21 @@ def _free_port() -> int:
 
 
 def node_collectives(devices: Sequence[str], *, backend: str | None = None, sizes: Sequence[int] = SIZES,
-                     repeats: int = 5, wall: Callable[[], float] = time.time) -> list[CollectiveReport]:
+                     repeats: int = 5, wall: Callable[[], float] = time.time,
+                     start_method: str = "spawn") -> list[CollectiveReport]:
     """All-reduce and send/recv sweeps across `devices` of this node (one process each), as the
-    agent reports them. `backend`: nccl for GPUs, gloo for CPU stand-ins (default: by device)."""
+    agent reports them. `backend`: nccl for GPUs, gloo for CPU stand-ins (default: by device).
+    `start_method`: spawn (CUDA needs it); fork is quicker for CPU processes."""
     import torch.multiprocessing as mp
 
     world = len(devices)
     if world < 2:
         return []
     chosen = backend or ("nccl" if all(d.startswith("cuda") for d in devices) else "gloo")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     results = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(world, _free_port(), chosen, list(devices), list(sizes), repeats, results),
-                       nprocs=world, join=True, start_method="spawn")
+                       nprocs=world, join=True, start_method=start_method)
     got = results.get()
     at = round(wall(), 3)
     return [CollectiveReport(op=op, scope="intra", ranks=world if op == "all_reduce" else 2, points=tuple(pts),

@@ -28,6 +28,7 @@ TARGETS = {
     "flexpipe_worst_over_steady_p95_max": 1.5,
     "static_worst_over_steady_p95_min": 3.0,
     "event_to_serving_max_s": 10.0,
+    "peak_gpu_mem_fraction_max": 0.92,  # issue 13: every policy, under the real memory constraint
 }
 
 
@@ -124,6 +125,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         out["flexpipe_goodput_not_below"] = sorted(n for n, g in others.items() if (g or 0) <= (f["goodput_rps"] or 0))
         out["flexpipe_goodput_below"] = sorted(n for n, g in others.items() if (g or 0) > (f["goodput_rps"] or 0))
     out["lost"] = {n: r["lost"] for n, r in results.items()}
+    out["peak_gpu_mem_fraction"] = {n: r["peak_gpu_mem_fraction"] for n, r in results.items()}
     return out
 
 
