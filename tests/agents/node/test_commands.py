@@ -7,7 +7,7 @@ from typing import Any
 
 from agents.protocol import check_result
 from scheduler.booking import refuse_booking
-from tests.agents.node.conftest import command, gpus, prepare_payload, tiny_plan
+from tests.agents.node.conftest import MODEL, command, gpus, prepare_payload, tiny_plan
 
 
 def ok(kind: str, ack: Any) -> dict[str, Any]:
@@ -181,3 +181,19 @@ def test_verify_weights_takes_no_plan_lock_and_a_node_without_models_refuses_it(
     assert agent._plan_locks == {}
     bad = agent.handle(command("verify_weights", {**verify_payload("tiny-llama", "0" * 64), "sha256": "x"}))
     assert bad.status == "failed" and "payload.sha256" in bad.detail
+
+
+def test_a_plan_its_engine_cannot_run_is_refused_in_the_planners_words(make_agent: Any) -> None:
+    from dataclasses import replace as dc_replace
+
+    from scheduler.capabilities import TORCH_CAPS, engine_refusals
+    from scheduler.plan import Plan, Stage
+
+    agent = make_agent("n1", capabilities=dc_replace(TORCH_CAPS, modes=("colocated",)))
+    a, b = gpus("n1", 2)
+    pd = Plan(MODEL, "disaggregated", (Stage(0, 4, (a,)),), (Stage(0, 4, (b,)),), kv_reserve_tokens=1024)
+    payload = {**prepare_payload(tiny_plan([[a]]), "n1"), "plan": pd.to_dict(), "plan_id": pd.plan_id}
+    ack = agent.handle(command("prepare_plan", payload))
+    assert ack.status == "failed" and ack.result["reason"] == "unsupported"
+    assert ack.detail == "; ".join(engine_refusals(pd, ["n1"], {"n1": agent.capabilities}))
+    assert agent.booked() == {}

@@ -9,7 +9,6 @@ from agents.probes.collectives import bus_gbps, copy_sweep, node_collectives
 from scheduler.collectives import CollectiveCurve
 
 
-
 def test_a_two_process_sweep_gives_curves_the_cost_model_reads() -> None:
     reports = node_collectives(["cpu", "cpu"], sizes=(4096, 1 << 16, 1 << 18), repeats=2, wall=lambda: 1.7e9,
                                start_method="fork")
