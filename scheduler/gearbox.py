@@ -26,6 +26,16 @@ Rules, in the order they apply:
    - otherwise switch to the best candidate only if gain > cost x hysteresis and the gain
      per second is at least `min_relative_gain` of the offered output tokens/s.
    ADVISORY deployments get ADVISE where an AUTO one would SWITCH.
+0. (before 1-3) The second stage of a staged switch whose first stage is done (`staged_target`):
+   on to it without hysteresis or cooldown when it fits; pinned deployments stop there.
+
+Memory across the switch (scheduler.booking, scheduler.staging): every candidate carries the
+path that reaches it - direct when its new plans fit beside the current gear, else staged
+through an intermediate candidate or a brief drain (priced as both switches plus the dwell, its
+first stage being the decision's target), else blocked with what a full drain would take. An
+operator's gear that does not fit goes the same way. Back-off (scheduler.backoff): while the
+deployment backs off after refused PREPAREs automatic switches STAY, and backed-off plans are
+never eligible. Plans a node's engine cannot run are never proposed (`Decision.excluded`).
 
 Ranking. A candidate is *standing* when its estimate meets both SLOs at the offered load
 with the headroom of the high watermark (`standing`). Standing candidates rank before the
