@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import MEM_FRACTION, Gear, Plan, stage_bytes_per_gpu
@@ -35,22 +36,35 @@ REFUSAL_REASON = "out_of_memory"  # agents.protocol.FAILURE_REASONS: a PREPARE r
 
 
 def plan_memory(plan: Plan, model: ModelSpec) -> dict[str, int]:
-    """Bytes each GPU of `plan` holds: its weight shard plus its KV reserve."""
+    """Bytes each GPU of `plan` holds: its weight shard plus its KV reserve (a copy: callers may
+    change it; the arithmetic is memoised, a decision asks it for every candidate and stage)."""
+    return dict(_plan_memory(plan, model))
+
+
+@lru_cache(maxsize=4096)
+def _plan_memory(plan: Plan, model: ModelSpec) -> tuple[tuple[str, int], ...]:
     out: dict[str, int] = {}
     for st in plan.all_stages:
         need = stage_bytes_per_gpu(st, model, plan.kv_reserve_tokens)
         for u in st.gpu_uuids:
             out[u] = out.get(u, 0) + need
-    return out
+    return tuple(out.items())
 
 
 def plans_memory(plans: Iterable[Plan], model: ModelSpec) -> dict[str, int]:
     """Bytes per GPU of several plans together (a plan listed twice is one engine: counted once)."""
+    return dict(_plans_memory(tuple(dict.fromkeys(plans)), model))
+
+
+@lru_cache(maxsize=4096)
+def _plans_memory(plans: tuple[Plan, ...], model: ModelSpec) -> tuple[tuple[str, int], ...]:
+    if len(plans) == 1:
+        return _plan_memory(plans[0], model)
     out: dict[str, int] = {}
-    for plan in dict.fromkeys(plans):
-        for u, b in plan_memory(plan, model).items():
+    for plan in plans:
+        for u, b in _plan_memory(plan, model):
             out[u] = out.get(u, 0) + b
-    return out
+    return tuple(out.items())
 
 
 def shard_bytes(plan: Plan, model: ModelSpec) -> dict[tuple[str, int, int, int, int], int]:

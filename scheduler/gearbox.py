@@ -68,7 +68,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.backoff import Backoff
-from scheduler.booking import describe
+from scheduler.booking import Overbooking, describe
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     Efficiency,
@@ -666,11 +666,14 @@ def decide(
     profiles_of: dict[Gear, Mapping[Plan, PlanProfile]] = {}  # candidates' profiles, by gear
     output_p99 = workload.output_quantile(0.99)
 
-    def routed(e: CandidateEval, vias: Sequence[CandidateEval]) -> CandidateEval:
+    def routed(e: CandidateEval, vias: Sequence[CandidateEval],
+               found: Sequence[Overbooking] | None = None) -> CandidateEval:
         """`e` with the path that reaches it: direct when its new plans fit beside the current
         gear; else the cheaper of a staged switch (via one of `vias`) and a brief drain, priced
-        as both switches plus what is lost in between; else blocked (it says what it would take)."""
-        found = conflicts(current_gear, e.gear, spec, snapshot)
+        as both switches plus what is lost in between; else blocked (it says what it would take).
+        `found`: its conflicts, when the caller has them."""
+        if found is None:
+            found = conflicts(current_gear, e.gear, spec, snapshot)
         if not found:
             return e if e.path is not None else replace(e, path=DIRECT)
         known = {**cur.profiles, **profiles_of.get(e.gear, {})}
@@ -700,14 +703,22 @@ def decide(
                else f"brief drain: {len(current_gear.plans) - len(gear1.plans) if current_gear else 0} plan(s)"
                     f" released first, {gear1.shape()} serving meanwhile")
         note = f"does not fit beside the current gear ({describe(found)}); {how}"
-        return evaluate(e.gear, e.estimate, e.note, profiles_of.get(e.gear), cost=total,
-                        path=SwitchPath(kind, via=gear1, conflicts=tuple(found), note=note))  # type: ignore[arg-type]
+        return repriced(e, total, SwitchPath(kind, via=gear1, conflicts=tuple(found), note=note))  # type: ignore[arg-type]
+
+    def repriced(e: CandidateEval, cost: SwitchCost, path: SwitchPath) -> CandidateEval:
+        """`e` weighed again with another cost (its path's): the estimate and standing are the gear's."""
+        charged = rent if cur_standing else 0.0
+        gain = (_value(e.estimate, charged) - _value(cur.estimate, charged)) * max(0.0, config.horizon_s
+                                                                                - cost.time_to_effect_s)
+        threshold = cost.tokens * factor
+        return replace(e, cost=cost, gain_tokens=gain, threshold_tokens=threshold, passes=gain > threshold, path=path)
 
     def with_paths(evals: Sequence[CandidateEval]) -> list[CandidateEval]:
-        direct = [e for e in evals if not conflicts(current_gear, e.gear, spec, snapshot)]
+        found = [conflicts(current_gear, e.gear, spec, snapshot) for e in evals]
+        direct = [e for e, f in zip(evals, found, strict=True) if not f]
         # intermediates: the direct candidates worth most (a staged switch dwells on one briefly)
         vias = sorted(direct, key=lambda v: (-v.value_tokens_s, v.cost.tokens, _gear_order(v.gear)))[:MAX_VIAS]
-        return [routed(e, vias) for e in evals]
+        return [routed(e, vias, f) for e, f in zip(evals, found, strict=True)]
 
     def backed_off(e: CandidateEval, book: Backoff) -> CandidateEval:
         hit = book.blocked(e.gear, now_s, snapshot)
