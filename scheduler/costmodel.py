@@ -81,7 +81,7 @@ class Efficiency:
 
     mfu: float = 0.72  # fraction of dense peak FLOP/s a compute-bound GEMM reaches (prefill)
     mbu: float = 0.78  # fraction of peak HBM bandwidth a memory-bound kernel reaches (decode)
-    link_efficiency: float = 0.78  # fraction of a datasheet link's bandwidth a transfer reaches
+    link_efficiency: float = 0.76  # fraction of a datasheet link's bandwidth a ring collective reaches per link
     link_latency_s: float = 2e-6  # one hop over a link (a copy pays one, a ring all-reduce 2(t-1))
     kernel_overhead_s: float = 6.5e-6  # fixed cost of one kernel: a GEMM, attention, a send/recv
     roofline_norm: float = 2.0  # p of the p-norm joining the compute and memory bounds
@@ -90,7 +90,7 @@ class Efficiency:
     # which launch each collective on its own (no CUDA graph), so it is on the safe side for
     # engines that capture decode steps in graphs and use a custom all-reduce for small messages.
     # (Last, so that the fields before it keep their positions.)
-    allreduce_latency_s: float = 39e-6
+    allreduce_latency_s: float = 37e-6
     # A point-to-point copy over a datasheet link (NVLink/PCIe: a PP hand-off, a KV move inside a
     # node) is one copy stream with no reduction: it reaches more of the link than a ring's share
     # (fitted on Vidur's in-node NCCL send/recv: ~0.94), and an NCCL send/recv call pays a

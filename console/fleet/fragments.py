@@ -22,7 +22,7 @@ from datetime import datetime
 from types import MappingProxyType
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from console.fleet.models import BlockTrajectory
 from scheduler.topology import FragmentHistory, Snapshot, block_of, partition
@@ -40,24 +40,28 @@ def load_history() -> FragmentHistory:
                            trajectories=MappingProxyType(trajectories))
 
 
-@transaction.atomic
 def do_observe_blocks(snapshot: Snapshot, *, now: datetime) -> FragmentHistory:
     """The history after seeing `snapshot`'s blocks now; the rows that changed are written.
-    A tick that comes in late (an older `now` than the last point: two workers, a slow one)
-    changes nothing and returns the history as it is."""
+    A tick that comes in late (an older `now` than the last point: two workers, a slow one), or
+    that races another tick writing the same rows, changes nothing and returns what it read."""
     before = load_history()
     try:
         after = before.observe(partition(snapshot).blocks, now.timestamp())
     except ValueError as exc:
         log.info("fragment history not updated: %s", exc)
         return before
-    for block_id, points in after.trajectories.items():
-        if before.trajectories.get(block_id) != points:
-            BlockTrajectory.objects.update_or_create(block_id=block_id, defaults={
-                "points": [[t, n] for t, n in points], "updated_at": now})
-    gone = set(before.trajectories) - set(after.trajectories)
-    if gone:
-        BlockTrajectory.objects.filter(block_id__in=gone).delete()
+    try:
+        with transaction.atomic():
+            for block_id, points in after.trajectories.items():
+                if before.trajectories.get(block_id) != points:
+                    BlockTrajectory.objects.update_or_create(block_id=block_id, defaults={
+                        "points": [[t, n] for t, n in points], "updated_at": now})
+            gone = set(before.trajectories) - set(after.trajectories)
+            if gone:
+                BlockTrajectory.objects.filter(block_id__in=gone).delete()
+    except IntegrityError:
+        log.info("fragment history: another tick wrote it first")
+        return before
     return after
 
 
