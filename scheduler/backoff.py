@@ -72,13 +72,15 @@ class Backoff:
         snapshot to place the plans; a forced move still goes ahead, elsewhere)."""
         out = []
         live = [e for e in self.entries.values() if now_s < e.until_s]
-        refusing = {n for e in live for n in e.nodes} if snapshot is not None and self.holding(now_s) else set()
+        holding = snapshot is not None and self.holding(now_s) is not None
+        refusing = {n for e in live for n in e.nodes} if holding else set()
+        gpus = snapshot.gpu_by_uuid if snapshot is not None else {}
         for p in gear.plans:
             e = self.entries.get(p.plan_id)
             if e is not None and now_s < e.until_s:
                 out.append(e)
             elif refusing:
-                nodes = {g.node_id for u in p.gpu_uuids if (g := snapshot.gpu_by_uuid.get(u)) is not None}  # type: ignore[union-attr]
+                nodes = {g.node_id for u in p.gpu_uuids if (g := gpus.get(u)) is not None}
                 hit = next((e for e in live if not nodes.isdisjoint(e.nodes)), None)
                 if hit is not None:
                     out.append(hit)

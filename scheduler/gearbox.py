@@ -87,6 +87,7 @@ from scheduler.plan import Gear, Plan, stage_bytes_per_gpu, validate_gear, valid
 from scheduler.planner import DEFAULT_OPTIONS, PlannerOptions, plan_candidates
 from scheduler.staging import (
     DIRECT,
+    PathKind,
     SwitchPath,
     blocked_note,
     combine,
@@ -677,8 +678,9 @@ def decide(
         if not found:
             return e if e.path is not None else replace(e, path=DIRECT)
         known = {**cur.profiles, **profiles_of.get(e.gear, {})}
-        options: list[tuple[str, Gear, SwitchCost]] = []
-        firsts = [(v.gear, v.estimate, v.cost, "staged") for v in vias if v.gear != e.gear]
+        options: list[tuple[PathKind, Gear, SwitchCost]] = []
+        firsts: list[tuple[Gear, Estimate, SwitchCost, PathKind]] = [
+            (v.gear, v.estimate, v.cost, "staged") for v in vias if v.gear != e.gear]
         sub = drain_gear(current_gear, found, snapshot)
         if sub is not None:
             sub_est = estimate_of(sub)
@@ -703,7 +705,7 @@ def decide(
                else f"brief drain: {len(current_gear.plans) - len(gear1.plans) if current_gear else 0} plan(s)"
                     f" released first, {gear1.shape()} serving meanwhile")
         note = f"does not fit beside the current gear ({describe(found)}); {how}"
-        return repriced(e, total, SwitchPath(kind, via=gear1, conflicts=tuple(found), note=note))  # type: ignore[arg-type]
+        return repriced(e, total, SwitchPath(kind, via=gear1, conflicts=tuple(found), note=note))
 
     def repriced(e: CandidateEval, cost: SwitchCost, path: SwitchPath) -> CandidateEval:
         """`e` weighed again with another cost (its path's): the estimate and standing are the gear's."""

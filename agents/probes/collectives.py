@@ -138,7 +138,8 @@ def node_collectives(devices: Sequence[str], *, backend: str | None = None, size
                      start_method: str = "spawn") -> list[CollectiveReport]:
     """All-reduce and send/recv sweeps across `devices` of this node (one process each), as the
     agent reports them. `backend`: nccl for GPUs, gloo for CPU stand-ins (default: by device).
-    `start_method`: spawn (CUDA needs it); fork is quicker for CPU processes."""
+    `start_method`: spawn (CUDA needs it, and a process with threads must not fork); fork is
+    quicker from a single-threaded process with no CUDA."""
     import torch.multiprocessing as mp
 
     world = len(devices)

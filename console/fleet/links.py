@@ -118,10 +118,10 @@ def link_table(now: datetime) -> list[LinkRow]:
     ids = [n for n, _ in nodes]
     latest: dict[tuple[str, str], NodeLink] = {}
     for link in NodeLink.objects.select_related("node"):
-        key = tuple(sorted((link.node.node_id, link.peer)))
-        prev = latest.get(key)  # type: ignore[arg-type]
+        a, b = sorted((link.node.node_id, link.peer))
+        prev = latest.get((a, b))
         if prev is None or link.measured_at > prev.measured_at:
-            latest[key] = link  # type: ignore[index]
+            latest[(a, b)] = link
     intra, inter = defaults()
     cutoff = _cutoff(now)
     fresh = {(ls.a, ls.b): ls for ls in fresh_links(now, set(ids))}

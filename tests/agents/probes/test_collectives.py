@@ -8,10 +8,12 @@ import pytest
 from agents.probes.collectives import bus_gbps, copy_sweep, node_collectives
 from scheduler.collectives import CollectiveCurve
 
+pytestmark = pytest.mark.slow  # two spawned processes that import torch: several seconds
+
 
 def test_a_two_process_sweep_gives_curves_the_cost_model_reads() -> None:
-    reports = node_collectives(["cpu", "cpu"], sizes=(4096, 1 << 16, 1 << 18), repeats=2, wall=lambda: 1.7e9,
-                               start_method="fork")
+    # spawn, as on a GPU node: a forked pytest worker (threads, sockets) can deadlock its children
+    reports = node_collectives(["cpu", "cpu"], sizes=(4096, 1 << 16, 1 << 18), repeats=2, wall=lambda: 1.7e9)
     assert {r.op for r in reports} == {"all_reduce", "send_recv"}
     for r in reports:
         assert r.backend == "gloo" and r.scope == "intra" and r.measured_at == 1.7e9
