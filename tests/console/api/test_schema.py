@@ -27,6 +27,7 @@ OPERATIONS = {
     ("/api/v1/deployments", "get"), ("/api/v1/deployments/{name}", "get"),
     ("/api/v1/deployments/{name}/pin", "post"), ("/api/v1/deployments/{name}/unpin", "post"),
     ("/api/v1/deployments/{name}/mode", "post"), ("/api/v1/deployments/{name}/emergency", "post"),
+    ("/api/v1/deployments/{name}/latency-critical", "post"),
     ("/api/v1/gears", "get"), ("/api/v1/gears/{gear_id}", "get"), ("/api/v1/plans", "get"),
     ("/api/v1/plans/{plan_id}", "get"), ("/api/v1/transitions", "get"), ("/api/v1/transitions/{id}", "get"),
     ("/api/v1/decisions", "get"), ("/api/v1/decisions/{id}", "get"), ("/api/v1/decisions/{id}/approve", "post"),
