@@ -102,7 +102,7 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     plan: ack ok, noop: true.
 
 A failed ack's result carries `reason` (preempted | failed | conflict | target_refused |
-stale_lease | timeout) and, for preemptions, `gpus`: the controller retries SWITCH steps that
+stale_lease | timeout | out_of_memory | unsupported) and, for preemptions, `gpus`: the controller retries SWITCH steps that
 fail (twice), rolls back PREPARE ones.
 
 Node commands (v1)
@@ -124,16 +124,36 @@ validate both.
     weights for that model on this node, or a node that holds no models (a simulated one): ack
     failed with a detail naming the model and where it looked (the registry records
     registry.weights_check_failed; the version's status stays).
+`probe_links` - measure the links to these peers now, and keep probing them every
+    FLEXPIPE_LINK_PROBE_S (agents/node/links.py: timed uploads to each peer's data server, the
+    path KV takes). Sent when a node registers - to it, naming every other node, and to each of
+    those, naming it - and whenever an operator asks (manage.py probe_links).
+    payload: peers ({node id: data address}), bulk_bytes (optional: the size of one timed upload).
+    Ack ok with {links: [{peer, bw_gbps, latency_us, measured_at, method}]} (what it could
+    measure); the same figures go out with every report from then on (`Report.links`).
+
+Links and collectives in reports
+--------------------------------
+
+`Report.links`: per peer, the latest measurement - bw_gbps (>= 0), latency_us (>= 0 or null),
+measured_at (seconds since the epoch, the agent's clock), method (how). `Report.collectives`:
+sweeps the agent timed with torch.distributed where it runs (agents/probes/collectives.py):
+{op: all_reduce | send_recv, scope: intra | inter, ranks, peer (inter), backend, points:
+[[message bytes, seconds], ...] by increasing size, measured_at, method}. A negative or
+non-finite figure, or a peer the controller does not know, is refused with a 400 naming the
+field, and nothing of the report is stored.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents.schema import ListReader, ObjectReader, Problems, SchemaError, read_document
+from scheduler.capabilities import EngineCaps
 from scheduler.plan import Plan
 from scheduler.transition import CommandKind
 
@@ -148,12 +168,17 @@ class NodeCommandKind(enum.StrEnum):
     """Commands about a node itself, outside any transition (module docstring: node commands)."""
 
     VERIFY_WEIGHTS = "verify_weights"
+    PROBE_LINKS = "probe_links"
 
 
 TRANSITION_KINDS = tuple(k.value for k in CommandKind)  # sent by scheduler.transition, keyed by deployment and plan
 NODE_KINDS = tuple(k.value for k in NodeCommandKind)  # about the node itself: no deployment, no plan
 COMMAND_KINDS = TRANSITION_KINDS + NODE_KINDS  # every kind an agent may be sent
-FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_lease", "timeout")
+# out_of_memory: the plan would book more than 92% of a GPU (scheduler.booking, the same words from
+# every agent); unsupported: the node's engine cannot run the plan (scheduler.capabilities);
+# tokenizer: a rollout's shadow plan failed its tokenizer check (agents/shadow_check.py)
+FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_lease", "timeout", "out_of_memory",
+                   "unsupported", "tokenizer")
 WEIGHTS_SOURCES = ("host_cache", "disk")  # prepare_plan's ack: where the node read the weights from
 MAX_WARMUP_TOKENS = 1_000_000  # the registry's bound on a model's warm-up (console/registry/api.py)
 
@@ -164,6 +189,7 @@ _MAX_PLANS_PER_NODE = 1024
 _MAX_LINKS_PER_REPORT = 256  # one per peer node measured; each is an upsert under the report's write lock
 _MAX_COUNTER = 2**31 - 1  # xid_errors, ecc_errors: the console stores them as 32-bit counters
 _MAX_SEQUENCES_PER_PLAN = 10**7  # running / waiting: far above any engine's batch or queue
+_MAX_LINK_GBPS = 100_000.0  # 100 Tb/s: beyond any node link (catches bytes-vs-bits and B/s-vs-Gb/s mistakes)
 
 
 __all__ = [
@@ -174,6 +200,7 @@ __all__ = [
     "RegisterResponse",
     "GpuReport",
     "LinkReport",
+    "CollectiveReport",
     "EngineReport",
     "Report",
     "Command",
@@ -219,6 +246,10 @@ class RegisterRequest:
     # controller drops from its gears the plans it placed on this node that are not listed
     # (console.fleet.actions.do_register_node). None: not said - nothing is reconciled.
     plans: tuple[str, ...] | None = None
+    # What each backend's engine can run (scheduler.capabilities.EngineCaps.to_dict(), schema
+    # version CAPS_VERSION), by backend name; every key is one of `backends`. None: not said
+    # (an older agent) - the planner then restricts nothing on this node.
+    capabilities: dict[str, dict[str, Any]] | None = None
     protocol: int = PROTOCOL_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,6 +260,8 @@ class RegisterRequest:
             del d["plans"]
         else:
             d["plans"] = list(self.plans)
+        if self.capabilities is None:
+            del d["capabilities"]
         return d
 
 
@@ -261,8 +294,28 @@ class GpuReport:
 
 @dataclass(frozen=True)
 class LinkReport:
+    """What a node measured to a peer (agents/node/links.py: a timed bulk transfer over the data
+    server path KV takes)."""
+
     peer: str  # the other node's id
     bw_gbps: float  # measured bandwidth to it, Gb/s
+    latency_us: float | None = None  # one-way latency, microseconds (half a small round trip); None: not measured
+    measured_at: float | None = None  # when, seconds since the epoch (the agent's clock); None: now
+    method: str = ""  # how it was measured, e.g. "dataplane-bulk"; "" for a figure that was not measured
+
+
+@dataclass(frozen=True)
+class CollectiveReport:
+    """A collective the agent timed over a sweep of message sizes (scheduler.collectives)."""
+
+    op: str  # all_reduce | send_recv
+    scope: str  # intra: this node's GPUs | inter: this node and `peer`
+    ranks: int  # processes (GPUs) taking part
+    points: tuple[tuple[int, float], ...]  # (message bytes, seconds), increasing bytes
+    peer: str | None = None  # inter: the other node
+    backend: str = ""  # nccl | gloo
+    measured_at: float | None = None  # seconds since the epoch; None: now
+    method: str = ""  # e.g. "torch.distributed"
 
 
 @dataclass(frozen=True)
@@ -292,18 +345,22 @@ class Report:
     gpus: tuple[GpuReport, ...]
     links: tuple[LinkReport, ...] = ()
     engines: tuple[EngineReport, ...] = ()
+    collectives: tuple[CollectiveReport, ...] = ()
     protocol: int = PROTOCOL_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "protocol": self.protocol,
             "node_id": self.node_id,
             "epoch": self.epoch,
             "seq": self.seq,
             "gpus": [asdict(g) for g in self.gpus],
-            "links": [asdict(link) for link in self.links],
+            "links": [{k: v for k, v in asdict(link).items() if v not in (None, "")} for link in self.links],
             "engines": [asdict(e) for e in self.engines],
         }
+        if self.collectives:
+            d["collectives"] = [{**asdict(c), "points": [list(p) for p in c.points]} for c in self.collectives]
+        return d
 
 
 @dataclass(frozen=True)
@@ -374,6 +431,28 @@ def parse_register(body: Any) -> RegisterRequest:
                 problems.add(path, f"must be a plan id (a string of 1 to 64 characters); got {item!r}")
             else:
                 plans.append(item)
+    capabilities: dict[str, dict[str, Any]] | None = None
+    raw_caps = r.raw("capabilities", None)
+    if raw_caps is not None:
+        if not isinstance(raw_caps, dict):
+            r.fail("capabilities", "must be an object of backend name -> capabilities")
+        else:
+            capabilities = {}
+            for name, caps in raw_caps.items():
+                where = f"capabilities.{name}"
+                if name not in backends:
+                    problems.add(where, f"names no backend this agent runs ({', '.join(backends)})")
+                    continue
+                try:
+                    parsed = EngineCaps.from_dict(caps, where)
+                except ValueError as exc:
+                    path, _, why = str(exc).partition(": ")
+                    problems.add(path, why or str(exc))
+                    continue
+                if parsed.backend != name:
+                    problems.add(f"{where}.backend", f"must be {name!r}, the key it is listed under")
+                    continue
+                capabilities[name] = parsed.to_dict()
     gpus: list[GpuInfo] = []
     seen_uuids: dict[str, str] = {}
     seen_index: dict[int, str] = {}
@@ -412,6 +491,7 @@ def parse_register(body: Any) -> RegisterRequest:
         backends=tuple(backends),
         data_addr=data_addr,
         plans=None if plans is None else tuple(plans),
+        capabilities=capabilities,
     )
 
 
@@ -465,13 +545,24 @@ def parse_report(body: Any) -> Report:
     if llist is not None:
         for lk in llist.objects():
             peer = _node_id(lk, "peer")
-            bw = lk.num("bw_gbps", min=0.0)
+            bw = lk.num("bw_gbps", min=0.0, max=_MAX_LINK_GBPS)
+            latency = lk.num("latency_us", None, min=0.0, max=1e8)
+            at = lk.num("measured_at", None, min=0.0)
+            method = lk.str("method", "", max_len=64, allow_empty=True)
             lk.done()
             if peer is not None and bw is not None:
                 if peer == node_id:
                     lk.fail("peer", "must be another node, not the reporting one")
                 else:
-                    links.append(LinkReport(peer, bw))
+                    links.append(LinkReport(peer, bw, latency, at, method or ""))
+    collectives: list[CollectiveReport] = []
+    clist = r.list("collectives", [], max_len=256)
+    if clist is not None:
+        for c in clist.objects():
+            rep = _collective(c, node_id)
+            c.done()
+            if rep is not None:
+                collectives.append(rep)
     engines: list[EngineReport] = []
     elist = r.list("engines", [], max_len=256)
     if elist is not None:
@@ -496,7 +587,46 @@ def parse_report(body: Any) -> Report:
     r.done()
     problems.raise_if_any("report")
     assert node_id is not None and epoch is not None and seq is not None  # noqa: S101
-    return Report(node_id, epoch, seq, tuple(gpus), tuple(links), tuple(engines))
+    return Report(node_id, epoch, seq, tuple(gpus), tuple(links), tuple(engines), tuple(collectives))
+
+
+def _collective(c: ObjectReader, node_id: str | None) -> CollectiveReport | None:
+    """One `collectives[i]` entry of a report, or None (its problems recorded by name)."""
+    op = c.str("op", choices=("all_reduce", "send_recv"))
+    scope = c.str("scope", choices=("intra", "inter"))
+    ranks = c.int("ranks", min=2, max=4096)
+    peer = _node_id(c, "peer") if c.raw("peer", None) is not None else None
+    backend = c.str("backend", "", max_len=16, allow_empty=True)
+    at = c.num("measured_at", None, min=0.0)
+    method = c.str("method", "", max_len=64, allow_empty=True)
+    points: list[tuple[int, float]] = []
+    plist = c.list("points", min_len=1, max_len=64)
+    ok = True
+    if plist is not None:
+        last = 0
+        for path, item in plist.items():
+            good = (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                    and not isinstance(item[0], bool) and isinstance(item[1], int | float)
+                    and not isinstance(item[1], bool) and math.isfinite(item[1]) and item[1] > 0)
+            if not good:
+                c.problems.add(path, "must be [message bytes (an integer >= 1), seconds (a finite number > 0)]")
+                ok = False
+                continue
+            if item[0] <= last:
+                c.problems.add(path, f"sizes must increase and be >= 1; got {item[0]} after {last}")
+                ok = False
+                continue
+            last = item[0]
+            points.append((int(item[0]), float(item[1])))
+    if scope == "inter" and peer is None:
+        c.fail("peer", "is required for an inter-node collective")
+        ok = False
+    if peer is not None and peer == node_id:
+        c.fail("peer", "must be another node, not the reporting one")
+        ok = False
+    if not ok or None in (op, scope, ranks) or not points:
+        return None
+    return CollectiveReport(op, scope, ranks, tuple(points), peer, backend or "", at, method or "")
 
 
 def parse_command(body: Any) -> Command:
@@ -663,6 +793,20 @@ def _release(r: ObjectReader) -> None:
         fb.done()
 
 
+def _probe_links(r: ObjectReader) -> None:
+    peers = r.raw("peers")
+    if peers is not None:
+        if not isinstance(peers, dict) or not 1 <= len(peers) <= 1024:
+            r.fail("peers", "must be an object of 1 to 1024 node id -> data address")
+        else:
+            for node, addr in peers.items():
+                if not isinstance(node, str) or not NODE_ID_RE.match(node):
+                    r.problems.add(f"payload.peers.{node}", "must be a node id")
+                elif not isinstance(addr, str) or not 1 <= len(addr) <= 255:
+                    r.problems.add(f"payload.peers.{node}", "must be a data address (host:port)")
+    r.int("bulk_bytes", None, min=1, max=1 << 30)
+
+
 def _sha256(r: ObjectReader, key: str) -> None:
     sha = r.str(key, max_len=64)
     if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
@@ -687,6 +831,7 @@ _PAYLOADS = {
     CommandKind.MOVE_SEQUENCES.value: _move,
     CommandKind.RELEASE_PLAN.value: _release,
     NodeCommandKind.VERIFY_WEIGHTS.value: _verify,
+    NodeCommandKind.PROBE_LINKS.value: _probe_links,
 }
 
 
@@ -748,5 +893,14 @@ def check_result(kind: str, result: Any) -> dict[str, Any]:
         r.int("weights_bytes", 0, min=0)
     elif kind == NodeCommandKind.VERIFY_WEIGHTS.value:
         _sha256(r, "sha256")
+    elif kind == NodeCommandKind.PROBE_LINKS.value:
+        links = r.list("links", [])
+        if links is not None:
+            for lk in links.objects():
+                lk.str("peer", max_len=64)
+                lk.num("bw_gbps", min=0.0)
+                lk.num("latency_us", None, min=0.0)
+                lk.num("measured_at", None, min=0.0)
+                lk.str("method", "", max_len=64, allow_empty=True)
     problems.raise_if_any(f"{kind} result")
     return dict(result)

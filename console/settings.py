@@ -26,6 +26,10 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_STEP_TIMEOUT_S        freeze / thaw / abort may take this long (30)
     FLEXPIPE_MOVE_TIMEOUT_S        move_sequences may take this long plus twice its estimate (120)
     FLEXPIPE_RETRY_BACKOFF_S       wait before retrying a failed step (2)
+    FLEXPIPE_LINK_MAX_AGE_S        a measured link older than this is aged out (1800)
+    FLEXPIPE_INTRA_RACK_GBPS       assumed node-to-node bandwidth inside a rack without a measurement (25)
+    FLEXPIPE_INTER_RACK_GBPS       ... across racks (10)
+    FLEXPIPE_FRAGMENT_HORIZON_S    how far back the blocks' trajectories reach (14400)
 """
 
 from __future__ import annotations
@@ -236,6 +240,17 @@ FLEXPIPE_MOVE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_MOVE_TIMEOUT_S", "120")
 FLEXPIPE_RETRY_BACKOFF_S = float(os.environ.get("FLEXPIPE_RETRY_BACKOFF_S", "2"))
 # How many reports per GPU the bounded history keeps (at 15 s per report: ~1 hour).
 FLEXPIPE_GPU_HISTORY = int(os.environ.get("FLEXPIPE_GPU_HISTORY", "240"))
+# Links (console/fleet/links.py): a measured figure older than this is no longer used (agents
+# re-measure every FLEXPIPE_LINK_PROBE_S, 600 s by default); without one the planner assumes the
+# rack default below (the Overview marks it "assumed"). The defaults stay under the planner's
+# bar for PP and prefill/decode splits (100 Gb/s): only a measured link builds a cross-node plan,
+# an assumed one only prices moves.
+FLEXPIPE_LINK_MAX_AGE_S = float(os.environ.get("FLEXPIPE_LINK_MAX_AGE_S", "1800"))
+FLEXPIPE_INTRA_RACK_GBPS = float(os.environ.get("FLEXPIPE_INTRA_RACK_GBPS", "25"))
+FLEXPIPE_INTER_RACK_GBPS = float(os.environ.get("FLEXPIPE_INTER_RACK_GBPS", "10"))
+# The fragment history every decision reads (scheduler.topology.FragmentHistory): how far back
+# each block's trajectory reaches.
+FLEXPIPE_FRAGMENT_HORIZON_S = float(os.environ.get("FLEXPIPE_FRAGMENT_HORIZON_S", str(4 * 3600)))
 
 CELERY_BEAT_SCHEDULE = {
     "fleet-heartbeat-sweep": {

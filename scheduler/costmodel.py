@@ -15,8 +15,10 @@ Physics, and only a handful of fitted factors (`Efficiency`):
   + the reduction's own HBM traffic (3 x (t-1)/t x bytes at the MBU). Small messages are
   latency-bound (the fixed part is ~45-70 us for 2-8 GPUs, as Vidur measured NCCL, against
   ~2 us of bandwidth time for a decode step's 16 KB), large ones bandwidth-bound.
-  Point-to-point (PP hand-off, KV hand-off and migration): one kernel launch + one hop +
-  bytes / (efficiency x B/s). Links measured by the agents' probes are used as measured for
+  Point-to-point (PP hand-off, KV hand-off and migration): one kernel launch + a send/recv
+  handshake + one hop + bytes / (p2p efficiency x B/s). Where an agent measured the collective itself (a sweep of message
+  sizes, scheduler.collectives), its curve replaces the model: the TP all-reduce of a group on
+  that node and size, and copies between the two nodes. Links measured by the agents' probes are used as measured for
   copies (their efficiency is already in the number); datasheet links (NVLink, PCIe) are
   derated by `link_efficiency`.
 * A pipeline of S stages keeps S micro-batches in flight: a batch takes the sum of the stage
@@ -57,6 +59,8 @@ from scheduler._lazy import (
     make_frozen,
     state_without_hash,
 )
+from scheduler.capabilities import migrates_kv
+from scheduler.collectives import CollectiveCurve
 from scheduler.hardware import GpuSpec
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu, usable_bytes
@@ -77,7 +81,7 @@ class Efficiency:
 
     mfu: float = 0.72  # fraction of dense peak FLOP/s a compute-bound GEMM reaches (prefill)
     mbu: float = 0.78  # fraction of peak HBM bandwidth a memory-bound kernel reaches (decode)
-    link_efficiency: float = 0.78  # fraction of a datasheet link's bandwidth a transfer reaches
+    link_efficiency: float = 0.76  # fraction of a datasheet link's bandwidth a ring collective reaches per link
     link_latency_s: float = 2e-6  # one hop over a link (a copy pays one, a ring all-reduce 2(t-1))
     kernel_overhead_s: float = 6.5e-6  # fixed cost of one kernel: a GEMM, attention, a send/recv
     roofline_norm: float = 2.0  # p of the p-norm joining the compute and memory bounds
@@ -86,14 +90,20 @@ class Efficiency:
     # which launch each collective on its own (no CUDA graph), so it is on the safe side for
     # engines that capture decode steps in graphs and use a custom all-reduce for small messages.
     # (Last, so that the fields before it keep their positions.)
-    allreduce_latency_s: float = 39e-6
+    allreduce_latency_s: float = 37e-6
+    # A point-to-point copy over a datasheet link (NVLink/PCIe: a PP hand-off, a KV move inside a
+    # node) is one copy stream with no reduction: it reaches more of the link than a ring's share
+    # (fitted on Vidur's in-node NCCL send/recv: ~0.94), and an NCCL send/recv call pays a
+    # handshake beyond a kernel launch (~4 us). Measured paths are used as measured.
+    p2p_link_efficiency: float = 0.94
+    p2p_latency_s: float = 4e-6
 
     def __post_init__(self) -> None:
-        for name in ("mfu", "mbu", "link_efficiency"):
+        for name in ("mfu", "mbu", "link_efficiency", "p2p_link_efficiency"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name}: must be within (0, 1], got {value}")
-        for name in ("link_latency_s", "allreduce_latency_s", "kernel_overhead_s"):
+        for name in ("link_latency_s", "allreduce_latency_s", "kernel_overhead_s", "p2p_latency_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.roofline_norm < 1:
@@ -141,9 +151,11 @@ class Path:
     bytes_per_s: float  # per direction
     latency_s: float | None = None  # measured latency beyond the model's link_latency_s; None: none
     measured: bool = False  # True: a probe measured the bandwidth (no efficiency applied)
+    curve: CollectiveCurve | None = None  # a measured send/recv sweep over this path: point-to-point copies use it
 
     def effective_bytes_per_s(self, eff: Efficiency) -> float:
-        return self.bytes_per_s if self.measured else self.bytes_per_s * eff.link_efficiency
+        """What one point-to-point copy gets of the path: as measured, or the datasheet figure derated."""
+        return self.bytes_per_s if self.measured else self.bytes_per_s * eff.p2p_link_efficiency
 
     def latency(self, eff: Efficiency) -> float:
         """One hop over the path: the link's latency (plus what a probe measured beyond it)."""
@@ -151,12 +163,15 @@ class Path:
 
     def transfer_latency(self, eff: Efficiency) -> float:
         """Fixed time of a point-to-point copy: one kernel launch (send/recv is a kernel, with
-        the same fixed cost as any other) and one hop."""
-        return eff.kernel_overhead_s + self.latency(eff)
+        the same fixed cost as any other), the send/recv handshake, and one hop."""
+        return eff.kernel_overhead_s + eff.p2p_latency_s + self.latency(eff)
 
 
 def transfer_time_s(bytes_moved: float, path: Path, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
-    """Point-to-point copy (send/recv). inf when there is no path."""
+    """Point-to-point copy (send/recv): the measured curve where there is one, else one launch,
+    one hop and the bytes over the path's bandwidth. inf when there is no path."""
+    if path.curve is not None:
+        return path.curve.time_s(bytes_moved)
     bw = path.effective_bytes_per_s(eff)
     if bw <= 0:
         return math.inf
@@ -203,14 +218,18 @@ def gpu_path(snapshot: Snapshot, u: str, v: str) -> Path:
     """The path between two GPUs of a snapshot (nominal inside a node, measured across nodes)."""
     gu, gv = snapshot.gpu_by_uuid[u], snapshot.gpu_by_uuid[v]
     if gu.node_id == gv.node_id:
-        return Path(bytes_per_s=snapshot.gpu_link_bytes_per_s(u, v))
+        # a measured copy sweep (an agent times GPU 0 -> 1) stands for pairs of one NVLink group
+        curve = (snapshot.copy_curve(gu.node_id) if snapshot.collectives and gu.nvlink_group is not None
+                 and gu.nvlink_group == gv.nvlink_group else None)
+        return Path(bytes_per_s=snapshot.gpu_link_bytes_per_s(u, v), curve=curve)
     # across nodes: what Snapshot.gpu_link_bytes_per_s and gpu_link_latency_s give, with the
     # host links and the node link looked up once for both
     host = min(snapshot.spec(gu.model).host_link_bytes_per_s, snapshot.spec(gv.model).host_link_bytes_per_s)
     node_bw = snapshot.node_link_bytes_per_s(gu.node_id, gv.node_id)
     measured = node_bw <= host  # the node link is the bottleneck: use it as the probe measured it
+    curve = snapshot.sendrecv_curve(gu.node_id, gv.node_id) if snapshot.collectives else None
     return Path(bytes_per_s=min(host, node_bw), latency_s=snapshot.node_link_latency_s(gu.node_id, gv.node_id),
-                measured=measured)
+                measured=measured, curve=curve)
 
 
 def group_path(snapshot: Snapshot, uuids: Sequence[str]) -> Path:
@@ -273,6 +292,7 @@ class StageProfile:
     first: bool  # holds the embedding
     last: bool  # holds the final norm and LM head
     next_path: Path | None  # towards the next stage; None for the last
+    tp_curve: CollectiveCurve | None = None  # a measured all-reduce of its TP group's node and size: used if set
 
 
 class PipelineProfile:
@@ -290,6 +310,7 @@ class PipelineProfile:
         self.signature = content_id((model, eff, self.stages))  # equal physics, equal signature
         p = eff.roofline_norm
         self._norm: Callable[[float, float], float] = math.hypot if p == 2.0 else _p_norm(p)
+        self._ar_bytes_per_token = model.hidden_size * model.dtype_bytes  # one all-reduce's message per token
         self._consts = [self._stage_consts(st) for st in self.stages]
 
     def _stage_consts(self, st: StageProfile) -> tuple[float, ...]:
@@ -369,7 +390,11 @@ class PipelineProfile:
             attn_reads += prefill_context_tokens + prefill_tokens
         attention = (o + norm(attn_a * attn_pairs, attn_kv * attn_reads + attn_q * tokens)) * layers
         elementwise = elementwise_c * tokens
-        allreduce = ar_fixed + ar_per_token * tokens
+        curve = st.tp_curve
+        if curve is None:
+            allreduce = ar_fixed + ar_per_token * tokens
+        else:  # measured beats modelled (collectives.py): two all-reduces of the hidden state per layer
+            allreduce = 2.0 * layers * curve.time_s(tokens * self._ar_bytes_per_token)
         if has_head:
             sampled = decode_seqs + ((prefill_seqs if prefill_seqs > 1 else 1) if prefill_tokens else 0)
             gemm += o + norm(head_a * sampled, head_b + head_c * sampled)
@@ -513,7 +538,7 @@ class PlanProfile:
 
     @classmethod
     def single_block(cls, plan: Plan, model: ModelSpec, spec: GpuSpec, tp_link_bytes_per_s: float,
-                     eff: Efficiency = DEFAULT_EFFICIENCY) -> PlanProfile:
+                     eff: Efficiency = DEFAULT_EFFICIENCY, curve: CollectiveCurve | None = None) -> PlanProfile:
         """A one-stage colocated plan inside one atomic block, resolved from the block's figures
         (its GPU spec and its TP link) without walking the snapshot: what `build` gives for it.
         Memoised, so units of one shape on different blocks share one profile (they differ only
@@ -523,7 +548,7 @@ class PlanProfile:
         tp = plan.stages[0].tp
         # by pipeline, then by KV reserve: plans that differ only in their KV reserve share one
         # pipeline (and the pipeline key, whose specs hash in Python, is hashed once per call)
-        pipe_key = (model, eff, spec, tp, tp_link_bytes_per_s)
+        pipe_key = (model, eff, spec, tp, tp_link_bytes_per_s, curve if tp > 1 else None)
         entry = _SINGLE_BLOCK.get(pipe_key)
         if entry is not None:
             hit = entry[1].get(plan.kv_reserve_tokens)
@@ -539,6 +564,7 @@ class PlanProfile:
                 first=True,
                 last=True,
                 next_path=None,
+                tp_curve=curve if tp > 1 else None,
             )
             pipe = PipelineProfile(model, [stage], eff)
             if len(_SINGLE_BLOCK) >= _STEADY_CACHE_SIZE:
@@ -571,6 +597,10 @@ def _pipeline(stages: Sequence[Stage], model: ModelSpec, snapshot: Snapshot, eff
         nxt = None
         if i + 1 < len(stages):
             nxt = gpu_path(snapshot, stage.gpu_uuids[0], stages[i + 1].gpu_uuids[0])
+        curve = None
+        if stage.tp > 1 and snapshot.collectives:
+            homes = {snapshot.gpu_by_uuid[u].node_id for u in stage.gpu_uuids}
+            curve = snapshot.allreduce_curve(homes.pop(), stage.tp) if len(homes) == 1 else None
         profiles.append(
             StageProfile(
                 layers=stage.num_layers,
@@ -580,6 +610,7 @@ def _pipeline(stages: Sequence[Stage], model: ModelSpec, snapshot: Snapshot, eff
                 first=stage.layer_start == 0,
                 last=stage.layer_end == model.num_layers,
                 next_path=nxt,
+                tp_curve=curve,
             )
         )
     return PipelineProfile(model, profiles, eff)
@@ -592,8 +623,9 @@ def kv_route(src: Sequence[Stage], dst: Sequence[Stage], model: ModelSpec, snaps
     Each source stage sends the KV of the layers a destination stage holds. Inside a node the
     TP ranks of a pair copy in parallel over their own links (min of the two TP degrees);
     across nodes they share the node link. A pair on the same GPUs with the same layers and
-    TP keeps its KV in place. A source GPU missing from the snapshot has lost its KV: the
-    route is infinitely slow, so every sequence replays.
+    TP keeps its KV in place. A source GPU missing from the snapshot has lost its KV, and an
+    engine at either end that cannot move KV (capabilities.EngineCaps.kv_migration) takes none:
+    the route is infinitely slow, so every sequence replays.
     """
     per_layer = model.kv_bytes_per_token_per_layer
     worst_s_per_token, worst_latency, moved = 0.0, 0.0, 0
@@ -609,8 +641,17 @@ def kv_route(src: Sequence[Stage], dst: Sequence[Stage], model: ModelSpec, snaps
             u, v = s.gpu_uuids[0], t.gpu_uuids[0]
             if u not in gpus or v not in gpus or not all(g in gpus for g in s.gpu_uuids):
                 return KvRoute(latency_s=math.inf, s_per_token=math.inf, bytes_per_token=max(1, moved))
+            if not migrates_kv(snapshot, (gpus[u].node_id, gpus[v].node_id)):
+                # an engine that cannot export or import KV (vLLM): every sequence replays
+                return KvRoute(latency_s=math.inf, s_per_token=math.inf, bytes_per_token=max(1, moved))
             path = gpu_path(snapshot, u, v)
             lanes = min(s.tp, t.tp) if gpus[u].node_id == gpus[v].node_id else 1
+            if path.curve is not None:  # a measured copy sweep over this path: its bandwidth (per lane) and floor
+                bw = path.curve.bandwidth_bytes_per_s() * lanes
+                if math.isfinite(bw):
+                    worst_s_per_token = max(worst_s_per_token, overlap * per_layer / bw)
+                worst_latency = max(worst_latency, path.curve.latency_s())
+                continue
             bw = path.effective_bytes_per_s(eff) * lanes
             if bw <= 0:
                 return KvRoute(latency_s=math.inf, s_per_token=math.inf, bytes_per_token=max(1, moved))

@@ -31,6 +31,16 @@ Rules, in the order they apply:
    - otherwise switch to the best candidate only if gain > cost x hysteresis and the gain
      per second is at least `min_relative_gain` of the offered output tokens/s.
    ADVISORY deployments get ADVISE where an AUTO one would SWITCH.
+0. (before 1-3) The second stage of a staged switch whose first stage is done (`staged_target`):
+   on to it without hysteresis or cooldown when it fits; pinned deployments stop there.
+
+Memory across the switch (scheduler.booking, scheduler.staging): every candidate carries the
+path that reaches it - direct when its new plans fit beside the current gear, else staged
+through an intermediate candidate or a brief drain (priced as both switches plus the dwell, its
+first stage being the decision's target), else blocked with what a full drain would take. An
+operator's gear that does not fit goes the same way. Back-off (scheduler.backoff): while the
+deployment backs off after refused PREPAREs automatic switches STAY, and backed-off plans are
+never eligible. Plans a node's engine cannot run are never proposed (`Decision.excluded`).
 
 Ranking. A candidate is *standing* when its estimate meets both SLOs at the offered load
 with the headroom of the high watermark (`standing`). Standing candidates rank before the
@@ -62,6 +72,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
+from scheduler.backoff import Backoff
+from scheduler.booking import Overbooking, describe
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     Efficiency,
@@ -78,7 +90,22 @@ from scheduler.costmodel import (
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, stage_bytes_per_gpu, validate_gear, validate_plan
 from scheduler.planner import DEFAULT_OPTIONS, PlannerOptions, plan_candidates
+from scheduler.staging import (
+    DIRECT,
+    PathKind,
+    SwitchPath,
+    blocked_note,
+    combine,
+    conflicts,
+    drain_gear,
+    drain_s,
+    dwell_tokens,
+    fits_after,
+    outage_cost,
+)
 from scheduler.topology import DEFAULT_POLICY, AtomicBlock, BlockPolicy, FragmentHistory, Snapshot, partition
+
+MAX_VIAS = 4  # intermediate gears a staged switch is priced through (the direct candidates worth most)
 
 
 class Mode(enum.StrEnum):
@@ -229,6 +256,7 @@ class CandidateEval:
     passes: bool  # gain > threshold
     note: str = ""  # how the planner built it, or why it is not eligible
     standing: bool = False  # meets both SLOs at the offered load, with headroom (`standing`)
+    path: SwitchPath | None = None  # how it is reached: direct, staged or drain (its cost is the path's), or blocked
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -243,10 +271,12 @@ class CandidateEval:
             "passes": self.passes,
             "note": self.note,
             "standing": self.standing,
+            "path": self.path.to_dict() if self.path is not None else None,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> CandidateEval:
+        path = d.get("path")
         return cls(
             gear=Gear.from_dict(d["gear"]),
             estimate=Estimate.from_dict(_obj(d["estimate"])),
@@ -257,11 +287,12 @@ class CandidateEval:
             passes=bool(d["passes"]),
             note=str(d.get("note", "")),
             standing=bool(d.get("standing", False)),
+            path=SwitchPath.from_dict(_obj(path)) if path is not None else None,
         )
 
 
 check_plain_dataclass(CandidateEval, field_names=("gear", "estimate", "value_tokens_s", "gain_tokens", "cost",
-                                                  "threshold_tokens", "passes", "note", "standing"))
+                                                  "threshold_tokens", "passes", "note", "standing", "path"))
 
 
 @dataclass(frozen=True)
@@ -282,6 +313,11 @@ class Decision:
     candidates: tuple[CandidateEval, ...]  # every candidate weighed, best first
     reasons: tuple[str, ...]  # why this outcome, in words
     cooldown_until_s: float | None = None  # when automatic switching is allowed again
+    # a staged switch (scheduler.staging): stage 1 goes to `target` on the way to `staged_target`;
+    # stage 2 (its drivers ask for it once stage 1 is done) goes on to it. 0: a plain switch
+    stage: int = 0
+    staged_target: Gear | None = None  # stage 1: where the staged switch goes next
+    excluded: tuple[str, ...] = ()  # plans the planner left out because a node's engine cannot run them, and why
 
     @property
     def target_gear_id(self) -> str | None:
@@ -290,8 +326,10 @@ class Decision:
     @property
     def forced(self) -> bool:
         """A move the deployment was pushed into (an emergency downshift, or off a gear that
-        lost GPUs), not one the gearbox chose: it starts no cooldown (`record_switch`)."""
-        return self.trigger is Trigger.EMERGENCY or (self.current_gear_id is not None and not self.current_valid)
+        lost GPUs), or the second stage of a switch already counted: not one the gearbox chose
+        now, so it starts no cooldown (`record_switch`)."""
+        return (self.trigger is Trigger.EMERGENCY or (self.current_gear_id is not None and not self.current_valid)
+                or self.stage == 2)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -310,6 +348,9 @@ class Decision:
             "candidates": [c.to_dict() for c in self.candidates],
             "reasons": list(self.reasons),
             "cooldown_until_s": self.cooldown_until_s,
+            "stage": self.stage,
+            "staged_target": self.staged_target.to_dict() if self.staged_target is not None else None,
+            "excluded": list(self.excluded),
         }
 
     @classmethod
@@ -323,6 +364,10 @@ class Decision:
             if not isinstance(candidates, list) or not isinstance(reasons, list):
                 raise ValueError("decision.candidates/reasons: must be lists")
             cooldown = d.get("cooldown_until_s")
+            staged = d.get("staged_target")
+            stage = d.get("stage", 0)
+            if stage not in (0, 1, 2):
+                raise ValueError(f"decision.stage: must be 0, 1 or 2; got {stage!r}")
             return cls(
                 deployment_id=str(d["deployment_id"]),
                 now_s=_num(d["now_s"]),
@@ -338,6 +383,9 @@ class Decision:
                 candidates=tuple(CandidateEval.from_dict(_obj(c)) for c in candidates),
                 reasons=tuple(str(r) for r in reasons),
                 cooldown_until_s=None if cooldown is None else _num(cooldown),
+                stage=int(stage),
+                staged_target=None if staged is None else Gear.from_dict(staged, "decision.staged_target"),
+                excluded=tuple(str(x) for x in _list(d.get("excluded"))),
             )
         except KeyError as exc:
             raise ValueError(f"decision.{exc.args[0]}: required") from None
@@ -347,6 +395,10 @@ def _obj(v: object) -> Mapping[str, object]:
     if not isinstance(v, Mapping):
         raise ValueError(f"decision: expected an object, got {type(v).__name__}")
     return v
+
+
+def _list(v: object) -> list[object]:
+    return list(v) if isinstance(v, list | tuple) else []
 
 
 def _num(v: object) -> float:
@@ -500,6 +552,8 @@ def decide(
     requested_gear: Gear | None = None,
     transition_running: bool = False,
     history: FragmentHistory | None = None,
+    staged_target: Gear | None = None,
+    backoff: Backoff | None = None,
     model: ModelSpec | None = None,
     config: GearboxConfig = DEFAULT_CONFIG,
     planner_options: PlannerOptions | None = None,
@@ -509,8 +563,11 @@ def decide(
     """Decide whether `deployment` should change gear now (module docstring: the rules).
 
     `trigger` is what the caller saw (tick, topology event, operator); `requested_gear` is
-    the operator's choice for MANUAL. `history` supplies block stability. Pure and
-    deterministic: no I/O, no clock but `now_s`.
+    the operator's choice for MANUAL. `history` supplies block stability. `staged_target`: the
+    gear a staged switch goes on to once its first stage is done (`Decision.staged_target` of the
+    decision that started it; its drivers keep it). `backoff`: the deployment's back-off after
+    refused PREPAREs (scheduler.backoff): automatic switches wait, and backed-off plans are not
+    proposed. Pure and deterministic: no I/O, no clock but `now_s`.
     """
     spec = model if model is not None else model_spec(deployment.model)
     factor = config.hysteresis
@@ -565,9 +622,10 @@ def decide(
                     and stands(current_gear, cur.estimate, cur.profiles))
     cool_until = cooldown_until(deployment, config)
     reasons: list[str] = []
+    left_out: list[str] = []  # the planner's exclusions (engine capabilities), for the candidate list
 
     def finish(outcome: Outcome, target: Gear | None, evals: Sequence[CandidateEval], why: Sequence[str],
-               value: float | None = None) -> Decision:
+               value: float | None = None, *, stage: int = 0, staged: Gear | None = None) -> Decision:
         return Decision(
             deployment_id=deployment.id,
             now_s=now_s,
@@ -583,14 +641,21 @@ def decide(
             candidates=tuple(evals),
             reasons=tuple(why),
             cooldown_until_s=cool_until,
+            stage=stage,
+            staged_target=staged,
+            excluded=tuple(left_out),
         )
 
     def evaluate(gear: Gear, est: Estimate, note: str,
-                 profiles: Mapping[Plan, PlanProfile] | None = None) -> CandidateEval:
+                 profiles: Mapping[Plan, PlanProfile] | None = None, *, cost: SwitchCost | None = None,
+                 path: SwitchPath | None = None) -> CandidateEval:
         # the candidate's profiles, and the current gear's (plans it keeps)
         known = {**cur.profiles, **profiles} if profiles else cur.profiles
-        cost = switch_cost(current_gear, gear, spec, snapshot, workload, current_estimate=cur.estimate,
-                           target_estimate=est, eff=eff, profiles=known)
+        if profiles:
+            profiles_of[gear] = profiles
+        if cost is None:
+            cost = switch_cost(current_gear, gear, spec, snapshot, workload, current_estimate=cur.estimate,
+                               target_estimate=est, eff=eff, profiles=known)
         value = _value(est, rent)
         # rent only trades GPUs against tokens once the SLOs are met (module docstring)
         charged = rent if cur_standing else 0.0
@@ -599,18 +664,134 @@ def decide(
         threshold = cost.tokens * factor
         return make_frozen(CandidateEval, {"gear": gear, "estimate": est, "value_tokens_s": value, "gain_tokens": gain,
                                            "cost": cost, "threshold_tokens": threshold, "passes": gain > threshold,
-                                           "note": note, "standing": stands(gear, est, known)})
+                                           "note": note, "standing": stands(gear, est, known), "path": path})
 
     def estimate_of(gear: Gear) -> Estimate:
         return at_load(gear, workload, cur.profiles)
 
+    # --- memory across the switch (scheduler.booking, scheduler.staging) ---------------------
+    profiles_of: dict[Gear, Mapping[Plan, PlanProfile]] = {}  # candidates' profiles, by gear
+    output_p99 = workload.output_quantile(0.99)
+
+    def routed(e: CandidateEval, vias: Sequence[CandidateEval],
+               found: Sequence[Overbooking] | None = None) -> CandidateEval:
+        """`e` with the path that reaches it: direct when its new plans fit beside the current
+        gear; else the cheaper of a staged switch (via one of `vias`) and a brief drain, priced
+        as both switches plus what is lost in between; else blocked (it says what it would take).
+        `found`: its conflicts, when the caller has them."""
+        if found is None:
+            found = conflicts(current_gear, e.gear, spec, snapshot)
+        if not found:
+            return e if e.path is not None else replace(e, path=DIRECT)
+        known = {**cur.profiles, **profiles_of.get(e.gear, {})}
+        options: list[tuple[PathKind, Gear, SwitchCost]] = []
+        firsts: list[tuple[Gear, Estimate, SwitchCost, PathKind]] = [
+            (v.gear, v.estimate, v.cost, "staged") for v in vias if v.gear != e.gear]
+        sub = drain_gear(current_gear, found, snapshot)
+        if sub is not None:
+            sub_est = estimate_of(sub)
+            sub_cost = switch_cost(current_gear, sub, spec, snapshot, workload, current_estimate=cur.estimate,
+                                   target_estimate=sub_est, eff=eff, profiles=cur.profiles)
+            firsts.append((sub, sub_est, sub_cost, "drain"))
+        for gear1, est1, cost1, kind in firsts:
+            if not fits_after(current_gear, gear1, e.gear, spec, snapshot):
+                continue
+            second = switch_cost(gear1, e.gear, spec, snapshot, workload, current_estimate=est1,
+                                 target_estimate=e.estimate, eff=eff,
+                                 profiles={**known, **profiles_of.get(gear1, {})})
+            total = combine(cost1, second, dwell_tokens(cur.estimate, est1, second.time_to_effect_s))
+            options.append((kind, gear1, total))
+        if not options:
+            outage_s, outage_tokens = outage_cost(e.cost, cur.estimate, drain_s(cur.estimate, output_p99))
+            note = blocked_note(found, outage_s, outage_tokens)
+            return replace(e, passes=False, note=f"{e.note}; {note}" if e.note else note,
+                           path=SwitchPath("blocked", conflicts=tuple(found), note=note))
+        kind, gear1, total = min(options, key=lambda o: (o[2].tokens, _gear_order(o[1])))
+        how = (f"staged via {gear1.shape()}" if kind == "staged"
+               else f"brief drain: {len(current_gear.plans) - len(gear1.plans) if current_gear else 0} plan(s)"
+                    f" released first, {gear1.shape()} serving meanwhile")
+        note = f"does not fit beside the current gear ({describe(found)}); {how}"
+        return repriced(e, total, SwitchPath(kind, via=gear1, conflicts=tuple(found), note=note))
+
+    def repriced(e: CandidateEval, cost: SwitchCost, path: SwitchPath) -> CandidateEval:
+        """`e` weighed again with another cost (its path's): the estimate and standing are the gear's."""
+        charged = rent if cur_standing else 0.0
+        gain = (_value(e.estimate, charged) - _value(cur.estimate, charged)) * max(0.0, config.horizon_s
+                                                                                - cost.time_to_effect_s)
+        threshold = cost.tokens * factor
+        return replace(e, cost=cost, gain_tokens=gain, threshold_tokens=threshold, passes=gain > threshold, path=path)
+
+    def with_paths(evals: Sequence[CandidateEval]) -> list[CandidateEval]:
+        found = [conflicts(current_gear, e.gear, spec, snapshot) for e in evals]
+        direct = [e for e, f in zip(evals, found, strict=True) if not f]
+        # intermediates: the direct candidates worth most (a staged switch dwells on one briefly)
+        vias = sorted(direct, key=lambda v: (-v.value_tokens_s, v.cost.tokens, _gear_order(v.gear)))[:MAX_VIAS]
+        return [routed(e, vias, f) for e, f in zip(evals, found, strict=True)]
+
+    def backed_off(e: CandidateEval, book: Backoff) -> CandidateEval:
+        hit = book.blocked(e.gear, now_s, snapshot)
+        if e.path is not None and e.path.via is not None:
+            hit += book.blocked(e.path.via, now_s, snapshot)
+        if not hit:
+            return e
+        until = max(h.until_s for h in hit)
+        note = f"backing off until t={until:.0f} s (a PREPARE of it was refused: {hit[0].reason[:120]})"
+        return replace(e, passes=False, note=f"{e.note}; {note}" if e.note else note,
+                       path=SwitchPath("blocked", conflicts=e.path.conflicts if e.path else (), note=note))
+
+    def operator_path(ev: CandidateEval) -> CandidateEval:
+        """An operator's gear (the baseline, a requested gear) with the path that reaches it:
+        intermediates come from the planner, asked only when the gear does not fit beside."""
+        if not conflicts(current_gear, ev.gear, spec, snapshot):
+            return replace(ev, path=DIRECT)
+        found = plan_candidates(spec, snapshot, workload, slo=deployment.slo, options=planner_options or DEFAULT_OPTIONS,
+                                blocks=blocks, reclaimable_bytes=reclaim,
+                                prefer_gpus=current_gear.gpu_uuids if current_gear else (),
+                                keep=current_gear.plans if current_gear is not None else (), policy=policy, eff=eff)
+        pool = [evaluate(c.gear, c.estimate, c.kind, c.profiles) for c in found.feasible
+                if c.gear not in (current_gear, ev.gear)]
+        return with_paths([ev, *pool])[0] if pool else routed(ev, [])
+
+    def operator_finish(ev: CandidateEval, why: list[str], what: str) -> Decision:
+        path = ev.path
+        if path is None or path.kind == "direct":
+            return finish(Outcome.SWITCH, ev.gear, [ev], why)
+        if not path.executable or path.via is None:
+            return finish(Outcome.BLOCKED, None, [ev], [*why, f"{what}: the gear {path.note}"])
+        return finish(Outcome.SWITCH, path.via, [ev], [*why, f"stage 1 of 2: {path.note}; then on to"
+                                                             f" {ev.gear.shape()}"], stage=1, staged=ev.gear)
+
+    # 0. the second stage of a staged switch whose first stage is done (its drivers ask)
+    ignore_cooldown = direct_only = False
+    if staged_target is not None and trigger is not Trigger.EMERGENCY and not transition_running:
+        # (an emergency's own staged downshift is not this: its request stays pending until the
+        # emergency trigger reaches the gear it holds)
+        if deployment.mode in (Mode.PINNED, Mode.EMERGENCY):
+            return finish(Outcome.STAY, None, [], [f"{deployment.mode.value}: the staged switch toward "
+                                                   f"{staged_target.shape()} stops here"])
+        problems = validate_gear(staged_target, snapshot, spec, blocks=blocks, reclaimable_bytes=reclaim,
+                                 policy=policy)
+        found = conflicts(current_gear, staged_target, spec, snapshot)
+        if cur.valid and not problems and not found:
+            ev = evaluate(staged_target, estimate_of(staged_target), "second stage of a staged switch")
+            act2 = Outcome.SWITCH if deployment.mode is Mode.AUTO else Outcome.ADVISE
+            return finish(act2, staged_target, [replace(ev, path=DIRECT)], [
+                f"stage 2 of 2: on to {staged_target.shape()} (weighed with the first stage: no hysteresis or"
+                " cooldown)"], stage=2)
+        why = problems[:2] or ([describe(found)] if found else []) or ["the current gear is not valid"]
+        reasons.append(f"the staged switch toward {staged_target.shape()} cannot go on ({'; '.join(why)});"
+                       " deciding afresh")
+        ignore_cooldown = True  # the intermediate gear was never meant to stay
+        direct_only = True  # and no new staged path from it: one failed already (no loop of first stages)
+
     def weigh_all(note: str) -> list[CandidateEval]:
-        """Every feasible candidate but the current gear, weighed, best first by `safe_rank`."""
+        """Every feasible candidate but the current gear, weighed with the path that reaches it
+        (memory across the switch), best first by `safe_rank`."""
         found = plan_candidates(spec, snapshot, workload, slo=deployment.slo, options=planner_options or DEFAULT_OPTIONS,
                                 blocks=blocks, reclaimable_bytes=reclaim,
                                 prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy, eff=eff)
-        return sorted((evaluate(c.gear, c.estimate, note or c.kind, c.profiles) for c in found.feasible
-                       if c.gear != current_gear), key=safe_rank)
+        return sorted(with_paths([evaluate(c.gear, c.estimate, note or c.kind, c.profiles) for c in found.feasible
+                                  if c.gear != current_gear]), key=safe_rank)
 
     # 1. emergency: the baseline (or the gear an operator accepted instead), now, whatever the mode
     if trigger is Trigger.EMERGENCY:
@@ -630,7 +811,9 @@ def decide(
         why = [f"emergency downshift to {what} (operator)"]
         if transition_running:
             why.append("supersedes the running transition (the executor rolls it back first)")
-        return finish(Outcome.SWITCH, base, [ev], why)
+            return finish(Outcome.SWITCH, base, [ev], why)
+        ev = operator_path(ev)
+        return operator_finish(ev, why, "emergency")
 
     # 2. manual: the operator's gear, if valid
     if trigger is Trigger.MANUAL:
@@ -647,8 +830,8 @@ def decide(
         if problems:
             return finish(Outcome.BLOCKED, None, [], ["manual: the requested gear is not valid: "
                                                      + "; ".join(problems[:5])])
-        ev = evaluate(requested_gear, estimate_of(requested_gear), "requested by an operator")
-        return finish(Outcome.SWITCH, requested_gear, [ev], ["manual switch requested by an operator"])
+        ev = operator_path(evaluate(requested_gear, estimate_of(requested_gear), "requested by an operator"))
+        return operator_finish(ev, ["manual switch requested by an operator"], "manual")
 
     # 3. automatic
     if not cur.valid and current_gear is not None:
@@ -671,7 +854,7 @@ def decide(
             if min(us, ul) > config.high_watermark or max(us, ul) < config.low_watermark:
                 trigger = Trigger.LOAD
                 reasons.append(f"load: utilisation {us:.0%} (short window) and {ul:.0%} (long window)")
-    in_cooldown = cur.valid and cool_until is not None and now_s < cool_until
+    in_cooldown = cur.valid and cool_until is not None and now_s < cool_until and not ignore_cooldown
     if window_load is None:
         if cur.valid:
             # missing telemetry is not zero load: never shed GPUs on silence
@@ -685,15 +868,28 @@ def decide(
         options = PlannerOptions(**{**options.__dict__, "latency_critical": True})
     cands = plan_candidates(
         spec, snapshot, workload, slo=deployment.slo, options=options, blocks=blocks, stability=stability,
-        reclaimable_bytes=reclaim, prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy,
-        eff=eff,
+        reclaimable_bytes=reclaim, prefer_gpus=current_gear.gpu_uuids if current_gear else (),
+        keep=current_gear.plans if current_gear is not None and cur.valid else (), policy=policy, eff=eff,
     )
+    left_out.extend(cands.excluded)
     if cap_per_gpu == 0.0 and cands.feasible:
         # nothing runs now: charge the rent against the most GPU-efficient candidate
         cap_per_gpu = max(c.estimate.capacity_rps * workload.output_tokens_mean / max(1, c.estimate.gpus)
                           for c in cands.feasible)
         rent = config.gpu_rent * cap_per_gpu
-    evals = [evaluate(c.gear, c.estimate, c.kind, c.profiles) for c in cands.feasible if c.gear != current_gear]
+    evals = with_paths([evaluate(c.gear, c.estimate, c.kind, c.profiles) for c in cands.feasible
+                        if c.gear != current_gear])
+    if evals and all(e.path is not None and e.path.kind != "direct" for e in evals):
+        best_path = min(evals, key=lambda e: (not (e.path is not None and e.path.executable), e.cost.tokens))
+        assert best_path.path is not None  # noqa: S101 - every eval has one here
+        reasons.append(f"no candidate fits beside the current gear; it would take: {best_path.gear.shape()}"
+                       f" {best_path.path.note.split('; ', 1)[-1]}")
+    if backoff is not None and backoff.entries:
+        evals = [backed_off(e, backoff) for e in evals]
+    if direct_only:
+        evals = [e if e.path is None or not e.path.staged else replace(e, passes=False, note=(
+            f"{e.note}; not now: the staged switch before it could not go on") if e.note else
+            "not now: the staged switch before it could not go on") for e in evals]
     cur_value = _value(cur.estimate, rent)
 
     def rank(e: CandidateEval) -> tuple[object, ...]:
@@ -708,17 +904,30 @@ def decide(
 
     evals.sort(key=rank)
     act = Outcome.SWITCH if deployment.mode is Mode.AUTO else Outcome.ADVISE
+
+    def switch_to(best: CandidateEval, why: list[str]) -> Decision:
+        path = best.path
+        if path is not None and path.staged and path.via is not None:
+            return finish(act, path.via, evals, [*why, f"stage 1 of 2: {path.note}"], stage=1, staged=best.gear)
+        return finish(act, best.gear, evals, why)
     offered_tokens_s = workload.rate_rps * workload.output_tokens_mean
 
     if not cur.valid:
-        if not evals:
+        reachable = [e for e in evals if e.path is None or (e.path.executable and not (direct_only and e.path.staged))]
+        if not reachable:
             return finish(Outcome.BLOCKED, None, evals, reasons + ["no feasible gear to move to"] + list(cands.infeasible))
         # a gear that meets the SLOs first (the cheapest of them after rent); else the most goodput
-        best = max(evals, key=lambda e: (e.standing, (e.value_tokens_s if e.standing else e.estimate.goodput_tokens_s)
-                                         - e.cost.tokens / max(1.0, config.horizon_s),
-                                         -e.estimate.gpus, _gear_order(e.gear)))
-        return finish(act, best.gear, evals, reasons + [
+        best = max(reachable, key=lambda e: (e.standing, (e.value_tokens_s if e.standing
+                                                          else e.estimate.goodput_tokens_s)
+                                             - e.cost.tokens / max(1.0, config.horizon_s),
+                                             -e.estimate.gpus, _gear_order(e.gear)))
+        return switch_to(best, reasons + [
             f"moving at once to {best.gear.shape()} (hysteresis and cooldown do not apply to an invalid gear)"])
+    holding = backoff.holding(now_s) if backoff is not None else None
+    if holding is not None:
+        return finish(Outcome.STAY, None, evals, reasons + [
+            f"backing off until t={holding:.0f} s after {backoff.streak if backoff else 0} refused transition(s)"
+            " in a row (scheduler.backoff): no automatic switch before then"])
     if in_cooldown:
         assert cool_until is not None
         return finish(Outcome.STAY, None, evals, reasons + [
@@ -731,7 +940,7 @@ def decide(
 
     # a standing gear is only left for another standing one
     eligible = [e for e in evals if e.standing] if cur_standing else evals
-    passing = [e for e in eligible if e.passes and worth_it(e)]
+    passing = [e for e in eligible if e.passes and worth_it(e) and (e.path is None or e.path.executable)]
     if not passing:
         why = reasons + ["no candidate's gain beats its cost x hysteresis"]
         if eligible:
@@ -744,7 +953,7 @@ def decide(
         why.extend(cands.infeasible)
         return finish(Outcome.STAY, None, evals, why)
     best = passing[0]
-    return finish(act, best.gear, evals, reasons + [
+    return switch_to(best, reasons + [
         f"{best.gear.shape()}{' (meets the SLOs)' if best.standing else ''}: gain {best.gain_tokens:.0f} tokens"
         f" > cost {best.cost.tokens:.0f} x {factor}"])
 

@@ -1,4 +1,4 @@
-"""An event log of what transitions, routing and engines did, and a checker of invariants 1-3.
+"""An event log of what transitions, routing and engines did, and a checker of invariants 1-4.
 
 Anything that moves requests or plans appends `LogEvent`s to one `EventLog` (the in-memory
 ports, the simulated agents and engines, a test harness); `check(log)` then verifies, over the
@@ -15,6 +15,9 @@ whole history, DESIGN.md's invariants:
    comes after that step was persisted; the routing table never lists a plan that was
    released or aborted (and a plan is never released while the table lists it); with
    `complete=True`, every transition reached DONE or ROLLED_BACK.
+4. (memory) No GPU is booked above 92% of its memory: every `mem_booked` event - an agent saying
+   what a GPU holds after a booking, every plan on it counted - stays within the limit
+   (scheduler.booking.over_limit).
 
 The checker reports every violation with its invariant, time and a sentence; an empty list
 means the history is clean. It never raises on a bad log.
@@ -26,6 +29,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from scheduler.booking import over_limit
+from scheduler.plan import MEM_FRACTION
 from scheduler.transition import PHASE_EDGES, Phase, TransitionEvent
 
 EventKind = Literal[
@@ -35,6 +40,8 @@ EventKind = Literal[
     "command_issued", "routing_committed", "reserved", "unreserved",
     # plans on agents
     "plan_prepared", "plan_released", "plan_aborted",
+    # memory: what GPUs hold after a booking (invariant 4)
+    "mem_booked",
     # sequences
     "seq_admitted", "seq_assigned", "seq_decoded", "seq_paused", "seq_handover", "seq_finished", "seq_failed",
 ]
@@ -59,6 +66,7 @@ class LogEvent:
     to_plan: str = ""  # seq_handover
     boundary: str = ""  # seq_paused / seq_handover: decode_end | idle | ...
     plans: tuple[tuple[str, float, bool], ...] = ()  # routing_committed: (plan_id, weight, frozen)
+    gpus: tuple[tuple[str, int, int], ...] = ()  # mem_booked: (GPU uuid, bytes booked there now, its memory)
     detail: str = ""
 
     def to_dict(self) -> dict[str, object]:
@@ -66,7 +74,7 @@ class LogEvent:
         for k, v in self.__dict__.items():
             if k in ("t_s", "kind") or v in ("", 0, ()):
                 continue
-            out[k] = [list(p) for p in v] if k == "plans" else v
+            out[k] = [list(p) for p in v] if k in ("plans", "gpus") else v
         return out
 
 
@@ -99,7 +107,7 @@ class EventLog:
 
 @dataclass(frozen=True)
 class Violation:
-    invariant: int  # 1, 2 or 3
+    invariant: int  # 1, 2, 3 or 4
     t_s: float
     what: str
 
@@ -123,7 +131,7 @@ class _Transition:
 
 
 def check(events: Iterable[LogEvent], *, complete: bool = True) -> list[Violation]:
-    """Every violation of invariants 1-3 in the history (module docstring)."""
+    """Every violation of invariants 1-4 in the history (module docstring)."""
     out: list[Violation] = []
     seqs: dict[str, _Seq] = {}
     active: dict[str, _Transition] = {}
@@ -136,6 +144,13 @@ def check(events: Iterable[LogEvent], *, complete: bool = True) -> list[Violatio
 
     for e in events:
         k = e.kind
+        # -- invariant 4: memory -------------------------------------------------------------
+        if k == "mem_booked":
+            for uuid, booked, total in e.gpus:
+                if over_limit(booked, total):
+                    bad(4, e.t_s, f"GPU {uuid} holds {booked} of {total} bytes ({booked / total:.1%}) after plan"
+                                  f" {e.plan_id} booked it, above {MEM_FRACTION:.0%}")
+            continue
         # -- invariant 1 and 2: sequences ----------------------------------------------------
         if k == "seq_admitted":
             if e.seq_id in seqs:

@@ -3,9 +3,11 @@
 Filter -> build -> score, pruned so that the work grows with the number of atomic blocks
 (in fact with the number of distinct block *shapes*), not with the number of GPUs:
 
-1. Filter blocks: usable memory per GPU (92% rule, others' use, what this deployment would
-   give back), and - for latency-critical deployments - stability (blocks that keep
-   shrinking are left out, seed 000 section 4.1).
+1. Filter blocks: usable memory per GPU (92% rule - or less on a node whose engine takes a
+   fixed share, capabilities.py - others' use, what this deployment would give back), and -
+   for latency-critical deployments - stability (blocks that keep shrinking are left out,
+   seed 000 section 4.1). Plans a node's engine cannot run (its modes, TP sizes, PP, mixed TP,
+   spanning nodes) are never built; `Candidates.excluded` says which were left out and why.
 2. Units (single plans): TP groups only inside one block, sized from the memory floor up
    (the minimum TP is the smallest that holds weights plus the minimum KV reserve); a block
    hosts as many disjoint groups as fit. PP chains of whole groups across blocks whose
@@ -32,6 +34,7 @@ from functools import lru_cache, partial
 from typing import Literal
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
+from scheduler.capabilities import engine_refusals, mem_fraction_of
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     MAX_RUNNING_SEQS,
@@ -56,7 +59,7 @@ from scheduler.topology import (
     partition,
 )
 
-UnitKind = Literal["tp", "pp", "pd"]
+UnitKind = Literal["tp", "pp", "pd", "keep"]
 MAX_CHAINS_PER_LENGTH = 8  # PP chains built per pipeline length (keeps the work O(blocks))
 
 
@@ -118,6 +121,7 @@ class Candidates:
     blocks_considered: int  # blocks after filtering
     block_shapes: int  # distinct block shapes (what the enumeration scales with)
     unit_types: int  # distinct unit plans estimated
+    excluded: tuple[str, ...] = ()  # plans left out because a node's engine cannot run them, and why
 
     @property
     def ok(self) -> bool:
@@ -130,6 +134,7 @@ class Candidates:
             "blocks_considered": self.blocks_considered,
             "block_shapes": self.block_shapes,
             "unit_types": self.unit_types,
+            "excluded": list(self.excluded),
         }
 
 
@@ -275,6 +280,7 @@ def plan_candidates(
     stability: Mapping[str, float] | None = None,
     reclaimable_bytes: Mapping[str, int] | None = None,
     prefer_gpus: Iterable[str] = (),
+    keep: Sequence[Plan] = (),
     policy: BlockPolicy = DEFAULT_POLICY,
     eff: Efficiency = DEFAULT_EFFICIENCY,
 ) -> Candidates:
@@ -282,7 +288,10 @@ def plan_candidates(
 
     `reclaimable_bytes`: memory the deployment holds now per GPU and would give back (so its
     current GPUs count as free). `prefer_gpus`: GPUs to pick first among equals (the current
-    gear's), so candidates keep weights in place where they can. Deterministic.
+    gear's), so candidates keep weights in place where they can. `keep`: the current gear's
+    plans, each offered as a unit as it is - a gear that keeps a running plan books nothing new
+    for it, so under the memory a transition holds (scheduler.booking) it can grow beside it
+    where a re-planned copy of it could not. Deterministic.
     """
     if blocks is None:
         part = partition(snapshot, policy)
@@ -305,11 +314,21 @@ def plan_candidates(
     latency_critical, min_stability = options.latency_critical, options.min_stability
     caps: dict[int, int] = {}  # capacity -> int(frac x capacity): one figure per GPU model
     reclaim_uuids = set(reclaim)  # (a set: dict keys test a tuple for overlap by scanning it)
+    # what the nodes' engines can run (capabilities.py; none reported: no restriction)
+    engines = {n.id: n.engine for n in snapshot.nodes if n.engine is not None}
+    excluded_units: dict[str, int] = {}  # why plans were left out -> how many
+    memos: dict[float, dict[int, int]] = {frac: caps}
     for b in blocks:
         score = stability.get(b.id, 1.0) if stability else 1.0
         if latency_critical and score < min_stability:
             unstable.append(b.id)
             continue
+        if engines and b.node_id in engines:
+            # an engine that takes a fixed share of each GPU (vLLM) leaves the plan that much
+            frac = mem_fraction_of(snapshot, b.node_id, options.mem_fraction)
+            caps = memos.setdefault(frac, {})
+        else:
+            frac, caps = options.mem_fraction, memos[options.mem_fraction]
         # usable bytes per GPU, as plan.usable_bytes counts them (used = total - free)
         totals, frees, uuids = b.mem_total_bytes, b.mem_free_bytes, b.gpu_uuids
         if reclaim_uuids and not reclaim_uuids.isdisjoint(uuids):
@@ -349,8 +368,17 @@ def plan_candidates(
 
     types: dict[tuple[object, ...], _UnitType] = {}
     used_in_type: dict[tuple[object, ...], set[str]] = {}
+    block_node = {r.block.id: r.block.node_id for r in rooms}
+    block_node_of = {u: r.block.id for r in rooms for u in r.uuids}  # GPU -> its block
 
     def add_unit(unit: _Unit, label: str, check: bool = True) -> None:
+        if engines:
+            nodes = sorted({block_node[b] for b in unit.blocks if b in block_node})
+            why = engine_refusals(unit.plan, nodes, engines)
+            if why:
+                key = f"{label}: {why[0]}"
+                excluded_units[key] = excluded_units.get(key, 0) + 1
+                return
         t = types.get(unit.type_key)
         if t is None:
             t = types[unit.type_key] = _UnitType(unit.type_key, label, len(types))
@@ -364,7 +392,19 @@ def plan_candidates(
             t.units.append(unit)
             used.update(unit.uuids)
 
-    # 2a. single-block TP units (groups of one block, and blocks, are disjoint by construction)
+    # 2a. the plans running now, as they are (a unit type each; first, so that among equals a
+    # gear keeps what runs rather than re-planning it)
+    in_rooms = {u for r in rooms for u in r.uuids}
+    stability_of = {r.block.id: r.stability for r in rooms}
+    for plan in dict.fromkeys(keep):
+        if plan.model != model.name or not in_rooms.issuperset(plan.gpu_uuids):
+            continue  # it lost GPUs (or runs on ones planning may not use): nothing to keep
+        kept_blocks = tuple(sorted({block_node_of[u] for u in plan.gpu_uuids}))
+        add_unit(_Unit(("keep", plan.plan_id), plan.gpu_uuids, kept_blocks,
+                       min(stability_of.get(b, 1.0) for b in kept_blocks), "keep", _const(plan)),
+                 f"kept {plan.shape()}")
+
+    # 2b. single-block TP units (groups of one block, and blocks, are disjoint by construction)
     layers = model.num_layers
     cap1 = _kv_cap_tokens(model, workload, 1)
     # KV beyond what the running-sequence cap can fill changes no estimate: units that reserve
@@ -373,14 +413,23 @@ def plan_candidates(
     terms = {tp: _stage_terms(model, 0, layers, tp) for tp in valid_tps}
     max_units = options.max_plans_per_gear
     floors = {tp: terms[tp][0] + -(-(min_kv * terms[tp][1]) // terms[tp][2]) for tp in valid_tps}
+    curved = bool(snapshot.collectives)
     for r in rooms:
         size = len(r.uuids)
         block = r.block
         block_ids = (block.id,)
-        key_head = ("tp", block.gpu_model, block.link_kind, r.shape[3])
+        # with measured collective curves, blocks of one shape on different nodes may differ (each
+        # node's all-reduce is its own curve): their units are types of their own
+        key_head = ("tp", block.gpu_model, block.link_kind, r.shape[3]) + ((block.node_id,) if curved else ())
+        engine = engines.get(block.node_id) if engines else None
         for tp in valid_tps:
             if tp > size:
                 break
+            if engine is not None and (not engine.allows_tp(tp) or "colocated" not in engine.modes):
+                why = engine_refusals(_colocated(model, tuple(r.uuids[:tp]), 1), (block.node_id,), engines)
+                if why:
+                    excluded_units[f"TP{tp} on {block.node_id}: {why[0]}"] = 1
+                continue
             weights, kv_per_token, shards = terms[tp]
             floor_bytes = floors[tp]
             for g in range(size // tp):
@@ -407,7 +456,7 @@ def plan_candidates(
                 group = tuple(r.uuids[g * tp:(g + 1) * tp])
                 t.units.append(_Unit(key, group, block_ids, r.stability, "tp", partial(_colocated, model, group, kv)))
 
-    # 2b. prefill/decode splits across two blocks (bounded by the few best shapes)
+    # 2c. prefill/decode splits across two blocks (bounded by the few best shapes)
     if options.allow_disaggregated and len(rooms) >= 2:
         for unit, label in _pd_units(model, snapshot, rooms, valid_tps, min_kv, workload, options):
             add_unit(unit, label)
@@ -424,8 +473,10 @@ def plan_candidates(
             first = t.units[0]
             if first.kind == "tp":
                 block = block_by_id[first.blocks[0]]
+                tp = len(first.uuids)
+                curve = snapshot.allreduce_curve(block.node_id, tp) if tp > 1 and snapshot.collectives else None
                 t.profile = PlanProfile.single_block(first.plan, model, snapshot.spec(block.gpu_model),
-                                                     block.tp_link_bytes_per_s, eff)
+                                                     block.tp_link_bytes_per_s, eff, curve)
             else:
                 t.profile = PlanProfile.build(first.plan, model, snapshot, eff)
             t.state = steady_state(t.profile, workload, slo)
@@ -470,11 +521,13 @@ def plan_candidates(
 
     if not types:
         reasons.extend(_no_fit_reasons(model, snapshot, rooms, min_kv, options))
-        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), 0)
+        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), 0,
+                          _left_out(excluded_units))
     if not live:
         reasons.append("every plan that fits has zero capacity for this workload (KV reserve too small for one"
                        " request); to fix: free memory or lower the prompt/output lengths")
-        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
+        return Candidates((), tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types),
+                          _left_out(excluded_units))
 
     # 3. gears: replicas of each unit type, the single unit, and the mixed fill. Each gear is
     # estimated and ranked as a draft (units + weights); Gear and Plan objects are built only
@@ -530,7 +583,13 @@ def plan_candidates(
             f"no gear reaches the offered {workload.rate_rps:.2f} rps (best: {best.estimate.capacity_rps:.2f} rps"
             f" on {best.estimate.gpus} GPUs); to fix: free more GPUs, raise max_plans_per_gear, or shed load"
         )
-    return Candidates(feasible, tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types))
+    return Candidates(feasible, tuple(reasons), len(rooms), len({r.shape for r in rooms}), len(types),
+                      _left_out(excluded_units))
+
+
+def _left_out(excluded: Mapping[str, int]) -> tuple[str, ...]:
+    """'P:TP2 L40S / D:TP4 A100-80G: node b1 (vllm) cannot run disaggregated plans (x3)', sorted."""
+    return tuple(f"left out {k}" + (f" (x{n})" if n > 1 else "") for k, n in sorted(excluded.items()))
 
 
 class _Draft:

@@ -5,7 +5,8 @@ scenario); both go through the same plain-JSON shape (`Snapshot.from_dict` / `to
 
     {
       "now_s": 1200.0,                      # when the snapshot was taken (injected clock)
-      "nodes": [{"id": "a1", "rack": "A", "schedulable": true, "last_seen_s": 1195.0}],
+      "nodes": [{"id": "a1", "rack": "A", "schedulable": true, "last_seen_s": 1195.0,
+                 "engine": {"backend": "torch", ...}}],     # capabilities.EngineCaps; optional
       "gpus": [{
           "uuid": "GPU-a1-0", "node_id": "a1", "index": 0,
           "model": "H100-SXM",              # catalog name, or the name of a custom spec below
@@ -18,13 +19,15 @@ scenario); both go through the same plain-JSON shape (`Snapshot.from_dict` / `to
           "last_seen_s": 1195.0}],
       "links": [{"a": "a1", "b": "b1", "bw_gbps": 200.0, "latency_us": 8.0}],   # measured
       "network": {"intra_rack_gbps": 400.0, "inter_rack_gbps": 100.0},        # defaults
-      "custom_specs": [{"name": "X1", "bf16_flops": ..., ...}]                 # hardware.GpuSpec
+      "custom_specs": [{"name": "X1", "bf16_flops": ..., ...}],                # hardware.GpuSpec
+      "collectives": [{"op": "all_reduce", "scope": "intra", "node": "a1", "ranks": 8,
+                       "points": [[2048, 4.1e-05], ...], ...}]                 # collectives.CollectiveCurve
     }
 
 Optional keys and their defaults: node `rack` (its own id), `schedulable` (true),
-`last_seen_s` (now_s); GPU `sm_util` (0), `temperature_c` (0), `healthy` and `schedulable`
+`last_seen_s` (now_s), `engine` (null: not reported, unrestricted); GPU `sm_util` (0), `temperature_c` (0), `healthy` and `schedulable`
 (true), `nvlink_group` (null), the three error counters (0), `last_seen_s` (its node's);
-`links`, `custom_specs` ([]); `network` ({} = no default path between nodes); link
+`links`, `custom_specs`, `collectives` ([]); `network` ({} = no default path between nodes); link
 `latency_us` (null: the cost model's own latency). Unknown keys are an error; every error
 names the path of the offending key (`gpus[3].mem_used_bytes: ...`).
 
@@ -51,6 +54,8 @@ from types import MappingProxyType
 from typing import Literal
 
 from scheduler._lazy import check_plain_dataclass, make_frozen
+from scheduler.capabilities import EngineCaps
+from scheduler.collectives import CollectiveCurve, index
 from scheduler.hardware import CATALOG as GPU_CATALOG
 from scheduler.hardware import GpuSpec, gpu_spec
 
@@ -68,6 +73,7 @@ class NodeState:
     rack: str  # rack (or any locality group); links inside a rack default to intra_rack_gbps
     schedulable: bool = True  # false: cordoned by an operator or the platform
     last_seen_s: float = 0.0  # when its agent last reported (snapshot clock)
+    engine: EngineCaps | None = None  # what its engine can run (capabilities.py); None: not reported, unrestricted
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ class Snapshot:
     intra_rack_gbps: float = 0.0  # default node-to-node bandwidth inside a rack; 0 = no path
     inter_rack_gbps: float = 0.0  # default across racks; 0 = no path
     custom_specs: tuple[GpuSpec, ...] = ()  # specs of GPUs not in the hardware catalog
+    collectives: tuple[CollectiveCurve, ...] = ()  # measured collective curves (collectives.py)
 
     # --- lookups (cached; a snapshot never changes) ---
     @cached_property
@@ -138,6 +145,29 @@ class Snapshot:
             index[(link.a, link.b)] = link
             index[(link.b, link.a)] = link
         return MappingProxyType(index)
+
+    @cached_property
+    def _curves(self) -> Mapping[tuple[str, str, str, str, int], CollectiveCurve]:
+        return MappingProxyType(index(self.collectives))
+
+    def allreduce_curve(self, node_id: str, ranks: int) -> CollectiveCurve | None:
+        """A measured all-reduce over `ranks` GPUs of one node, if its agent reported one."""
+        if not self.collectives:
+            return None
+        return self._curves.get(("all_reduce", "intra", node_id, "", ranks))
+
+    def copy_curve(self, node_id: str) -> CollectiveCurve | None:
+        """A measured device-to-device copy sweep between two GPUs of one node, if any."""
+        if not self.collectives:
+            return None
+        return self._curves.get(("send_recv", "intra", node_id, "", 2))
+
+    def sendrecv_curve(self, a: str, b: str) -> CollectiveCurve | None:
+        """A measured send/recv between two nodes (either end's report), if any."""
+        if not self.collectives or a == b:
+            return None
+        lo, hi = sorted((a, b))
+        return self._curves.get(("send_recv", "inter", lo, hi, 2))
 
     def spec(self, gpu_model: str) -> GpuSpec:
         """The spec of a GPU model named in this snapshot (custom specs first)."""
@@ -262,12 +292,18 @@ class Snapshot:
         for name in ("intra_rack_gbps", "inter_rack_gbps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"network.{name}: must be >= 0")
+        for i, curve in enumerate(self.collectives):
+            for end in ("node", "peer"):
+                who = getattr(curve, end)
+                if who is not None and who not in node_ids:
+                    raise ValueError(f"collectives[{i}].{end}: unknown node {who!r}")
 
     def to_dict(self) -> dict[str, object]:
         return {
             "now_s": self.now_s,
             "nodes": [
-                {"id": n.id, "rack": n.rack, "schedulable": n.schedulable, "last_seen_s": n.last_seen_s}
+                {"id": n.id, "rack": n.rack, "schedulable": n.schedulable, "last_seen_s": n.last_seen_s,
+                 **({"engine": n.engine.to_dict()} if n.engine is not None else {})}
                 for n in self.nodes
             ],
             "gpus": [
@@ -296,24 +332,28 @@ class Snapshot:
             ],
             "network": {"intra_rack_gbps": self.intra_rack_gbps, "inter_rack_gbps": self.inter_rack_gbps},
             "custom_specs": [s.to_dict() for s in self.custom_specs],
+            **({"collectives": [c.to_dict() for c in self.collectives]} if self.collectives else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> Snapshot:
         """Parse and validate the JSON shape in the module docstring."""
         r = _Reader(d, "snapshot", required=("now_s", "nodes", "gpus"),
-                    optional=("links", "network", "custom_specs"))
+                    optional=("links", "network", "custom_specs", "collectives"))
         now_s = r.number("now_s")
         nodes = []
         for i, item in enumerate(r.items("nodes")):
-            n = _Reader(item, f"nodes[{i}]", required=("id",), optional=("rack", "schedulable", "last_seen_s"))
+            n = _Reader(item, f"nodes[{i}]", required=("id",),
+                        optional=("rack", "schedulable", "last_seen_s", "engine"))
             node_id = n.string("id")
+            engine = n.raw("engine")
             nodes.append(
                 NodeState(
                     id=node_id,
                     rack=n.string("rack", node_id),
                     schedulable=n.boolean("schedulable", True),
                     last_seen_s=n.number("last_seen_s", now_s),
+                    engine=None if engine is None else EngineCaps.from_dict(engine, f"nodes[{i}].engine"),
                 )
             )
         node_seen = {n.id: n.last_seen_s for n in nodes}
@@ -370,6 +410,8 @@ class Snapshot:
             if not isinstance(item, Mapping):
                 raise ValueError(f"custom_specs[{i}]: must be an object")
             specs.append(GpuSpec.from_dict(item, f"custom_specs[{i}]"))
+        curves = tuple(CollectiveCurve.from_dict(c, f"collectives[{i}]")
+                       for i, c in enumerate(r.items("collectives", [])))
         snap = cls(
             now_s=now_s,
             nodes=tuple(nodes),
@@ -378,6 +420,7 @@ class Snapshot:
             intra_rack_gbps=intra,
             inter_rack_gbps=inter,
             custom_specs=tuple(specs),
+            collectives=curves,
         )
         snap.validate()
         return snap

@@ -88,6 +88,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
+from scheduler.booking import plan_memory
 from scheduler.costmodel import (
     DEFAULT_EFFICIENCY,
     Efficiency,
@@ -97,7 +98,7 @@ from scheduler.costmodel import (
     migrate_or_replay,
 )
 from scheduler.modelspec import ModelSpec, model_spec
-from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu
+from scheduler.plan import Gear, Plan, Stage
 from scheduler.topology import Snapshot
 
 JsonDict = dict[str, object]
@@ -915,16 +916,6 @@ def node_stages(plan: Plan, node_id: str, snapshot: Snapshot) -> list[JsonDict]:
             if ranks:
                 out.append({"pipeline": pipeline, "index": i, "layers": [st.layer_start, st.layer_end],
                             "tp": st.tp, "gpus": list(st.gpu_uuids), "ranks": ranks})
-    return out
-
-
-def plan_memory(plan: Plan, model: ModelSpec) -> dict[str, int]:
-    """Bytes each GPU of `plan` holds: its weight shard plus its KV reserve."""
-    out: dict[str, int] = {}
-    for st in plan.all_stages:
-        need = stage_bytes_per_gpu(st, model, plan.kv_reserve_tokens)
-        for u in st.gpu_uuids:
-            out[u] = out.get(u, 0) + need
     return out
 
 

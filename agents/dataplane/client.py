@@ -54,6 +54,27 @@ def send_state(addr: str, state: KVState, *, deployment: str, plan_id: str, rout
     raise error_from(resp.status_code, json_body(resp), resp.headers)
 
 
+def probe_upload(addr: str, nbytes: int, *, timeout_s: float = ACCEPT_TIMEOUT_S,
+                 clock: Any = None) -> float:
+    """Seconds to POST `nbytes` to a peer's data server and hear it got them all: the path a KV
+    frame takes (the same pooled client, the same server), for the link probe. OSError when the
+    peer cannot be reached or answers otherwise."""
+    import time
+
+    now = clock or time.perf_counter
+    body = bytes(nbytes)
+    started = now()
+    try:
+        resp = _client.post(f"{base_url(addr)}/data/v1/probe", content=body,
+                            headers={"Content-Type": "application/octet-stream"}, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise ConnectionError(f"peer {addr}: {exc}") from exc
+    took = now() - started
+    if resp.status_code != 200 or json_body(resp).get("bytes") != nbytes:
+        raise ConnectionError(f"peer {addr}: the probe got HTTP {resp.status_code} {resp.text[:200]}")
+    return float(took)
+
+
 def json_body(resp: httpx.Response) -> dict[str, Any]:
     """A data server's answer as an object; text that is not one becomes {"error": text}."""
     try:

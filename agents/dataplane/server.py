@@ -22,6 +22,9 @@ Endpoints (NDJSON over chunked HTTP/1.1: one JSON object per line):
     POST /data/v1/stages
          a plan's leader asks this member to start its stage workers (stages.py documents it):
          200 {"started", "pids"}; 409 not_prepared | weights; 400 bad input ({"error", "param"}).
+    POST /data/v1/probe
+         body: any bytes (agents/node/links.py times the upload: the same path and client a KV
+         frame takes to /data/v1/accept). 200 {"bytes": n} once the whole body was read.
     GET  /data/v1/health   the plans served here and their state
 
 A client that goes away mid-stream cancels its sequence (it is dropped from the engine).
@@ -217,6 +220,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._accept(url.query, body)
         elif url.path == "/data/v1/stages":
             self._stages(body)
+        elif url.path == "/data/v1/probe":
+            self._send_json(200, {"bytes": len(body)})  # read in full above: the upload is what is timed
         else:
             self._send_json(404, {"error": f"no endpoint {url.path}"})
 

@@ -66,8 +66,39 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-port-base", type=int, default=8200, help="first port of this node's vLLM servers")
     p.add_argument("--wait-for-controller", type=float, default=120.0,
                    help="seconds to wait for the controller to answer at start")
+    p.add_argument("--collectives", choices=("auto", "off"), default="auto",
+                   help="auto: with --probe nvml and two or more GPUs torch sees, time all-reduce and send/recv "
+                        "across them at start (agents/probes/collectives.py) and report the curves; off: never")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     return p
+
+
+def measure_collectives(agent: NodeAgent, probe: Probe) -> None:
+    """Time this node's GPUs' collectives in the background and report them (a GPU node only:
+    CPU stand-ins would report a CPU's numbers as a GPU's)."""
+    import threading
+
+    def run() -> None:
+        try:
+            import torch
+
+            if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+                return
+            from agents.probes.collectives import copy_sweep, node_collectives
+            from agents.protocol import CollectiveReport
+
+            devices = [f"cuda:{g.index}" for g in sorted(probe.gpus(), key=lambda g: g.index)]
+            curves = [c for c in node_collectives(devices[: torch.cuda.device_count()]) if c.op == "all_reduce"]
+            # inside the node a hand-off is a device-to-device copy: that is the send/recv curve
+            copies = copy_sweep(devices[0], devices[1])
+            curves.append(CollectiveReport(op="send_recv", scope="intra", ranks=2, points=tuple(copies),
+                                           backend="cuda", measured_at=round(time.time(), 3), method="torch.copy"))
+            agent.collectives = tuple(curves)
+            agent.state.dirty = True
+        except Exception:  # noqa: BLE001 - a failed measurement leaves the physical model in charge
+            logging.getLogger("agents.node").exception("collective sweep failed; the cost model's own model is used")
+
+    threading.Thread(target=run, name="collectives", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                       long_poll_s=args.long_poll, report_interval_s=args.report_interval,
                       book_memory=args.probe == "static",
                       token_file=Path(args.token_file) if args.token_file else None)
+
+    if args.collectives == "auto" and args.probe == "nvml":
+        measure_collectives(agent, probe)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         agent.stop()

@@ -11,11 +11,15 @@ Invariants:
 - Each transition command is idempotent on the plan's state too (a retry is a new command id):
   prepare of a prepared plan acks ok at once; abort, thaw and release of a plan this node does not
   hold ack ok with `noop: true`; freeze of one acks no sequences; move names each sequence "gone".
-- Node commands (verify_weights) run outside every plan lock: they name no deployment or plan.
+- Node commands (verify_weights, probe_links) run outside every plan lock: they name no deployment
+  or plan. Links to the peers `probe_links` named are probed again every FLEXPIPE_LINK_PROBE_S
+  (agents/node/links.py) and every report carries the latest figure per peer.
 - Every ok-ack's result passes agents.protocol.check_result before it leaves; a result that would
   break the protocol is sent as a failed ack instead (reason "failed"), never half right.
 - A plan's GPUs keep its reserve_bytes booked from prepare until abort or release; a prepare that
-  fails books nothing. Reports show booked memory as used (the static probe's GPUs have no real
+  fails books nothing. A prepare that would book more than 92% of a GPU beside what is used and
+  booked there is refused (reason out_of_memory, scheduler.booking's words); one whose plan this
+  node's engine cannot run is refused too (reason unsupported, scheduler.capabilities' words). Reports show booked memory as used (the static probe's GPUs have no real
   memory to measure; NVML measures what the engines really hold).
 """
 
@@ -35,12 +39,14 @@ from typing import Any
 import httpx
 
 from agents.client import AgentClient, ControllerError
+from agents.node.links import LinkProber
 from agents.node.plans import Backend, ModelStore, PlanEngine, PrepareError
 from agents.probes import Probe
 from agents.protocol import (
     FAILURE_REASONS,
     NODE_KINDS,
     Ack,
+    CollectiveReport,
     Command,
     CommandKind,
     EngineReport,
@@ -52,6 +58,9 @@ from agents.protocol import (
     check_payload,
     check_result,
 )
+from scheduler.booking import REFUSAL_REASON, refuse_booking
+from scheduler.capabilities import DEFAULT_CAPS, EngineCaps, engine_refusals
+from scheduler.plan import Plan
 
 log = logging.getLogger("agents.node")
 
@@ -103,7 +112,8 @@ class NodeAgent:
                  backend_name: str, node_id: str, data_addr: str | None = None, hostname: str | None = None,
                  rack: str | None = None, long_poll_s: float = 10.0, report_interval_s: float | None = None,
                  book_memory: bool = True, workers: int = 4, clock: Callable[[], float] = time.monotonic,
-                 token_file: Path | None = None) -> None:
+                 token_file: Path | None = None, capabilities: EngineCaps | None = None,
+                 links: LinkProber | None = None) -> None:
         self.controller = controller
         self.join_token = join_token
         self.probe = probe
@@ -116,6 +126,11 @@ class NodeAgent:
         self.long_poll_s = long_poll_s
         self.fixed_interval_s = report_interval_s
         self.book_memory = book_memory  # add booked memory to what the probe reports as used
+        # what its engine can run (reported at registration; PREPAREs beyond it are refused)
+        self.capabilities = capabilities if capabilities is not None else DEFAULT_CAPS.get(backend_name)
+        self.links = links if links is not None else LinkProber()  # links to peers (probe_links, periodic)
+        # collective sweeps measured on this node's GPUs (agents/probes/collectives.py), reported as they are
+        self.collectives: tuple[CollectiveReport, ...] = ()
         self.clock = clock
         self.state = NodeState()
         self.client = AgentClient(controller, join_token, token_file=token_file)
@@ -139,7 +154,9 @@ class NodeAgent:
             held = tuple(sorted({slot.plan_id for slot in self.plans.values()}))
         req = RegisterRequest(node_id=self.node_id, hostname=self.hostname[:255], agent_version=AGENT_VERSION,
                               gpus=self.probe.gpus(), rack=self.rack, backends=(self.backend_name,),
-                              data_addr=self.data_addr, plans=held)
+                              data_addr=self.data_addr, plans=held,
+                              capabilities={self.backend_name: self.capabilities.to_dict()}
+                              if self.capabilities is not None else None)
         with self._http_lock:
             resp = self.client.register(req)
         with self._lock:
@@ -147,6 +164,16 @@ class NodeAgent:
             self.state.report_interval_s = self.fixed_interval_s or resp.report_interval_s
         log.info("%s registered (epoch %d, %d GPUs, report every %g s)", self.node_id, resp.epoch,
                  len(req.gpus), self.state.report_interval_s)
+
+    def _serve_data(self) -> None:
+        """Start this node's data server before registering: peers probe the link to it (and
+        send it KV) as soon as the controller names it."""
+        serve = getattr(self.backend, "server", None)
+        if callable(serve) and self.data_addr:
+            try:
+                serve()
+            except OSError as exc:
+                log.warning("%s: data server on %s not started: %s", self.node_id, self.data_addr, exc)
 
     def booked(self) -> dict[str, int]:
         """GPU uuid -> bytes booked by the plans held now."""
@@ -181,7 +208,8 @@ class NodeAgent:
             self.state.seq += 1
             epoch, seq = self.state.epoch, self.state.seq
         body = Report(node_id=self.node_id, epoch=epoch, seq=seq, gpus=self.gpu_reports(),
-                      engines=self.engine_reports())
+                      engines=self.engine_reports(), links=self.links.reports(),
+                      collectives=self.collectives)
         with self._http_lock:
             self.client.report(body)
         with self._lock:
@@ -204,9 +232,12 @@ class NodeAgent:
         """One pass of the main loop: (re)register, acks left unsent, a report when due."""
         try:
             if self.state.epoch == 0:
+                self._serve_data()
                 self.register()
                 self._start_poller()
             self._flush_acks()
+            if self.links.due():
+                self._reprobe()
             due = self.clock() - self.state.last_report_s >= self.state.report_interval_s
             if self.state.dirty or due:
                 self.report()
@@ -362,7 +393,8 @@ class NodeAgent:
         if cmd.kind in NODE_KINDS:
             # About the node, not a plan: no plan lock (the payload names no deployment or plan_id).
             self.executed[cmd.kind] += 1
-            return {NodeCommandKind.VERIFY_WEIGHTS: self._verify_weights}[NodeCommandKind(cmd.kind)](payload)
+            return {NodeCommandKind.VERIFY_WEIGHTS: self._verify_weights,
+                    NodeCommandKind.PROBE_LINKS: self._probe_links}[NodeCommandKind(cmd.kind)](payload)
         kind = CommandKind(cmd.kind)
         key = (str(payload["deployment"]), str(payload["plan_id"]))
         with self._lock:
@@ -390,6 +422,7 @@ class NodeAgent:
             return _Outcome("ok", "already prepared", {"plan_id": plan_id, "reserved_bytes": slot.reserve_bytes,
                                                       "load_s": slot.load_s, "already": True})
         want = {str(u): int(b) for u, b in p["reserve_bytes"].items()}
+        self._check_engine(p)
         self._check_gpus(want)
         slot = PlanSlot(deployment, plan_id, str(p["role"]), want, prepared_at_s=self.clock())
         with self._lock:
@@ -454,6 +487,33 @@ class NodeAgent:
         same = "the registry's" if digest == p["sha256"] else f"not the registry's {str(p['sha256'])[:16]}..."
         return _Outcome("ok", f"model {name!r}: {weights} has sha256 {digest[:16]}..., {same}", {"sha256": digest})
 
+    def _probe_links(self, p: dict[str, Any]) -> _Outcome:
+        """probe_links: measure the named peers now and keep probing them (agents/node/links.py)."""
+        peers = {str(n): str(a) for n, a in dict(p["peers"]).items() if str(n) != self.node_id}
+        self.links.tell(peers)
+        if p.get("bulk_bytes"):
+            self.links.bulk_bytes = int(p["bulk_bytes"])
+        measured = self.links.probe()
+        self.state.dirty = True  # the new figures go out with the next report at once
+        detail = ", ".join(f"{r.peer} {r.bw_gbps:.2f} Gb/s" for r in measured) or "no peer answered"
+        return _Outcome("ok", f"links measured: {detail}",
+                        {"links": [{k: v for k, v in r.__dict__.items() if v is not None} for r in measured]})
+
+    def _reprobe(self) -> None:
+        """The periodic link probe (FLEXPIPE_LINK_PROBE_S), on the command pool: never in the way of
+        reports or commands."""
+        def run() -> None:
+            try:
+                self.links.probe()
+                self.state.dirty = True
+            except Exception:  # noqa: BLE001 - a failed round must not kill the pool thread
+                log.exception("%s: the periodic link probe failed", self.node_id)
+
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # the pool is shut down: the agent is closing
+            pass
+
     def _check_gpus(self, want: dict[str, int]) -> None:
         """PrepareError unless every GPU is ours, healthy, allocatable and has the memory free."""
         reports = {g.uuid: g for g in self.probe.report()}
@@ -464,12 +524,26 @@ class NodeAgent:
         if lost:
             raise PrepareError(f"GPU(s) {', '.join(lost)} are unhealthy or held by another tenant", "preempted",
                                lost)
-        booked = self.booked()
-        for u, need in sorted(want.items()):
-            g = reports[u]
-            used = g.mem_used_bytes + (booked.get(u, 0) if self.book_memory else 0)
-            if used + need > g.mem_total_bytes:
-                raise PrepareError(f"GPU {u}: {need} bytes wanted, {g.mem_total_bytes - used} free", "conflict", [u])
+        booked = self.booked() if self.book_memory else {}
+        over = refuse_booking(want, {u: g.mem_used_bytes + booked.get(u, 0) for u, g in reports.items()},
+                              {u: g.mem_total_bytes for u, g in reports.items()})
+        if over is not None:
+            # scheduler.booking: the words every agent (and the simulated ones) refuses with
+            raise PrepareError(over.message(), REFUSAL_REASON, [over.gpu])
+
+    def _check_engine(self, p: dict[str, Any]) -> None:
+        """PrepareError unless this node's engine can run the plan (scheduler.capabilities: the
+        planner's filter, in the same words)."""
+        if self.capabilities is None:
+            return
+        try:
+            plan = Plan.from_dict(p["plan"])
+        except ValueError as exc:
+            raise PrepareError(f"plan: {exc}") from None
+        nodes = sorted({self.node_id, *(str(n) for n in (p.get("peers") or {}))})
+        problems = engine_refusals(plan, nodes, {self.node_id: self.capabilities})
+        if problems:
+            raise PrepareError("; ".join(problems), "unsupported")
 
     def _stop_engine(self, engine: PlanEngine) -> None:
         try:

@@ -6,7 +6,9 @@ versioned routing table, agent mailbox), with the `FleetSim` playing every agent
 commands queued for each node and carries them out on its engines, with modelled durations,
 then acks them as agent protocol v1 says (the same answers `agents.sim.memory_fleet` gives):
 
-* prepare_plan: the plan's engine starts loading (it holds its memory at once); acked when it
+* prepare_plan: refused, as the real daemon refuses it, when the plan would book more than 92%
+  of a GPU beside what is held there (reason out_of_memory) or the node's engine cannot run it
+  (unsupported); otherwise the plan's engine starts loading (it holds its memory at once); acked when it
   serves - weights from host memory over each GPU's host link (costmodel.switch_cost's PREPARE
   time, shards already in place free) - or failed ("preempted") when its GPUs are gone.
 * freeze_plan: the plan stops admitting; the ack lists its sequences (context, tokens so far,
@@ -39,8 +41,11 @@ from typing import Any
 from agents.shadow_check import tokenizer_problem
 from agents.sim.cluster import Change
 from agents.sim.engine import Pipe, PlanEngine, Request
-from agents.sim.fleet import FleetSim
+from agents.sim.fleet import BookingRefused, FleetSim
+from agents.sim.memory_fleet import Fault, take_fault
 from agents.sim.metrics import SwitchRecord
+from scheduler.booking import REFUSAL_REASON
+from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import kv_route
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import model_spec
@@ -141,11 +146,21 @@ class SimAgents:
                 self._ack(cmd, False, f"preempted: GPU(s) {', '.join(lost[:3])} are not ours",
                           {"reason": "preempted", "gpus": lost})
                 return
+            unsupported = plan_refusals(plan, self.sim.snapshot())
+            if unsupported:
+                self._ack(cmd, False, "; ".join(unsupported), {"reason": "unsupported"})
+                return
             problem = tokenizer_problem(cmd.payload.get("model_version"), model_spec(plan.model).vocab_size)
             if problem is not None:  # the shadow plan would not serve this version (agents/shadow_check.py)
                 self._ack(cmd, False, problem, {"reason": "tokenizer"})
                 return
-            engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
+            try:
+                engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
+            except BookingRefused as exc:
+                # what the real daemon answers (scheduler.booking): the plan does not fit beside
+                # what its GPUs hold; nothing was booked
+                self._ack(cmd, False, str(exc), {"reason": REFUSAL_REASON, "gpus": [exc.over.gpu]})
+                return
             self.log.add(LogEvent(self.sim.now_s, "plan_prepared", node=cmd.node_id, plan_id=plan.plan_id))
         self._prepares.setdefault(engine.engine_id, []).append(cmd)
         if engine.state == "serving":
@@ -345,6 +360,7 @@ class TransitionDriver:
         self._versions: dict[str, int] = {}  # deployment -> routing version the simulator follows
         self._wakes: dict[str, set[float]] = {}  # deployment -> advances already scheduled
         self.agents = SimAgents(sim, self._ack, config=config, log=self.log)
+        self.faults: list[Fault] = []  # injected refusals (`inject`)
 
     def _now(self) -> float:
         return self.sim.now_s
@@ -460,10 +476,21 @@ class TransitionDriver:
         self.sim.set_routing(deployment, weights, table.version)
 
     # --- the mailbox ---------------------------------------------------------------------------------
+    def inject(self, fault: Fault) -> None:
+        """Make the next matching commands fail (memory_fleet.Fault, action "fail"): the agent
+        refuses them without doing anything, as one whose node lacks the weights would."""
+        if fault.action != "fail":
+            raise ValueError(f"fault.action: the replay's agents inject 'fail' only, got {fault.action!r}")
+        self.faults.append(fault)
+
     def _carry_out(self) -> None:
         mailbox = self.world.agents
         for node in sorted(self.sim.cluster.nodes):
             for cmd in mailbox.take(node):
+                fault = take_fault(self.faults, cmd) if self.faults else None
+                if fault is not None:
+                    self._ack(cmd, False, f"injected failure of {cmd.kind.value}", {"reason": fault.reason or "failed"})
+                    continue
                 self.agents.execute(cmd)
 
     def _ack(self, cmd: CommandIntent, ok: bool, detail: str, result: Mapping[str, object]) -> None:

@@ -66,6 +66,7 @@ from agents.sim.engine import (
 from agents.sim.metrics import Recorder, SwitchRecord, check_conservation
 from agents.sim.scenario import ModelDeploymentSpec, Scenario, baseline_stage_nodes
 from agents.sim.workload import Arrival
+from scheduler.booking import Overbooking, plan_memory, refuse_booking
 from scheduler.costmodel import (
     COLD_START_S,
     DEFAULT_EFFICIENCY,
@@ -83,7 +84,7 @@ from scheduler.gearbox import LoadSample
 from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
-from scheduler.plan import Gear, Plan, Stage, stage_bytes_per_gpu
+from scheduler.plan import Gear, Plan, Stage
 from scheduler.router import (
     BLOCK_TOKENS,
     Decision,
@@ -115,6 +116,15 @@ class SimOptions:
 
 
 DEFAULT_OPTIONS = SimOptions()
+
+
+class BookingRefused(ValueError):
+    """A PREPARE the simulated agent refuses: the plan would book more than 92% of a GPU beside
+    what is held there (scheduler.booking; the real daemon refuses with the same words)."""
+
+    def __init__(self, over: Overbooking) -> None:
+        super().__init__(over.message())
+        self.over = over
 
 
 class SimListener(Protocol):
@@ -251,6 +261,10 @@ class FleetSim:
                                  scenario.duration_s, options.bin_s)
         self._snapshot: Snapshot | None = None
         self._footprint: dict[int, dict[str, int]] = {}  # engine id -> uuid -> bytes (weights + KV reserve)
+        self.refused_prepares = 0  # PREPAREs refused because the plan would not fit beside what its GPUs hold
+        self.peak_booked_fraction = 0.0  # the largest booked share of any GPU after any booking
+        # every booking, for scheduler.invariants.check (invariant 4); a few per switch
+        self.memory_log = EventLog(record_decodes=False)
         self._arrivals: Sequence[Arrival] = ()
         self._next_arrival = 0
         self._routes: dict[tuple[int, int], tuple[KvRoute, float]] = {}  # (src, dst) -> (route, busy until)
@@ -264,6 +278,7 @@ class FleetSim:
         # every GPU uuid the scenario can ever have -> (node, index): uuids derive from both
         self._gpu_home = {self.cluster.gpu_uuid(n.id, i): (n.id, i)
                           for n in scenario.all_nodes() for i in range(n.gpus)}
+        self._gpu_models = {self.cluster.gpu_uuid(n.id, i): n.gpu for n in scenario.all_nodes() for i in range(n.gpus)}
         self._push_cluster()
         self._push(scenario.duration_s, KIND_TIMER, self._mark_duration, None)
 
@@ -575,6 +590,8 @@ class FleetSim:
         lost = [u for u in plan.gpu_uuids if not self._gpu_usable(u)]
         if lost:
             raise ValueError(f"plan.gpus: {', '.join(lost[:3])} not usable now (taken, failed or gone)")
+        fp = plan_memory(plan, dep.model)
+        self._refuse(plan, fp)
         delay = self.load_time_s(deployment, plan, source) if ready_in_s is None else ready_in_s
         t = self.now_s
         profile = PlanProfile.build(plan, dep.model, self.snapshot(), self.eff)
@@ -585,12 +602,8 @@ class FleetSim:
         self.engines[engine.engine_id] = engine
         self.live[engine.engine_id] = engine
         dep.engines.append(engine)
-        fp: dict[str, int] = {}
-        for st in plan.all_stages:
-            need = stage_bytes_per_gpu(st, dep.model, plan.kv_reserve_tokens)
-            for u in st.gpu_uuids:
-                fp[u] = fp.get(u, 0) + need
         self._footprint[engine.engine_id] = fp
+        self._booked_now(t, plan, fp)
         self._reshare()
         self._snapshot = None
         if delay <= 0:
@@ -598,6 +611,41 @@ class FleetSim:
         else:
             self._push(t + delay, KIND_READY, self._on_ready, engine)
         return engine
+
+    # -- memory (DESIGN.md invariant 4; scheduler.booking) --------------------------------------
+    def booked_bytes(self) -> dict[str, int]:
+        """GPU uuid -> bytes our plans hold there now (an idle CUDA context included), as the
+        agents report it: every plan that holds the GPU, loading, serving or draining."""
+        used: dict[str, int] = {}
+        for fp in self._footprint.values():
+            for u, b in fp.items():
+                used[u] = used.get(u, 0) + b
+        return {u: IDLE_MEM_BYTES + b for u, b in used.items()}
+
+    def _refuse(self, plan: Plan, want: Mapping[str, int]) -> None:
+        """An agent's PREPARE check (scheduler.booking.refuse_booking, the real daemon's words):
+        BookingRefused when the plan does not fit beside what its GPUs hold."""
+        booked = self.booked_bytes()
+        used = {u: booked.get(u, IDLE_MEM_BYTES) for u in want}
+        total = {u: gpu_spec(self._gpu_model(u)).mem_bytes for u in want}
+        over = refuse_booking(want, used, total)
+        if over is not None:
+            self.refused_prepares += 1
+            raise BookingRefused(over)
+
+    def _booked_now(self, t: float, plan: Plan, fp: Mapping[str, int]) -> None:
+        """Record what the GPUs of a plan hold after it booked them (the peak, and the events the
+        invariant checker recomputes)."""
+        booked = self.booked_bytes()
+        gpus = []
+        for u in sorted(fp):
+            total = gpu_spec(self._gpu_model(u)).mem_bytes
+            self.peak_booked_fraction = max(self.peak_booked_fraction, booked[u] / total)
+            gpus.append((u, booked[u], total))
+        self.memory_log.add(LogEvent(t, "mem_booked", plan_id=plan.plan_id, gpus=tuple(gpus)))
+
+    def _gpu_model(self, uuid: str) -> str:
+        return self._gpu_models[uuid]
 
     def _on_ready(self, t: float, arg: object) -> list[Event]:
         engine = arg

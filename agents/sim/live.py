@@ -53,6 +53,7 @@ from agents.protocol import (
     GpuInfo,
     GpuReport,
     LinkReport,
+    NodeCommandKind,
     RegisterRequest,
     Report,
     SchemaError,
@@ -113,7 +114,8 @@ def sim_snapshot(cluster: SimCluster, now_s: float, used_extra: Mapping[str, int
 class HttpMailbox:
     """Agent protocol v1 on the fleet's side: commands the agents pulled, acks to send."""
 
-    def __init__(self) -> None:
+    def __init__(self, links_of: Callable[[str], list[tuple[str, float]]] | None = None) -> None:
+        self.links_of = links_of  # node -> (peer, Gb/s): what a simulated link probe measures
         self.inbox: dict[str, list[CommandIntent]] = {}
         self.outbox: list[tuple[str, int, Ack]] = []  # (node, command id, ack)
         self.ids: dict[str, tuple[str, int]] = {}  # key -> (node, command id)
@@ -131,6 +133,13 @@ class HttpMailbox:
                 check_payload(c.kind, c.payload)
             except SchemaError as exc:  # an unknown kind too, named "kind"
                 self.ack(key, "failed", "; ".join(f"{k}: {v}" for k, v in exc.errors.items()), {"reason": "failed"})
+                continue
+            if c.kind == NodeCommandKind.PROBE_LINKS.value and self.links_of is not None:
+                # a simulated probe measures the scenario's links (degradations included), as they are
+                wanted = set(c.payload.get("peers") or {})
+                got = [{"peer": p, "bw_gbps": bw, "measured_at": round(time.time(), 3), "method": "simulated"}
+                       for p, bw in self.links_of(node_id) if p in wanted]
+                self.ack(key, "ok", f"links measured: {len(got)} peer(s)", {"links": got})
                 continue
             if c.kind in NODE_KINDS:
                 # A simulated node holds no weights: nothing to hash (the registry records the failed check).
@@ -227,7 +236,7 @@ class LiveFleet:
         # admissions, finishes and failures (FleetSim) and plans prepared or released (SimAgents):
         # what scheduler.invariants.check reads for invariant 1
         self.log = EventLog(record_decodes=False)
-        self.mailbox = HttpMailbox()
+        self.mailbox = HttpMailbox(links_of=lambda node: self.cluster.links_of(node))
         self.routes: dict[str, RoutingState] = {}
         self._routes_wall = -math.inf
         # the simulator: no plan runs and nothing is routed until the controller commands it. With a
@@ -544,7 +553,8 @@ class LiveFleet:
             epoch=agent.epoch,
             seq=agent.seq,
             gpus=tuple(self.gpu_reports(node_id, agent.rng)),
-            links=tuple(LinkReport(peer, bw) for peer, bw in self.cluster.links_of(node_id)),
+            links=tuple(LinkReport(peer, bw, measured_at=round(time.time(), 3), method="simulated")
+                        for peer, bw in self.cluster.links_of(node_id)),
         ).to_dict()
         # the plans this node leads, from their PlanEngines, since this node's previous report
         body["engines"] = [asdict(m.report) for m in self.sim.engine_reports(leader=node_id)]

@@ -3,7 +3,9 @@
 One `MemoryFleet` plays every node's agent and engines, and a gateway in front of them:
 
 * **Agents** execute `prepare_plan`, `abort_plan`, `freeze_plan`, `thaw_plan`,
-  `move_sequences` and `release_plan` (agents/protocol.py) with modelled durations: weight
+  `move_sequences` and `release_plan` (agents/protocol.py) with modelled durations, and refuse
+  a `prepare_plan` as the real daemon does - a plan that would book more than 92% of a GPU
+  beside what holds it, or one the node's engine cannot run: weight
   loading, KV migration over the link at the capped bandwidth, replay (re-prefill) on the
   target plan. A command is answered once, when it is done; a command with a key it has seen
   is not run twice.
@@ -34,13 +36,15 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from agents.shadow_check import tokenizer_problem
+from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
+from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, PlanProfile, kv_route
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Plan
 from scheduler.router import PlanFacts, PlanLoad, Pool, Router, RouteRequest, RoutingPolicy, plan_facts
 from scheduler.topology import Snapshot
-from scheduler.transition import CommandIntent, CommandKind, CommandStatus, Route, RoutingState, plan_memory
+from scheduler.transition import CommandIntent, CommandKind, CommandStatus, Route, RoutingState
 
 MAX_RUNNING_SEQS = 256
 WARMUP_S = 1.0  # stated: CUDA graph capture and a first batch on a freshly loaded plan
@@ -301,6 +305,7 @@ class MemoryFleet:
         self.queue: list[SimSeq] = []  # admitted by the gateway, no plan has taken them yet
         self.stalls: list[StallSample] = []
         self.rejected = 0  # requests refused at the door (nothing to route to)
+        self.refused_prepares = 0  # PREPAREs refused: the engine cannot run the plan, or it does not fit
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._tie = itertools.count()
         self._ids = itertools.count(1)
@@ -649,8 +654,14 @@ class MemoryFleet:
             self._ack(job, "failed", problem, {"reason": "tokenizer"})
             return
         if inst is None or inst.state in ("broken", "released", "aborted"):
+            fresh = self._new_instance(plan, node.node_id)
+            refused = self._refusal(plan, fresh.reserved)
+            if refused is not None:
+                self.refused_prepares += 1
+                self._ack(job, "failed", refused[0], refused[1])
+                return
             keep = inst.seqs if inst is not None and inst.state == "broken" else {}
-            inst = self._new_instance(plan, node.node_id)
+            inst = fresh
             inst.seqs = keep
             inst.deployment = str(job.cmd.payload.get("deployment", ""))
             node.instances[pid] = inst
@@ -682,6 +693,21 @@ class MemoryFleet:
             self._ack(job, "ok", result={"plan_id": pid, "reserved_bytes": dict(cur.reserved), "load_s": load_s})
 
         self._at(ready, done)
+
+    def _refusal(self, plan: Plan, want: Mapping[str, int]) -> tuple[str, dict[str, object]] | None:
+        """What this node's agent refuses a PREPARE with, as the real daemon does: an engine that
+        cannot run the plan (scheduler.capabilities), or memory the plan would book beyond 92% of
+        a GPU beside every plan that holds it (scheduler.booking); None when it can go ahead."""
+        snap = self.snapshot()
+        unsupported = plan_refusals(plan, snap)
+        if unsupported:
+            return "; ".join(unsupported), {"reason": "unsupported"}
+        gpus = snap.gpu_by_uuid
+        over = refuse_booking(want, {u: gpus[u].mem_used_bytes for u in want if u in gpus},
+                              {u: gpus[u].mem_total_bytes for u in want if u in gpus})
+        if over is not None:
+            return over.message(), {"reason": REFUSAL_REASON, "gpus": [over.gpu]}
+        return None
 
     def _abort(self, job: _Job, node: Node, inst: Instance | None, reason: str, drain_s: float) -> None:
         pid = str(job.cmd.payload.get("plan_id", ""))

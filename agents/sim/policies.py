@@ -36,6 +36,7 @@ from agents.sim.executor import TransitionDriver
 from agents.sim.fleet import DeploymentRuntime, FleetSim
 from agents.sim.metrics import SwitchRecord
 from agents.sim.scenario import DistSpec, Scenario
+from scheduler.backoff import NO_BACKOFF, Backoff, refusal
 from scheduler.costmodel import PlanProfile, Workload, estimate_plan
 from scheduler.gearbox import (
     DEFAULT_CONFIG,
@@ -341,6 +342,8 @@ class FlexPipePolicy(Policy):
         self.driver: TransitionDriver | None = None
         self.decisions: list[dict[str, Any]] = []  # switches and blocks, for the report
         self.calls = 0  # decide() calls
+        self.staged: dict[str, Gear] = {}  # deployment -> where its staged switch goes once stage 1 is done
+        self.backoff: dict[str, Backoff] = {}  # deployment -> its back-off after refused PREPAREs (scheduler.backoff)
         self._topology_at: float | None = None
         self._sim: FleetSim | None = None
 
@@ -367,7 +370,7 @@ class FlexPipePolicy(Policy):
             sample = sim.load_sample(name, t)
             if sample is not None:
                 self.windows[name] = self.windows[name].add(sample, keep_s=keep)
-        self.history = self.history.observe(atomic_blocks(sim.snapshot()), t)
+        self._observe(sim, t)
         for dep in by_priority(sim):
             self._decide(sim, dep.name, t, Trigger.PERIODIC)
         if t + self.options.tick_s <= sim.scenario.duration_s:
@@ -384,9 +387,17 @@ class FlexPipePolicy(Policy):
 
     def _topology(self, sim: FleetSim, t: float) -> None:
         self._topology_at = None
-        self.history = self.history.observe(atomic_blocks(sim.snapshot()), t)
+        self._observe(sim, t)
         for dep in by_priority(sim):
             self._decide(sim, dep.name, t, Trigger.TOPOLOGY)
+
+    def _observe(self, sim: FleetSim, t: float) -> None:
+        """What every decision reads of the cluster's past: the blocks' trajectories and, per
+        deployment, back-off entries a topology change has reset (the console's tick does the same)."""
+        snap = sim.snapshot()
+        self.history = self.history.observe(atomic_blocks(snap), t)
+        for name, book in self.backoff.items():
+            self.backoff[name] = book.observe(snap, now_s=t)
 
     def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
         if self.driver is not None:
@@ -399,6 +410,19 @@ class FlexPipePolicy(Policy):
     def _done(self, rec: TransitionRecord, t: float) -> None:
         sim = self._sim
         assert sim is not None  # noqa: S101
+        name = rec.deployment_id
+        book = self.backoff.get(name, NO_BACKOFF)
+        if rec.phase is TransitionPhase.DONE:
+            self.backoff[name] = book.succeeded()
+        else:
+            self.staged.pop(name, None)  # the first stage rolled back: the path is off
+            why = refusal(rec)
+            if why is not None:
+                self.backoff[name] = book.failed(rec.new_plans, t, why, sim.snapshot())
+        if rec.phase is TransitionPhase.DONE and name in self.staged:
+            # the first stage of a staged switch is done: on to the second at once
+            sim.call_at(t, lambda now: self._decide(sim, name, now, Trigger.PERIODIC))
+            return
         if not self._valid(sim, rec.deployment_id) or rec.phase is not TransitionPhase.DONE:
             # decisions deferred while it ran may be owed: decide again now - or, after a roll
             # back, a second later (as the console's retry does): at the same instant the same
@@ -439,7 +463,8 @@ class FlexPipePolicy(Policy):
         dep = self.deployments[name]
         valid = self._valid(sim, name)
         until = cooldown_until(dep, self.options.gearbox)
-        if valid and trigger is Trigger.PERIODIC and until is not None and t < until:
+        staged = self.staged.pop(name, None)
+        if staged is None and valid and trigger is Trigger.PERIODIC and until is not None and t < until:
             # by rule 3 a valid gear inside its cooldown STAYs whatever the candidates are:
             # the call would only re-plan to say so
             return
@@ -447,12 +472,15 @@ class FlexPipePolicy(Policy):
         runtime = sim.deployments[name]
         current = self.driver.current_gear(name)
         decision = decide(dep, current, self._decision_snapshot(sim, name), self.windows[name], t, trigger=trigger,
-                          history=self.history, model=runtime.model, config=self.options.gearbox)
+                          history=self.history, model=runtime.model, config=self.options.gearbox,
+                          staged_target=staged, backoff=self.backoff.get(name))
         if decision.outcome is Outcome.SWITCH and decision.target is not None:
             rec = self.driver.start(name, decision.target, decision.trigger.value,
                                     decision_ref=f"{name}@{t:.3f}")
             if rec is None:
                 return
+            if decision.staged_target is not None:
+                self.staged[name] = decision.staged_target
             # only a switch the gearbox chose starts a cooldown (gearbox.record_switch)
             self.deployments[name] = record_switch(dep, t, forced=decision.forced)
             self.switches += 1
@@ -461,6 +489,7 @@ class FlexPipePolicy(Policy):
                 "t_s": round(t, 3), "deployment": name, "trigger": decision.trigger.value,
                 "outcome": decision.outcome.value,
                 "target": decision.target.shape() if decision.target else None,
+                "stage": decision.stage,
                 "reason": decision.reasons[-1] if decision.reasons else "",
             })
 
@@ -535,14 +564,20 @@ class OraclePolicy(Policy):
         record = SwitchRecord(name, t, serving_s=t, done_s=t,
                               from_shape=" + ".join(e.plan.shape() for e in current) or "none",
                               to_shape=target.shape(), trigger="oracle", outcome="done")
+        # NOTE(memory): the leaving plans go first, so that the new ones book GPUs that are free
+        # (invariant 4 holds for the bound too): routing keeps only the plans both gears share,
+        # the leaving ones hand their sequences over with their KV ("free") - to a kept plan, or
+        # to the deployment's queue - and the new plans start warm and take the queue at once
+        kept = {by_plan[p].engine_id: w for p, w in zip(target.plans, target.weights, strict=True) if p in by_plan}
+        sim.set_routing(name, kept)
+        for e in current:
+            if e.plan not in target.plans:
+                sim.retire(e, "free", record)
         engines: dict[int, float] = {}
         for plan, w in zip(target.plans, target.weights, strict=True):
             engine = by_plan.get(plan) or sim.launch(name, plan, source="warm", accepting=False)
             engines[engine.engine_id] = w
         sim.set_routing(name, engines)
-        for e in current:
-            if e.engine_id not in engines:
-                sim.retire(e, "free", record)
         sim.recorder.switches.append(record)
         self.switches += 1
 

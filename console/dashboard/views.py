@@ -3,15 +3,19 @@ from __future__ import annotations
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+from django.utils import timezone
 
 from console.accounts.decorators import role_required
 from console.accounts.roles import VIEWER, has_role
-from console.fleet import live
+from console.fleet import links, live
 
 
 @role_required(VIEWER)
 def overview(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/overview.html", {"heartbeat_timeout_s": settings.FLEXPIPE_HEARTBEAT_TIMEOUT_S})
+    return render(request, "dashboard/overview.html", {
+        "heartbeat_timeout_s": settings.FLEXPIPE_HEARTBEAT_TIMEOUT_S,
+        "links": links.link_table(timezone.now()),
+    })
 
 
 def cluster_json(request: HttpRequest) -> JsonResponse:

@@ -19,8 +19,8 @@ from django.db import transaction
 
 from agents.protocol import RegisterRequest, Report
 from console.audit.chain import actor_of, record
-from console.fleet import live
-from console.fleet.models import AgentCommand, Gpu, GpuSample, Node, NodeLink
+from console.fleet import links, live
+from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
 
 
 class Rejected(Exception):
@@ -98,6 +98,7 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
     node.agent_version = req.agent_version
     node.rack = req.rack or ""
     node.backends = list(req.backends)
+    node.capabilities = dict(req.capabilities or {})
     node.data_addr = req.data_addr or ""
     if issued:
         node.token_hash = hash_token(issued)
@@ -144,6 +145,7 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
                data={"epoch": node.epoch, "plans": list(lost), "listed": list(req.plans or ())})
     # a topology event: the gearbox ticks, drops the lost plans from their gears and replaces them
     transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=True))
+    links.request_probes(node, now=now)  # measure its links to the others, and theirs to it
     return Registration(node, issued)
 
 
@@ -197,6 +199,10 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
             raise Rejected(403, others)
         raise Rejected(400, {f"gpus[{i}].uuid": f"GPU {g.uuid!r} is not registered on {node.node_id}; register again"
                              for i, g in enumerate(report.gpus) if g.uuid not in gpus})
+    if report.links or report.collectives:
+        strangers = links.unknown_peers(report, set(Node.objects.values_list("node_id", flat=True)))
+        if strangers:
+            raise Rejected(400, strangers)
 
     claimed = Node.objects.filter(pk=node.pk, epoch=report.epoch, last_seq__lt=report.seq).update(
         last_seq=report.seq,
@@ -235,9 +241,7 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
     if report.seq % 16 == 0:
         _prune_history(list(gpus.values()))
 
-    for link in report.links:
-        NodeLink.objects.update_or_create(node=node, peer=link.peer,
-                                          defaults={"bw_gbps": link.bw_gbps, "measured_at": now})
+    links.store_links(node, report, now=now)
 
     # A node that speaks again after a heartbeat timeout is back in the pool.
     if not was_schedulable:

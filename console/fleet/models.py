@@ -1,4 +1,5 @@
-"""What the agents last told us: nodes, their GPUs, a bounded history, measured links, commands.
+"""What the agents last told us: nodes, their GPUs, a bounded history, measured links and
+collective curves, the blocks' trajectories, commands.
 
 State only: the rules that change it live in actions.py (one transaction each, conditional
 updates where two writers may race), and the scheduling logic in scheduler/.
@@ -17,6 +18,8 @@ class Node(models.Model):
     agent_version = models.CharField(max_length=64)
     rack = models.CharField(max_length=64, blank=True, default="")
     backends = models.JSONField(default=list)  # engine backends the agent can run
+    # backend -> what its engine can run (scheduler.capabilities.EngineCaps.to_dict()); {}: not reported
+    capabilities = models.JSONField(default=dict)
     data_addr = models.CharField(max_length=255, blank=True, default="")  # where peers send it KV cache
     # sha256 of the agent's own token: the token itself is shown once, at enrollment, and never stored.
     token_hash = models.CharField(max_length=64, db_index=True)
@@ -114,15 +117,45 @@ class GpuSample(models.Model):
 
 
 class NodeLink(models.Model):
-    """Bandwidth a node measured to a peer."""
+    """What a node measured to a peer: the latest per pair (console.fleet.links ages them out)."""
 
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="links")
     peer = models.CharField(max_length=64)
     bw_gbps = models.FloatField()
-    measured_at = models.DateTimeField()
+    latency_us = models.FloatField(null=True, blank=True)  # one-way, microseconds; null: not measured
+    measured_at = models.DateTimeField()  # when the agent measured it (its report's stamp, never in the future)
+    method = models.CharField(max_length=64, blank=True, default="")  # how, e.g. dataplane-bulk
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["node", "peer"], name="fleet_link_unique_pair")]
+
+
+class CollectiveCurve(models.Model):
+    """A collective a node timed over a sweep of message sizes (the shape of nccl-tests): the
+    latest per (node, op, scope, peer, ranks). The cost model prefers it to its physical model."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="collectives")
+    op = models.CharField(max_length=16)  # all_reduce | send_recv
+    scope = models.CharField(max_length=8)  # intra (GPUs of this node) | inter (this node and `peer`)
+    peer = models.CharField(max_length=64, blank=True, default="")
+    ranks = models.PositiveIntegerField()
+    backend = models.CharField(max_length=16, blank=True, default="")  # nccl | gloo
+    points = models.JSONField(default=list)  # [[message bytes, seconds], ...] by size
+    measured_at = models.DateTimeField()
+    method = models.CharField(max_length=64, blank=True, default="")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["node", "op", "scope", "peer", "ranks"],
+                                               name="fleet_collective_unique")]
+
+
+class BlockTrajectory(models.Model):
+    """One atomic block's size over time (scheduler.topology.FragmentHistory, bounded): what the
+    gearbox reads to keep latency-critical plans off blocks that keep shrinking."""
+
+    block_id = models.CharField(max_length=160, unique=True)
+    points = models.JSONField(default=list)  # [[t_s, size], ...], increasing t_s
+    updated_at = models.DateTimeField()
 
 
 class AgentCommand(models.Model):

@@ -12,6 +12,7 @@ Operator actions:
     do_approve_decision(decision, *, actor)                 advisory mode: start the advised transition
     do_request_gear(deployment, gear, *, actor)             manual switch to an operator's gear
 The emergency downshift and its release: console/gearbox/emergency.py.
+    do_set_latency_critical(deployment, value, *, actor)    keep its plans off blocks that keep shrinking
 The gearbox (ticks.py) and the scenario loader:
     do_decide_gear(deployment, *, trigger, now, base, held, actor)   one decision, and its transition
     do_record_load(deployment, sample)                      append a load sample (telemetry: not audited)
@@ -32,6 +33,7 @@ from django.utils import timezone
 
 from console.accounts.roles import OPERATOR, has_role
 from console.audit.chain import actor_of, record
+from console.fleet import fragments
 from console.fleet.actions import Rejected
 from console.fleet.models import AgentCommand, Node
 from console.gearbox import live
@@ -39,12 +41,13 @@ from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, GpuReservation, Transition
 from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
 from scheduler import gearbox
+from scheduler.backoff import Backoff, refusal
 from scheduler.costmodel import Slo
 from scheduler.gearbox import LoadSample, Mode, Outcome, Trigger
 from scheduler.modelspec import model_spec
 from scheduler.plan import Gear, validate_gear
-from scheduler.topology import Snapshot
-from scheduler.transition import Kind, lost_gpus
+from scheduler.topology import FragmentHistory, Snapshot
+from scheduler.transition import Kind, Phase, TransitionRecord, lost_gpus
 
 GEARBOX = "system:gearbox"
 
@@ -80,15 +83,17 @@ def scheduler_deployment(dep: Deployment) -> gearbox.Deployment:
     """The deployment as scheduler.gearbox.decide sees it."""
     # only the switches the gearbox chose start a cooldown (gearbox.record_switch): not an
     # emergency downshift, nor a forced move off a gear that had lost GPUs
+    # (nor the second stage of a staged switch: its first stage counted for both)
     times = list(Transition.objects.filter(deployment=dep, phase="done", from_gear__isnull=False,
                                            finished_at__isnull=False)
                  .exclude(kind=Transition.EMERGENCY)
                  .exclude(decision__decision__current_valid=False)
+                 .exclude(decision__decision__stage=2)
                  .order_by("-seq").values_list("finished_at", flat=True)[:5])
     return gearbox.Deployment(
         id=dep.name, model=dep.model_name, slo=Slo(ttft_ms=dep.ttft_ms, tpot_ms=dep.tpot_ms),
         baseline=Gear.from_dict(dep.baseline_gear), priority=dep.priority, mode=Mode(dep.mode),
-        last_switch_times_s=tuple(sorted(t.timestamp() for t in times)))
+        last_switch_times_s=tuple(sorted(t.timestamp() for t in times)), latency_critical=dep.latency_critical)
 
 
 def _gear(dep: Deployment, field: str) -> Gear | None:
@@ -159,16 +164,77 @@ class Decided:
 
 
 def _decide(dep: Deployment, base: Snapshot, held: Mapping[str, set[str]], now: datetime, trigger: Trigger, *,
-            requested: Gear | None = None, running: bool = False) -> gearbox.Decision:
+            requested: Gear | None = None, running: bool = False, history: FragmentHistory | None = None,
+            staged: Gear | None = None) -> gearbox.Decision:
     others = set().union(*[g for name, g in held.items() if name != dep.name]) if held else set()
     snap = decision_snapshot(base, others)
     return gearbox.decide(scheduler_deployment(dep), _gear(dep, "current_gear"), snap, load_window(dep.load_window),
                           now.timestamp(), trigger=trigger, requested_gear=requested, transition_running=running,
-                          model=model_spec(dep.model_name))
+                          model=model_spec(dep.model_name),
+                          history=history if history is not None else fragments.load_history(),
+                          backoff=Backoff.from_dict(dep.backoff.get("book") if dep.backoff else None),
+                          staged_target=staged)
+
+
+def fold_backoff(dep: Deployment, base: Snapshot, now: datetime) -> Deployment:
+    """Bring the deployment's back-off up to date (scheduler.backoff, as the simulator's policy
+    does): each transition that ended since it was last folded in - a refused one puts its new
+    plans on back-off, one that reached DONE ends the streak - and the topology changes that
+    touched a backed-off plan (a node's registration epoch included) reset it. Telemetry of the
+    decision, not an operator's act: not audited (the decision says "backing off until ...")."""
+    state = dep.backoff or {}
+    book = Backoff.from_dict(state.get("book"))
+    seen = int(state.get("seq") or 0)
+    epochs = dict(Node.objects.values_list("node_id", "epoch"))
+    for t in (Transition.objects.filter(deployment=dep, seq__gt=seen, phase__in=("done", "rolled_back"))
+              .order_by("seq")):
+        seen = t.seq
+        try:
+            rec = TransitionRecord.from_dict(t.record)
+        except ValueError:
+            continue
+        if rec.phase is Phase.DONE:
+            book = book.succeeded()
+        elif (why := refusal(rec)) is not None:
+            at = t.finished_at.timestamp() if t.finished_at else now.timestamp()
+            book = book.failed(rec.new_plans, at, why, base, extra=epochs)
+    book = book.observe(base, extra=epochs, now_s=now.timestamp())
+    updated = {"book": book.to_dict(), "seq": seen}
+    if updated != state:
+        Deployment.objects.filter(pk=dep.pk).update(backoff=updated)
+        dep.backoff = updated
+    return dep
+
+
+def _staged(dep: Deployment) -> tuple[Gear | None, Kind]:
+    """The gear a staged switch goes on to, once its first stage (transition `staged_seq`) is done;
+    a first stage that rolled back ends the path (cleared here)."""
+    if not dep.staged_gear:
+        return None, Kind.AUTO
+    first = Transition.objects.filter(deployment=dep, seq=dep.staged_seq).values_list("phase", flat=True).first()
+    kind = Kind(dep.staged_kind) if dep.staged_kind in {k.value for k in Kind} else Kind.AUTO
+    if first == "done":
+        return Gear.from_dict(dep.staged_gear, "staged_gear"), kind
+    if first in ACTIVE_PHASES:
+        return None, kind
+    Deployment.objects.filter(pk=dep.pk).update(staged_gear=None, staged_seq=0, staged_kind="")
+    dep.staged_gear = None
+    return None, kind
+
+
+def _remember_stage(dep: Deployment, d: gearbox.Decision, started: Transition | None, kind: Kind) -> None:
+    """After a decision: a first stage that started is remembered (its second follows when it is
+    done); anything else ends a staged path on its way."""
+    if d.stage == 1 and d.staged_target is not None and started is not None:
+        Deployment.objects.filter(pk=dep.pk).update(staged_gear=d.staged_target.to_dict(), staged_seq=started.seq,
+                                                    staged_kind=kind.value)
+    elif dep.staged_gear is not None and (started is not None or d.stage == 2 or d.outcome is not Outcome.DEFERRED):
+        Deployment.objects.filter(pk=dep.pk).update(staged_gear=None, staged_seq=0, staged_kind="")
 
 
 def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datetime, base: Snapshot,
-                   held: Mapping[str, set[str]], actor: str = GEARBOX) -> Decided:
+                   held: Mapping[str, set[str]], actor: str = GEARBOX,
+                   history: FragmentHistory | None = None) -> Decided:
     """One gearbox decision for the deployment, recorded, and the transition it calls for.
 
     Order: a pending emergency first (it asks a running transition to roll back, or starts the
@@ -192,8 +258,10 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
         return emergency_tick(dep, active, base, held, now, actor)
     if active is not None:
         return Decided(None, None)
+    dep = fold_backoff(dep, base, now)  # (before waiting for reports: a refusal is known at once)
     if not _reports_mirror_last_transition(dep, base, now):
         return Decided(None, None, waiting_for_reports=True)
+    staged, staged_kind = _staged(dep)
     current = _gear(dep, "current_gear")
     if trigger is Trigger.PERIODIC and current is not None and any(lost_gpus(p, base) for p in current.plans):
         # whichever tick notices first, a gear that lost GPUs is a topology event (DESIGN.md)
@@ -211,18 +279,21 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
             d = replace(d, trigger=trigger, outcome=outcome,
                         reasons=("nothing runs yet: bring the baseline gear up",))
         else:
-            d = _decide(dep, base, held, now, trigger)
+            d = _decide(dep, base, held, now, trigger, history=history)
     else:
-        d = _decide(dep, base, held, now, trigger)
+        d = _decide(dep, base, held, now, trigger, history=history, staged=staged)
+    # the second stage of a staged switch has the kind of its first (an operator's, or the gearbox's)
+    kind = staged_kind if d.stage == 2 else Kind.AUTO
     with transaction.atomic():
         _locked(dep)  # the deployment row before the audit head (lock order: ports._lock_deployment)
         row = do_record_decision(dep, d, actor=actor, now=now)
         started = None
         if d.outcome is Outcome.SWITCH and d.target is not None:
-            started = _start(dep, d.target, kind=Kind.AUTO, decision=row, actor=actor)
+            started = _start(dep, d.target, kind=kind, decision=row, actor=actor)
             if started is None:
                 row.note = "not started: another transition claimed the deployment first"
                 row.save(update_fields=["note"])
+        _remember_stage(dep, d, started, kind)
     return Decided(row, started)
 
 
@@ -433,7 +504,8 @@ def do_approve_decision(decision: Decision | int, *, actor: Any) -> Transition:
         raise Rejected(409, {"decision": "stale: the deployment changed gear since; wait for a new decision"})
     if _active(dep) is not None:
         raise Rejected(409, {"deployment": "a transition is running; approve once it ended"})
-    target = gearbox.Decision.from_dict(row.decision).target
+    advised = gearbox.Decision.from_dict(row.decision)
+    target = advised.target
     if target is None:
         raise Rejected(409, {"decision": "it advises no gear"})
     base = fleet_snapshot(timezone.now())
@@ -447,6 +519,7 @@ def do_approve_decision(decision: Decision | int, *, actor: Any) -> Transition:
     started = _start(dep, target, kind=Kind.APPROVED, decision=row, actor=who)
     if started is None:
         raise Rejected(409, {"deployment": "another transition started first"})
+    _remember_stage(dep, advised, started, Kind.APPROVED)  # a staged switch: its second stage follows
     row.approval, row.approved_by, row.approved_at = Decision.APPROVED, user, now
     row.save(update_fields=["approval", "approved_by", "approved_at"])
     record("gearbox.decision_approved", actor=who, user=user, at=now, deployment=dep.name, decision_id=row.pk,
@@ -474,7 +547,27 @@ def do_request_gear(deployment: Deployment | str, gear: Mapping[str, object] | G
     if d.outcome is not Outcome.SWITCH or d.target is None:
         return row, None
     started = _start(dep, d.target, kind=Kind.MANUAL, decision=row, actor=who)
+    _remember_stage(dep, d, started, Kind.MANUAL)  # a staged switch: its second stage follows
     return row, started
+
+
+@transaction.atomic
+def do_set_latency_critical(deployment: Deployment | str, value: bool, *, actor: Any) -> Deployment:
+    """Mark a deployment latency-critical (or not): its plans then stay off blocks whose fragment
+    history says they keep shrinking (scheduler.planner, seed 000 section 4.1). Audited."""
+    who, user = _who(actor)
+    if not isinstance(value, bool):
+        raise Rejected(400, {"latency_critical": f"must be true or false; got {value!r}"})
+    dep = _locked(deployment)
+    if dep.latency_critical == value:
+        return dep
+    before = {"latency_critical": dep.latency_critical}
+    dep.latency_critical, dep.updated_at = value, timezone.now()
+    dep.save(update_fields=["latency_critical", "updated_at"])
+    record("gearbox.latency_critical_set", actor=who, user=user, at=dep.updated_at, deployment=dep.name,
+           summary=f"{dep.name}: {'latency-critical' if value else 'not latency-critical'}", before=before,
+           after={"latency_critical": value})
+    return dep
 
 
 # --- the scenario loader -------------------------------------------------------------------------
@@ -554,6 +647,8 @@ def _held_by_others(dep: Deployment) -> set[str]:
 
 
 __all__ = [
-    "Decided", "Rejected", "do_approve_decision", "do_decide_gear", "do_pin_gear", "do_record_decision", "do_record_load", "do_request_gear", "do_set_mode", "do_sync_deployment",
+    "Decided", "Rejected", "do_approve_decision", "do_decide_gear", "do_pin_gear", "do_record_decision",
+    "do_record_load", "do_request_gear", "do_set_latency_critical", "do_set_mode", "do_sync_deployment",
+    "fold_backoff",
     "do_unpin_gear", "held_gpus", "scheduler_deployment",
 ]

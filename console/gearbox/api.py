@@ -55,6 +55,7 @@ from console.gearbox.serializers import (
     GearChoiceSerializer,
     GearDetailSerializer,
     GearSerializer,
+    LatencyCriticalSerializer,
     ModeSerializer,
     OverrideSerializer,
     PinSerializer,
@@ -213,6 +214,18 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins
         except Rejected as exc:
             return _refused(exc)
         return Response(_deployment(dep))
+
+    @extend_schema(summary="Mark latency-critical or not (operator): its plans stay off shrinking blocks",
+                   request=LatencyCriticalSerializer, responses={200: DeploymentSerializer, **REFUSALS},
+                   parameters=[NAME])
+    @action(detail=True, methods=["post"], url_path="latency-critical")
+    def latency_critical(self, request: Request, name: str | None = None) -> Response:
+        dep = self.get_object()
+        value = self._body(LatencyCriticalSerializer)["latency_critical"]
+        try:
+            return Response(_deployment(actions.do_set_latency_critical(dep.name, value, actor=request.user)))
+        except Rejected as exc:
+            return _refused(exc)
 
     @extend_schema(summary="Emergency downshift to the baseline gear (operator; reason required; idempotent)",
                    request=EmergencySerializer, parameters=[NAME],

@@ -200,7 +200,8 @@ def emergency_tick(dep: Deployment, active: Transition | None, base: Snapshot, h
     that cannot run any more stays pending (retried every tick; the page shows it blocked)."""
     who = dep.emergency_actor or actor
     if active is not None:
-        if active.phase in ("prepare", "switch") and not active.abort_reason:
+        # (the first stage of a staged downshift is the emergency's own: it is not rolled back)
+        if active.phase in ("prepare", "switch") and not active.abort_reason and active.kind != Transition.EMERGENCY:
             build_executor(actor=who).store.request_abort(dep.name, active.seq,
                                                           f"emergency downshift: {dep.emergency_reason}")
         return Decided(None, None)  # it rolls back (or finishes CLEANUP) first
@@ -218,6 +219,10 @@ def emergency_tick(dep: Deployment, active: Transition | None, base: Snapshot, h
             started = _start(locked, d.target, kind=Kind.EMERGENCY, decision=row, actor=who)
             if started is None:
                 return Decided(row, None)  # try again on the next tick
+            if d.stage == 1:
+                # a staged downshift (the target does not fit beside what runs): the request stands
+                # until its second stage, decided when this transition is done, reaches the target
+                return Decided(row, started)
         if d.outcome is not Outcome.BLOCKED:
             Deployment.objects.filter(pk=locked.pk).update(emergency_requested_at=None, updated_at=now)
     return Decided(row, started)

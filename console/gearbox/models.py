@@ -5,9 +5,11 @@ and in ports.py (the Django implementations of the transition ports). What each 
 
 * `Deployment` - one model served by the cluster: SLO, priority, mode (auto | advisory |
   pinned | emergency), baseline gear (the emergency target), current gear (what a finished
-  transition left), pinned gear (the gear a pin or an emergency holds), the versioned routing table (version + routes: plan, weight, frozen,
-  nodes) that the gateway and the simulated fleet route by, a pending emergency request, and
-  the load window the gearbox decides on.
+  transition left), pinned gear (the gear a pin or an emergency holds), the versioned routing
+  table (version + routes: plan, weight, frozen, nodes) that the gateway and the simulated fleet
+  route by, a pending emergency request, the load window the gearbox decides on, the registry
+  version it serves, whether it is latency-critical, its back-off after refused PREPAREs, and a
+  staged switch on its way.
 * `Decision` - every decision the gearbox made, switch or not: trigger, outcome, the hysteresis
   factor, candidates with gain / cost / threshold, the full scheduler Decision, and in advisory
   mode its approval.
@@ -58,6 +60,14 @@ class Deployment(models.Model):
     # a version changes nothing that serves.
     model_version = models.ForeignKey("registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT,
                                       related_name="deployments")
+    latency_critical = models.BooleanField(default=False)  # keep its plans off blocks that keep shrinking
+    # scheduler.backoff.Backoff.to_dict() after refused PREPAREs, with "seq": the last transition folded in
+    backoff = models.JSONField(default=dict)
+    # a staged switch on its way (scheduler.staging): the gear its second stage goes to once the
+    # transition `staged_seq` is done, and the kind that transition had (auto, manual, emergency)
+    staged_gear = models.JSONField(null=True, blank=True)
+    staged_seq = models.PositiveBigIntegerField(default=0)
+    staged_kind = models.CharField(max_length=16, blank=True, default="")
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
 

@@ -20,7 +20,8 @@ GEAR_ID_RE = r"g-[0-9a-f]{16}"
 PLAN_ID_RE = r"p-[0-9a-f]{16}"
 CURRENT = "current"
 APPROVALS = ("pending", "approved", "superseded", "none")
-OPERATOR_VERBS = ("pin", "unpin", "mode", "emergency", "release", "override", "baseline", "rollout", "destroy")
+OPERATOR_VERBS = ("pin", "unpin", "mode", "emergency", "release", "override", "baseline", "rollout", "destroy",
+                  "latency_critical")
 
 
 # --- payload shapes (for the schema; the data comes from console.gearbox.present) -------------------
@@ -142,6 +143,7 @@ class DeploymentSerializer(PayloadSerializer):
     slo = inline_serializer("Slo", {"ttft_ms": serializers.FloatField(), "tpot_ms": serializers.FloatField()})
     priority = serializers.IntegerField()
     mode = serializers.ChoiceField(choices=[m for m, _ in Deployment.MODES])
+    latency_critical = serializers.BooleanField(help_text="its plans stay off blocks that keep shrinking")
     baseline_gear = GearSummarySerializer(help_text="the emergency target")
     current_gear = GearSummarySerializer(allow_null=True)
     pinned_gear = GearSummarySerializer(allow_null=True)
@@ -298,6 +300,12 @@ class ModeSerializer(StrictSerializer):
     mode = serializers.ChoiceField(choices=[Deployment.AUTO, Deployment.ADVISORY, Deployment.PINNED], help_text=(
         "auto: the gearbox switches; advisory: it proposes, an operator approves; pinned: the current gear "
         "is pinned"))
+
+
+class LatencyCriticalSerializer(StrictSerializer):
+    latency_critical = serializers.BooleanField(help_text=(
+        "true: the planner keeps this deployment's plans off blocks whose fragment history says they keep "
+        "shrinking (stability below 0.5); false: any block"))
 
 
 class EmergencySerializer(StrictSerializer):

@@ -4,7 +4,8 @@ This is the one place that turns console.fleet's rows into scheduler values:
 
 * `fleet_snapshot(now)` - every present GPU of every node as its agent last reported it
   (healthy, `schedulable` = allocatable, memory used, NVLink group), nodes with their heartbeat
-  time and schedulability, and the links agents measured. A GPU never reported yet counts as
+  time, schedulability and engine capabilities, the links and collective curves agents measured
+  that are not too old, and the rack defaults the planner assumes elsewhere (console.fleet.links). A GPU never reported yet counts as
   full and last seen at time 0 (out of every block: nothing plans on what nobody has seen).
 * `decision_snapshot(base, deployment, held)` - the same, with every GPU another deployment
   holds (its gear, its running transition's target, its bookings) marked unschedulable, so one
@@ -22,11 +23,13 @@ from datetime import datetime
 
 from django.conf import settings
 
-from console.fleet.models import Gpu, GpuSample, Node, NodeLink
+from console.fleet import links
+from console.fleet.models import Gpu, GpuSample, Node
+from scheduler.capabilities import EngineCaps
 from scheduler.gearbox import LoadSample, LoadWindow
 from scheduler.hardware import CATALOG, GpuSpec
 from scheduler.plan import Gear
-from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
+from scheduler.topology import GpuState, NodeState, Snapshot
 
 KEEP_LOAD_S = 3600.0  # how much load history a deployment keeps
 
@@ -36,7 +39,7 @@ def fleet_snapshot(now: datetime) -> Snapshot:
     gpus = list(Gpu.objects.filter(present=True).select_related("node"))
     node_states = tuple(
         NodeState(id=n.node_id, rack=n.rack or n.node_id, schedulable=n.schedulable,
-                  last_seen_s=n.last_seen_at.timestamp() if n.last_seen_at else 0.0)
+                  last_seen_s=n.last_seen_at.timestamp() if n.last_seen_at else 0.0, engine=_engine(n))
         for n in nodes)
     customs: dict[str, GpuSpec] = {}
     gpu_states = []
@@ -56,16 +59,26 @@ def fleet_snapshot(now: datetime) -> Snapshot:
             nvlink_group=g.nvlink_group or None, xid_errors=g.xid_errors, ecc_errors=g.ecc_errors,
             last_seen_s=g.updated_at.timestamp() if g.updated_at else 0.0))
     known = {n.node_id for n in nodes}
-    pairs: dict[tuple[str, str], float] = {}
-    for link in NodeLink.objects.select_related("node"):
-        a, b = sorted((link.node.node_id, link.peer))
-        if a in known and b in known and a != b:
-            pairs[(a, b)] = min(pairs.get((a, b), link.bw_gbps), link.bw_gbps)
-    links = tuple(LinkState(a, b, bw) for (a, b), bw in sorted(pairs.items()))
-    snap = Snapshot(now_s=now.timestamp(), nodes=node_states, gpus=tuple(gpu_states), links=links,
-                    custom_specs=tuple(customs.values()))
+    intra, inter = links.defaults()
+    snap = Snapshot(now_s=now.timestamp(), nodes=node_states, gpus=tuple(gpu_states),
+                    links=links.fresh_links(now, known), intra_rack_gbps=intra, inter_rack_gbps=inter,
+                    custom_specs=tuple(customs.values()), collectives=links.fresh_curves(now, known))
     snap.validate()
     return snap
+
+
+def _engine(node: Node) -> EngineCaps | None:
+    """What the node's engine can run: its active backend's reported capabilities (None: the
+    agent reported none - an older agent - and nothing is restricted)."""
+    caps = node.capabilities or {}
+    backend = node.backends[0] if node.backends else None
+    raw = caps.get(backend) if backend else None
+    if raw is None:
+        return None
+    try:
+        return EngineCaps.from_dict(raw, f"nodes.{node.node_id}.capabilities")
+    except ValueError:
+        return None  # stored before a schema change: better unrestricted than a wrong restriction
 
 
 def gear_gpus(gear: Mapping[str, object] | None) -> set[str]:

@@ -1,7 +1,9 @@
 """The gearbox loop: one tick decides for every deployment (highest priority first).
 
-A tick reads the fleet once (console.gearbox.snapshot), samples each deployment's load from its
-engines' reports, and calls actions.do_decide_gear. GPUs a deployment holds - or is about to
+A tick reads the fleet once (console.gearbox.snapshot), records the blocks' trajectories in the
+fragment history (console.fleet.fragments), samples each deployment's load from its engines'
+reports, and calls actions.do_decide_gear (which folds finished transitions into the deployment's
+back-off, scheduler.backoff, and continues a staged switch, scheduler.staging). GPUs a deployment holds - or is about to
 hold through a transition this very tick started - are off limits to the deployments decided
 after it, so two deployments never plan on one GPU.
 """
@@ -14,6 +16,7 @@ from datetime import datetime
 from django.conf import settings
 from django.utils import timezone
 
+from console.fleet import fragments
 from console.gearbox import present
 from console.gearbox.actions import do_decide_gear, do_record_load, do_record_serving, held_gpus
 from console.gearbox.lifecycle import finish_deletions
@@ -52,6 +55,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         return {"skipped": str(exc)}
     held = held_gpus()
     engines = present.fleet_view(now, with_blocks=False)  # the engines' latest reports: serving history
+    history = fragments.do_observe_blocks(base, now=now)  # every decision of this tick reads it
     decided, started, waiting = [], [], []
     deps = Deployment.objects.order_by("-priority", "name")
     if deployment is not None:
@@ -64,7 +68,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
             sample = load_sample([r.get("plan_id", "") for r in dep.routing if isinstance(r, dict)], now)
             if sample is not None:
                 do_record_load(dep, sample)
-        out = do_decide_gear(dep.name, trigger=TRIGGERS[trigger], now=now, base=base, held=held)
+        out = do_decide_gear(dep.name, trigger=TRIGGERS[trigger], now=now, base=base, held=held, history=history)
         if out.waiting_for_reports:
             waiting.append(dep.name)
         if out.decision is not None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
 
 from console.accounts.decorators import role_required
 from console.accounts.roles import OPERATOR, VIEWER, has_role
+from console.fleet import fragments
 from console.gearbox import present
 from console.gearbox.models import Deployment, Transition
+from console.gearbox.snapshot import fleet_snapshot, gear_gpus
 from scheduler.gearbox import Outcome
 
 
@@ -30,7 +33,18 @@ def deployment_page(request: HttpRequest, name: str) -> HttpResponse:
     can_operate = has_role(request.user, OPERATOR)
     return render(request, "gearbox/deployment.html", {
         "name": dep.name, "can_operate": can_operate, "outcomes": [o.value for o in Outcome],
+        "latency_critical": dep.latency_critical, "blocks": _blocks(dep),
         "page_data": {"name": dep.name, "can_operate": can_operate, **present.deployment_state(dep)}})
+
+
+def _blocks(dep: Deployment) -> list[fragments.BlockUse]:
+    """The blocks the deployment's current gear uses, with their stability now."""
+    now = timezone.now()
+    try:
+        snap = fleet_snapshot(now)
+    except ValueError:
+        return []
+    return fragments.blocks_of(gear_gpus(dep.current_gear), snap, fragments.load_history(), now)
 
 
 @role_required(VIEWER)

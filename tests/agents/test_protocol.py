@@ -96,3 +96,45 @@ def test_ack_status_must_be_known() -> None:
     with pytest.raises(SchemaError) as err:
         parse_ack({"protocol": 1, "status": "maybe"})
     assert "status" in err.value.errors
+
+
+def test_capabilities_links_and_collectives_survive_a_round_trip() -> None:
+    from agents.protocol import CollectiveReport
+    from scheduler.capabilities import VLLM_CAPS
+
+    reg = RegisterRequest("a1", "a1.example", "1.0", (GpuInfo("GPU-1", 0, "H100-SXM", 80 * 2**30, "nvl0"),),
+                          backends=("vllm",), capabilities={"vllm": VLLM_CAPS.to_dict()})
+    assert parse_register(reg.to_dict()) == reg
+    rep = Report("a1", 3, 7, (GpuReport("GPU-1", 1, 2, 0.5, 40.0, True),),
+                 (LinkReport("b1", 12.5, 40.0, 1.7e9, "dataplane-bulk"),),
+                 collectives=(CollectiveReport("all_reduce", "intra", 8, ((8192, 2e-5), (1 << 20, 9e-5)),
+                                               backend="nccl", measured_at=1.7e9, method="torch.distributed"),))
+    assert parse_report(rep.to_dict()) == rep
+
+
+@pytest.mark.parametrize("caps,path", [
+    ({"torch": {"backend": "torch"}}, "capabilities.torch"),  # not a backend it runs
+    ({"vllm": {"backend": "torch"}}, "capabilities.vllm.backend"),
+    ({"vllm": {"backend": "vllm", "modes": ["sideways"]}}, "capabilities.vllm.modes"),
+    ({"vllm": {"backend": "vllm", "mem_fraction": 0}}, "capabilities.vllm.mem_fraction"),
+    ("all of them", "capabilities"),
+])
+def test_bad_capabilities_are_refused_naming_the_field(caps: object, path: str) -> None:
+    body = {**register_body(), "backends": ["vllm"], "capabilities": caps}
+    with pytest.raises(SchemaError) as err:
+        parse_register(body)
+    assert path in err.value.errors, err.value.errors
+
+
+@pytest.mark.parametrize("coll,path", [
+    ({"op": "all_reduce", "scope": "intra", "ranks": 1, "points": [[8, 1e-5]]}, "collectives[0].ranks"),
+    ({"op": "scatter", "scope": "intra", "ranks": 2, "points": [[8, 1e-5]]}, "collectives[0].op"),
+    ({"op": "send_recv", "scope": "inter", "ranks": 2, "points": [[8, 1e-5]]}, "collectives[0].peer"),
+    ({"op": "send_recv", "scope": "intra", "ranks": 2, "points": [[8, 0]]}, "collectives[0].points[0]"),
+    ({"op": "send_recv", "scope": "intra", "ranks": 2, "points": []}, "collectives[0].points"),
+])
+def test_bad_collective_sweeps_are_refused_naming_the_field(coll: dict[str, object], path: str) -> None:
+    body = {**report_body(), "collectives": [coll]}
+    with pytest.raises(SchemaError) as err:
+        parse_report(body)
+    assert path in err.value.errors, err.value.errors

@@ -34,7 +34,7 @@ def test_every_kind_is_documented_and_has_a_schema() -> None:
     import agents.protocol as protocol
 
     assert set(TRANSITION_KINDS) == {k.value for k in CommandKind}  # the scheduler's, and only those
-    assert set(NODE_KINDS) == {"verify_weights"} and not set(NODE_KINDS) & set(TRANSITION_KINDS)
+    assert set(NODE_KINDS) == {"verify_weights", "probe_links"} and not set(NODE_KINDS) & set(TRANSITION_KINDS)
     assert COMMAND_KINDS == TRANSITION_KINDS + NODE_KINDS
     for kind in COMMAND_KINDS:
         assert f"`{kind}`" in (protocol.__doc__ or "")
@@ -165,3 +165,17 @@ def test_a_prepare_may_name_the_version_it_loads_and_each_bad_field_of_it_is_nam
                        ({**version, "colour": 1}, "model_version.colour"), ("v2", "model_version")):
         with pytest.raises(SchemaError, match=field.replace(".", r"\.")):
             check_payload("prepare_plan", {**sent, "model_version": bad})
+
+
+@pytest.mark.parametrize("payload,field", [
+    ({}, "payload.peers"),
+    ({"peers": {}}, "payload.peers"),
+    ({"peers": {"has space": "h:1"}}, "payload.peers.has space"),
+    ({"peers": {"b1": ""}}, "payload.peers.b1"),
+    ({"peers": {"b1": "h:1"}, "bulk_bytes": 0}, "payload.bulk_bytes"),
+])
+def test_a_bad_probe_links_payload_names_the_field(payload: dict[str, object], field: str) -> None:
+    with pytest.raises(SchemaError) as err:
+        check_payload("probe_links", payload)
+    assert field in err.value.errors, err.value.errors
+    check_payload("probe_links", {"peers": {"b1": "10.0.0.2:7070"}, "bulk_bytes": 1 << 20})

@@ -37,8 +37,10 @@ def test_it_prints_the_table_and_writes_the_json_and_an_offline_html_report(
     for r in result["policies"].values():
         for key in ("tokens", "finished", "lost", "goodput_rps", "ttft_p95_s", "e2e_p95_s",
                     "worst_p95_after_event_s", "steady_p95_s", "switches", "event_to_serving_s", "mem_util",
-                    "compute_util"):
+                    "compute_util", "peak_gpu_mem_fraction", "refused_prepares", "memory_violations"):
             assert key in r
+        # invariant 4 per policy: the largest booked share of any GPU, checked from the bookings
+        assert 0 < r["peak_gpu_mem_fraction"] <= 0.92 and r["memory_violations"] == []
     page = out_html.read_text()
     assert "lively" in page and "FlexPipe gear" in page
     # plotly.js is inlined (megabytes), no script is fetched: the report works offline

@@ -68,8 +68,9 @@ def test_measured_links_are_used_as_measured_and_datasheet_links_derated() -> No
     eff = costmodel.DEFAULT_EFFICIENCY
     nominal, measured = Path(100e9), Path(100e9, measured=True)
     assert transfer_time_s(1e9, measured) < transfer_time_s(1e9, nominal)
+    # a point-to-point copy: one launch, the send/recv handshake, one hop, the bytes at p2p efficiency
     assert transfer_time_s(1e9, nominal) == pytest.approx(
-        eff.kernel_overhead_s + eff.link_latency_s + 1e9 / (100e9 * eff.link_efficiency))
+        eff.kernel_overhead_s + eff.p2p_latency_s + eff.link_latency_s + 1e9 / (100e9 * eff.p2p_link_efficiency))
     assert math.isinf(transfer_time_s(1.0, Path(0.0)))
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from agents.protocol import check_result
-from tests.agents.node.conftest import command, gpus, prepare_payload, tiny_plan
+from scheduler.booking import refuse_booking
+from tests.agents.node.conftest import MODEL, command, gpus, prepare_payload, tiny_plan
 
 
 def ok(kind: str, ack: Any) -> dict[str, Any]:
@@ -78,15 +79,22 @@ def test_gpus_of_another_node_are_refused_as_preempted(make_agent: Any) -> None:
     assert agent.booked() == {}
 
 
-def test_more_memory_than_a_gpu_has_free_is_a_conflict(make_agent: Any) -> None:
+def test_a_plan_that_would_book_over_92_percent_beside_another_is_refused_out_of_memory(make_agent: Any) -> None:
     agent = make_agent("n2")
     a, b = gpus("n1", 1)[0], gpus("n2", 1)[0]
     node_of = {a: "n1", b: "n2"}
     first = prepare_payload(tiny_plan([[a], [b]]), "n2", reserve_bytes=60 * 10**9, node_of=node_of)
     ok("prepare_plan", agent.handle(command("prepare_plan", first)))
-    second = prepare_payload(tiny_plan([[a], [b]], kv_tokens=4096), "n2", reserve_bytes=30 * 10**9, node_of=node_of)
+    # 60 GB + 15 GB fits in 80 GiB's 100% but not in its 92%: the old check let it through
+    second = prepare_payload(tiny_plan([[a], [b]], kv_tokens=4096), "n2", reserve_bytes=15 * 10**9, node_of=node_of)
     ack = agent.handle(command("prepare_plan", second))
-    assert ack.status == "failed" and ack.result["reason"] == "conflict" and "free" in ack.detail
+    total = agent.probe.report()[0].mem_total_bytes
+    used = next(g.mem_used_bytes for g in agent.probe.report() if g.uuid == b) + 60 * 10**9
+    # the words every agent refuses with (scheduler.booking): the simulated fleets send the same
+    expected = refuse_booking({b: 15 * 10**9}, {b: used}, {b: total})
+    assert expected is not None
+    assert ack.status == "failed" and ack.result["reason"] == "out_of_memory" and ack.result["gpus"] == [b]
+    assert ack.detail == expected.message() and "above the 92% limit" in ack.detail
     assert agent.booked() == {b: 60 * 10**9}
 
 
@@ -173,3 +181,19 @@ def test_verify_weights_takes_no_plan_lock_and_a_node_without_models_refuses_it(
     assert agent._plan_locks == {}
     bad = agent.handle(command("verify_weights", {**verify_payload("tiny-llama", "0" * 64), "sha256": "x"}))
     assert bad.status == "failed" and "payload.sha256" in bad.detail
+
+
+def test_a_plan_its_engine_cannot_run_is_refused_in_the_planners_words(make_agent: Any) -> None:
+    from dataclasses import replace as dc_replace
+
+    from scheduler.capabilities import TORCH_CAPS, engine_refusals
+    from scheduler.plan import Plan, Stage
+
+    agent = make_agent("n1", capabilities=dc_replace(TORCH_CAPS, modes=("colocated",)))
+    a, b = gpus("n1", 2)
+    pd = Plan(MODEL, "disaggregated", (Stage(0, 4, (a,)),), (Stage(0, 4, (b,)),), kv_reserve_tokens=1024)
+    payload = {**prepare_payload(tiny_plan([[a]]), "n1"), "plan": pd.to_dict(), "plan_id": pd.plan_id}
+    ack = agent.handle(command("prepare_plan", payload))
+    assert ack.status == "failed" and ack.result["reason"] == "unsupported"
+    assert ack.detail == "; ".join(engine_refusals(pd, ["n1"], {"n1": agent.capabilities}))
+    assert agent.booked() == {}

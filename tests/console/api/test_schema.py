@@ -32,6 +32,7 @@ OPERATIONS = {
     ("/api/v1/deployments/{name}", "delete"), ("/api/v1/deployments/{name}/release", "post"),
     ("/api/v1/deployments/{name}/candidates", "get"), ("/api/v1/deployments/{name}/override", "post"),
     ("/api/v1/deployments/{name}/baseline", "post"), ("/api/v1/deployments/{name}/rollout", "post"),
+    ("/api/v1/deployments/{name}/latency-critical", "post"),
     ("/api/v1/gears", "get"), ("/api/v1/gears/{gear_id}", "get"), ("/api/v1/plans", "get"),
     ("/api/v1/plans/{plan_id}", "get"), ("/api/v1/transitions", "get"), ("/api/v1/transitions/{id}", "get"),
     ("/api/v1/decisions", "get"), ("/api/v1/decisions/{id}", "get"), ("/api/v1/decisions/{id}/approve", "post"),

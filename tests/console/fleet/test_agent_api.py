@@ -89,17 +89,53 @@ class TestRegister:
 
 
 class TestReport:
-    def test_it_stores_the_latest_state_a_sample_and_the_links(self, agent: AgentHTTP) -> None:
+    def test_it_stores_the_latest_state_a_sample_and_the_links(self, agent: AgentHTTP, client: Client) -> None:
+        enroll(client, "b1")
         body = report_body(used_gib=20, sm_util=0.9)
-        body["links"] = [{"peer": "b1", "bw_gbps": 100.0}]
+        body["links"] = [{"peer": "b1", "bw_gbps": 100.0, "latency_us": 12.5, "measured_at": 1.7e9,
+                          "method": "dataplane-bulk"}]
         body["engines"] = [{"plan_id": "p1", "running": 3, "waiting": 1, "tokens_per_s": 99.5, "kv_usage": 0.4}]
         resp = agent.post("/agent/v1/report", body)
         assert resp.status_code == 200 and resp.json() == {"accepted": 1}
         gpu = Gpu.objects.get(uuid="GPU-a1-0")
         assert gpu.mem_used_bytes == 20 * GIB and gpu.sm_util == 0.9 and gpu.updated_at is not None
         assert GpuSample.objects.count() == 4
-        assert NodeLink.objects.get().bw_gbps == 100.0
-        assert Node.objects.get().engines[0]["plan_id"] == "p1"
+        link = NodeLink.objects.get()
+        assert (link.bw_gbps, link.latency_us, link.method) == (100.0, 12.5, "dataplane-bulk")
+        assert link.measured_at.timestamp() == 1.7e9  # the agent's stamp (it is not in the future)
+        assert Node.objects.get(node_id="a1").engines[0]["plan_id"] == "p1"
+
+    @pytest.mark.parametrize("link,field", [
+        ({"peer": "b1", "bw_gbps": -1.0}, "links[0].bw_gbps"),
+        ({"peer": "b1", "bw_gbps": float("nan")}, "links[0].bw_gbps"),
+        ({"peer": "b1", "bw_gbps": float("inf")}, "links[0].bw_gbps"),
+        ({"peer": "b1", "bw_gbps": 10.0, "latency_us": -3}, "links[0].latency_us"),
+        ({"peer": "b1", "bw_gbps": 10.0, "measured_at": float("nan")}, "links[0].measured_at"),
+        ({"peer": "x9", "bw_gbps": 10.0}, "links[0].peer"),
+        ({"peer": "a1", "bw_gbps": 10.0}, "links[0].peer"),
+    ])
+    def test_a_bad_link_is_refused_naming_the_field_and_stores_nothing(self, agent: AgentHTTP, client: Client,
+                                                                      link: dict[str, Any], field: str) -> None:
+        enroll(client, "b1")
+        before = stored_state()
+        body = report_body()
+        body["links"] = [link]
+        import json
+
+        resp = agent.client.post("/agent/v1/report", json.dumps(body), content_type="application/json",
+                                 headers={"Authorization": f"Bearer {agent.token}"})
+        assert resp.status_code == 400, resp.content
+        assert field in resp.json()["errors"], resp.json()
+        assert stored_state() == before
+
+    def test_a_bad_collective_sweep_is_refused_naming_the_point(self, agent: AgentHTTP) -> None:
+        before = stored_state()
+        body = report_body()
+        body["collectives"] = [{"op": "all_reduce", "scope": "intra", "ranks": 2,
+                                "points": [[1024, 1e-5], [512, 2e-5]]}]
+        resp = agent.post("/agent/v1/report", body)
+        assert resp.status_code == 400 and "collectives[0].points[1]" in resp.json()["errors"], resp.json()
+        assert stored_state() == before
 
     @pytest.mark.parametrize("mutate,status,field", [
         (lambda b: b.pop("seq"), 400, "seq"),

@@ -18,7 +18,7 @@ from datetime import datetime
 
 from django.utils import timezone
 
-from agents.protocol import GpuInfo, GpuReport, RegisterRequest, Report
+from agents.protocol import GpuInfo, GpuReport, NodeCommandKind, RegisterRequest, Report
 from agents.sim.memory_fleet import FixedTiming, MemoryFleet
 from console.audit.models import AuditEntry
 from console.fleet.actions import (
@@ -108,6 +108,10 @@ class DbAgents:
         for c in cmds:
             key = f"cmd-{c.id}"
             self.ids[key] = (node_id, c.id)
+            if c.kind == NodeCommandKind.PROBE_LINKS.value:
+                # the simulated agents measure no link (the snapshot assumes the rack defaults)
+                self.ack(key, "ok", "simulated: no link measured", {"links": []})
+                continue
             out.append(CommandIntent(key, node_id, CommandKind(c.kind), dict(c.payload), c.deployment,
                                      c.transition_seq or 0, Step(c.step), 1))
         return out
