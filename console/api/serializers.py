@@ -24,6 +24,11 @@ class StrictSerializer(serializers.Serializer):  # type: ignore[type-arg]
                         and value is not None and not isinstance(value, str)}
             if not_text:
                 raise serializers.ValidationError(not_text)
+            # ... and DRF's BooleanField takes "yes", "1" and 1 for true: only a JSON boolean is one here
+            not_bool = {name: ["must be true or false"] for name, value in data.items()
+                        if isinstance(self.fields.get(name), serializers.BooleanField) and not isinstance(value, bool)}
+            if not_bool:
+                raise serializers.ValidationError(not_bool)
         return super().to_internal_value(data)
 
 

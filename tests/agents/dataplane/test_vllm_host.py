@@ -374,6 +374,7 @@ def _eventually(cond: Any, timeout_s: float = 20.0) -> bool:
 
 def test_a_request_with_a_priority_runs_under_vllms_priority_scheduling(nodes: tuple[VllmNode, VllmNode]) -> None:
     a, _ = nodes
+    a.host.thaw()  # the module's hosts are shared: a hand-over test before this one may have left it frozen
     assert a.host.spec.scheduling_policy == "priority"
     expected = no_switch(a, 8)
     # vLLM refuses a priority other than 0 unless its server schedules by priority: the host sends
