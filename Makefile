@@ -50,7 +50,7 @@ typecheck: venv
 	$(PY) -m mypy
 
 status:
-	@$(VENV)/bin/supervisorctl -c scripts/supervisord.conf status
+	@scripts/supervisor.sh ctl status
 
 stop:
 	@$(PY) scripts/services.py stop-redis

@@ -69,11 +69,11 @@ echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
 echo "  Database:          ${DATABASE_URL}"
 [ "$DEBUG" = 0 ] || echo "  Debug:             on, for this demo only (DEBUG=0 and a SECRET_KEY for anything else)"
-echo "  Processes:         .venv/bin/supervisorctl -c scripts/supervisord.conf status   (restarts: .run/supervisord.log)"
+echo "  Processes:         make status   (restarts: .run/supervisord.log)"
 echo
 # In the background, so this shell can pass SIGTERM on (a foreground child would hold it back);
 # Ctrl-C reaches supervisord itself too. Its programs run in process groups of their own.
-.venv/bin/supervisord -c scripts/supervisord.conf &
+scripts/supervisor.sh daemon &
 supervisor=$!
 trap 'kill -TERM "$supervisor" 2>/dev/null; wait "$supervisor"; exit 130' INT TERM
 wait "$supervisor"

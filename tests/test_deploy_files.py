@@ -105,7 +105,8 @@ def test_make_run_supervises_the_same_four_processes_and_restarts_each() -> None
     for name, program in programs.items():
         assert program["autorestart"] == "true", name  # a crash is not an outage (invariant 9)
         assert program["stopasgroup"] == program["killasgroup"] == "true", name
-    assert "supervisord -c scripts/supervisord.conf" in (ROOT / "scripts" / "run.sh").read_text()
+    assert "scripts/supervisor.sh daemon" in (ROOT / "scripts" / "run.sh").read_text()
+    assert "supervisord -c scripts/supervisord.conf" in (ROOT / "scripts" / "supervisor.sh").read_text()
 
 
 LONG_RUNNING = ("postgres", "redis", "web", "worker", "beat", "fleet")

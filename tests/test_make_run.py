@@ -60,8 +60,7 @@ def descendants(root: int) -> set[int]:
 
 
 def supervised_pid(checkout: Path, name: str) -> int:
-    out = subprocess.run([str(checkout / ".venv" / "bin" / "supervisorctl"), "-c", "scripts/supervisord.conf",
-                          "pid", name], cwd=checkout, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["scripts/supervisor.sh", "ctl", "pid", name], cwd=checkout, capture_output=True, text=True, timeout=30)
     return int(out.stdout.strip()) if out.stdout.strip().isdigit() else 0
 
 

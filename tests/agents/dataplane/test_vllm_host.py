@@ -295,6 +295,19 @@ def test_report_counts_the_interval_from_vllm_metrics(nodes: tuple[VllmNode, Vll
     assert b.host.report().finished == 0
 
 
+def test_a_request_with_a_priority_runs_under_vllms_priority_scheduling(nodes: tuple[VllmNode, VllmNode]) -> None:
+    a, _ = nodes
+    a.host.thaw()  # the module's hosts are shared: a hand-over test before this one may have left it frozen
+    assert a.host.spec.scheduling_policy == "priority"
+    expected = no_switch(a, 8)
+    # vLLM refuses a priority other than 0 unless its server schedules by priority: the host sends
+    # it, and the answer is the greedy tokens of the same request without one
+    sid = new_seq_id("prio")
+    seen = follow(a.addr, {**gen_body(a.host, sid, 8, GREEDY), "priority": -3})
+    assert seen.ends == [{"done": True, "finish_reason": "length"}] and seen.tokens == expected
+    assert a.host._runs[sid].body["priority"] == -3  # what the completion request to vLLM carried
+
+
 # Last: it stops node A's plan.
 def test_release_hands_unfinished_sequences_to_the_fallback_by_replay(nodes: tuple[VllmNode, VllmNode]) -> None:
     a, b = nodes
@@ -370,16 +383,3 @@ def _eventually(cond: Any, timeout_s: float = 20.0) -> bool:
             return True
         time.sleep(0.001)  # the tiny model decodes a token in about a millisecond
     return bool(cond())
-
-
-def test_a_request_with_a_priority_runs_under_vllms_priority_scheduling(nodes: tuple[VllmNode, VllmNode]) -> None:
-    a, _ = nodes
-    a.host.thaw()  # the module's hosts are shared: a hand-over test before this one may have left it frozen
-    assert a.host.spec.scheduling_policy == "priority"
-    expected = no_switch(a, 8)
-    # vLLM refuses a priority other than 0 unless its server schedules by priority: the host sends
-    # it, and the answer is the greedy tokens of the same request without one
-    sid = new_seq_id("prio")
-    seen = follow(a.addr, {**gen_body(a.host, sid, 8, GREEDY), "priority": -3})
-    assert seen.ends == [{"done": True, "finish_reason": "length"}] and seen.tokens == expected
-    assert a.host._runs[sid].body["priority"] == -3  # what the completion request to vLLM carried

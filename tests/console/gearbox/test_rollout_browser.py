@@ -84,7 +84,9 @@ class RolloutInTheBrowser(LivePageTestCase):
             assert page.locator(f"{v1_row} button.rollout").count() == 0  # it serves its one deployment already
             page.select_option(f"{v2_row} select.rollout-target", "chat")
             page.click(f"{v2_row} button.rollout")
-            started = page.wait_for_selector(f"{v2_row} .result.ok[data-seq]", timeout=5_000)
+            # the answer, whichever it is (a refusal shows its reason here rather than as a timeout)
+            started = page.wait_for_selector(f"{v2_row} .result.ok[data-seq], {v2_row} .result.bad", timeout=20_000)
+            assert "ok" in (started.get_attribute("class") or ""), started.inner_text()
             seq = int(started.get_attribute("data-seq") or 0)
             assert "rollout #" in started.inner_text() and "canary first" in started.inner_text()
             t = Transition.objects.get(deployment__name="chat", seq=seq)
