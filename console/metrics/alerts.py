@@ -13,7 +13,8 @@ Templates in annotations: `{{ $labels.NAME }}` and `{{ printf "%.Nf" $value }}` 
 
 `for:` needs to know since when an alert holds. The console keeps that in Redis (one hash shared by
 every web process): the first evaluation that sees an alert active stamps it, one that sees it gone
-clears it. So "since" is since the console first saw it (each page view and API call evaluates);
+clears it. So "since" is since the console first saw it (Celery beat evaluates every
+FLEXPIPE_ALERTS_EVAL_S, 15 s - console/metrics/tasks.py - and so does each page view and API call);
 until `for` has passed the alert is `pending`, then `firing`. Without Redis an alert with a `for`
 stays pending and shows no "since" - never a made-up time.
 """

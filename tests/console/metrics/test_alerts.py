@@ -235,3 +235,32 @@ def test_the_alerts_page_and_api_list_what_holds(viewer: Person, outsider: Perso
 def test_the_page_says_when_nothing_holds(viewer: Person) -> None:
     html = viewer.browser().get("/alerts/").content.decode()
     assert 'data-testid="alerts-empty"' in html and "none firing" in html
+
+
+# --- on beat ---------------------------------------------------------------------------------------
+def test_beat_evaluates_the_alert_rules_every_15_s_by_default() -> None:
+    import os
+
+    from django.conf import settings
+
+    beat = {e["task"]: e for e in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert float(os.environ.get("FLEXPIPE_ALERTS_EVAL_S", "15")) == settings.FLEXPIPE_ALERTS_EVAL_S
+    assert beat["metrics.evaluate_alerts"]["schedule"] == max(1.0, settings.FLEXPIPE_ALERTS_EVAL_S)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_beat_task_stamps_an_alert_before_anyone_looks(worker: None, client: Any,
+                                                           redis_client: redis_lib.Redis) -> None:
+    from console.metrics.tasks import evaluate_alerts
+
+    enroll(client, "a1")
+    Node.objects.filter(node_id="a1").update(last_seen_at=timezone.now() - timedelta(seconds=300))
+    before = time.time()
+    assert evaluate_alerts.delay().get(timeout=60) == []  # held since now: pending for its `for: 1m`
+    [stamp] = redis_client.hgetall(alerts.REDIS_KEY).items()
+    assert b'"node", "a1"' in stamp[0] and float(stamp[1]) >= before
+    [lag] = active("FlexPipeAgentReportLag", float(stamp[1]) + 60)  # later, a page: since the task's stamp
+    assert lag.state == "firing" and lag.since_s == float(stamp[1])
+    Node.objects.filter(node_id="a1").update(last_seen_at=timezone.now())
+    assert evaluate_alerts.delay().get(timeout=60) == []
+    assert redis_client.hgetall(alerts.REDIS_KEY) == {}  # resolved: cleared
