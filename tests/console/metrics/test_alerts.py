@@ -157,6 +157,9 @@ def test_a_step_past_its_deadline_is_exported_and_stuck(viewer: Person) -> None:
     [stuck] = active("FlexPipeTransitionStuck")
     assert stuck.active.labels["deployment"] == "chat" and stuck.active.value >= 200
     assert stuck.active.labels["severity"] == "critical"
+    html = viewer.browser().get("/alerts/").content.decode()
+    assert 'data-alert="FlexPipeTransitionStuck" data-state="pending"' in html
+    assert 'the transition of chat is stuck (<a href="/deployments/chat/">its page</a>)' in html
 
 
 @pytest.mark.django_db
