@@ -38,6 +38,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 app = Celery("flexpipe")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+app.autodiscover_tasks(["console.metrics"])  # not a Django app (no models): named here
 
 log = logging.getLogger(__name__)
 BROKER_ERRORS = (KombuError, RedisError, OSError)

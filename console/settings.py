@@ -19,6 +19,7 @@ Everything a deployment changes comes from the environment, with embedded defaul
                                    (os.pathsep-separated; default .run/models)
     FLEXPIPE_SWEEP_S               period of the transition sweep on Celery beat: timeouts, dwells, and
                                    transitions whose worker died resume (2)
+    FLEXPIPE_ALERTS_EVAL_S         period of the alert rules' evaluation on Celery beat (15)
     FLEXPIPE_CANARY_SHARE          share of new requests a new plan takes before the flip (0.1)
     FLEXPIPE_CANARY_DWELL_S        how long old and new plans serve side by side before the flip (2)
     FLEXPIPE_DRAIN_BUDGET_S        a sequence that ends on the old plan within this is left to finish (10)
@@ -227,6 +228,7 @@ FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC
 FLEXPIPE_MODEL_ROOTS = [Path(p) for p in os.environ.get("FLEXPIPE_MODEL_ROOTS", str(BASE_DIR / ".run" / "models"))
                         .split(os.pathsep) if p.strip()]
 FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
+FLEXPIPE_ALERTS_EVAL_S = float(os.environ.get("FLEXPIPE_ALERTS_EVAL_S", "15"))
 # The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
 # or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
 FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get("FLEXPIPE_GATEWAY_TOKENIZERS", "")
@@ -267,6 +269,11 @@ CELERY_BEAT_SCHEDULE = {
     "transitions-sweep": {
         "task": "transitions.sweep",
         "schedule": max(0.5, FLEXPIPE_SWEEP_S),
+    },
+    # the alert rules over the console's metrics: their "since" counts from here (console/metrics/alerts.py)
+    "alerts-evaluate": {
+        "task": "metrics.evaluate_alerts",
+        "schedule": max(1.0, FLEXPIPE_ALERTS_EVAL_S),
     },
 }
 

@@ -12,7 +12,7 @@ from console.fleet import agent_api
 from console.gateway import views as gateway
 from console.gearbox import agent_api as gearbox_agent_api
 from console.gearbox import views as gearbox_pages
-from console.metrics.views import MetricsView
+from console.metrics.views import MetricsView, alerts_page
 from console.registry import views as registry_pages
 
 # The admin's login page checks passwords too: the same throttle.
@@ -29,6 +29,7 @@ urlpatterns = [
     path("audit/", audit_pages.audit_page, name="audit-page"),
     path("registry/", registry_pages.registry_page, name="registry-page"),
     path("users/", accounts_pages.users_page, name="users-page"),
+    path("alerts/", alerts_page, name="alerts-page"),
     path("metrics", MetricsView.as_view(), name="metrics"),
     path("healthz", dashboard.healthz, name="healthz"),
     path("login/", ThrottledLoginView.as_view(), name="login"),

@@ -20,6 +20,7 @@ from console.gearbox.api import (
     PlanViewSet,
     TransitionViewSet,
 )
+from console.metrics.api import alerts_view
 from console.registry.api import ModelVersionViewSet
 
 router = SimpleRouter(trailing_slash=False)
@@ -36,6 +37,7 @@ router.register("users", accounts_api.UserViewSet, basename="user")
 
 urlpatterns = [
     path("api/v1/me", accounts_api.me, name="api-me"),
+    path("api/v1/alerts", alerts_view, name="api-alerts"),
     path("api/v1/", include(router.urls)),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

@@ -29,6 +29,7 @@ NAV: tuple[NavItem, ...] = (
     NavItem("deployments", "Deployments", "deployments", matches=("deployment-detail", "decision-detail", "transition-detail")),
     NavItem("audit", "Audit", "audit-page"),
     NavItem("registry", "Registry", "registry-page"),
+    NavItem("alerts", "Alerts", "alerts-page"),
     NavItem("users", "Users", "users-page", role=ADMIN),
 )
 

@@ -28,6 +28,24 @@ the same, and a restart loses nothing. One or two queries per family; a scrape s
     flexpipe_decisions_pending_approval{deployment}            advised decisions waiting for an operator
     flexpipe_transition_kv_migrated_bytes_total{deployment}    what moved: KV bytes migrated ...
     flexpipe_transition_tokens_replayed_total{deployment}      ... against tokens replayed (all transitions)
+
+Inputs of the alert rules (deploy/prometheus/alerts.yml): gauges over a window the exporter fixes, so
+that the console's own evaluation of the rules (console/metrics/alerts.py) needs no history:
+    flexpipe_transition_overdue_seconds{deployment}            how far the running transition's current
+                                                               step is past its deadline (its start, or
+                                                               retry time, plus its timeout); 0 when idle
+                                                               or within the deadline
+    flexpipe_deployment_transitions_recent{deployment}         transitions started within the gearbox's
+                                                               flap window (scheduler.gearbox
+                                                               DEFAULT_CONFIG.flap_window_s, 30 min)
+    flexpipe_deployment_slo_violation_ratio{deployment}        share of the serving samples of the last
+                                                               SLO_WINDOW_S (5 min) whose worst P95 TTFT
+                                                               or TPOT was above the deployment's SLO;
+                                                               no series without samples in the window
+    flexpipe_kv_pool_free_ratio{deployment, plan_id, node}     free share of a plan's KV cache on a node:
+                                                               1 - the kv_usage its engine last reported
+                                                               (agents/protocol.py EngineReport), for the
+                                                               plans of the deployment's current gear
 """
 
 from __future__ import annotations
@@ -41,6 +59,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 SWITCH_DURATION_BUCKETS_S = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+SLO_WINDOW_S = 300.0  # the SLO violation ratio's window
 PHASE_VALUES = ("prepare", "switch", "cleanup", "rollback", "idle")
 
 
@@ -86,9 +105,69 @@ class GearboxCollector(Collector):
             for s in present.SHADOW_STATUSES:
                 shadow.add_metric([d.name, s], 1.0 if s == status else 0.0)
         yield from (info, gear, pinned, routing, phase, queue, shadow)
+        yield from self._alert_inputs(deps, active)
         yield self._durations()
         yield from self._decisions(deps)
         yield from self._moved()
+
+    def _alert_inputs(self, deps: list[Any], active: dict[int, Any]) -> Iterator[Metric]:
+        from django.utils import timezone
+
+        from console.gearbox.models import ServingSample, Transition
+        from scheduler.gearbox import DEFAULT_CONFIG
+
+        now = timezone.now()
+        overdue = GaugeMetricFamily("flexpipe_transition_overdue_seconds",
+                                    "Seconds the running transition's current step is past its deadline "
+                                    "(0: idle or within it)", labels=["deployment"])
+        for d in deps:
+            t = active.get(d.pk)
+            deadline_s = _deadline_s(t) if t is not None else None
+            overdue.add_metric([d.name], max(0.0, now.timestamp() - deadline_s) if deadline_s is not None else 0.0)
+        yield overdue
+
+        window_s = DEFAULT_CONFIG.flap_window_s
+        started = dict(Transition.objects.filter(created_at__gte=now - timedelta(seconds=window_s))
+                       .values("deployment_id").annotate(n=Count("id")).values_list("deployment_id", "n"))
+        recent = GaugeMetricFamily("flexpipe_deployment_transitions_recent",
+                                   f"Transitions started in the last {window_s:.0f} s (the gearbox's flap window)",
+                                   labels=["deployment"])
+        for d in deps:
+            recent.add_metric([d.name], float(started.get(d.pk, 0)))
+        yield recent
+
+        yield self._kv_free(deps)
+
+        # Each serving sample holds the worst P95 over the deployment's routed plans (ticks.py).
+        late = Q(ttft_p95_ms__gt=F("deployment__ttft_ms")) | Q(tpot_p95_ms__gt=F("deployment__tpot_ms"))
+        rows = (ServingSample.objects.filter(at__gte=now - timedelta(seconds=SLO_WINDOW_S))
+                .values("deployment__name").annotate(n=Count("id"), late=Count("id", filter=late))
+                .order_by("deployment__name"))
+        ratio = GaugeMetricFamily("flexpipe_deployment_slo_violation_ratio",
+                                  f"Share of the serving samples of the last {SLO_WINDOW_S:.0f} s whose P95 TTFT or "
+                                  "TPOT was above the deployment's SLO", labels=["deployment"])
+        for row in rows:
+            ratio.add_metric([row["deployment__name"]], row["late"] / row["n"])
+        yield ratio
+
+    def _kv_free(self, deps: list[Any]) -> Metric:
+        from console.fleet.models import Node
+        from console.gearbox import present
+
+        owner: dict[str, str] = {}
+        for d in deps:
+            current = present.parse_gear(d.current_gear)
+            for plan in current.plans if current is not None else ():
+                owner[plan.plan_id] = d.name
+        family = GaugeMetricFamily("flexpipe_kv_pool_free_ratio", "Free share of the plan's KV cache on the node, "
+                                   "as its engine last reported (1 - kv_usage)", labels=["deployment", "plan_id", "node"])
+        for node_id, reports in Node.objects.exclude(engines=[]).order_by("node_id").values_list("node_id", "engines"):
+            for e in reports if isinstance(reports, list) else []:
+                kv = e.get("kv_usage") if isinstance(e, dict) else None
+                name = owner.get(str(e.get("plan_id"))) if isinstance(e, dict) else None
+                if name is not None and isinstance(kv, int | float) and not isinstance(kv, bool):
+                    family.add_metric([name, str(e["plan_id"]), node_id], 1.0 - min(1.0, max(0.0, float(kv))))
+        return family
 
     def _durations(self) -> Metric:
         from console.gearbox.models import Transition
@@ -142,6 +221,22 @@ class GearboxCollector(Collector):
             tokens.add_metric([row["deployment__name"]], float(row["tokens"] or 0))
         yield kv
         yield tokens
+
+
+def _deadline_s(t: Any) -> float | None:
+    """When the running transition's current step must be over: a running step's own deadline; between
+    steps, when the executor meant to look again (the row's wake_at); None when neither is known."""
+    from scheduler.transition import StepRecord, StepState
+
+    steps = t.record.get("steps") if isinstance(t.record, dict) else None
+    if steps:
+        try:
+            step = StepRecord.from_dict(steps[-1])
+        except ValueError:
+            step = None
+        if step is not None and step.state is StepState.RUNNING:
+            return step.deadline_s
+    return t.wake_at.timestamp() if t.wake_at is not None else None
 
 
 def _le(bound: float) -> str:

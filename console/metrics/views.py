@@ -1,4 +1,4 @@
-"""GET /metrics: Prometheus text format.
+"""GET /metrics: Prometheus text format; and the Alerts page (the alert rules over the same metrics).
 
 Protected: it names nodes, models and deployments, which the console shows only to its users.
 Scrape with a viewer's API token — Prometheus sends it natively:
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
 from drf_spectacular.utils import extend_schema
 from prometheus_client import ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -25,6 +27,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from console.accounts.auth import IsViewer
+from console.accounts.decorators import role_required
+from console.accounts.roles import VIEWER
 from console.metrics import REGISTRY
 from console.metrics import websockets as _websockets  # noqa: F401 - registers the websocket metrics
 from console.metrics.collectors import AuditCollector, FleetCollector, ModelRegistryCollector
@@ -75,3 +79,14 @@ class MetricsView(APIView):
     def get(self, request: Request) -> Response:
         register_collectors()
         return Response(generate_latest(REGISTRY), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+ALERTS_REFRESH_S = 15  # the page reloads itself: Prometheus' default evaluation interval
+
+
+@role_required(VIEWER)
+def alerts_page(request: HttpRequest) -> HttpResponse:
+    """What the rules of deploy/prometheus/alerts.yml find now (the payload of /api/v1/alerts)."""
+    from console.metrics.api import alerts_payload
+
+    return render(request, "metrics/alerts.html", {"data": alerts_payload(), "refresh_s": ALERTS_REFRESH_S})

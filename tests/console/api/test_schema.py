@@ -24,7 +24,7 @@ OPERATIONS = {
     ("/api/v1/models", "get"), ("/api/v1/models", "post"), ("/api/v1/models/{id}", "get"),
     ("/api/v1/models/{id}/retire", "post"), ("/api/v1/models/{id}/check", "post"), ("/api/v1/audit", "get"), ("/api/v1/audit/{seq}", "get"),
     ("/api/v1/audit/verify", "get"), ("/api/v1/nodes", "get"), ("/api/v1/nodes/{node_id}", "get"),
-    ("/api/v1/gpus", "get"), ("/api/v1/gpus/{uuid}", "get"), ("/api/v1/me", "get"),
+    ("/api/v1/gpus", "get"), ("/api/v1/gpus/{uuid}", "get"), ("/api/v1/me", "get"), ("/api/v1/alerts", "get"),
     ("/api/v1/nodes/{node_id}/agent-token", "post"),
     ("/api/v1/deployments", "get"), ("/api/v1/deployments/{name}", "get"),
     ("/api/v1/deployments/{name}/pin", "post"), ("/api/v1/deployments/{name}/unpin", "post"),

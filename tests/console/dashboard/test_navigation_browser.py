@@ -25,7 +25,8 @@ class NavigationInTheBrowser(LivePageTestCase):
             page = log_in(browser, self.live_server_url, "oscar", "/")
             # (the gearbox pages' browser tests take the screenshots of Deployments and Overview)
             for key, path, shot in (("deployments", "/deployments/", None), ("audit", "/audit/", None),
-                                    ("registry", "/registry/", None), ("overview", "/", None)):
+                                    ("registry", "/registry/", None), ("alerts", "/alerts/", "alerts"),
+                                    ("overview", "/", None)):
                 page.click(f"nav.main-nav a[data-nav={key}]")
                 page.wait_for_url(self.live_server_url + path)
                 assert page.get_attribute("nav.main-nav a.active", "data-nav") == key

@@ -15,7 +15,7 @@ from tests.console.registry.conftest import model_body, model_roots, tiny_weight
 
 pytestmark = pytest.mark.django_db
 
-PAGES = ["/", "/deployments/", "/audit/", "/registry/"]
+PAGES = ["/", "/deployments/", "/audit/", "/registry/", "/alerts/"]
 
 
 def page_data(html: str, element_id: str) -> object:
@@ -30,21 +30,21 @@ def test_an_anonymous_visitor_is_sent_to_the_login_page(db: None, path: str) -> 
     assert resp.status_code == 302 and resp["Location"].startswith("/login/")
 
 
-@pytest.mark.parametrize("path", ["/audit/", "/registry/", "/deployments/"])
+@pytest.mark.parametrize("path", ["/audit/", "/registry/", "/deployments/", "/alerts/"])
 def test_a_user_without_a_role_gets_a_403_page_naming_the_role(outsider: Person, path: str) -> None:
     resp = outsider.browser().get(path)
     assert resp.status_code == 403 and b"needs the <b>viewer</b> role" in resp.content
 
 
 @pytest.mark.parametrize("path,active", [("/", "overview"), ("/deployments/", "deployments"),
-                                         ("/audit/", "audit"), ("/registry/", "registry")])
+                                         ("/audit/", "audit"), ("/registry/", "registry"), ("/alerts/", "alerts")])
 def test_every_page_shows_the_same_navigation_with_itself_highlighted(viewer: Person, path: str,
                                                                       active: str) -> None:
     html = viewer.browser().get(path).content.decode()
     items = re.findall(r'<a href="([^"]+)" data-nav="(\w+)"( class="active")?', html)
     assert [(href, key) for href, key, _ in items] == [
         ("/", "overview"), ("/deployments/", "deployments"), ("/audit/", "audit"), ("/registry/", "registry"),
-        ("/api/docs/", "api")]
+        ("/alerts/", "alerts"), ("/api/docs/", "api")]
     assert [key for _, key, on in items if on] == [active]
     assert 'data-testid="who">vera <span class="role">viewer</span>' in html
 
