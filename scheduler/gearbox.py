@@ -138,7 +138,7 @@ class Deployment:
     id: str  # deployment id
     model: str  # model name (modelspec catalog, unless a spec is passed to decide)
     slo: Slo  # latency objectives
-    baseline: Gear  # the static plan; the emergency target
+    baseline: Gear | None  # the static plan, the emergency target (None: a deployment being created)
     priority: int = 0  # higher is served first (used by the console across deployments)
     mode: Mode = Mode.AUTO  # auto | advisory | pinned
     last_switch_times_s: tuple[float, ...] = ()  # recent switch times, oldest first
@@ -796,6 +796,9 @@ def decide(
     # 1. emergency: the baseline (or the gear an operator accepted instead), now, whatever the mode
     if trigger is Trigger.EMERGENCY:
         base = requested_gear or deployment.baseline
+        if base is None:
+            return finish(Outcome.BLOCKED, None, weigh_all("offered: the planner's best safe gear")[:5],
+                          ["emergency: the deployment has no baseline gear yet; to fix: set one"])
         what = "the baseline gear" if base == deployment.baseline else "the accepted emergency gear"
         if current_gear is not None and base.gear_id == cur_id:
             return finish(Outcome.STAY, None, [], [f"emergency: already on {what} (nothing to do)"])

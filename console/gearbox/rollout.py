@@ -47,9 +47,9 @@ from console.gearbox.models import Deployment, Transition
 from console.gearbox.names import gear_name, load_names
 from console.gearbox.override import resolve_gear
 from console.gearbox.snapshot import decision_snapshot, fleet_snapshot, gear_gpus, load_window
+from console.registry.specs import spec_for
 from scheduler import gearbox
 from scheduler.gearbox import Mode, Outcome, Trigger
-from scheduler.modelspec import model_spec
 from scheduler.transition import Kind
 
 LOADABLE = ("verified", "awaiting_agent")
@@ -139,7 +139,7 @@ def _beside(dep: Deployment, base: Any, own: set[str], now: Any) -> Any:
     view = decision_snapshot(base, others | own)
     sched = replace(scheduler_deployment(dep), mode=Mode.AUTO, last_switch_times_s=())
     listed = gearbox.decide(sched, None, view, load_window(dep.load_window), now.timestamp(), trigger=Trigger.MANUAL,
-                            model=model_spec(dep.model_name))
+                            model=spec_for(dep))
     if not listed.candidates:
         raise Rejected(409, {"deployment": f"no room beside {dep.name}'s running gear for the new version's shadow "
                                            "plans: free GPUs, or override to a smaller gear first"})
