@@ -340,16 +340,25 @@ class FiniteFloatField(serializers.FloatField):
             self.fail("invalid")
 
 
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer only: DRF's IntegerField also takes "5" and 5.0, which the schema calls invalid."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return int(super().to_internal_value(data))
+
+
 class DeploymentChangeSerializer(StrictSerializer):
     """What PATCH may change (every field optional; the others stay)."""
 
     ttft_ms = FiniteFloatField(required=False, help_text="time-to-first-token objective, ms (> 0)")
     tpot_ms = FiniteFloatField(required=False, help_text="time-per-output-token objective, ms (> 0)")
-    priority = serializers.IntegerField(required=False, min_value=-1000, max_value=1000,
+    priority = StrictIntegerField(required=False, min_value=-1000, max_value=1000,
                                         help_text="higher is served first when deployments compete for GPUs")
-    min_replicas = serializers.IntegerField(required=False, min_value=0, max_value=256, help_text=(
+    min_replicas = StrictIntegerField(required=False, min_value=0, max_value=256, help_text=(
         "fewest replicas the pool keeps (0: it may scale to zero)"))
-    max_replicas = serializers.IntegerField(required=False, min_value=1, max_value=256, help_text=(
+    max_replicas = StrictIntegerField(required=False, min_value=1, max_value=256, help_text=(
         "most replicas the pool scales it to (>= min_replicas)"))
     idle_to_zero_s = FiniteFloatField(required=False, allow_null=True, help_text=(
         "seconds without requests after which it releases its GPUs (needs min_replicas 0); null: never"))
@@ -357,7 +366,7 @@ class DeploymentChangeSerializer(StrictSerializer):
 
 class DeploymentCreateSerializer(DeploymentChangeSerializer):
     name = serializers.CharField(max_length=64, help_text="its name: letters, digits, '.', '_', '-'")
-    model_version = serializers.IntegerField(min_value=1, max_value=2**62, help_text=(
+    model_version = StrictIntegerField(min_value=1, max_value=2**62, help_text=(
         "the registry version (its id) it serves: verified, or awaiting its first agent's hash"))
     ttft_ms = FiniteFloatField(help_text="time-to-first-token objective, ms (> 0)")
     tpot_ms = FiniteFloatField(help_text="time-per-output-token objective, ms (> 0)")
