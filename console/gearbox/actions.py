@@ -40,7 +40,7 @@ from console.gearbox import live
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, GpuReservation, Transition
 from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
-from console.registry.specs import spec_for
+from console.registry.specs import planner_options, spec_for
 from scheduler import gearbox
 from scheduler.backoff import Backoff, refusal
 from scheduler.costmodel import Slo
@@ -171,7 +171,7 @@ def _decide(dep: Deployment, base: Snapshot, held: Mapping[str, set[str]], now: 
     snap = decision_snapshot(base, others)
     return gearbox.decide(scheduler_deployment(dep), _gear(dep, "current_gear"), snap, load_window(dep.load_window),
                           now.timestamp(), trigger=trigger, requested_gear=requested, transition_running=running,
-                          model=spec_for(dep),
+                          model=spec_for(dep), planner_options=planner_options(dep),
                           history=history if history is not None else fragments.load_history(),
                           backoff=Backoff.from_dict(dep.backoff.get("book") if dep.backoff else None),
                           staged_target=staged)

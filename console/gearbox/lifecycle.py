@@ -267,6 +267,7 @@ def do_create_deployment(*, name: object, model_version: object, ttft_ms: object
                after={**values, "model_version": version.version, "mode": mode, "baseline_gear_id": gear.gear_id,
                       "latency_critical": latency_critical},
                data={"model_version_id": version.pk, "sha256": version.sha256, "how": how})
+        transaction.on_commit(lambda: live.push_routing(name))  # the pages list it at once
         transaction.on_commit(lambda: tasks.enqueue(tasks.tick, trigger="periodic", deployment=name))
     return dep
 
@@ -298,6 +299,8 @@ def do_change_deployment(deployment: Deployment | str, changes: Mapping[str, Any
         record("gearbox.deployment_changed", actor=who, user=user, at=dep.updated_at, deployment=dep.name,
                summary=f"{dep.name}: " + ", ".join(f"{k} {before[k]} -> {after[k]}" for k in changed),
                before={k: before[k] for k in changed}, after={k: after[k] for k in changed})
+        name = dep.name
+        transaction.on_commit(lambda: live.push_routing(name))
     return dep
 
 

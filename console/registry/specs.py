@@ -1,6 +1,8 @@
 """The model spec the console plans a deployment's gears with: the built-in catalog, or the registry.
 
     spec_for(deployment | model version | name) -> scheduler.modelspec.ModelSpec
+    requirements_for(deployment | model version) -> scheduler.requirements.Requirements
+    planner_options(deployment | model version) -> PlannerOptions with them, or None (nothing required)
 
 A name of scheduler.modelspec's catalog is that catalog entry (no database read). Any other model is
 planned from what its registry version says: a version whose `architecture` is a catalog name gets
@@ -9,6 +11,10 @@ that entry under the version's own name (the name its gears and plans carry), on
 same parser that accepted it at registration (console/registry/architecture.py), so a config the
 registry took always yields a spec. A deployment uses the version it serves; a bare name, the newest
 version of that name. Nothing found: ValueError naming the model, as `model_spec` raises.
+
+The version's `min_gpu_mem_bytes` and `engine` are its placement requirements: the planner keeps
+its plans off GPUs and nodes that do not meet them, and an operator's gear there is refused
+(scheduler/requirements.py). A deployment without a registry version requires nothing.
 
 A version's architecture never changes (a version is its weights: console/registry/models.py), so
 the spec of a version is kept per process by its id.
@@ -20,6 +26,8 @@ from dataclasses import replace
 from typing import Any
 
 from scheduler.modelspec import CATALOG, ModelSpec, from_hf_config, model_spec
+from scheduler.planner import PlannerOptions
+from scheduler.requirements import NONE, Requirements
 
 _by_version: dict[tuple[int, str], ModelSpec] = {}
 
@@ -82,4 +90,21 @@ def spec_for(target: Any) -> ModelSpec:
     return _of_version(newest, target)
 
 
-__all__ = ["spec_for"]
+def requirements_for(target: Any) -> Requirements:
+    """The placement requirements of a ModelVersion, or of the version a Deployment serves (module docstring)."""
+    from console.gearbox.models import Deployment
+
+    version = target.model_version if isinstance(target, Deployment) and target.model_version_id else target
+    if isinstance(target, Deployment) and not target.model_version_id:
+        return NONE
+    return Requirements(min_gpu_mem_bytes=int(version.min_gpu_mem_bytes or 0), engine=version.engine or None,
+                        source=f"{version.name} {version.version}")
+
+
+def planner_options(target: Any) -> PlannerOptions | None:
+    """PlannerOptions that carry `target`'s requirements; None when it requires nothing (the defaults)."""
+    req = requirements_for(target)
+    return PlannerOptions(requires=req) if req.any else None
+
+
+__all__ = ["planner_options", "requirements_for", "spec_for"]

@@ -32,11 +32,11 @@ BIG_CONFIG = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 6
 
 
 def version(name: str = "Llama-3-8B", architecture: Any = "Llama-3-8B", status: str = "verified",
-            tag: str = "v1") -> ModelVersion:
+            tag: str = "v1", min_gpu_mem_bytes: int = 2**30) -> ModelVersion:
     return ModelVersion.objects.create(
         name=name, version=tag, engine="vllm", architecture=architecture, weights_uri=f"hf://m/{name}/{tag}",
         sha256=(name.encode().hex() + tag.encode().hex() + "0" * 64)[:64], tokenizer="/models/tok",
-        max_context=8192, min_gpu_mem_bytes=2**30, warmup_tokens=8, status=status,
+        max_context=8192, min_gpu_mem_bytes=min_gpu_mem_bytes, warmup_tokens=8, status=status,
         registered_at=timezone.now(), registered_by="user:alice")
 
 
@@ -148,6 +148,20 @@ def test_a_version_that_may_not_be_loaded_is_refused(operator: Person) -> None:
     before = stored()
     resp = post(operator.api(), body(bad))
     assert resp.status_code == 400 and "quarantined" in resp.json()["model_version"][0]
+    assert stored() == before
+
+
+def test_a_version_whose_min_gpu_memory_no_gpu_has_gets_no_baseline_with_the_reason(operator: Person) -> None:
+    enroll_fleet()  # H100s of 80 GiB
+    v = version(min_gpu_mem_bytes=96 * 2**30)
+    before = stored()
+    auto = post(operator.api(), body(v))
+    assert auto.status_code == 400, auto.json()
+    assert "min_gpu_mem_bytes" in auto.json()["baseline_gear"][0], auto.json()
+    spec = post(operator.api(), body(v, baseline_gear={"plans": [{"stages": [{"gpus": ["b1/0", "b1/1"]}]}]}))
+    assert spec.status_code == 400
+    assert "b1/0 (H100-SXM) has 80.0 GiB, below the registered min_gpu_mem_bytes of Llama-3-8B v1 (96.0 GiB)" \
+        in spec.json()["baseline_gear"][0], spec.json()
     assert stored() == before
 
 
