@@ -6,12 +6,14 @@ nothing is stored; a model outside the built-in catalog is planned from its regi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.test import Client
 from django.utils import timezone
 
+from agents.engines.torch.weights import write_tokenizer
 from console.audit.models import AuditEntry
 from console.gearbox import ticks
 from console.gearbox.models import Deployment, Transition
@@ -19,7 +21,8 @@ from console.registry.models import ModelVersion
 from console.registry.specs import spec_for
 from scheduler.modelspec import from_hf_config, model_spec
 from scheduler.plan import Gear
-from tests.console.gearbox.harness import enroll_fleet
+from tests.console.gearbox.harness import SimAgents, enroll_fleet
+from tests.console.gearbox.ops import drive
 from tests.console.people import Person
 
 pytestmark = pytest.mark.django_db
@@ -74,9 +77,19 @@ def test_an_operator_creates_a_deployment_whose_baseline_the_planner_chooses(ope
     assert Gear.from_dict(Transition.objects.get(deployment=dep).to_gear) == baseline
 
 
-def test_a_model_outside_the_catalog_is_planned_from_its_registered_config(operator: Person) -> None:
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer of BIG_CONFIG's vocabulary (the shadow plan checks the version's tokenizer at PREPARE)."""
+    return write_tokenizer(tmp_path_factory.mktemp("big-tokenizer"), vocab_size=32000, max_context=8192)
+
+
+def test_a_model_outside_the_catalog_is_planned_from_its_registered_config(operator: Person, settings: Any,
+                                                                          big_tokenizer: Path) -> None:
+    settings.FLEXPIPE_MODEL_ROOTS = [big_tokenizer.parent]
     enroll_fleet()
     v = version("big-51b", BIG_CONFIG)
+    ModelVersion.objects.filter(pk=v.pk).update(tokenizer=str(big_tokenizer))
+    v.refresh_from_db()
     with pytest.raises(ValueError):
         model_spec("big-51b")  # the catalog does not know it
     resp = post(operator.api(), body(v, name="big"))
@@ -88,7 +101,11 @@ def test_a_model_outside_the_catalog_is_planned_from_its_registered_config(opera
     baseline = Gear.from_dict(dep.baseline_gear)
     assert baseline.model == "big-51b"
     assert all(len(st.gpu_uuids) >= 2 for p in baseline.plans for st in p.stages)  # ... so the plan shards it
+    agents = SimAgents(models=spec_for)  # (the simulated engines size it from the same config)
     assert ticks.tick()["started"] == ["big#1"]
+    done = drive(agents, "big")  # PREPARE books its memory from the config, then it serves
+    assert done.phase == "done", (done.phase, done.error)
+    assert Gear.from_dict(Deployment.objects.get(name="big").current_gear) == baseline
     # one GPU cannot hold it: a spec on one GPU is refused, planned with the same config
     one = {"plans": [{"stages": [{"gpus": ["b1/0"]}]}]}
     before = stored()
