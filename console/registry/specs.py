@@ -17,7 +17,7 @@ its plans off GPUs and nodes that do not meet them, and an operator's gear there
 (scheduler/requirements.py). A deployment without a registry version requires nothing.
 
 A version's architecture never changes (a version is its weights: console/registry/models.py), so
-the spec of a version is kept per process by its id.
+the spec of a version is kept per process by its id and digest.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from scheduler.modelspec import CATALOG, ModelSpec, from_hf_config, model_spec
 from scheduler.planner import PlannerOptions
 from scheduler.requirements import NONE, Requirements
 
-_by_version: dict[tuple[int, str], ModelSpec] = {}
+_by_version: dict[tuple[int, str, str], ModelSpec] = {}  # (id, sha256, name) -> spec
 
 
 def _catalog(name: str) -> ModelSpec | None:
@@ -42,7 +42,7 @@ def _catalog(name: str) -> ModelSpec | None:
 
 
 def _of_version(version: Any, name: str) -> ModelSpec:
-    key = (int(version.pk), name)
+    key = (int(version.pk), str(version.sha256), name)
     hit = _by_version.get(key)
     if hit is not None:
         return hit
