@@ -44,7 +44,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from console.audit.chain import record
@@ -258,9 +258,11 @@ def do_create_deployment(*, name: object, model_version: object, ttft_ms: object
     gear, how = _baseline(dep, baseline_gear)
     dep.baseline_gear = gear.to_dict()
     with transaction.atomic():
-        if Deployment.objects.select_for_update().filter(name=name).exists():
-            raise Rejected(409, {"name": f"a deployment {name!r} exists already"})
-        dep.save(force_insert=True)
+        try:
+            with transaction.atomic():  # (a savepoint: another request may have taken the name meanwhile)
+                dep.save(force_insert=True)
+        except IntegrityError:
+            raise Rejected(409, {"name": f"a deployment {name!r} exists already"}) from None
         record("gearbox.deployment_created", actor=who, user=user, at=now, deployment=name,
                summary=f"{name}: {version.name} {version.version}, baseline {gear.shape()} ({how}), "
                        f"priority {dep.priority}, replicas {dep.min_replicas}-{dep.max_replicas}",
