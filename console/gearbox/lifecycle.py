@@ -230,7 +230,7 @@ def do_create_deployment(*, name: object, model_version: object, ttft_ms: object
     from console.gearbox import tasks
 
     who, user = _who(actor)
-    values = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "priority": priority, "min_replicas": min_replicas,
+    values: dict[str, Any] = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "priority": priority, "min_replicas": min_replicas,
               "max_replicas": max_replicas, "idle_to_zero_s": idle_to_zero_s}
     errors = _check_fields(values)
     if not isinstance(name, str) or not NEW_NAME_RE.fullmatch(name):
