@@ -138,7 +138,7 @@ class Deployment:
     id: str  # deployment id
     model: str  # model name (modelspec catalog, unless a spec is passed to decide)
     slo: Slo  # latency objectives
-    baseline: Gear  # the static plan; the emergency target
+    baseline: Gear | None  # the static plan, the emergency target (None: a deployment being created)
     priority: int = 0  # higher is served first (used by the console across deployments)
     mode: Mode = Mode.AUTO  # auto | advisory | pinned
     last_switch_times_s: tuple[float, ...] = ()  # recent switch times, oldest first
@@ -623,6 +623,7 @@ def decide(
     cool_until = cooldown_until(deployment, config)
     reasons: list[str] = []
     left_out: list[str] = []  # the planner's exclusions (engine capabilities), for the candidate list
+    unplaced: list[str] = []  # why the planner found no gear at all (weigh_all), for the reasons
 
     def finish(outcome: Outcome, target: Gear | None, evals: Sequence[CandidateEval], why: Sequence[str],
                value: float | None = None, *, stage: int = 0, staged: Gear | None = None) -> Decision:
@@ -790,12 +791,18 @@ def decide(
         found = plan_candidates(spec, snapshot, workload, slo=deployment.slo, options=planner_options or DEFAULT_OPTIONS,
                                 blocks=blocks, reclaimable_bytes=reclaim,
                                 prefer_gpus=current_gear.gpu_uuids if current_gear else (), policy=policy, eff=eff)
+        left_out.extend(x for x in found.excluded if x not in left_out)
+        if not found.feasible:
+            unplaced.extend(x for x in found.infeasible if x not in unplaced)
         return sorted(with_paths([evaluate(c.gear, c.estimate, note or c.kind, c.profiles) for c in found.feasible
                                   if c.gear != current_gear]), key=safe_rank)
 
     # 1. emergency: the baseline (or the gear an operator accepted instead), now, whatever the mode
     if trigger is Trigger.EMERGENCY:
         base = requested_gear or deployment.baseline
+        if base is None:
+            return finish(Outcome.BLOCKED, None, weigh_all("offered: the planner's best safe gear")[:5],
+                          ["emergency: the deployment has no baseline gear yet; to fix: set one"])
         what = "the baseline gear" if base == deployment.baseline else "the accepted emergency gear"
         if current_gear is not None and base.gear_id == cur_id:
             return finish(Outcome.STAY, None, [], [f"emergency: already on {what} (nothing to do)"])
@@ -820,13 +827,15 @@ def decide(
         if requested_gear is None:
             listed = weigh_all("")
             return finish(Outcome.STAY, None, listed, [f"manual: {len(listed)} candidate gear(s) an operator may "
-                                                       "choose from, best first"])
+                                                       "choose from, best first", *unplaced[:5]])
         if transition_running:
             return finish(Outcome.DEFERRED, None, [], ["manual: a transition is running; retry when it ends"])
         if requested_gear.gear_id == cur_id:
             return finish(Outcome.STAY, None, [], ["manual: already on the requested gear"])
         problems = validate_gear(requested_gear, snapshot, spec, blocks=blocks, reclaimable_bytes=reclaim,
                                  policy=policy)
+        if planner_options is not None:  # the registry version's requirements (scheduler.requirements)
+            problems += planner_options.requires.gear_refusals(requested_gear.plans, snapshot)
         if problems:
             return finish(Outcome.BLOCKED, None, [], ["manual: the requested gear is not valid: "
                                                      + "; ".join(problems[:5])])

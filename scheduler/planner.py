@@ -50,6 +50,8 @@ from scheduler.costmodel import (
 from scheduler.costmodel import clear_caches as _clear_cost_model_caches
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import MEM_FRACTION, Gear, Plan, Stage
+from scheduler.requirements import NONE as NO_REQUIREMENTS
+from scheduler.requirements import Requirements
 from scheduler.topology import (
     DEFAULT_POLICY,
     GBPS_TO_BYTES_PER_S,
@@ -79,6 +81,7 @@ class PlannerOptions:
     latency_critical: bool = False  # keep off blocks whose stability is below min_stability
     min_stability: float = 0.5  # see latency_critical
     mem_fraction: float = MEM_FRACTION  # invariant 4
+    requires: Requirements = NO_REQUIREMENTS  # the registry version's min GPU memory and engine (requirements.py)
 
 
 DEFAULT_OPTIONS = PlannerOptions()
@@ -318,7 +321,13 @@ def plan_candidates(
     engines = {n.id: n.engine for n in snapshot.nodes if n.engine is not None}
     excluded_units: dict[str, int] = {}  # why plans were left out -> how many
     memos: dict[float, dict[int, int]] = {frac: caps}
+    requires = options.requires if options.requires.any else None
+    kept_off: list[str] = []  # blocks the model version's requirements refuse, and why
     for b in blocks:
+        if requires is not None and (off := requires.block_refusal(b, snapshot)) is not None:
+            kept_off.append(f"block {b.id}: {off}")
+            excluded_units[f"block {b.id}: {off}"] = 1
+            continue
         score = stability.get(b.id, 1.0) if stability else 1.0
         if latency_critical and score < min_stability:
             unstable.append(b.id)
@@ -364,7 +373,8 @@ def plan_candidates(
             "not latency-critical"
         )
     if not rooms:
-        return Candidates((), tuple(reasons + [_no_gpus_reason(snapshot, excluded)]), 0, 0, 0)
+        return Candidates((), tuple(reasons + kept_off[:5] + [_no_gpus_reason(snapshot, excluded)]), 0, 0, 0,
+                          _left_out(excluded_units))
 
     types: dict[tuple[object, ...], _UnitType] = {}
     used_in_type: dict[tuple[object, ...], set[str]] = {}

@@ -42,7 +42,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from console.gateway import decisions
-from scheduler.modelspec import model_spec
+from console.registry.specs import spec_for
 from scheduler.plan import Plan
 from scheduler.router import (
     Decision,
@@ -208,7 +208,7 @@ def _facts(route: Mapping[str, Any], snap: Snapshot | None) -> tuple[PlanFacts, 
     cand = Candidate(plan_id, weight, leader, route) if leader is not None else None
     if snap is not None and all(u in snap.gpu_by_uuid for u in plan.gpu_uuids):
         try:
-            made = plan_facts(plan, model_spec(plan.model), snap, weight=weight, frozen=frozen, routable=routable)
+            made = plan_facts(plan, spec_for(plan.model), snap, weight=weight, frozen=frozen, routable=routable)
             return replace(made, plan_id=plan_id), cand
         except (KeyError, ValueError):
             pass

@@ -98,17 +98,23 @@ class _Deployment:
     model_name: str
     version: int
     routes: list[dict[str, Any]]
+    # the registry version's max_context (tokens: prompt + output), when it serves one: it binds below
+    # the tokenizer's own limit (registry field enforced at the gateway, issue 17)
+    max_context: int | None = None
+    version_label: str = ""
 
 
 def _deployment(model: str) -> _Deployment | None:
     from console.gearbox.models import Deployment
 
     row = (Deployment.objects.filter(Q(name=model) | Q(model_name=model)).order_by("-priority", "name")
-           .values("name", "model_name", "routing_version", "routing").first())
+           .values("name", "model_name", "routing_version", "routing", "model_version__max_context",
+                   "model_version__version").first())
     if row is None:
         return None
     routes = row["routing"] if isinstance(row["routing"], list) else []
-    return _Deployment(row["name"], row["model_name"], row["routing_version"], routes)
+    return _Deployment(row["name"], row["model_name"], row["routing_version"], routes,
+                       row["model_version__max_context"], row["model_version__version"] or "")
 
 
 def _data_addr(node_id: str) -> str:
@@ -310,11 +316,14 @@ async def _prepare(request: HttpRequest, endpoint: str) -> _Job:
     prompt_ids: list[int] = await _off_loop(_prompt_ids, req, tok, endpoint)
     if not prompt_ids:
         raise ApiError(400, "prompt: it encodes to no tokens", param="prompt")
-    room = tok.max_context - len(prompt_ids)
+    context, whose = tok.max_context, "the model's context"
+    if dep.max_context is not None and dep.max_context < context:
+        context, whose = dep.max_context, f"the registered max_context of {dep.model_name} {dep.version_label}"
+    room = context - len(prompt_ids)
     param = "max_tokens" if req.max_tokens is not None else ("prompt" if endpoint == "completions" else "messages")
     if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
         raise ApiError(400, f"{param}: the prompt ({len(prompt_ids)} tokens) plus max_tokens "
-                            f"({req.max_tokens}) exceeds the model's context of {tok.max_context}", param=param)
+                            f"({req.max_tokens}) exceeds {whose} ({context} tokens)", param=param)
     max_tokens = req.max_tokens if req.max_tokens is not None else room
     prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
     return _Job(endpoint, req, dep, tok, prompt_ids, max_tokens, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))

@@ -40,11 +40,11 @@ from console.gearbox import live
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, GpuReservation, Transition
 from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
+from console.registry.specs import planner_options, spec_for
 from scheduler import gearbox
 from scheduler.backoff import Backoff, refusal
 from scheduler.costmodel import Slo
 from scheduler.gearbox import LoadSample, Mode, Outcome, Trigger
-from scheduler.modelspec import model_spec
 from scheduler.plan import Gear, validate_gear
 from scheduler.topology import FragmentHistory, Snapshot
 from scheduler.transition import Kind, Phase, TransitionRecord, lost_gpus
@@ -84,15 +84,16 @@ def scheduler_deployment(dep: Deployment) -> gearbox.Deployment:
     # only the switches the gearbox chose start a cooldown (gearbox.record_switch): not an
     # emergency downshift, nor a forced move off a gear that had lost GPUs
     # (nor the second stage of a staged switch: its first stage counted for both)
-    times = list(Transition.objects.filter(deployment=dep, phase="done", from_gear__isnull=False,
-                                           finished_at__isnull=False)
-                 .exclude(kind=Transition.EMERGENCY)
-                 .exclude(decision__decision__current_valid=False)
-                 .exclude(decision__decision__stage=2)
-                 .order_by("-seq").values_list("finished_at", flat=True)[:5])
+    # (a deployment not stored yet - one being created, its baseline chosen - has switched never)
+    times = [] if dep.pk is None else list(
+        Transition.objects.filter(deployment=dep, phase="done", from_gear__isnull=False, finished_at__isnull=False)
+        .exclude(kind=Transition.EMERGENCY)
+        .exclude(decision__decision__current_valid=False)
+        .exclude(decision__decision__stage=2)
+        .order_by("-seq").values_list("finished_at", flat=True)[:5])
     return gearbox.Deployment(
         id=dep.name, model=dep.model_name, slo=Slo(ttft_ms=dep.ttft_ms, tpot_ms=dep.tpot_ms),
-        baseline=Gear.from_dict(dep.baseline_gear), priority=dep.priority, mode=Mode(dep.mode),
+        baseline=Gear.from_dict(dep.baseline_gear) if dep.baseline_gear else None, priority=dep.priority, mode=Mode(dep.mode),
         last_switch_times_s=tuple(sorted(t.timestamp() for t in times)), latency_critical=dep.latency_critical)
 
 
@@ -170,7 +171,7 @@ def _decide(dep: Deployment, base: Snapshot, held: Mapping[str, set[str]], now: 
     snap = decision_snapshot(base, others)
     return gearbox.decide(scheduler_deployment(dep), _gear(dep, "current_gear"), snap, load_window(dep.load_window),
                           now.timestamp(), trigger=trigger, requested_gear=requested, transition_running=running,
-                          model=model_spec(dep.model_name),
+                          model=spec_for(dep), planner_options=planner_options(dep),
                           history=history if history is not None else fragments.load_history(),
                           backoff=Backoff.from_dict(dep.backoff.get("book") if dep.backoff else None),
                           staged_target=staged)
@@ -509,9 +510,9 @@ def do_approve_decision(decision: Decision | int, *, actor: Any) -> Transition:
     if target is None:
         raise Rejected(409, {"decision": "it advises no gear"})
     base = fleet_snapshot(timezone.now())
-    problems = validate_gear(target, decision_snapshot(base, _held_by_others(dep)), model_spec(dep.model_name),
+    problems = validate_gear(target, decision_snapshot(base, _held_by_others(dep)), spec_for(dep),
                              reclaimable_bytes=gearbox.gear_footprint(_gear(dep, "current_gear"),
-                                                                      model_spec(dep.model_name), base)
+                                                                      spec_for(dep), base)
                              if dep.current_gear else None)
     if problems:
         raise Rejected(409, {"decision": "stale: the advised gear no longer fits: " + "; ".join(problems[:3])})
@@ -580,7 +581,7 @@ def do_sync_deployment(*, name: str, model_name: str, ttft_ms: float, tpot_ms: f
     who, user = _who(actor)
     errors: dict[str, str] = {}
     try:
-        model_spec(model_name)
+        spec_for(model_name)
     except ValueError as exc:
         errors["model_name"] = str(exc)
     if baseline.model != model_name:

@@ -35,6 +35,8 @@ from console.api.serializers import StrictSerializer, refused_response
 from console.celery import watching_broker
 from console.fleet.actions import Rejected
 from console.gearbox import actions, emergency, lifecycle, override, present, rollout
+from console.gearbox.api_lifecycle import DeploymentWrites, request_data
+from console.gearbox.api_lifecycle import deployment_body as _deployment
 from console.gearbox.models import ACTIVE_PHASES, PHASES, Decision, Deployment, Transition
 from console.gearbox.serializers import (
     APPROVALS,
@@ -93,8 +95,8 @@ def _not_nul(value: str) -> str:
     retrieve=extend_schema(summary="One deployment: SLO, mode, gears, routing table, health",
                            responses=DeploymentSerializer, parameters=[NAME]),
 )
-class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,  # type: ignore[type-arg]
-                        viewsets.GenericViewSet):
+class DeploymentViewSet(DeploymentWrites, mixins.ListModelMixin, mixins.RetrieveModelMixin,  # type: ignore[type-arg]
+                        mixins.DestroyModelMixin, viewsets.GenericViewSet):
     serializer_class = DeploymentSerializer
     lookup_field = "name"
     lookup_value_regex = NAME_RE
@@ -105,7 +107,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins
         return [IsOperator()] if self.action in OPERATOR_VERBS else [IsViewer()]
 
     def get_queryset(self) -> QuerySet[Deployment]:
-        qs = Deployment.objects.order_by("-priority", "name")
+        qs = Deployment.objects.select_related("created_by").order_by("-priority", "name")
         if self.action != "list":
             return qs
         q = QueryParams(self.request.query_params)
@@ -354,16 +356,6 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins
             return Response(present.transition_payload(row), status=status.HTTP_201_CREATED)
         dep.refresh_from_db()
         return Response({"state": state, "deployment": _deployment(dep)})
-
-
-def request_data(request: Request) -> Any:
-    """The JSON body; an empty body is an empty object (every field of these verbs has a default or is
-    reported missing by name)."""
-    return request.data if request.body else {}
-
-
-def _deployment(dep: Deployment) -> dict[str, Any]:
-    return present.deployment_payload(dep, present.DeploymentContext.load([dep]))
 
 
 # --- gears and plans --------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from django.conf import settings
 from console.gearbox import crashpoints
 from console.gearbox.models import Transition
 from console.gearbox.ports import DjangoAgentPort, DjangoRouting, DjangoStore
+from console.registry.specs import spec_for
 from scheduler.transition import Advance, Executor, TransitionConfig, TransitionRecord
 
 
@@ -48,8 +49,10 @@ def version_load(rec: TransitionRecord) -> dict[str, object] | None:
 
 
 def build_executor(*, actor: str = "system:transitions") -> Executor:
+    # models: a registered model outside the built-in catalog is sized from its config.json (its
+    # plans' memory, the KV it books) as the planner sized it (console/registry/specs.py)
     return Executor(DjangoStore(actor=actor), DjangoAgentPort(), DjangoRouting(actor=actor), time.time,
-                    config=transition_config(), probe=crashpoints.probe, weights=version_load)
+                    config=transition_config(), probe=crashpoints.probe, weights=version_load, models=spec_for)
 
 
 def advance(deployment: str, seq: int | None = None) -> Advance:

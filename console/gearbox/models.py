@@ -8,8 +8,8 @@ and in ports.py (the Django implementations of the transition ports). What each 
   transition left), pinned gear (the gear a pin or an emergency holds), the versioned routing
   table (version + routes: plan, weight, frozen, nodes) that the gateway and the simulated fleet
   route by, a pending emergency request, the load window the gearbox decides on, the registry
-  version it serves, whether it is latency-critical, its back-off after refused PREPAREs, and a
-  staged switch on its way.
+  version it serves, whether it is latency-critical, its back-off after refused PREPAREs, a
+  staged switch on its way, its replica bounds and scale-to-zero idle time, and who created it.
 * `Decision` - every decision the gearbox made, switch or not: trigger, outcome, the hysteresis
   factor, candidates with gain / cost / threshold, the full scheduler Decision, and in advisory
   mode its approval.
@@ -61,6 +61,14 @@ class Deployment(models.Model):
     model_version = models.ForeignKey("registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT,
                                       related_name="deployments")
     latency_critical = models.BooleanField(default=False)  # keep its plans off blocks that keep shrinking
+    # bounds of its pool scaling (scheduler/pool): how many replicas of its plan it may run; 0 lets it
+    # scale to zero after `idle_to_zero_s` without requests (null: never)
+    min_replicas = models.PositiveIntegerField(default=1)
+    max_replicas = models.PositiveIntegerField(default=8)
+    idle_to_zero_s = models.FloatField(null=True, blank=True)
+    # who created it through the API or the console (null: a scenario file, or the user was removed)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
     # scheduler.backoff.Backoff.to_dict() after refused PREPAREs, with "seq": the last transition folded in
     backoff = models.JSONField(default=dict)
     # a staged switch on its way (scheduler.staging): the gear its second stage goes to once the
@@ -73,6 +81,13 @@ class Deployment(models.Model):
 
     class Meta:
         ordering = ["-priority", "name"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(min_replicas__lte=models.F("max_replicas")),
+                                   name="gearbox_replicas_ordered"),
+            models.CheckConstraint(condition=models.Q(max_replicas__gte=1), name="gearbox_max_replicas_positive"),
+            models.CheckConstraint(condition=models.Q(idle_to_zero_s__isnull=True) | models.Q(idle_to_zero_s__gte=0),
+                                   name="gearbox_idle_to_zero_not_negative"),
+        ]
 
     def __str__(self) -> str:
         return self.name

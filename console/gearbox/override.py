@@ -44,10 +44,11 @@ from console.gearbox.actions import (
 from console.gearbox.models import Decision, Deployment, Transition
 from console.gearbox.names import gear_name, load_names, readable
 from console.gearbox.snapshot import decision_snapshot, fleet_snapshot
+from console.registry.specs import requirements_for, spec_for
 from scheduler import gearbox
 from scheduler.costmodel import max_kv_tokens
 from scheduler.gearbox import Trigger, gear_footprint
-from scheduler.modelspec import ModelSpec, model_spec
+from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear, Plan, Stage, validate_gear
 from scheduler.topology import Snapshot
 
@@ -135,7 +136,7 @@ def parse_spec(raw: object, dep: Deployment, snap: Snapshot, reclaim: Mapping[st
     unknown = sorted(set(raw) - {"plans", "weights"})
     if unknown:
         raise Rejected(400, {f"spec.{unknown[0]}"[:100]: "unknown field; expected plans, weights"})
-    model = model_spec(dep.model_name)
+    model = spec_for(dep)
     by_name = {name: uuid for uuid, name in load_names().items()}
     known = set(snap.gpu_by_uuid)
     plans = []
@@ -173,9 +174,14 @@ def parse_spec(raw: object, dep: Deployment, snap: Snapshot, reclaim: Mapping[st
 
 
 def resolve_gear(dep: Deployment, *, gear_id: str | None, spec: object, allow_current: bool = False,
-                 snap: Snapshot | None = None) -> tuple[Gear, str]:
+                 allow_auto: bool = False, snap: Snapshot | None = None,
+                 requires: Any = None) -> tuple[Gear, str]:
     """The gear an operator named (one of `gear_id`, `spec`), checked against invariant 4 on the fleet
-    now; (gear, how it was named). Rejected 400 naming the field, 409 when a candidate went stale."""
+    now; (gear, how it was named). Rejected 400 naming the field, 409 when a candidate went stale.
+    `allow_auto`: gear_id "auto" is the planner's best candidate now (a new deployment's baseline
+    when the operator lets the planner choose; `dep` may be a row not stored yet). The gear must also
+    meet the registry version's placement requirements: the deployment's, or those of `requires` (a
+    ModelVersion: a rollout's)."""
     if (gear_id is None) == (spec is None):
         raise Rejected(400, {"gear_id": "give exactly one of gear_id (a candidate's id) and spec (stages, tp, GPUs)"})
     now = timezone.now()
@@ -183,7 +189,7 @@ def resolve_gear(dep: Deployment, *, gear_id: str | None, spec: object, allow_cu
     held = held_gpus()
     others = set().union(*[g for name, g in held.items() if name != dep.name]) if held else set()
     view = decision_snapshot(base, others)
-    model = model_spec(dep.model_name)
+    model = spec_for(dep)
     current = _gear(dep, "current_gear")
     reclaim = gear_footprint(current, model, base) if current is not None else {}
     field, how = "spec", "spec"
@@ -193,6 +199,12 @@ def resolve_gear(dep: Deployment, *, gear_id: str | None, spec: object, allow_cu
             if current is None:
                 raise Rejected(409, {"gear_id": "nothing runs yet: there is no current gear"})
             gear, how = current, "the gear running now"
+        elif allow_auto and gear_id == "auto":
+            listed = _decide(dep, base, held, now, Trigger.MANUAL)
+            if not listed.candidates:
+                why = [*listed.reasons[1:4], *listed.excluded[:3]] or ["the planner found none"]
+                raise Rejected(400, {"gear_id": f"no gear of {dep.model_name} fits the fleet now: " + "; ".join(why)})
+            gear, how = listed.candidates[0].gear, "the planner's best gear now"
         else:
             listed = _decide(dep, base, held, now, Trigger.MANUAL)
             gear = next((c.gear for c in listed.candidates if c.gear.gear_id == gear_id), None)  # type: ignore[assignment]
@@ -203,6 +215,7 @@ def resolve_gear(dep: Deployment, *, gear_id: str | None, spec: object, allow_cu
     else:
         gear = parse_spec(spec, dep, view, reclaim)
     problems = validate_gear(gear, view, model, reclaimable_bytes=reclaim)
+    problems += requirements_for(requires if requires is not None else dep).gear_refusals(gear.plans, view)
     if problems:
         names = load_names()
         raise Rejected(400, {field: "breaks invariant 4 on the fleet now: "

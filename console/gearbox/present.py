@@ -429,6 +429,8 @@ def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any
         "name": dep.name, "model_name": dep.model_name, "model_version": ctx.versions.get(dep.pk),
         "slo": {"ttft_ms": dep.ttft_ms, "tpot_ms": dep.tpot_ms}, "priority": dep.priority, "mode": dep.mode,
         "latency_critical": dep.latency_critical,
+        "replicas": {"min": dep.min_replicas, "max": dep.max_replicas}, "idle_to_zero_s": dep.idle_to_zero_s,
+        "created_by": dep.created_by.get_username() if dep.created_by_id is not None else None,
         "baseline_gear": gear_summary(dep.baseline_gear, names), "current_gear": gear_summary(dep.current_gear, names),
         "pinned_gear": gear_summary(dep.pinned_gear, names), "on_baseline": bool(dep.current_gear)
         and dep.current_gear == dep.baseline_gear,

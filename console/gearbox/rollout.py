@@ -47,9 +47,9 @@ from console.gearbox.models import Deployment, Transition
 from console.gearbox.names import gear_name, load_names
 from console.gearbox.override import resolve_gear
 from console.gearbox.snapshot import decision_snapshot, fleet_snapshot, gear_gpus, load_window
+from console.registry.specs import planner_options, spec_for
 from scheduler import gearbox
 from scheduler.gearbox import Mode, Outcome, Trigger
-from scheduler.modelspec import model_spec
 from scheduler.transition import Kind
 
 LOADABLE = ("verified", "awaiting_agent")
@@ -103,10 +103,10 @@ def do_rollout_version(deployment: Deployment | str, version: Any, *, actor: Any
     base = fleet_snapshot(now)
     own = gear_gpus(dep.current_gear)
     if gear_id is None and spec is None:
-        target = _beside(dep, base, own, now)
+        target = _beside(dep, base, own, now, v)
         how = "the planner's best safe gear beside the running one"
     else:
-        target, how = resolve_gear(dep, gear_id=gear_id, spec=spec, snap=decision_snapshot(base, own))
+        target, how = resolve_gear(dep, gear_id=gear_id, spec=spec, snap=decision_snapshot(base, own), requires=v)
         how += ", beside the running gear"
     overlap = set(target.gpu_uuids) & own
     if overlap:
@@ -132,14 +132,15 @@ def do_rollout_version(deployment: Deployment | str, version: Any, *, actor: Any
     return "started", started
 
 
-def _beside(dep: Deployment, base: Any, own: set[str], now: Any) -> Any:
-    """The planner's best safe gear on GPUs neither the running gear nor any other deployment holds."""
+def _beside(dep: Deployment, base: Any, own: set[str], now: Any, version: Any) -> Any:
+    """The planner's best safe gear on GPUs neither the running gear nor any other deployment holds,
+    meeting the rolled-out version's placement requirements."""
     held = held_gpus()
     others = set().union(*[g for n, g in held.items() if n != dep.name]) if held else set()
     view = decision_snapshot(base, others | own)
     sched = replace(scheduler_deployment(dep), mode=Mode.AUTO, last_switch_times_s=())
     listed = gearbox.decide(sched, None, view, load_window(dep.load_window), now.timestamp(), trigger=Trigger.MANUAL,
-                            model=model_spec(dep.model_name))
+                            model=spec_for(dep), planner_options=planner_options(version))
     if not listed.candidates:
         raise Rejected(409, {"deployment": f"no room beside {dep.name}'s running gear for the new version's shadow "
                                            "plans: free GPUs, or override to a smaller gear first"})

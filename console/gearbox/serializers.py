@@ -21,7 +21,7 @@ PLAN_ID_RE = r"p-[0-9a-f]{16}"
 CURRENT = "current"
 APPROVALS = ("pending", "approved", "superseded", "none")
 OPERATOR_VERBS = ("pin", "unpin", "mode", "emergency", "release", "override", "baseline", "rollout", "destroy",
-                  "latency_critical")
+                  "latency_critical", "create", "partial_update")
 
 
 # --- payload shapes (for the schema; the data comes from console.gearbox.present) -------------------
@@ -144,6 +144,11 @@ class DeploymentSerializer(PayloadSerializer):
     priority = serializers.IntegerField()
     mode = serializers.ChoiceField(choices=[m for m, _ in Deployment.MODES])
     latency_critical = serializers.BooleanField(help_text="its plans stay off blocks that keep shrinking")
+    replicas = inline_serializer("Replicas", {"min": serializers.IntegerField(), "max": serializers.IntegerField()},
+                                 help_text="the bounds the pool scales it within (min 0: it may scale to zero)")
+    idle_to_zero_s = serializers.FloatField(allow_null=True, help_text=(
+        "seconds without requests after which it releases its GPUs; null: never"))
+    created_by = serializers.CharField(allow_null=True, help_text="who created it (null: a scenario file)")
     baseline_gear = GearSummarySerializer(help_text="the emergency target")
     current_gear = GearSummarySerializer(allow_null=True)
     pinned_gear = GearSummarySerializer(allow_null=True)
@@ -321,6 +326,59 @@ class GearChoiceSerializer(StrictSerializer):
     spec = serializers.JSONField(required=False, help_text=(
         "the gear written out: {plans: [{stages: [{gpus: [\"h100-a/0\", ...], tp, layers}], decode_stages, "
         "kv_reserve_tokens}], weights} (console/gearbox/override.py)"))
+
+
+class FiniteFloatField(serializers.FloatField):
+    """A JSON number as a float; one too large for a float is a 400 like any bad value, not a 500."""
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            self.fail("invalid")
+        try:
+            return float(super().to_internal_value(data))
+        except OverflowError:
+            self.fail("invalid")
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer only: DRF's IntegerField also takes "5" and 5.0, which the schema calls invalid."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return int(super().to_internal_value(data))
+
+
+class DeploymentChangeSerializer(StrictSerializer):
+    """What PATCH may change (every field optional; the others stay)."""
+
+    ttft_ms = FiniteFloatField(required=False, help_text="time-to-first-token objective, ms (> 0)")
+    tpot_ms = FiniteFloatField(required=False, help_text="time-per-output-token objective, ms (> 0)")
+    priority = StrictIntegerField(required=False, min_value=-1000, max_value=1000,
+                                        help_text="higher is served first when deployments compete for GPUs")
+    min_replicas = StrictIntegerField(required=False, min_value=0, max_value=256, help_text=(
+        "fewest replicas the pool keeps (0: it may scale to zero)"))
+    max_replicas = StrictIntegerField(required=False, min_value=1, max_value=256, help_text=(
+        "most replicas the pool scales it to (>= min_replicas)"))
+    idle_to_zero_s = FiniteFloatField(required=False, allow_null=True, help_text=(
+        "seconds without requests after which it releases its GPUs (needs min_replicas 0); null: never"))
+
+
+class DeploymentCreateSerializer(DeploymentChangeSerializer):
+    name = serializers.CharField(max_length=64, help_text="its name: letters, digits, '.', '_', '-'")
+    model_version = StrictIntegerField(min_value=1, max_value=2**62, help_text=(
+        "the registry version (its id) it serves: verified, or awaiting its first agent's hash"))
+    ttft_ms = FiniteFloatField(help_text="time-to-first-token objective, ms (> 0)")
+    tpot_ms = FiniteFloatField(help_text="time-per-output-token objective, ms (> 0)")
+    baseline_gear = serializers.JSONField(required=False, default="auto", help_text=(
+        '"auto" (the default): the planner\'s best gear that fits the fleet now; or the gear written out as an '
+        "override's spec: {plans: [{stages: [{gpus: [\"h100-a/0\", ...], tp, layers}], kv_reserve_tokens}], "
+        "weights}. Either is checked against invariant 4 on the fleet now; it is the emergency target"))
+    mode = serializers.ChoiceField(choices=[Deployment.AUTO, Deployment.ADVISORY], required=False,
+                                   default=Deployment.AUTO, help_text="auto: the gearbox switches; advisory: it "
+                                                                      "proposes, an operator approves")
+    latency_critical = serializers.BooleanField(required=False, default=False, help_text=(
+        "keep its plans off blocks that keep shrinking"))
 
 
 class OverrideSerializer(GearChoiceSerializer):

@@ -23,8 +23,19 @@ from scheduler.gearbox import Outcome
 @role_required(VIEWER)
 def deployments_page(request: HttpRequest) -> HttpResponse:
     can_operate = has_role(request.user, OPERATOR)
-    return render(request, "gearbox/deployments.html", {"page_data": {
+    return render(request, "gearbox/deployments.html", {"can_operate": can_operate,
+                                                        "versions": _deployable() if can_operate else [],
+                                                        "page_data": {
         **present.deployments_state(), "switches": present.recent_switches(), "can_operate": can_operate}})
+
+
+def _deployable() -> list[dict[str, object]]:
+    """The registry versions a new deployment may serve (console/gearbox/lifecycle.LOADABLE), newest first."""
+    from console.gearbox.lifecycle import LOADABLE
+    from console.registry.models import ModelVersion
+
+    return [{"id": v.pk, "label": f"{v.name} {v.version} ({v.engine}, {v.status})"}
+            for v in ModelVersion.objects.filter(status__in=LOADABLE).order_by("name", "-registered_at", "-id")]
 
 
 @role_required(VIEWER)

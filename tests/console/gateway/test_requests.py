@@ -107,6 +107,27 @@ def test_models_lists_the_deployments(viewer: Person, deployment: Deployment) ->
     assert [(m["id"], m["root"], m["object"]) for m in resp.json()["data"]] == [("tiny", "tiny-llama", "model")]
 
 
+def test_the_registered_max_context_binds_prompt_plus_max_tokens(viewer: Person, deployment: Deployment,
+                                                                  tiny_model: Any) -> None:
+    from django.utils import timezone
+
+    from console.registry.models import ModelVersion
+
+    v = ModelVersion.objects.create(name="tiny-llama", version="short", engine="torch", architecture="tiny-llama",
+                                    weights_uri="hf://t/w", sha256="d" * 64, tokenizer=str(tiny_model.path),
+                                    max_context=64, min_gpu_mem_bytes=1, warmup_tokens=1, status="verified",
+                                    registered_at=timezone.now(), registered_by="user:alice")
+    Deployment.objects.filter(pk=deployment.pk).update(model_version=v)
+    before = Deployment.objects.values("routing_version", "load_window").get(name="tiny")
+    resp = post(viewer, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 100})
+    assert resp.status_code == 400, resp.content  # the tokenizer's own context (512) would take it
+    err = resp.json()["error"]
+    assert err["param"] == "max_tokens" and "registered max_context of tiny-llama short (64 tokens)" in err["message"]
+    assert Deployment.objects.values("routing_version", "load_window").get(name="tiny") == before
+    # within the registered context it is admitted (and then finds no routable plan)
+    assert post(viewer, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 8}).status_code == 429
+
+
 def test_no_routable_plan_gets_429_with_retry_after(viewer: Person, deployment: Deployment) -> None:
     resp = post(viewer, "/v1/completions", {"model": "tiny", "prompt": "hi"})
     assert resp.status_code == 429 and int(resp["Retry-After"]) >= 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 
 from django.utils import timezone
@@ -34,7 +34,7 @@ from console.gearbox.models import Deployment
 from console.gearbox.ports import DjangoRouting
 from console.gearbox.snapshot import fleet_snapshot
 from scheduler.invariants import EventLog, LogEvent
-from scheduler.modelspec import model_spec
+from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage
 from scheduler.transition import CommandIntent, CommandKind, CommandStatus, Step
 from tests.builders import JOIN_TOKEN
@@ -126,13 +126,14 @@ class DbAgents:
 class SimAgents:
     """Every enrolled node's agent and engines (MemoryFleet) on the wall clock, acting through the DB."""
 
-    def __init__(self, *, seed: int = 3, timing: FixedTiming = FAST_TIMING) -> None:
+    def __init__(self, *, seed: int = 3, timing: FixedTiming = FAST_TIMING,
+                 models: Callable[[str], ModelSpec] = model_spec) -> None:
         self.log = EventLog()
         self.mailbox = DbAgents()
         self.routing = DjangoRouting()
         # the fleet's clock is the wall clock, so its events merge with the console's in time order
         self.fleet = MemoryFleet(fleet_snapshot(timezone.now()), self.mailbox, self.routing.current, self.log,
-                                 rng=random.Random(seed), timing=timing, start_s=time.time())
+                                 rng=random.Random(seed), timing=timing, start_s=time.time(), models=models)
 
     def now_s(self) -> float:
         return time.time()
