@@ -219,6 +219,10 @@ FLEXPIPE_ENROLL_TOKEN = os.environ.get("FLEXPIPE_ENROLL_TOKEN", "")
 FLEXPIPE_REPORT_INTERVAL_S = float(os.environ.get("FLEXPIPE_REPORT_INTERVAL_S", "15"))
 FLEXPIPE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("FLEXPIPE_HEARTBEAT_TIMEOUT_S", "45"))
 FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
+# Topology events within this window share one tick (console/gearbox/coalesce.py); a pending mark
+# whose task was lost expires after FLEXPIPE_TICK_PENDING_TTL_S (default: the beat period).
+FLEXPIPE_TICK_COALESCE_S = float(os.environ.get("FLEXPIPE_TICK_COALESCE_S", "0.5"))
+FLEXPIPE_TICK_PENDING_TTL_S = float(os.environ.get("FLEXPIPE_TICK_PENDING_TTL_S", str(FLEXPIPE_TICK_S)))
 # Local weights files up to this size are hashed during the registration request; bigger ones by the
 # Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
 FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))

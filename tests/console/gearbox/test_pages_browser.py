@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-import redis
 from celery.contrib.testing.worker import start_worker
 
 from console.audit.models import AuditEntry
@@ -22,7 +21,7 @@ from console.celery import app
 from console.gearbox import ticks
 from console.gearbox.models import Decision, Deployment, Transition
 from tests.browser import screenshot
-from tests.conftest import TEST_REDIS_URL
+from tests.conftest import purge_tasks
 from tests.console.gearbox.ops import MOVED, engine_report, running_deployment
 from tests.console.pagetools import LivePageTestCase, chromium, elsewhere, log_in
 from tests.console.people import make_person
@@ -35,7 +34,7 @@ pytestmark = [pytest.mark.browser]
 @contextmanager
 def celery_worker() -> Iterator[None]:
     """A worker on this test run's queue, emptied first: what setUp's acks and reports enqueued must not run."""
-    redis.Redis.from_url(TEST_REDIS_URL).delete(app.conf.task_default_queue)
+    purge_tasks()
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
                       queues=[app.conf.task_default_queue]):
         yield
