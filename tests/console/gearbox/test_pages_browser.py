@@ -125,6 +125,28 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             assert status == 403
             assert Deployment.objects.get(name="chat").emergency_requested_at is None
 
+    def test_a_repeated_stay_is_one_row_whose_count_grows_live(self) -> None:
+        deadline = time.monotonic() + 30
+        while elsewhere(ticks.tick)["waiting"]:  # until the reports show what the move left
+            assert time.monotonic() < deadline, "the reports never showed what the move left"
+            elsewhere(self.world.reporter.report, "a1")
+            self.report(tokens_per_s=850.0, ttft_p95_ms=160.0)
+        for _ in range(2):
+            elsewhere(ticks.tick)
+        stay = Decision.objects.filter(deployment__name="chat").order_by("-id").first()
+        assert stay is not None and stay.outcome == "stay" and stay.repeats == 3, (stay and stay.reasons)
+        with chromium() as browser:
+            page = log_in(browser, self.live_server_url, "vera", "/deployments/chat/")
+            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            row = page.locator(f"#decisions tr[data-decision='{stay.pk}'][data-repeats='3']")
+            row.wait_for(timeout=5_000)
+            assert "×3, last" in row.inner_text()
+            page.select_option("#decision-filter", "stay")  # the outcome filter still shows it
+            row.wait_for(timeout=5_000)
+            elsewhere(ticks.tick)  # one more: the same row counts it, pushed live
+            page.locator(f"#decisions tr[data-decision='{stay.pk}'][data-repeats='4']").wait_for(timeout=5_000)
+            assert page.locator("#decisions tr[data-outcome=stay]").count() == 1
+
     def test_the_list_the_reviews_and_the_overview_show_the_gearbox_live(self) -> None:
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "oscar", "/deployments/")
