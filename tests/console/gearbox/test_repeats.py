@@ -13,6 +13,7 @@ from console.gearbox.models import Decision
 from console.gearbox.repeats import reasons_key
 from tests.console.gearbox.harness import FleetReporter, SimAgents, enroll_fleet, make_deployment
 from tests.console.gearbox.test_gearbox_actions import bring_up
+from tests.console.metrics.test_metrics import scrape
 from tests.console.people import Person
 
 pytestmark = pytest.mark.django_db
@@ -35,7 +36,7 @@ def stays() -> list[Decision]:
     return list(Decision.objects.filter(outcome="stay").order_by("id"))
 
 
-def test_fifty_identical_stay_ticks_are_one_row_that_counts_them_and_one_audit_entry() -> None:
+def test_fifty_identical_stay_ticks_are_one_row_that_counts_them_and_one_audit_entry(viewer: Person) -> None:
     settled()
     first = stays()
     assert len(first) == 1 and first[0].repeats == 1  # the tick that found the reports settled
@@ -46,6 +47,9 @@ def test_fifty_identical_stay_ticks_are_one_row_that_counts_them_and_one_audit_e
     assert len(rows) == 1, [(r.trigger, r.reasons) for r in rows]  # was: 50 rows of ~6.7 KB
     assert rows[0].repeats == 50 and rows[0].last_at is not None and rows[0].last_at > rows[0].at
     assert AuditEntry.objects.filter(event_type="gearbox.decision").count() == audited
+    # the decisions counter still counts every tick's decision
+    stay = (("deployment", "chat"), ("outcome", "stay"), ("reason", "periodic"))
+    assert scrape(viewer.api())[("flexpipe_decisions_total", stay)] == 50
 
 
 def test_a_different_decision_is_a_new_row_whose_audit_entry_names_the_run_it_ends() -> None:
