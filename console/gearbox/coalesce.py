@@ -6,7 +6,8 @@ asks for a tick through `request_tick`: a Redis key "a tick is pending" is set w
 the event that set it queues the task, with a countdown of FLEXPIPE_TICK_COALESCE_S so the events
 of that window ride on it. The tick clears the key as it starts (`started`), before it reads the
 fleet: an event that arrives while it runs sets the key again and queues exactly one more tick, so
-the last state always gets a tick.
+the last state always gets a tick. A deployment waiting for its agents' reports is ticked again the
+same way (console.gearbox.tasks.tick): two ticks that both find it waiting queue one re-tick.
 
 The key expires after FLEXPIPE_TICK_PENDING_TTL_S (default: the beat period): if the queued task is
 lost (a worker killed before acking, a purged queue), events are merged into nothing for at most
@@ -57,9 +58,9 @@ def _ttl_ms() -> int:
     return max(1, int(1000 * max(ttl_s, 2 * window_s(), 1.0)))
 
 
-def request_tick(task: Any, *, trigger: str, deployment: str | None = None) -> bool:
-    """Queue `task(trigger=..., deployment=...)` unless one is pending already; True when this call
-    queued it (or sent it unmerged because Redis did not answer)."""
+def request_tick(task: Any, *, trigger: str, deployment: str | None = None, countdown_s: float | None = None) -> bool:
+    """Queue `task(trigger=..., deployment=...)` in `countdown_s` (default: the merge window) unless
+    one is pending already; True when this call queued it (or sent it unmerged: Redis did not answer)."""
     from console.celery import enqueue
 
     kwargs: dict[str, Any] = {"trigger": trigger}
@@ -73,7 +74,7 @@ def request_tick(task: Any, *, trigger: str, deployment: str | None = None) -> b
         return True
     if not fresh:
         return False
-    enqueue(task, countdown=window_s() or None, **kwargs)
+    enqueue(task, countdown=(window_s() if countdown_s is None else countdown_s) or None, **kwargs)
     return True
 
 

@@ -42,8 +42,8 @@ def tick(trigger: str = "periodic", deployment: str | None = None, **kwargs: Any
     # a decision put off until the agents' reports catch up is taken as soon as they do, not at
     # the next beat (the wait is bounded: actions._reports_mirror_last_transition)
     waiting = out.get("waiting") or []
-    for name in waiting if isinstance(waiting, list) else []:
-        enqueue(tick, countdown=RETICK_S, trigger=trigger, deployment=name)
+    for name in waiting if isinstance(waiting, list) else []:  # one pending re-tick per deployment
+        coalesce.request_tick(tick, trigger=trigger, deployment=name, countdown_s=RETICK_S)
     return out
 
 

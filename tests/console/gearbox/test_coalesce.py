@@ -103,3 +103,23 @@ def test_a_lost_tick_holds_events_back_no_longer_than_its_mark_lives(
     until(lambda: not pending(), "the mark of the lost tick expired")
     topology_changed.send(sender=None, node_ids=["a"])
     assert len(queued_ticks()) == 1
+
+
+def test_two_ticks_that_find_a_deployment_waiting_for_reports_queue_one_re_tick(clean: None) -> None:
+    from django.utils import timezone
+
+    from console.gearbox import tasks
+    from console.gearbox.models import Transition
+    from tests.console.gearbox.harness import SimAgents, make_deployment
+    from tests.console.gearbox.test_gearbox_actions import bring_up
+
+    enroll_fleet()
+    make_deployment()
+    bring_up(SimAgents())
+    Transition.objects.filter(seq=1).update(finished_at=timezone.now())  # the reports predate its end
+    purge_tasks()
+    for _ in range(2):
+        assert tasks.tick.apply(kwargs={"trigger": "periodic"}).get()["waiting"] == ["chat"]
+    queued = queued_ticks()
+    assert [(q["trigger"], q["deployment"]) for q in queued] == [("periodic", "chat")], queued  # was: two
+    assert queued[0]["eta"] is not None  # in RETICK_S, as before
