@@ -16,6 +16,10 @@ not answer, the tick is sent without merging (console.celery.enqueue keeps it ow
 
     FLEXPIPE_TICK_COALESCE_S     0.5   how long events wait for others to merge with
     FLEXPIPE_TICK_PENDING_TTL_S  =FLEXPIPE_TICK_S  how long a pending mark outlives a lost task
+
+Measured on the 2-core dev machine, enrolling 100 nodes (register + first report, ~0.35 s each):
+with one solo worker, 100 ticks ran before, 43 now (never more than one pending); with no worker
+taking them, 100 queued before, 4 now (one per mark TTL).
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ The same thing: outcome "stay" both times, the same trigger, current and target 
 empty note, no approval, and the same reasons once their figures are set aside ("gain 812 tokens
 vs threshold 950" and "gain 790 tokens vs threshold 950" are one reason under a load that
 breathes; "TP4", "2x TP2" and GPU names keep their digits).
+
+Measured (one settled deployment, 100 periodic ticks, each committed, PostgreSQL 15 on the 2-core
+dev machine): before, 100 Decision rows, 100 audit entries and the decision table 8 -> 120 KiB;
+now 0 new rows (one row's repeats 1 -> 101), 0 audit entries, the table stays at 8 KiB (the
+updates are HOT: no indexed column changes).
 """
 
 from __future__ import annotations
