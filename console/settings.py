@@ -220,6 +220,10 @@ FLEXPIPE_ENROLL_TOKEN = os.environ.get("FLEXPIPE_ENROLL_TOKEN", "")
 FLEXPIPE_REPORT_INTERVAL_S = float(os.environ.get("FLEXPIPE_REPORT_INTERVAL_S", "15"))
 FLEXPIPE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("FLEXPIPE_HEARTBEAT_TIMEOUT_S", "45"))
 FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
+# Topology events within this window share one tick (console/gearbox/coalesce.py); a pending mark
+# whose task was lost expires after FLEXPIPE_TICK_PENDING_TTL_S (default: the beat period).
+FLEXPIPE_TICK_COALESCE_S = float(os.environ.get("FLEXPIPE_TICK_COALESCE_S", "0.5"))
+FLEXPIPE_TICK_PENDING_TTL_S = float(os.environ.get("FLEXPIPE_TICK_PENDING_TTL_S", str(FLEXPIPE_TICK_S)))
 # Local weights files up to this size are hashed during the registration request; bigger ones by the
 # Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.
 FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES = int(os.environ.get("FLEXPIPE_REGISTRY_SYNC_VERIFY_BYTES", str(64 * 2**20)))
@@ -240,8 +244,15 @@ FLEXPIPE_PREPARE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_PREPARE_TIMEOUT_S", 
 FLEXPIPE_STEP_TIMEOUT_S = float(os.environ.get("FLEXPIPE_STEP_TIMEOUT_S", "30"))
 FLEXPIPE_MOVE_TIMEOUT_S = float(os.environ.get("FLEXPIPE_MOVE_TIMEOUT_S", "120"))
 FLEXPIPE_RETRY_BACKOFF_S = float(os.environ.get("FLEXPIPE_RETRY_BACKOFF_S", "2"))
-# How many reports per GPU the bounded history keeps (at 15 s per report: ~1 hour).
+# How many reports per GPU the bounded history keeps (at 15 s per report: ~1 hour), and none older
+# than the age below; the beat task fleet.prune_history applies it every FLEXPIPE_PRUNE_S
+# (console/fleet/retention.py).
 FLEXPIPE_GPU_HISTORY = int(os.environ.get("FLEXPIPE_GPU_HISTORY", "240"))
+FLEXPIPE_GPU_HISTORY_MAX_AGE_S = float(os.environ.get("FLEXPIPE_GPU_HISTORY_MAX_AGE_S", "86400"))
+FLEXPIPE_PRUNE_S = float(os.environ.get("FLEXPIPE_PRUNE_S", "300"))
+# A task's result (the beat's ticks and sweeps keep theirs; what enqueue sends keeps none) expires in
+# Redis after this many seconds (Celery's own default: a day).
+CELERY_RESULT_EXPIRES = int(os.environ.get("FLEXPIPE_RESULT_EXPIRES_S", "3600"))
 # Links (console/fleet/links.py): a measured figure older than this is no longer used (agents
 # re-measure every FLEXPIPE_LINK_PROBE_S, 600 s by default); without one the planner assumes the
 # rack default below (the Overview marks it "assumed"). The defaults stay under the planner's
@@ -264,6 +275,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "gearbox.tick",
         "schedule": max(1.0, FLEXPIPE_TICK_S),
         "kwargs": {"trigger": "periodic"},
+    },
+    # the GPU samples' retention policy (console/fleet/retention.py)
+    "fleet-prune-history": {
+        "task": "fleet.prune_history",
+        "schedule": max(10.0, FLEXPIPE_PRUNE_S),
     },
     # transitions advance on every ack; this catches timeouts, dwells and workers that died
     "transitions-sweep": {

@@ -70,6 +70,16 @@ def redis_client() -> redis_lib.Redis:
     return redis_lib.Redis.from_url(TEST_REDIS_URL)
 
 
+def purge_tasks() -> None:
+    """Empty this test worker's Celery queue, and drop the pending-tick marks of the ticks that were
+    in it (console.gearbox.coalesce): a mark whose tick is gone would hold back the next event's."""
+    from console.celery import app
+    from console.gearbox import coalesce
+
+    redis_lib.Redis.from_url(TEST_REDIS_URL).delete(app.conf.task_default_queue)
+    coalesce.forget_all()
+
+
 @pytest.fixture
 def worker() -> Iterator[None]:
     """A real Celery worker (solo pool, in this process) on this test worker's own queue, emptied
@@ -78,7 +88,7 @@ def worker() -> Iterator[None]:
 
     from console.celery import app
 
-    redis_lib.Redis.from_url(TEST_REDIS_URL).delete(app.conf.task_default_queue)
+    purge_tasks()
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
                       queues=[app.conf.task_default_queue]):
         yield

@@ -55,7 +55,7 @@ def _prefix_or_exact(field: str, value: str) -> dict[str, str]:
     return {field: value}
 
 
-FILTERS = ("type", "actor", "deployment", "since", "until", "after_seq")
+FILTERS = ("type", "actor", "deployment", "since", "until", "after_seq", "before_seq")
 
 
 def filter_entries(q: QueryParams) -> QuerySet[AuditEntry]:
@@ -66,6 +66,7 @@ def filter_entries(q: QueryParams) -> QuerySet[AuditEntry]:
     since = q.datetime("since")
     until = q.datetime("until")
     after_seq = q.integer("after_seq", low=0)
+    before_seq = q.integer("before_seq", low=1)  # the next page, older: keyset paging on the seq index
     if since and until and since >= until:
         q.fail("until", "must be later than since")
     qs = AuditEntry.objects.order_by("-seq")
@@ -83,6 +84,8 @@ def filter_entries(q: QueryParams) -> QuerySet[AuditEntry]:
         qs = qs.filter(at__lt=until)
     if after_seq is not None:
         qs = qs.filter(seq__gt=after_seq)
+    if before_seq is not None:
+        qs = qs.filter(seq__lt=before_seq)
     return qs
 
 
@@ -94,6 +97,8 @@ def filter_entries(q: QueryParams) -> QuerySet[AuditEntry]:
         OpenApiParameter("since", OpenApiTypes.DATETIME, description="ISO 8601 date-time; entries at or after it"),
         OpenApiParameter("until", OpenApiTypes.DATETIME, description="ISO 8601 date-time; entries before it"),
         OpenApiParameter("after_seq", int, description="entries with a larger seq (catching up after a reconnect)"),
+        OpenApiParameter("before_seq", int, description="entries with a smaller seq: the page older than the "
+                                                        "last one read (cheaper than a deep offset)"),
     ]),
     retrieve=extend_schema(summary="One audit entry by its sequence number"),
 )

@@ -237,9 +237,7 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
                                  temperature_c=g.temperature_c, healthy=g.healthy, allocatable=g.allocatable))
     Gpu.objects.bulk_update(changed, ["mem_used_bytes", "mem_total_bytes", "sm_util", "temperature_c", "healthy",
                                       "allocatable", "xid_errors", "ecc_errors", "updated_at"])
-    GpuSample.objects.bulk_create(samples)
-    if report.seq % 16 == 0:
-        _prune_history(list(gpus.values()))
+    GpuSample.objects.bulk_create(samples)  # bounded by the beat's fleet.prune_history (console/fleet/retention.py)
 
     links.store_links(node, report, now=now)
 
@@ -252,15 +250,6 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
                    summary=f"{node.node_id} reports again: schedulable")
     transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=topology_changed))
     return report.seq
-
-
-def _prune_history(gpus: list[Gpu]) -> None:
-    keep = settings.FLEXPIPE_GPU_HISTORY
-    for gpu in gpus:
-        cutoff = (GpuSample.objects.filter(gpu=gpu).order_by("-id").values_list("id", flat=True)[keep:keep + 1])
-        ids = list(cutoff)
-        if ids:
-            GpuSample.objects.filter(gpu=gpu, id__lte=ids[0]).delete()
 
 
 @transaction.atomic

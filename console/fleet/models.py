@@ -102,7 +102,7 @@ class Gpu(models.Model):
 
 
 class GpuSample(models.Model):
-    """One reported state of one GPU; the newest FLEXPIPE_GPU_HISTORY per GPU are kept."""
+    """One reported state of one GPU; the newest FLEXPIPE_GPU_HISTORY per GPU are kept (console/fleet/retention.py)."""
 
     gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="samples")
     at = models.DateTimeField()

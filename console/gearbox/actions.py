@@ -29,6 +29,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from console.accounts.roles import OPERATOR, has_role
@@ -36,7 +37,7 @@ from console.audit.chain import actor_of, record
 from console.fleet import fragments
 from console.fleet.actions import Rejected
 from console.fleet.models import AgentCommand, Node
-from console.gearbox import live
+from console.gearbox import live, repeats
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, GpuReservation, Transition
 from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
@@ -112,23 +113,35 @@ def _summary(d: gearbox.Decision) -> list[dict[str, object]]:
 @transaction.atomic
 def do_record_decision(dep: Deployment, decision: gearbox.Decision, *, actor: Any, now: datetime,
                        note: str = "") -> Decision:
-    """Store and audit one gearbox decision (advisory ones wait for an operator's approval)."""
+    """Store and audit one gearbox decision (advisory ones wait for an operator's approval); a "stay"
+    that repeats the newest one is counted on it instead (console/gearbox/repeats.py)."""
     who, user = _who(actor)
     approval = Decision.PENDING if decision.outcome is Outcome.ADVISE else Decision.NONE
-    if approval == Decision.PENDING:
-        Decision.objects.filter(deployment=dep, approval=Decision.PENDING).update(approval=Decision.SUPERSEDED)
-    row = Decision.objects.create(
-        deployment=dep, at=now, trigger=decision.trigger.value, outcome=decision.outcome.value,
+    fields: dict[str, Any] = dict(
+        trigger=decision.trigger.value, outcome=decision.outcome.value,
         factor=decision.factor, current_gear_id=decision.current_gear_id or "",
         target_gear_id=decision.target_gear_id or "", candidates=_summary(decision), reasons=list(decision.reasons),
         decision=decision.to_dict(), actor=who, note=note, approval=approval)
+    last = repeats.newest(dep)
+    if repeats.repeat_of(last, fields):
+        assert last is not None  # noqa: S101 - repeat_of says so
+        fresh = {k: fields[k] for k in ("factor", "candidates", "reasons", "decision")}
+        Decision.objects.filter(pk=last.pk).update(repeats=F("repeats") + 1, last_at=now, **fresh)
+        last.refresh_from_db()
+        transaction.on_commit(lambda: live.push_decision(dep.name, last.pk, last.outcome, last.trigger))
+        return last
+    if approval == Decision.PENDING:
+        Decision.objects.filter(deployment=dep, approval=Decision.PENDING).update(approval=Decision.SUPERSEDED)
+    row = Decision.objects.create(deployment=dep, at=now, last_at=now, **fields)
+    ended = repeats.ended_run(last)
     target = decision.target.shape() if decision.target else "-"
     record("gearbox.decision", actor=who, user=user, at=now, deployment=dep.name, decision_id=row.pk,
            summary=f"{dep.name}: {decision.outcome.value} ({decision.trigger.value}) -> {target}: "
                    + "; ".join(decision.reasons)[:200],
            data={"trigger": decision.trigger.value, "outcome": decision.outcome.value, "factor": decision.factor,
                  "current_gear_id": decision.current_gear_id, "target_gear_id": decision.target_gear_id,
-                 "candidates": row.candidates[:10], "reasons": list(decision.reasons), "note": note})
+                 "candidates": row.candidates[:10], "reasons": list(decision.reasons), "note": note,
+                 **({"ends_run": ended} if ended else {})})
     transaction.on_commit(lambda: live.push_decision(dep.name, row.pk, row.outcome, row.trigger))
     return row
 

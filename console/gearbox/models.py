@@ -12,7 +12,9 @@ and in ports.py (the Django implementations of the transition ports). What each 
   staged switch on its way, its replica bounds and scale-to-zero idle time, and who created it.
 * `Decision` - every decision the gearbox made, switch or not: trigger, outcome, the hysteresis
   factor, candidates with gain / cost / threshold, the full scheduler Decision, and in advisory
-  mode its approval.
+  mode its approval. A "stay" that repeats the deployment's last decision (same trigger, gear and
+  reasons) is counted on that row - `repeats`, `last_at`, and the latest figures - not stored
+  again (issue 19: a ~6.7 KB row per tick while nothing changed; actions.do_record_decision).
 * `Transition` - one gear change: seq (strictly increasing per deployment), kind (auto |
   approved | manual | emergency | rollout), phase and step, from/to gear, the Decision that caused
   it, the registry version its new plans load, what moved, and `record`: the executor's
@@ -115,6 +117,8 @@ class Decision(models.Model):
     approved_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                     related_name="+")
     approved_at = models.DateTimeField(null=True, blank=True)
+    repeats = models.PositiveIntegerField(default=1)  # ticks that decided this, the first included
+    last_at = models.DateTimeField(null=True, blank=True)  # the last of them (null: rows from before repeats)
 
     class Meta:
         ordering = ["-id"]

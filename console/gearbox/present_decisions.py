@@ -22,7 +22,8 @@ def decision_payload(d: Decision, *, detail: bool = False, fleet: FleetView | No
     full = d.decision if isinstance(d.decision, dict) else {}
     target_gear = parse_gear(full.get("target"))
     body: dict[str, Any] = {
-        "id": d.pk, "deployment": d.deployment.name, "at": iso(d.at), "trigger": d.trigger, "outcome": d.outcome,
+        "id": d.pk, "deployment": d.deployment.name, "at": iso(d.at), "repeats": d.repeats,
+        "last_at": iso(d.last_at or d.at), "trigger": d.trigger, "outcome": d.outcome,
         "factor": d.factor, "current_gear_id": d.current_gear_id or None, "target_gear_id": d.target_gear_id or None,
         "target_shape": target_gear.shape() if target_gear is not None else None,
         "target_name": gear_name(target_gear, names) if target_gear is not None else None,

@@ -24,6 +24,6 @@ def on_command_acked(sender: Any, command: Any, **kwargs: Any) -> None:
 
 @receiver(topology_changed)
 def on_topology_changed(sender: Any, node_ids: list[str] | None = None, **kwargs: Any) -> None:
-    from console.gearbox import tasks
+    from console.gearbox import coalesce, tasks
 
-    tasks.enqueue(tasks.tick, trigger="topology")
+    coalesce.request_tick(tasks.tick, trigger="topology")  # one pending tick for a burst of events

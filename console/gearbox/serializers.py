@@ -245,7 +245,10 @@ class BestCandidateSerializer(PayloadSerializer):
 class DecisionSerializer(PayloadSerializer):
     id = serializers.IntegerField()
     deployment = serializers.CharField()
-    at = serializers.DateTimeField()
+    at = serializers.DateTimeField(help_text="decided at (the first tick of a run of repeats)")
+    repeats = serializers.IntegerField(help_text='ticks that decided this, the first included: a "stay" that '
+                                                 "repeats the last decision is counted here, not stored again")
+    last_at = serializers.DateTimeField(help_text="the last tick that decided this")
     trigger = serializers.ChoiceField(choices=[t.value for t in Trigger])
     outcome = serializers.ChoiceField(choices=[o.value for o in Outcome])
     factor = serializers.FloatField(help_text="the hysteresis factor applied")

@@ -1,7 +1,8 @@
 """Celery tasks of the gearbox: thin, idempotent, ids not objects (STYLE.md).
 
     gearbox.tick          beat every FLEXPIPE_TICK_S, and at once on a topology event
-                          (console.fleet.signals.topology_changed), an emergency request, and
+                          (console.fleet.signals.topology_changed; merged with the events of
+                          a short window, console.gearbox.coalesce), an emergency request, and
                           when a transition ends: decide for every deployment (ticks.tick)
     transitions.advance   on every ack of a transition's command (console.fleet.signals.
                           command_acked), when a transition starts, and when the sweep finds it
@@ -23,7 +24,7 @@ from typing import Any
 from celery import shared_task
 
 from console.celery import enqueue
-from console.gearbox import executor, ticks
+from console.gearbox import coalesce, executor, ticks
 from console.gearbox.models import ACTIVE_PHASES, Transition
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,13 @@ RETICK_S = 1.0  # a deployment waiting for its agents' reports is decided again 
 
 @shared_task(name="gearbox.tick", acks_late=True)
 def tick(trigger: str = "periodic", deployment: str | None = None, **kwargs: Any) -> dict[str, object]:
+    coalesce.started(trigger, deployment)  # before it reads the fleet: a later event gets a tick of its own
     out = ticks.tick(trigger=trigger, deployment=deployment)
     # a decision put off until the agents' reports catch up is taken as soon as they do, not at
     # the next beat (the wait is bounded: actions._reports_mirror_last_transition)
     waiting = out.get("waiting") or []
-    for name in waiting if isinstance(waiting, list) else []:
-        enqueue(tick, countdown=RETICK_S, trigger=trigger, deployment=name)
+    for name in waiting if isinstance(waiting, list) else []:  # one pending re-tick per deployment
+        coalesce.request_tick(tick, trigger=trigger, deployment=name, countdown_s=RETICK_S)
     return out
 
 

@@ -193,7 +193,8 @@ class GearboxCollector(Collector):
         family = CounterMetricFamily("flexpipe_decisions", "Gearbox decisions by outcome and by what triggered them",
                                      labels=["deployment", "outcome", "reason"])
         for name, outcome, trigger, n in (Decision.objects.values("deployment__name", "outcome", "trigger")
-                                          .annotate(n=Count("id")).order_by("deployment__name", "outcome", "trigger")
+                                          # a repeated "stay" is one row counting its ticks (gearbox.repeats)
+                                          .annotate(n=Sum("repeats")).order_by("deployment__name", "outcome", "trigger")
                                           .values_list("deployment__name", "outcome", "trigger", "n")):
             family.add_metric([name, outcome, trigger], float(n))
         yield family

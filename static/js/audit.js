@@ -22,6 +22,7 @@
     if (filters.since && at < Date.parse(filters.since)) return false;
     if (filters.until && at >= Date.parse(filters.until)) return false;
     if (filters.after_seq && e.seq <= Number(filters.after_seq)) return false;
+    if (filters.before_seq && e.seq >= Number(filters.before_seq)) return false;  // an older page: nothing new lands on it
     return true;
   }
 

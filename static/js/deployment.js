@@ -343,7 +343,8 @@
   }
 
   // Newest first; a run of consecutive "stay" decisions with the same reasons (one per tick) folds into
-  // one row that says how many and over what span; the outcome filter shows one kind only.
+  // one row that says how many and over what span; the outcome filter shows one kind only. The console
+  // already counts a repeated "stay" on one row (d.repeats, d.last_at: issue 19): a folded group adds them up.
   const expanded = {};
   function decisionRow(tbody, d, extra) {
     const tr = gb.el("tr", { "data-decision": d.id, "data-outcome": d.outcome });
@@ -351,7 +352,12 @@
     gb.cell(tr, gb.link(gb.decisionUrl(d.id), String(d.id)));
     gb.cell(tr, gb.timeEl(d.at));
     gb.cell(tr, d.trigger);
-    gb.cell(tr, gb.el("span", { className: "pill " + (d.outcome === "switch" ? "pill-ok" : d.outcome === "advise" ? "pill-wait" : d.outcome === "blocked" ? "pill-bad" : "pill-off") }, d.outcome));
+    const outcome = gb.cell(tr, gb.el("span", { className: "pill " + (d.outcome === "switch" ? "pill-ok" : d.outcome === "advise" ? "pill-wait" : d.outcome === "blocked" ? "pill-bad" : "pill-off") }, d.outcome));
+    if ((d.repeats || 1) > 1) {
+      tr.setAttribute("data-repeats", String(d.repeats));
+      outcome.appendChild(gb.el("span", { className: "muted small repeats", title: "last at " + d.last_at },
+                                " ×" + d.repeats + ", last " + gb.relative(d.last_at)));
+    }
     gb.cell(tr, d.target_name || d.target_shape || "—", "small");
     gb.cell(tr, d.best ? gb.num(d.best.gain_tokens, 0) : "—");
     gb.cell(tr, d.best ? gb.num(d.best.threshold_tokens, 0) : "—");
@@ -391,11 +397,12 @@
       const head = g.rows[0];
       if (g.rows.length === 1 || expanded[head.id]) { g.rows.forEach(function (d) { decisionRow(tbody, d); }); return; }
       const oldest = g.rows[g.rows.length - 1];
-      const tr = decisionRow(tbody, head, { "data-folded": String(g.rows.length) });
+      const ticks = g.rows.reduce(function (n, d) { return n + (d.repeats || 1); }, 0);
+      const tr = decisionRow(tbody, head, { "data-folded": String(g.rows.length), "data-ticks": String(ticks) });
       const cell = tr.children[0];
       cell.appendChild(gb.el("span", { className: "muted small" }, " … " + oldest.id));
       const more = gb.el("button", { type: "button", className: "small ghost unfold" },
-                         g.rows.length + " × stay since " + gb.relative(oldest.at));
+                         ticks + " × stay since " + gb.relative(oldest.at));
       more.addEventListener("click", function () { expanded[head.id] = true; renderDecisions(); });
       tr.children[3].appendChild(more);
     });

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from console.fleet import actions
 from console.fleet.models import AgentCommand, Gpu, GpuSample, Node, NodeLink
+from console.fleet.tasks import prune_history
 from tests.builders import GIB, JOIN_TOKEN, register_body, report_body
 from tests.console.conftest import AgentHTTP, enroll
 
@@ -207,11 +208,11 @@ class TestReport:
         settings.FLEXPIPE_GPU_HISTORY = 5
         for seq in range(1, 33):
             assert agent.post("/agent/v1/report", report_body(seq=seq, gpus=1)).status_code == 200
-        # Pruned every 16 reports down to the newest 5: never more than 5 + 15 per GPU.
-        count = GpuSample.objects.filter(gpu__uuid="GPU-a1-0").count()
-        assert count == 5
-        newest = GpuSample.objects.filter(gpu__uuid="GPU-a1-0").order_by("-id").first()
-        assert newest is not None
+        # a report stores its own samples and prunes nothing (issue 19): the beat's retention task does
+        assert GpuSample.objects.filter(gpu__uuid="GPU-a1-0").count() == 32
+        assert prune_history.apply().get() == {"over_count": 27, "too_old": 0}
+        kept = list(GpuSample.objects.filter(gpu__uuid="GPU-a1-0").order_by("id").values_list("id", flat=True))
+        assert len(kept) == 5 and kept == sorted(kept)
 
 
 class TestCommands:

@@ -7,14 +7,12 @@ import time
 from collections.abc import Callable
 
 import pytest
-import redis
 from django.conf import settings
 
-from console.celery import app
 from console.gearbox import tasks
 from console.gearbox.models import Decision, Transition
 from scheduler.invariants import assert_clean
-from tests.conftest import TEST_REDIS_URL
+from tests.conftest import purge_tasks
 from tests.console.gearbox.harness import SimAgents, django_log, enroll_fleet, make_deployment
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -22,8 +20,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def purge_queue() -> None:
     """Tasks left in this test worker's queue by earlier tests (signals enqueue ticks) must not run here."""
-    client = redis.Redis.from_url(TEST_REDIS_URL)
-    client.delete(app.conf.task_default_queue)
+    purge_tasks()
 
 
 

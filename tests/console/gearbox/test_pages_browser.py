@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-import redis
 from celery.contrib.testing.worker import start_worker
 
 from console.audit.models import AuditEntry
@@ -22,7 +21,7 @@ from console.celery import app
 from console.gearbox import ticks
 from console.gearbox.models import Decision, Deployment, Transition
 from tests.browser import screenshot
-from tests.conftest import TEST_REDIS_URL
+from tests.conftest import purge_tasks
 from tests.console.gearbox.ops import MOVED, engine_report, running_deployment
 from tests.console.pagetools import LivePageTestCase, chromium, elsewhere, log_in
 from tests.console.people import make_person
@@ -35,7 +34,7 @@ pytestmark = [pytest.mark.browser]
 @contextmanager
 def celery_worker() -> Iterator[None]:
     """A worker on this test run's queue, emptied first: what setUp's acks and reports enqueued must not run."""
-    redis.Redis.from_url(TEST_REDIS_URL).delete(app.conf.task_default_queue)
+    purge_tasks()
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
                       queues=[app.conf.task_default_queue]):
         yield
@@ -125,6 +124,28 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
                 body: JSON.stringify({reason: 'I am only a viewer'})}).then(r => r.status)""")
             assert status == 403
             assert Deployment.objects.get(name="chat").emergency_requested_at is None
+
+    def test_a_repeated_stay_is_one_row_whose_count_grows_live(self) -> None:
+        deadline = time.monotonic() + 30
+        while elsewhere(ticks.tick)["waiting"]:  # until the reports show what the move left
+            assert time.monotonic() < deadline, "the reports never showed what the move left"
+            elsewhere(self.world.reporter.report, "a1")
+            self.report(tokens_per_s=850.0, ttft_p95_ms=160.0)
+        for _ in range(2):
+            elsewhere(ticks.tick)
+        stay = Decision.objects.filter(deployment__name="chat").order_by("-id").first()
+        assert stay is not None and stay.outcome == "stay" and stay.repeats == 3, (stay and stay.reasons)
+        with chromium() as browser:
+            page = log_in(browser, self.live_server_url, "vera", "/deployments/chat/")
+            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            row = page.locator(f"#decisions tr[data-decision='{stay.pk}'][data-repeats='3']")
+            row.wait_for(timeout=5_000)
+            assert "×3, last" in row.inner_text()
+            page.select_option("#decision-filter", "stay")  # the outcome filter still shows it
+            row.wait_for(timeout=5_000)
+            elsewhere(ticks.tick)  # one more: the same row counts it, pushed live
+            page.locator(f"#decisions tr[data-decision='{stay.pk}'][data-repeats='4']").wait_for(timeout=5_000)
+            assert page.locator("#decisions tr[data-outcome=stay]").count() == 1
 
     def test_the_list_the_reviews_and_the_overview_show_the_gearbox_live(self) -> None:
         with chromium() as browser:

@@ -35,7 +35,7 @@ from console.gearbox.models import Deployment, GpuReservation, Transition
 from scheduler.invariants import assert_clean
 from scheduler.plan import Gear, Plan, Stage
 from scheduler.transition import CRASH_WHERE, ROLLBACK_TABLE, TABLE
-from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL
+from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL, purge_tasks
 from tests.console.gearbox.harness import (
     FAST_TIMING,
     M8,
@@ -133,7 +133,7 @@ class Workers:
 @pytest.fixture
 def workers(tmp_path: Path) -> Iterator[Workers]:
     w = Workers(tmp_path)
-    w.redis.delete(app.conf.task_default_queue)  # no stale task from earlier tests runs here
+    purge_tasks()  # no stale task from earlier tests runs here
     try:
         yield w
     finally:
