@@ -175,7 +175,9 @@ class SimAgents:
 
     def _new_deployment(self, cmd: CommandIntent, plan: Plan) -> str | None:
         """A PREPARE for a deployment the simulator was not configured with (one created in the
-        console) runs it from the model_spec and slo it carries (agents/protocol.py); why not, or None."""
+        console) runs it from the model_spec and slo it carries (agents/protocol.py); why not, or None.
+        Once added it stays known, with that shape, even when this prepare is then refused (its
+        memory, its GPUs): a later prepare of it is checked the same way, a different shape refused."""
         where = f"deployment {cmd.deployment_id!r} is not one this fleet was configured with"
         try:
             spec, slo = prepare_shape(cmd.payload)
