@@ -68,6 +68,16 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     ack failed, reason "tokenizer" (the transition rolls back; what served keeps serving). The
     simulated agents do (agents/shadow_check.py); the node daemon does not yet (its engines warm
     up from their own model folder, and the console loads the tokenizer at registration).
+    Optional model_spec (the model's shape as scheduler.modelspec.ModelSpec.to_dict() writes it:
+    name - the payload's model -, hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
+    intermediate_size, vocab_size, dtype_bytes, max_context_tokens, and optionally gated_mlp,
+    tie_word_embeddings, qkv_bias, source: the spec the controller sized reserve_bytes with) and
+    optional slo ({ttft_ms, tpot_ms} > 0: the deployment's objectives). Added to v1 without a
+    version bump: a payload without them means what it meant before. The console sends both
+    (console/gearbox/executor.py). A simulated agent runs a deployment its scenario does not
+    serve - one created in the console - from them, and refuses its prepare naming `model_spec`
+    or `slo` when one is missing; it books memory by the same 92% rule either way. The node
+    daemon validates them and runs what its engine reads from the model's own folder.
 `abort_plan` - undo a prepare (rollback); safe if it never ran (ack ok, noop: true)
     payload: reason, drain_timeout_s (sequences still there may finish for this long; then
     each ends with an explicit error). Ack: {plan_id, failed: [seq ids ended with an error]}.
@@ -149,11 +159,14 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents.schema import ListReader, ObjectReader, Problems, SchemaError, read_document
 from scheduler.capabilities import EngineCaps
+from scheduler.costmodel import Slo
+from scheduler.modelspec import ModelSpec
 from scheduler.plan import Plan
 from scheduler.transition import CommandKind
 
@@ -212,6 +225,7 @@ __all__ = [
     "FAILURE_REASONS",
     "Ack",
     "check_payload",
+    "prepare_shape",
     "check_result",
     "parse_register",
     "parse_report",
@@ -711,10 +725,26 @@ def _prepare(r: ObjectReader) -> None:
             pid = r.raw("plan_id", None)
             if isinstance(pid, str) and pid != parsed.plan_id:
                 r.fail("plan_id", f"does not match the plan's content ({parsed.plan_id})")
+    model = r.raw("model", None)
     _model_name(r, "model")
     sha = r.str("weights_sha256", None, max_len=64)
     if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
         r.fail("weights_sha256", "must be 64 lowercase hex digits or null")
+    spec = r.raw("model_spec", None)
+    if spec is not None:
+        try:
+            shape = ModelSpec.from_dict(spec, r.child_path("model_spec"))
+        except ValueError as exc:
+            path, _, reason = str(exc).partition(": ")
+            r.problems.add(path, reason or str(exc))
+        else:
+            if isinstance(model, str) and shape.name != model:
+                r.fail("model_spec.name", f"must be the payload's model {model!r}; got {shape.name!r}")
+    slo = r.obj("slo", None)
+    if slo is not None:
+        slo.num("ttft_ms", min=0.0, exclusive_min=True)
+        slo.num("tpot_ms", min=0.0, exclusive_min=True)
+        slo.done()
     r.str("role", choices=("leader", "member"))
     stages = r.list("stages", min_len=1, max_len=256)
     if stages is not None:
@@ -744,6 +774,26 @@ def _prepare(r: ObjectReader) -> None:
     peers = r.raw("peers", {})
     if peers is not None and (not isinstance(peers, dict) or not all(isinstance(v, str) for v in peers.values())):
         r.fail("peers", "must be an object of node id -> data address")
+
+
+def prepare_shape(payload: Mapping[str, Any]) -> tuple[ModelSpec | None, Slo | None]:
+    """A prepare_plan payload's optional model_spec and slo (module docstring), as the simulator
+    takes them; None for each one it does not carry. Raises ValueError naming the field, for a
+    payload that check_payload did not see."""
+    raw_spec, raw_slo = payload.get("model_spec"), payload.get("slo")
+    spec = ModelSpec.from_dict(raw_spec, "payload.model_spec") if raw_spec is not None else None
+    if raw_slo is None:
+        return spec, None
+    if not isinstance(raw_slo, Mapping) or set(raw_slo) != {"ttft_ms", "tpot_ms"}:
+        raise ValueError("payload.slo: must be an object of ttft_ms and tpot_ms")
+    values = [raw_slo[k] for k in ("ttft_ms", "tpot_ms")]
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite_pos(v) for v in values):
+        raise ValueError("payload.slo: ttft_ms and tpot_ms must be finite numbers > 0")
+    return spec, Slo(float(values[0]), float(values[1]))
+
+
+def _finite_pos(value: float) -> bool:
+    return math.isfinite(value) and value > 0
 
 
 def _abort(r: ObjectReader) -> None:

@@ -27,6 +27,15 @@ _DTYPE_BYTES: Mapping[str, int] = {
 }
 
 
+# ModelSpec.from_dict: the integer fields (all required), everything to_dict writes, and a bound on
+# a size that catches a unit mistake without limiting any real model (the largest are ~1e6 wide)
+_SPEC_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+               "vocab_size", "dtype_bytes", "max_context_tokens")
+_SPEC_REQUIRED = ("name", *_SPEC_SIZES)
+_SPEC_KEYS = frozenset((*_SPEC_REQUIRED, "gated_mlp", "tie_word_embeddings", "qkv_bias", "source"))
+_MAX_SIZE = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of one model; derived sizes are properties."""
@@ -202,6 +211,41 @@ class ModelSpec:
             "max_context_tokens": self.max_context_tokens,
             "source": self.source,
         }
+
+    @classmethod
+    def from_dict(cls, d: object, path: str = "model_spec") -> ModelSpec:
+        """The inverse of to_dict: every key of it, the three flags and `source` optional (their
+        defaults), no other key. Raises ValueError naming the offending key ("model_spec.num_layers")."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{path}: must be an object, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in _SPEC_KEYS)
+        if unknown:
+            raise ValueError(f"{path}.{unknown[0]}: unknown key")
+        missing = [k for k in _SPEC_REQUIRED if k not in d]
+        if missing:
+            raise ValueError(f"{path}.{missing[0]}: required")
+        name = d["name"]
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise ValueError(f"{path}.name: must be a non-empty string of at most 200 characters")
+        source = d.get("source", "")
+        if not isinstance(source, str) or len(source) > 2000:
+            raise ValueError(f"{path}.source: must be a string of at most 2000 characters")
+        flags: dict[str, bool] = {}
+        for key in ("gated_mlp", "tie_word_embeddings", "qkv_bias"):
+            value = d.get(key, getattr(cls, key))
+            if not isinstance(value, bool):
+                raise ValueError(f"{path}.{key}: must be true or false, got {value!r}")
+            flags[key] = value
+        sizes: dict[str, int] = {}
+        for key in _SPEC_SIZES:
+            value = d[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_SIZE:
+                raise ValueError(f"{path}.{key}: must be an integer in [1, {_MAX_SIZE}], got {value!r}")
+            sizes[key] = value
+        try:
+            return cls(name=name, source=source, **sizes, **flags)  # type: ignore[arg-type]
+        except ValueError as exc:  # (num_kv_heads must divide num_heads: __post_init__ names the field)
+            raise ValueError(f"{path}.{exc}") from None
 
 
 def from_hf_config(config: Mapping[str, object], name: str = "custom") -> ModelSpec:

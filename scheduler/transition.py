@@ -721,7 +721,8 @@ Probe = Callable[[str], None]
 ModelResolver = Callable[[str], ModelSpec]
 # What the new plans of a transition load (the registry's version of its model): a mapping with
 # weights_sha256 (hex, or None: unknown, nothing to check) and, optionally, model_version (the
-# version's id, label, tokenizer and warm-up tokens, for the agent's checks on the shadow plan).
+# version's id, label, tokenizer and warm-up tokens, for the agent's checks on the shadow plan) and
+# slo ({ttft_ms, tpot_ms}: the deployment's, for an agent that simulates it).
 WeightsResolver = Callable[["TransitionRecord"], "Mapping[str, object] | None"]
 
 
@@ -1283,9 +1284,13 @@ class Executor:
         load = self.weights(rec) or {}
         if load.get("model_version"):
             body["model_version"] = load["model_version"]
+        if load.get("slo"):
+            body["slo"] = load["slo"]
         body.update({
             "plan": plan.to_dict(),
             "model": rec.model,
+            # the shape reserve_bytes was sized with: an agent that does not know the model runs it from this
+            "model_spec": model.to_dict(),
             "weights_sha256": load.get("weights_sha256"),
             "role": "leader" if nodes and nodes[0] == node else "member",
             "stages": stages,

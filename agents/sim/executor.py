@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents.protocol import prepare_shape
 from agents.shadow_check import tokenizer_problem
 from agents.sim.cluster import Change
 from agents.sim.engine import Pipe, PlanEngine, Request
@@ -136,6 +137,11 @@ class SimAgents:
 
     def _prepare(self, cmd: CommandIntent) -> None:
         plan = Plan.from_dict(cmd.payload["plan"])
+        if cmd.deployment_id not in self.sim.deployments:
+            refused = self._new_deployment(cmd, plan)
+            if refused is not None:
+                self._ack(cmd, False, refused, {"reason": "failed"})
+                return
         engine = self.sim.engine_of(cmd.deployment_id, plan.plan_id)
         if engine is not None and engine.state == "serving":
             self._ack(cmd, True, result={"plan_id": plan.plan_id, "load_s": 0.0})
@@ -150,7 +156,8 @@ class SimAgents:
             if unsupported:
                 self._ack(cmd, False, "; ".join(unsupported), {"reason": "unsupported"})
                 return
-            problem = tokenizer_problem(cmd.payload.get("model_version"), model_spec(plan.model).vocab_size)
+            vocab = self.sim.deployments[cmd.deployment_id].model.vocab_size
+            problem = tokenizer_problem(cmd.payload.get("model_version"), vocab)
             if problem is not None:  # the shadow plan would not serve this version (agents/shadow_check.py)
                 self._ack(cmd, False, problem, {"reason": "tokenizer"})
                 return
@@ -165,6 +172,25 @@ class SimAgents:
         self._prepares.setdefault(engine.engine_id, []).append(cmd)
         if engine.state == "serving":
             self.on_ready(engine)
+
+    def _new_deployment(self, cmd: CommandIntent, plan: Plan) -> str | None:
+        """A PREPARE for a deployment the simulator was not configured with (one created in the
+        console) runs it from the model_spec and slo it carries (agents/protocol.py); why not, or None.
+        Once added it stays known, with that shape, even when this prepare is then refused (its
+        memory, its GPUs): a later prepare of it is checked the same way, a different shape refused."""
+        where = f"deployment {cmd.deployment_id!r} is not one this fleet was configured with"
+        try:
+            spec, slo = prepare_shape(cmd.payload)
+        except ValueError as exc:
+            return f"{exc} ({where})"
+        if spec is None:
+            return f"payload.model_spec: required: {where}, and the prepare does not say the model's shape"
+        if slo is None:
+            return f"payload.slo: required: {where}, and the prepare does not say its SLO"
+        if spec.name != plan.model:
+            return f"payload.model_spec.name: {spec.name!r} is not the plan's model {plan.model!r}"
+        self.sim.add_deployment(cmd.deployment_id, spec, slo)
+        return None
 
     def on_ready(self, engine: PlanEngine) -> None:
         for cmd in self._prepares.pop(engine.engine_id, []):

@@ -64,7 +64,7 @@ from agents.sim.engine import (
     Request,
 )
 from agents.sim.metrics import Recorder, SwitchRecord, check_conservation
-from agents.sim.scenario import ModelDeploymentSpec, Scenario, baseline_stage_nodes
+from agents.sim.scenario import BaselineSpec, ModelDeploymentSpec, Scenario, baseline_stage_nodes
 from agents.sim.workload import Arrival
 from scheduler.booking import Overbooking, plan_memory, refuse_booking
 from scheduler.costmodel import (
@@ -558,6 +558,24 @@ class FleetSim:
         total = sum(e.weight for e in routed)
         return Gear(routed[0].plan.model, tuple(e.plan for e in routed),
                     tuple(round(e.weight / total, 6) for e in routed))
+
+    def add_deployment(self, deployment: str, model: ModelSpec, slo: Slo, *, priority: int = 0) -> DeploymentRuntime:
+        """A deployment the scenario does not list, from the shape and SLO a PREPARE carried (the
+        live fleet: one created in the console; agents/protocol.py prepare_plan). It has no scenario
+        baseline and no workload of its own: it serves what is submitted to it. The same one again
+        is a no-op; the same name with another model is a ValueError naming `model_spec`."""
+        dep = self.deployments.get(deployment)
+        if dep is not None:
+            if dep.model != model:
+                raise ValueError(f"model_spec: deployment {deployment!r} runs {dep.model.name!r} with another shape "
+                                 "here; a PREPARE cannot change it")
+            return dep
+        # (no scenario baseline: baseline_plan refuses it; the console chose and placed its gears)
+        spec = ModelDeploymentSpec(deployment, model.name, slo.ttft_ms, slo.tpot_ms, priority, BaselineSpec(1, 1, ()))
+        dep = DeploymentRuntime(spec, model, slo, len(self.deployments))
+        self.deployments[deployment] = dep
+        self.recorder.add_deployment(deployment, (slo.ttft_ms / 1e3, slo.tpot_ms / 1e3))
+        return dep
 
     def _dep(self, deployment: str) -> DeploymentRuntime:
         try:
@@ -1118,6 +1136,8 @@ class FleetSim:
         split evenly, KV reserve = all that fits under 92% of each GPU."""
         dep = self._dep(deployment)
         base = dep.spec.baseline
+        if not base.nodes:
+            raise ValueError(f"deployment: {deployment!r} has no scenario baseline (it came with a PREPARE)")
         taken = taken or {}
         free = {n: [g.index for g in self.cluster.our_gpus(n) if g.index not in taken.get(n, set())]
                 for n in base.nodes}

@@ -70,7 +70,6 @@ from agents.sim.scenario import Scenario
 from agents.sim.workload import build_workload
 from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog
-from scheduler.modelspec import model_spec
 from scheduler.plan import Plan
 from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
 from scheduler.transition import (
@@ -402,14 +401,10 @@ class LiveFleet:
                 self._execute(cmd)
 
     def _execute(self, cmd: CommandIntent) -> None:
-        if cmd.deployment_id not in self.sim.deployments:
-            # not a deployment of this scenario: nothing of it can run here, and nothing does
-            known = ", ".join(self.sim.deployments)
-            if cmd.kind is CommandKind.PREPARE_PLAN:
-                self._answer(cmd, False, f"deployment: {cmd.deployment_id!r} is not served by this fleet "
-                                         f"(scenario {self.scenario.name}: {known})", {"reason": "failed"})
-            else:
-                self._answer(cmd, True, "", {"plan_id": cmd.payload.get("plan_id"), "noop": True})
+        if cmd.deployment_id not in self.sim.deployments and cmd.kind is not CommandKind.PREPARE_PLAN:
+            # not a deployment this fleet runs (a prepare carrying its model_spec and slo would add
+            # it: SimAgents): nothing of it runs here, so there is nothing to undo or move
+            self._answer(cmd, True, "", {"plan_id": cmd.payload.get("plan_id"), "noop": True})
             return
         fault = take_fault(self.faults, cmd)
         if fault is not None:
@@ -482,7 +477,10 @@ class LiveFleet:
         if plan is None or node is None:
             return result
         mine = {g.uuid for g in node.gpus}
-        held = {u: b for u, b in plan_memory(plan, model_spec(plan.model)).items() if u in mine}
+        dep = self.sim.deployments.get(cmd.deployment_id)
+        if dep is None:
+            return result
+        held = {u: b for u, b in plan_memory(plan, dep.model).items() if u in mine}
         if cmd.kind is CommandKind.PREPARE_PLAN:
             result.setdefault("reserved_bytes", held)
         else:

@@ -8,7 +8,8 @@ One `MemoryFleet` plays every node's agent and engines, and a gateway in front o
   beside what holds it, or one the node's engine cannot run: weight
   loading, KV migration over the link at the capped bandwidth, replay (re-prefill) on the
   target plan. A command is answered once, when it is done; a command with a key it has seen
-  is not run twice.
+  is not run twice. A model is sized by the shape its `prepare_plan` carries (`model_spec`: the
+  one the controller booked it with), or by `models` (the catalog) for a prepare without one.
 * **Engines** (one per prepared plan, on its leader: the node of its first stage) batch
   sequences continuously: each running sequence gains a token per decode iteration, whose
   length the `Timing` gives for the batch. A sequence holds a lease (plan_id, routing
@@ -35,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
+from agents.protocol import prepare_shape
 from agents.shadow_check import tokenizer_problem
 from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
 from scheduler.capabilities import plan_refusals
@@ -292,8 +294,10 @@ class MemoryFleet:
         self.router: RoutingPolicy = router or Router(rng=rng)  # ties between equal plans drawn from `rng`
         self._facts: dict[str, PlanFacts] = {}  # plan id -> its router facts (plans are immutable)
         self._pools: dict[tuple[object, ...], Pool] = {}
-        self.models = models
-        self.timing: Timing = timing or CostModelTiming(self.snapshot, models=models)
+        self._given = models  # a model's spec when no prepare carried one
+        self._shapes: dict[str, ModelSpec] = {}  # model name -> the model_spec its prepares carry
+        self.models: Callable[[str], ModelSpec] = self._model
+        self.timing: Timing = timing or CostModelTiming(self.snapshot, models=self._model)
         self.max_dt_s = max_dt_s
         self.admit_timeout_s = admit_timeout_s
         self.stuck_timeout_s = stuck_timeout_s
@@ -309,6 +313,10 @@ class MemoryFleet:
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._tie = itertools.count()
         self._ids = itertools.count(1)
+
+    def _model(self, name: str) -> ModelSpec:
+        shape = self._shapes.get(name)
+        return shape if shape is not None else self._given(name)
 
     # -- the world seen from outside ------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -585,6 +593,12 @@ class MemoryFleet:
             else:  # another deployment's plan with the same content: not ours to touch
                 self._ack(job, "ok", result={"plan_id": plan_id, "noop": True, "sequences": [], "moved": []})
             return
+        if cmd.kind is CommandKind.PREPARE_PLAN:
+            problem = self._learn_shape(p)
+            if problem is not None:
+                self.refused_prepares += 1
+                self._ack(job, "failed", problem, {"reason": "failed"})
+                return
         if job.fault is not None and job.fault.action == "lose_gpus":
             self._at(self.now_s + 0.5 * self._duration(job), lambda: self._lose_for(job))
         kind = cmd.kind
@@ -605,6 +619,28 @@ class MemoryFleet:
             fallback = p.get("fallback")
             self._release(job, node, inst, float(p.get("drain_timeout_s", 30.0)),  # type: ignore[arg-type]
                           fallback if isinstance(fallback, dict) else None)
+
+    def _learn_shape(self, payload: Mapping[str, object]) -> str | None:
+        """Take the model_spec a prepare carries as its model's shape (agents/protocol.py); why the
+        prepare is refused instead - a malformed spec, or none for a model `models` does not know -
+        or None."""
+        try:
+            spec, _ = prepare_shape(payload)
+        except ValueError as exc:
+            return str(exc)
+        name = str(payload.get("model", ""))
+        if spec is None:
+            if name in self._shapes:
+                return None
+            try:
+                self._given(name)
+            except ValueError as exc:
+                return f"payload.model_spec: required for a model this agent does not know ({exc})"
+            return None
+        if spec.name != name:
+            return f"payload.model_spec.name: {spec.name!r} is not the payload's model {name!r}"
+        self._shapes[name] = spec
+        return None
 
     def _duration(self, job: _Job) -> float:
         if job.cmd.kind is CommandKind.PREPARE_PLAN:

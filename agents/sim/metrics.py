@@ -122,6 +122,15 @@ class Recorder:
         self.gpu_hours = 0.0  # GPU-hours our plans held over [0, duration_s], set then too
         self.end_s = 0.0  # when the last request finished (the drain's end)
 
+    def add_deployment(self, deployment: str, slo_s: tuple[float, float]) -> None:
+        """Record a deployment that joined after the start (the live fleet: one the console created)."""
+        if deployment in self.dep_index:
+            raise ValueError(f"deployment: {deployment!r} is recorded already")
+        self.dep_index[deployment] = len(self.deployments)
+        self.deployments.append(deployment)
+        self.slo_s[deployment] = slo_s
+        self.admitted.append(0)
+
     # --- hot path ---------------------------------------------------------------------------
     def tokens(self, t0: float, t1: float, n: float) -> None:
         """n output tokens generated evenly over [t0, t1]."""

@@ -35,22 +35,28 @@ def version_load(rec: TransitionRecord) -> dict[str, object] | None:
     """What the new plans of a transition load: the registry version the transition row names (the
     deployment's own at its start, or the one a rollout rolls out), its SHA-256 - the agent refuses
     other weights, even for a quarantined version: never loaded unchecked - and what the agent checks
-    on the shadow plan (tokenizer, warm-up). None: the deployment has no registry version."""
+    on the shadow plan (tokenizer, warm-up); and the deployment's SLO, which a simulated agent runs a
+    deployment it was not configured with by (agents/protocol.py, prepare_plan). No weights digest nor
+    model_version: the deployment has no registry version; None: no such transition row."""
     row = (Transition.objects.filter(deployment__name=rec.deployment_id, seq=rec.seq)
            .select_related("model_version", "deployment__model_version").first())
     if row is None:
         return None
+    out: dict[str, object] = {"slo": {"ttft_ms": row.deployment.ttft_ms, "tpot_ms": row.deployment.tpot_ms}}
     version = row.model_version or row.deployment.model_version
     if version is None:
-        return None
-    return {"weights_sha256": version.sha256,
-            "model_version": {"id": version.pk, "version": version.version, "tokenizer": version.tokenizer,
-                              "warmup_tokens": version.warmup_tokens}}
+        return out
+    out.update({"weights_sha256": version.sha256,
+                "model_version": {"id": version.pk, "version": version.version, "tokenizer": version.tokenizer,
+                                  "warmup_tokens": version.warmup_tokens}})
+    return out
 
 
 def build_executor(*, actor: str = "system:transitions") -> Executor:
     # models: a registered model outside the built-in catalog is sized from its config.json (its
-    # plans' memory, the KV it books) as the planner sized it (console/registry/specs.py)
+    # plans' memory, the KV it books) as the planner sized it (console/registry/specs.py); every
+    # prepare_plan carries that spec (model_spec) and version_load's slo, so a simulated agent
+    # runs a deployment created in the console as the console sized it
     return Executor(DjangoStore(actor=actor), DjangoAgentPort(), DjangoRouting(actor=actor), time.time,
                     config=transition_config(), probe=crashpoints.probe, weights=version_load, models=spec_for)
 

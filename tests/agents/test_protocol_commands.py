@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from agents.protocol import (
@@ -11,6 +13,7 @@ from agents.protocol import (
     SchemaError,
     check_payload,
     check_result,
+    prepare_shape,
 )
 from scheduler.transition import CommandKind, Step
 from tests.scheduler.transition_world import DEP, GEAR_A, GEAR_B, Load, World
@@ -179,3 +182,54 @@ def test_a_bad_probe_links_payload_names_the_field(payload: dict[str, object], f
         check_payload("probe_links", payload)
     assert field in err.value.errors, err.value.errors
     check_payload("probe_links", {"peers": {"b1": "10.0.0.2:7070"}, "bulk_bytes": 1 << 20})
+
+
+def test_a_prepare_carries_the_model_spec_it_was_sized_with_and_a_payload_without_it_still_validates() -> None:
+    from scheduler.modelspec import ModelSpec, model_spec
+
+    sent = dict(next(p for k, p, _ in commands_of_a_run(False) if k == "prepare_plan"))
+    assert ModelSpec.from_dict(sent["model_spec"]) == model_spec(str(sent["model"]))  # what reserve_bytes came from
+    spec, slo = prepare_shape(sent)
+    assert spec == model_spec(str(sent["model"])) and slo is None  # (the in-memory world knows no SLO)
+    old = {k: v for k, v in sent.items() if k not in ("model_spec", "slo")}  # an older console's prepare
+    check_payload("prepare_plan", old)
+    assert prepare_shape(old) == (None, None)
+    check_payload("prepare_plan", {**sent, "slo": {"ttft_ms": 1500, "tpot_ms": 80.5}})
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda s: s.pop("num_layers"), "payload.model_spec.num_layers"),
+    (lambda s: s.update(num_layers=0), "payload.model_spec.num_layers"),
+    (lambda s: s.update(hidden_size="4096"), "payload.model_spec.hidden_size"),
+    (lambda s: s.update(dtype_bytes=True), "payload.model_spec.dtype_bytes"),
+    (lambda s: s.update(num_kv_heads=7), "payload.model_spec.num_kv_heads"),  # must divide num_heads
+    (lambda s: s.update(qkv_bias="no"), "payload.model_spec.qkv_bias"),
+    (lambda s: s.update(colour=1), "payload.model_spec.colour"),
+    (lambda s: s.update(name="Llama-3-70B"), "payload.model_spec.name"),  # not the payload's model
+])
+def test_a_malformed_model_spec_is_refused_naming_the_field(change: Any, field: str) -> None:
+    sent = dict(next(p for k, p, _ in commands_of_a_run(False) if k == "prepare_plan"))
+    spec = dict(sent["model_spec"])  # type: ignore[call-overload]
+    change(spec)
+    with pytest.raises(SchemaError) as exc:
+        check_payload("prepare_plan", {**sent, "model_spec": spec})
+    assert list(exc.value.errors) == [field]
+    if field != "payload.model_spec.name":
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            prepare_shape({**sent, "model_spec": spec})
+
+
+@pytest.mark.parametrize("slo,field", [
+    ({"ttft_ms": 0, "tpot_ms": 80}, "payload.slo.ttft_ms"),
+    ({"ttft_ms": 1500}, "payload.slo.tpot_ms"),
+    ({"ttft_ms": 1500, "tpot_ms": "fast"}, "payload.slo.tpot_ms"),
+    ({"ttft_ms": 1500, "tpot_ms": 80, "p": 99}, "payload.slo.p"),
+    ([1500, 80], "payload.slo"),
+])
+def test_a_malformed_slo_is_refused_naming_the_field(slo: object, field: str) -> None:
+    sent = dict(next(p for k, p, _ in commands_of_a_run(False) if k == "prepare_plan"))
+    with pytest.raises(SchemaError) as exc:
+        check_payload("prepare_plan", {**sent, "slo": slo})
+    assert list(exc.value.errors) == [field]
+    with pytest.raises(ValueError, match=r"payload\.slo"):
+        prepare_shape({**sent, "slo": slo})

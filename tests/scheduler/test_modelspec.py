@@ -108,3 +108,24 @@ def test_tp_must_shard_the_heads() -> None:
 def test_every_catalog_model_cites_its_config() -> None:
     for spec in CATALOG.values():
         assert spec.source, spec.name
+
+
+def test_a_spec_goes_over_the_wire_and_back_unchanged_and_a_bad_one_names_the_key() -> None:
+    from scheduler.modelspec import ModelSpec
+
+    for spec in CATALOG.values():
+        assert ModelSpec.from_dict(spec.to_dict()) == spec
+    custom = from_hf_config({"hidden_size": 512, "num_attention_heads": 8, "num_hidden_layers": 6,
+                             "intermediate_size": 1024, "vocab_size": 1000, "tie_word_embeddings": True}, name="c")
+    assert ModelSpec.from_dict(custom.to_dict()) == custom
+    short = {k: v for k, v in custom.to_dict().items() if k not in ("gated_mlp", "tie_word_embeddings", "qkv_bias",
+                                                                     "source")}
+    assert ModelSpec.from_dict(short) == ModelSpec(**{**short, "tie_word_embeddings": False})  # type: ignore[arg-type]
+    for bad, key in (({"head_dim": 0}, "shape.head_dim"), ({"name": ""}, "shape.name"), ({"x": 1}, "shape.x"),
+                     ({"num_heads": 6}, "shape.num_kv_heads"), ({"dtype_bytes": 2**40}, "shape.dtype_bytes")):
+        with pytest.raises(ValueError, match=rf"^{key.replace('.', '[.]')}: "):
+            ModelSpec.from_dict({**custom.to_dict(), **bad}, "shape")
+    with pytest.raises(ValueError, match=r"^shape\.vocab_size: required"):
+        ModelSpec.from_dict({k: v for k, v in custom.to_dict().items() if k != "vocab_size"}, "shape")
+    with pytest.raises(ValueError, match="^shape: must be an object"):
+        ModelSpec.from_dict([1], "shape")

@@ -101,7 +101,7 @@ def test_a_model_outside_the_catalog_is_planned_from_its_registered_config(opera
     baseline = Gear.from_dict(dep.baseline_gear)
     assert baseline.model == "big-51b"
     assert all(len(st.gpu_uuids) >= 2 for p in baseline.plans for st in p.stages)  # ... so the plan shards it
-    agents = SimAgents(models=spec_for)  # (the simulated engines size it from the same config)
+    agents = SimAgents()  # (the simulated engines size it from the model_spec its prepares carry)
     assert ticks.tick()["started"] == ["big#1"]
     done = drive(agents, "big")  # PREPARE books its memory from the config, then it serves
     assert done.phase == "done", (done.phase, done.error)
