@@ -28,9 +28,14 @@ def purge_queue() -> None:
 def until(cond: Callable[[], bool], agents: SimAgents, max_s: float = 120.0) -> None:
     deadline = time.monotonic() + max_s
     while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, f"condition not met in time; transitions: {_states()}"
         agents.run()
         time.sleep(0.02)
+
+
+def _states() -> list[tuple[object, ...]]:
+    """What each transition is doing: a failed wait says where it stood."""
+    return list(Transition.objects.order_by("seq").values_list("seq", "phase", "active", "step", "error"))
 
 
 def test_a_tick_on_a_worker_starts_the_first_transition_and_acks_carry_it_to_the_end(worker: None) -> None:
