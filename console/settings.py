@@ -94,7 +94,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "console.api.errors.JsonErrors",  # first: JSON errors on /api, /agent, /v1 whatever happens below
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "console.static.WhiteNoise",  # WhiteNoise, async-capable (console/static.py)
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
