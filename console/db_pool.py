@@ -44,7 +44,7 @@ def pool() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=int(getattr(settings, "FLEXPIPE_POLL_DB_THREADS", 4)),
+            _pool = ThreadPoolExecutor(max_workers=settings.FLEXPIPE_POLL_DB_THREADS,
                                        thread_name_prefix="poll-db")
         return _pool
 
