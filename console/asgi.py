@@ -81,7 +81,11 @@ class StopOnCancel:
     request is cancelled, when the client disconnects, and (for every request, new ones included)
     once daphne's reactor starts shutting down; a view that watches it
     (console.fleet.agent_api.commands) answers at once. A request still running after a short
-    grace is cancelled as before (asyncio.wait_for cancels it on the timeout).
+    grace is cancelled as before (asyncio.wait_for cancels it on the timeout). (The middleware chain
+    is all async now, console/static.py; the event still carries disconnects and the server's stop.)
+
+    The long poll's path also runs its sync calls on console.db_pool's shared threads, so that a
+    waiting poll holds no thread and no database connection of its own.
     """
 
     def __init__(self, app: Any) -> None:
