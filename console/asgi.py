@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 import time
@@ -13,14 +14,23 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 django_asgi_app = get_asgi_application()  # before importing consumers: it sets up the app registry
 
+from asgiref.sync import ThreadSensitiveContext  # noqa: E402
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from console import db_pool  # noqa: E402
 from console.dashboard.origin import SameOriginValidator  # noqa: E402
 from console.routing import websocket_urlpatterns  # noqa: E402
 
 STOP_KEY = "flexpipe.stop"  # scope key: an asyncio.Event set when the server cancels the request
 STOP_GRACE_S = 2.0
+
+
+@functools.cache
+def _long_poll_path() -> str:
+    from django.urls import reverse
+
+    return reverse("agent-commands")
 
 
 _live: dict[asyncio.Event, asyncio.Future[Any]] = {}  # requests in flight: stop event -> task
@@ -71,7 +81,11 @@ class StopOnCancel:
     request is cancelled, when the client disconnects, and (for every request, new ones included)
     once daphne's reactor starts shutting down; a view that watches it
     (console.fleet.agent_api.commands) answers at once. A request still running after a short
-    grace is cancelled as before (asyncio.wait_for cancels it on the timeout).
+    grace is cancelled as before (asyncio.wait_for cancels it on the timeout). (The middleware chain
+    is all async now, console/static.py; the event still carries disconnects and the server's stop.)
+
+    The long poll's path also runs its sync calls on console.db_pool's shared threads, so that a
+    waiting poll holds no thread and no database connection of its own.
     """
 
     def __init__(self, app: Any) -> None:
@@ -89,7 +103,15 @@ class StopOnCancel:
                 stop.set()  # the client is gone: nobody waits for the answer
             return message
 
-        task = asyncio.ensure_future(self.app({**scope, STOP_KEY: stop}, receive_watching_disconnect, send))
+        async def run() -> None:
+            if scope.get("path") == _long_poll_path():
+                # its short database calls borrow a pool thread each; it holds none while it waits
+                async with ThreadSensitiveContext(executor=db_pool.Borrowed()):
+                    await self.app({**scope, STOP_KEY: stop}, receive_watching_disconnect, send)
+            else:
+                await self.app({**scope, STOP_KEY: stop}, receive_watching_disconnect, send)
+
+        task = asyncio.ensure_future(run())
         _live[stop] = task
         try:
             await asyncio.shield(task)

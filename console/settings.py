@@ -94,7 +94,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "console.api.errors.JsonErrors",  # first: JSON errors on /api, /agent, /v1 whatever happens below
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "console.static.WhiteNoise",  # WhiteNoise, async-capable (console/static.py)
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -223,6 +223,9 @@ FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
 # Topology events within this window share one tick (console/gearbox/coalesce.py); a pending mark
 # whose task was lost expires after FLEXPIPE_TICK_PENDING_TTL_S (default: the beat period).
 FLEXPIPE_TICK_COALESCE_S = float(os.environ.get("FLEXPIPE_TICK_COALESCE_S", "0.5"))
+# Threads the long polls' short queries borrow (console/db_pool.py): at most this many PostgreSQL
+# connections for all pending polls of a process together.
+FLEXPIPE_POLL_DB_THREADS = int(os.environ.get("FLEXPIPE_POLL_DB_THREADS", "4"))
 FLEXPIPE_TICK_PENDING_TTL_S = float(os.environ.get("FLEXPIPE_TICK_PENDING_TTL_S", str(FLEXPIPE_TICK_S)))
 # Local weights files up to this size are hashed during the registration request; bigger ones by the
 # Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.

@@ -19,7 +19,7 @@ from django.db import transaction
 
 from agents.protocol import RegisterRequest, Report
 from console.audit.chain import actor_of, record
-from console.fleet import links, live
+from console.fleet import doorbell, links, live
 from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
 
 
@@ -282,7 +282,7 @@ def do_issue_command(node: Node, *, key: str, kind: str, payload: dict[str, obje
                   "transition_seq": transition_seq, "step": step, "created_at": now},
     )
     if created:
-        transaction.on_commit(lambda: live.ring_doorbell(node.node_id))
+        transaction.on_commit(lambda: doorbell.ring(node.node_id))
     return cmd
 
 

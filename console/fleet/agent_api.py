@@ -10,7 +10,6 @@ import asyncio
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpRequest, JsonResponse
@@ -21,7 +20,7 @@ from django.views.decorators.http import require_GET, require_POST
 from agents import schema
 from agents.protocol import Command, RegisterResponse, SchemaError, parse_ack, parse_register, parse_report
 from console.celery import flush_owed
-from console.fleet import actions, live
+from console.fleet import actions, doorbell
 from console.fleet.models import AgentCommand, Node
 
 MAX_WAIT_S = 30.0
@@ -152,33 +151,30 @@ async def commands(request: HttpRequest) -> JsonResponse:
         return _error(exc.status, exc.errors)
 
     deadline = time.monotonic() + wait_s
-    found = await sync_to_async(_deliver)(node, after)
-    if found or wait_s == 0:
-        return JsonResponse({"commands": found})
+    if wait_s == 0:
+        return JsonResponse({"commands": await sync_to_async(_deliver)(node, after)})
     # Set when the server lets go of this request (it stops: console.asgi.StopOnCancel).
     stop: asyncio.Event = getattr(request, "scope", {}).get("flexpipe.stop") or asyncio.Event()
-    client = aioredis.Redis.from_url(settings.REDIS_URL)
-    try:
+    # The waiter is registered before the first query: a ring that comes between the query and
+    # the wait is kept in its event (console/fleet/doorbell.py).
+    async with doorbell.waiting(node.node_id) as waiter:
+        found = await sync_to_async(_deliver)(node, after)
         while not found and not stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            # BLPOP's timeout has a 1 s grain in older servers; never block past the deadline.
-            ring = asyncio.ensure_future(
-                client.blpop([live.doorbell_key(node.node_id)], timeout=max(0.1, min(remaining, 5.0))))
+            # Without a subscription (Redis away, or not subscribed yet) no ring comes: re-query every
+            # RETRY_S; the listener's subscribing wakes the waiter too.
+            timeout = remaining if waiter.reliable else min(remaining, doorbell.RETRY_S)
+            ring = asyncio.ensure_future(waiter.rung.wait())
             stopping = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({ring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({ring, stopping}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            ring.cancel()
             stopping.cancel()
-            if not ring.done():
-                ring.cancel()
+            if stop.is_set():
                 break  # stopping: answer with nothing; the agent polls again after a restart
-            if isinstance(ring.exception(), (aioredis.RedisError, OSError)):
-                await asyncio.sleep(min(remaining, 1.0))  # no doorbell: fall back to polling
-            elif ring.exception() is not None:
-                raise ring.exception()  # type: ignore[misc]
+            waiter.rung.clear()  # before the query: a ring during the query wakes the next wait
             found = await sync_to_async(_deliver)(node, after)
-    finally:
-        await client.aclose()
     return JsonResponse({"commands": found})
 
 

@@ -1,4 +1,4 @@
-"""Live push of fleet state to the browsers, and the doorbell that wakes an agent's long poll.
+"""Live push of fleet state to the browsers (the doorbell that wakes a long poll: console/fleet/doorbell.py).
 
 Called from `transaction.on_commit` only: what is pushed has been committed.
 """
@@ -11,18 +11,12 @@ from typing import Any
 import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
-from django.conf import settings
 
 from console.fleet import signals
 
 log = logging.getLogger(__name__)
 
 CLUSTER_GROUP = "cluster"
-DOORBELL_TTL_S = 60
-
-
-def doorbell_key(node_id: str) -> str:
-    return f"{settings.CHANNEL_LAYERS['default']['CONFIG'].get('prefix', 'flexpipe')}:doorbell:{node_id}"
 
 
 def node_payload(node: Any) -> dict[str, Any]:
@@ -82,15 +76,3 @@ def push_nodes(node_pks: list[int], *, topology_changed: bool = False) -> None:
             log.warning("live push failed: %s", exc)
     if topology_changed:
         signals.topology_changed.send(sender=None, node_ids=[n["node_id"] for n in delta["nodes"]])
-
-
-def ring_doorbell(node_id: str) -> None:
-    """Wake the agent's pending long poll (if any) so it fetches its new command at once."""
-    try:
-        client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=1, socket_timeout=2)
-        with client.pipeline() as pipe:
-            pipe.lpush(doorbell_key(node_id), 1)
-            pipe.expire(doorbell_key(node_id), DOORBELL_TTL_S)
-            pipe.execute()
-    except (redis.RedisError, OSError) as exc:
-        log.warning("doorbell for %s failed (the agent finds the command on its next poll): %s", node_id, exc)
