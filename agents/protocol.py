@@ -31,7 +31,7 @@ This module is pure Python (no Django): the console validates incoming bodies wi
 Transition commands (v1)
 ------------------------
 
-A gear transition (scheduler/transition.py) drives the agents with six command kinds. They are
+A gear transition (scheduler/transition/) drives the agents with six command kinds. They are
 engine-neutral: the simulated agents (agents/sim) and the real daemon (vLLM or the torch
 engine) implement the same meaning. Every command carries `deployment`, `transition_seq` and
 `step` on the envelope; its `key` on the controller side is (deployment, seq, step, attempt,

@@ -12,7 +12,7 @@ What runs is what the controller commanded: agent protocol v1's transition comma
 agents.sim.executor.SimAgents, which carries them out on FleetSim's engines with modelled
 durations (weights over the host link, KV over the node link at the capped bandwidth, replay as
 a prefill on the target) and answers each when it is done; the answer goes back over HTTP with
-the result the controller's executor reads (scheduler/transition.py). FleetSim routes each
+the result the controller's executor reads (scheduler/transition/). FleetSim routes each
 deployment's requests as the controller's routing tables say (GET /agent/v1/routing: weight > 0
 and not frozen). Nothing is served before the first transition brings a plan up: requests wait
 in their deployment's queue and end with an explicit error after `admit_timeout_s` there.
