@@ -149,6 +149,32 @@ class SteadyState:
         interval = plain[1] + share * (mixed[1] - plain[1])
         return max(latency, min(pp, max(1, seqs)) * interval)
 
+    def token_costs_s(self) -> tuple[float, float]:
+        """(seconds per prompt token, seconds per output token) of this plan's time when it runs
+        at its capacity under this shape - what one token of each kind costs (scheduler.pool.twu
+        weighs the tokens engines report by them).
+
+        Colocated: a round at the running cap makes `running_cap` output tokens in the time of a
+        plain decode round, and carries running_cap x prompt / output prompt tokens whose chunks
+        add the rest of the round; so prompt x prefill_s + output x decode_s = 1 / capacity_rps.
+        Disaggregated: each pipeline on its own GPUs - a decode round at the cap for the output
+        tokens, a full prefill chunk's interval for the prompt tokens; the one that saturates
+        first bounds `capacity_rps`. A plan that holds no sequence: (inf, inf)."""
+        if self.running_cap < 1 or self.capacity_rps <= 0:
+            return math.inf, math.inf
+        cap = self.running_cap
+        full = self._round_at(len(self.grid) - 1)
+        if not self.colocated:
+            chunk = self.max_batched_tokens
+            per_chunk = self.prefill_pipe.latency_interval_memo(chunk, max(1, int(chunk // self.prompt)))[1]
+            return per_chunk / chunk, full / cap
+        pipe = self.decode_pipe
+        decode_seqs = int(round(max(1.0, cap / pipe.pp)))
+        latency, interval = pipe.latency_interval_memo(0, 0, 0, decode_seqs, int(decode_seqs * self.context))
+        plain = latency if pipe.pp == 1 else max(latency, min(pipe.pp, cap) * interval)
+        plain = min(plain, full)
+        return (full - plain) / (cap * self.prompt / self.output), plain / cap
+
     def _round_at(self, i: int) -> float:
         """Round time at grid point i."""
         r = self._rounds[i]

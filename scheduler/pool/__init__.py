@@ -1,0 +1,6 @@
+"""Cross-model autoscaling on a shared pool (seed 004): pure functions, no Django, no clock.
+
+    twu.py        token-weighted utilisation from engine reports: per plan, per GPU, per deployment
+    autoscale.py  the scale rule on TWU windows (`scale_signal`) and per-model soft limits
+                  (`admission_shares`)
+"""

@@ -1,0 +1,199 @@
+"""The pool's scale rule on token-weighted utilisation, and per-model soft limits (seed 004 §3.2).
+
+`scale_signal(samples, now_s, deployment)` -> ScaleSignal(direction, reason): OUT when the mean
+TWU (twu.py) of both the short and the long window of the deployment's load window is above the
+high watermark (default 0.85), IN when both are below the low one (default 0.4), HOLD otherwise.
+The seed's text says the same - below 0.4 the GPUs have idle cycles, above 0.85 requests queue -
+while its example config names the threshold under 0.4 "scale up": that contradicts the text,
+and we follow the text.
+
+Hysteresis, as the gearbox has it (scheduler/gearbox.py GearboxConfig):
+  * the windows are the gearbox's (`short_window_s`, `long_window_s`) and both must agree, so one
+    spike does not move the pool;
+  * no signal within the gearbox's cooldown after the deployment's last chosen switch (the long
+    one after two switches within the flap window: `gearbox.cooldown_until`), none for a pinned
+    or emergency deployment, and none on silence (a window without samples holds: missing
+    telemetry is not zero load);
+  * the band itself: `ScaleConfig` requires 2 x low < high, so a scale-in from n >= 2 replicas to
+    n - 1 lands below the high watermark (TWU x n / (n - 1) <= 2 x low) and a scale-out from n to
+    n + 1 lands above the low one (TWU x n / (n + 1) >= high / 2) - neither undoes itself at the
+    next tick;
+  * the gain against cost x `hysteresis` stays the gearbox's: the signal is a trigger, and the
+    gear the control loop scales to is still priced by `gearbox.decide`.
+Replica bounds (the deployment's min/max replicas) turn an OUT at the maximum or an IN at the
+minimum into HOLD, with the reason.
+
+`admission_shares(weights, pool_twu)`: each model's share of the pool's admission. Its weight
+(the seed's example: Phi-3-mini 1.0, Llama-3-8B 2.3, Qwen2-72B 8.7, console settings
+FLEXPIPE_POOL_MODEL_WEIGHTS) is its base share. Above the soft limit (0.8 pool TWU) the weights
+shrink in proportion to how heavy the model is - w_m x (1 - (1 - min_factor) x (w_m / w_max) x
+pressure), pressure rising from 0 at the soft limit to 1 at `full_pressure_twu` - so the
+heaviest model is at 0.6 x its weight at full pressure (the seed's x 0.6 for Qwen2-72B) and the
+light ones hardly move; the shares are renormalised, so lighter models gain what the heavy one
+gives up. Nobody is rejected: a share is never 0, and what a model cannot admit now waits in its
+queue. The seed switches at 0.8 in one step; we ramp, so the shares do not jump back and forth
+as the pool's TWU wanders around 0.8.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scheduler.gearbox import DEFAULT_CONFIG, GearboxConfig, Mode, cooldown_until
+from scheduler.gearbox import Deployment as GearboxDeployment
+
+SEED_004_WEIGHTS: Mapping[str, float] = {"Phi-3-mini": 1.0, "Llama-3-8B": 2.3, "Qwen2-72B": 8.7}
+"""The seed's example soft-limit weights (seed 004 §3.2)."""
+
+
+class Direction(enum.StrEnum):
+    OUT = "out"  # add GPUs / replicas
+    IN = "in"  # give GPUs back
+    HOLD = "hold"
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """Knobs of the scale rule and of the soft limits; defaults from seed 004 §3.2."""
+
+    high_watermark: float = 0.85  # both windows above: scale out
+    low_watermark: float = 0.4  # both windows below: scale in
+    soft_limit_twu: float = 0.8  # pool TWU above which admission shares shrink
+    full_pressure_twu: float = 1.0  # ... and reach their floor here
+    min_weight_factor: float = 0.6  # the heaviest model's weight factor at full pressure
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark < self.high_watermark:
+            raise ValueError(f"low_watermark/high_watermark: need 0 < low < high, got {self.low_watermark}, "
+                             f"{self.high_watermark}")
+        if not 2 * self.low_watermark < self.high_watermark:
+            raise ValueError(f"low_watermark: must be under half the high watermark ({self.high_watermark / 2:g}) so a "
+                             f"scale-in never lands above it; got {self.low_watermark}")
+        if not 0 < self.soft_limit_twu < self.full_pressure_twu:
+            raise ValueError(f"soft_limit_twu: need 0 < soft_limit_twu < full_pressure_twu, got {self.soft_limit_twu}, "
+                             f"{self.full_pressure_twu}")
+        if not 0 < self.min_weight_factor <= 1:
+            raise ValueError(f"min_weight_factor: must be within (0, 1], got {self.min_weight_factor}")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, object], path: str = "pool") -> ScaleConfig:
+        """From settings: known keys only, numbers only; errors name the key."""
+        known = {f for f in cls.__dataclass_fields__}
+        values: dict[str, float] = {}
+        for key, value in raw.items():
+            if key not in known:
+                raise ValueError(f"{path}.{key}: unknown key (known: {', '.join(sorted(known))})")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{path}.{key}: must be a finite number, got {value!r}")
+            values[key] = float(value)
+        return cls(**values)
+
+
+DEFAULT_SCALE = ScaleConfig()
+
+
+@dataclass(frozen=True)
+class TwuSample:
+    """One deployment's TWU over one report interval (twu.deployment_twu)."""
+
+    t_s: float  # end of the interval
+    twu: float
+
+
+@dataclass(frozen=True)
+class ScaleSignal:
+    direction: Direction
+    reason: str
+    short_twu: float | None = None  # mean TWU of the short window (None: no samples)
+    long_twu: float | None = None  # ... of the long window
+
+
+def window_mean(samples: Sequence[TwuSample], now_s: float, window_s: float) -> float | None:
+    """Mean TWU of the samples in (now - window, now]; None if there are none."""
+    chosen = [s.twu for s in samples if now_s - window_s < s.t_s <= now_s]
+    return sum(chosen) / len(chosen) if chosen else None
+
+
+def scale_signal(samples: Sequence[TwuSample], now_s: float, deployment: GearboxDeployment, *,
+                 replicas: int | None = None, min_replicas: int = 0, max_replicas: int | None = None,
+                 config: ScaleConfig = DEFAULT_SCALE, gearbox: GearboxConfig = DEFAULT_CONFIG) -> ScaleSignal:
+    """Whether the deployment should scale out, in or hold now (module docstring)."""
+    short = window_mean(samples, now_s, gearbox.short_window_s)
+    long = window_mean(samples, now_s, gearbox.long_window_s)
+
+    def signal(direction: Direction, reason: str) -> ScaleSignal:
+        return ScaleSignal(direction, reason, short, long)
+
+    if deployment.mode in (Mode.PINNED, Mode.EMERGENCY):
+        return signal(Direction.HOLD, f"{deployment.mode.value}: never scaled automatically")
+    if short is None or long is None:
+        which = "short" if short is None else "long"
+        return signal(Direction.HOLD, f"no TWU samples in the {which} window: silence is not zero load")
+    seen = f"TWU {short:.2f} (short window, {gearbox.short_window_s:.0f} s) and {long:.2f} (long, " \
+           f"{gearbox.long_window_s:.0f} s)"
+    if min(short, long) > config.high_watermark:
+        direction = Direction.OUT
+        why = f"{seen}: both above the high watermark {config.high_watermark:.2f}"
+    elif max(short, long) < config.low_watermark:
+        direction = Direction.IN
+        why = f"{seen}: both below the low watermark {config.low_watermark:.2f}"
+    else:
+        return signal(Direction.HOLD, f"{seen}: not both above {config.high_watermark:.2f} nor both below "
+                                      f"{config.low_watermark:.2f}")
+    until = cooldown_until(deployment, gearbox)
+    if until is not None and now_s < until:
+        return signal(Direction.HOLD, f"{why}; but in the cooldown until t={until:.0f} s")
+    if replicas is not None:
+        if direction is Direction.OUT and max_replicas is not None and replicas >= max_replicas:
+            return signal(Direction.HOLD, f"{why}; but at max_replicas ({max_replicas})")
+        if direction is Direction.IN and replicas <= max(1, min_replicas):
+            return signal(Direction.HOLD, f"{why}; but at min_replicas ({max(1, min_replicas)}; scale to zero "
+                                          "is the idle rule's)")
+    return signal(direction, why)
+
+
+@dataclass(frozen=True)
+class AdmissionShares:
+    shares: Mapping[str, float]  # model -> share of the pool's admission (sums to 1 over models with demand)
+    factors: Mapping[str, float] = field(default_factory=dict)  # model -> the factor its weight was scaled by
+    reason: str = ""
+
+
+def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
+                     demand: Mapping[str, float] | None = None,
+                     config: ScaleConfig = DEFAULT_SCALE) -> AdmissionShares:
+    """Each model's share of the pool's admission under its soft limit (module docstring).
+
+    `demand` (model -> requests waiting or arriving): models with none get no share and theirs
+    goes to the others; a model with demand but no weight is an error naming it. `pool_twu` None
+    (no reports) is no pressure."""
+    for name, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0):
+            raise ValueError(f"weights.{name}: must be a finite number > 0, got {w!r}")
+    models = list(weights) if demand is None else [m for m, d in demand.items() if d > 0]
+    missing = [m for m in models if m not in weights]
+    if missing:
+        raise ValueError(f"weights.{missing[0]}: no soft-limit weight for a model with demand")
+    if not models:
+        return AdmissionShares({}, {}, "no model has demand")
+    heaviest = max(weights[m] for m in models)
+    span = config.full_pressure_twu - config.soft_limit_twu
+    twu = pool_twu if pool_twu is not None and math.isfinite(pool_twu) else 0.0
+    pressure = min(1.0, max(0.0, (twu - config.soft_limit_twu) / span))
+    factors = {m: 1.0 - (1.0 - config.min_weight_factor) * (weights[m] / heaviest) * pressure for m in models}
+    scaled = {m: weights[m] * factors[m] for m in models}
+    total = sum(scaled.values())
+    shares = {m: scaled[m] / total for m in models}
+    if pressure <= 0:
+        reason = f"pool TWU {twu:.2f} within the soft limit {config.soft_limit_twu:.2f}: shares by weight"
+    else:
+        reason = (f"pool TWU {twu:.2f} over the soft limit {config.soft_limit_twu:.2f} (pressure {pressure:.0%}): "
+                  "heavier models' shares shrink, none is refused")
+    return AdmissionShares(shares, factors, reason)
+
+
+__all__ = ["AdmissionShares", "DEFAULT_SCALE", "Direction", "SEED_004_WEIGHTS", "ScaleConfig", "ScaleSignal",
+           "TwuSample", "admission_shares", "scale_signal", "window_mean"]
