@@ -12,7 +12,7 @@ consumer read the current state and send it, so a page never applies a change ou
 Messages (JSON, "type" first):
     snapshot      on connect and on {"type": "resync"}: the whole state (present.overview_state /
                   present.deployment_state)
-    deployments   /ws/gearbox/: every deployment's payload and which GPUs each holds
+    deployments   /ws/gearbox/: every deployment's payload, which GPUs each holds and each GPU's TWU
     fleet         /ws/gearbox/: atomic blocks and left-out GPUs, after a report
     switch        /ws/gearbox/: one transition (summary), as it moves
     deployment    /ws/deployments/<name>/: the deployment and the gears its page draws

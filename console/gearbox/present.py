@@ -34,6 +34,7 @@ from django.utils import timezone
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Transition, TransitionStep
 from console.gearbox.names import GpuNames, distinct, gear_name, load_names, names_from, plan_name, readable
 from scheduler.plan import Gear, Plan
+from scheduler.topology import Snapshot
 from scheduler.transition import STEP_DEFS, Step
 
 SHADOW_STATUSES = ("none", "preparing", "ready", "canary", "promoted", "rolling_back")
@@ -234,6 +235,7 @@ class FleetView:
     excluded: dict[str, str]  # uuid -> why it is in no block
     engines: dict[str, list[dict[str, Any]]]  # plan id -> [latest EngineReport + node, reported_at]
     error: str = ""
+    snapshot: Snapshot | None = None  # what the blocks were partitioned from (None: not built, or invalid)
 
     @property
     def names(self) -> dict[str, str]:
@@ -261,19 +263,21 @@ def fleet_view(now: datetime | None = None, *, with_blocks: bool = True) -> Flee
     block_of: dict[str, str] = {}
     excluded: dict[str, str] = {}
     error = ""
+    snapshot: Snapshot | None = None
     if with_blocks:
         try:
-            part = partition(fleet_snapshot(now))
+            part = partition(snap := fleet_snapshot(now))
         except ValueError as exc:
             error = f"the reports do not make a valid snapshot: {exc}"
         else:
+            snapshot = snap
             blocks = [{"id": b.id, "node": b.node_id, "rack": b.rack, "gpu_model": b.gpu_model,
                        "gpus": list(b.gpu_uuids), "link": b.link_kind,
                        "tp_link_gbps": round(b.tp_link_bytes_per_s * 8 / 1e9, 1),
                        "mem_free_bytes": sum(b.mem_free_bytes)} for b in part.blocks]
             block_of = {u: b.id for b in part.blocks for u in b.gpu_uuids}
             excluded = dict(part.excluded)
-    return FleetView(gpus, blocks, block_of, excluded, engines, error)
+    return FleetView(gpus, blocks, block_of, excluded, engines, error, snapshot)
 
 
 def serving(plan_ids: Iterable[str], fleet: FleetView) -> dict[str, Any] | None:
@@ -412,11 +416,14 @@ class DeploymentContext:
     active: dict[int, Transition]
     pending: dict[int, int]
     versions: dict[int, dict[str, Any]]  # deployment pk -> the version it serves
+    twu: TwuView  # token-weighted utilisation of their plans and GPUs (present_twu.py)
 
     @classmethod
     def load(cls, deployments: Sequence[Deployment], fleet: FleetView | None = None) -> DeploymentContext:
-        return cls(fleet or fleet_view(), active_transitions(deployments), pending_decisions(deployments),
-                   model_versions(deployments))
+        fleet = fleet or fleet_view()
+        active = active_transitions(deployments)
+        return cls(fleet, active, pending_decisions(deployments), model_versions(deployments),
+                   twu_view(deployments, fleet.engines, fleet.snapshot, active))
 
 
 def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any]:
@@ -442,7 +449,7 @@ def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any
         "emergency": emergency_payload(dep, active, names),
         "pending_decision": ctx.pending.get(dep.pk), "last_transition_seq": dep.last_transition_seq,
         "deleting_since": iso(dep.deleting_since),
-        "health": health(dep, active, ctx.fleet, served), "serving": served,
+        "health": health(dep, active, ctx.fleet, served), "serving": served, "twu": ctx.twu.payload(dep),
         "created_at": iso(dep.created_at), "updated_at": iso(dep.updated_at),
     }
 
@@ -607,14 +614,15 @@ def overview_state() -> dict[str, Any]:
     """The Overview's and the Deployments list's gearbox part: deployments, holders, blocks, switches."""
     deps = list(Deployment.objects.order_by("-priority", "name"))
     ctx = DeploymentContext.load(deps)
-    return {"deployments": [deployment_payload(d, ctx) for d in deps],
-            "holders": gpu_holders(deps, ctx.active), "switches": recent_switches(), **fleet_payload(ctx.fleet)}
+    return {"deployments": [deployment_payload(d, ctx) for d in deps], "holders": gpu_holders(deps, ctx.active),
+            "gpu_twu": ctx.twu.gpu_payload(), "switches": recent_switches(), **fleet_payload(ctx.fleet)}
 
 
 def deployments_state(fleet: FleetView | None = None) -> dict[str, Any]:
     deps = list(Deployment.objects.order_by("-priority", "name"))
     ctx = DeploymentContext.load(deps, fleet)
-    return {"deployments": [deployment_payload(d, ctx) for d in deps], "holders": gpu_holders(deps, ctx.active)}
+    return {"deployments": [deployment_payload(d, ctx) for d in deps], "holders": gpu_holders(deps, ctx.active),
+            "gpu_twu": ctx.twu.gpu_payload()}
 
 
 def gears_state(dep: Deployment, fleet: FleetView, active: Transition | None) -> dict[str, Any]:
@@ -669,3 +677,4 @@ def decision_detail(pk: int, fleet: FleetView | None = None) -> dict[str, Any] |
 
 # the decisions' shapes live in present_decisions.py (imported last: it builds on the helpers above)
 from console.gearbox.present_decisions import decision_payload, decisions_with_links  # noqa: E402
+from console.gearbox.present_twu import TwuView, twu_view  # noqa: E402

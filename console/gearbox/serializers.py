@@ -170,6 +170,10 @@ class DeploymentSerializer(PayloadSerializer):
     serving = serializers.JSONField(allow_null=True, help_text=(
         "the engines' latest reports for the routed plans: tokens_per_s, running, waiting (summed), "
         "ttft_p50_ms, ttft_p95_ms, tpot_p95_ms, kv_usage (worst), reported_at"))
+    twu = serializers.JSONField(allow_null=True, help_text=(
+        "token-weighted utilisation over the engines' latest report intervals (scheduler/pool/twu.py): value "
+        "(GPU-weighted over its plans; null: none reported) and plans [{plan_id, twu, prefill, decode}]; null: it "
+        "runs nothing"))
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
 

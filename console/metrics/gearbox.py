@@ -46,6 +46,13 @@ that the console's own evaluation of the rules (console/metrics/alerts.py) needs
                                                                1 - the kv_usage its engine last reported
                                                                (agents/protocol.py EngineReport), for the
                                                                plans of the deployment's current gear
+
+Token-weighted utilisation (scheduler/pool/twu.py; console/gearbox/present_twu.py reads it from the
+engines' latest reports, the same figures the Overview's heatmap and the deployment page show):
+    flexpipe_gpu_twu{gpu, node}                                TWU of each GPU a reporting plan runs on
+                                                               (plans sharing a GPU summed)
+    flexpipe_deployment_twu{deployment}                        GPU-weighted TWU of the deployment's plans;
+                                                               no series while none of them has reported
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ class GearboxCollector(Collector):
         from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
 
         deps = list(Deployment.objects.order_by("name").only(
-            "name", "mode", "current_gear", "routing_version", "last_transition_seq"))
+            "name", "mode", "current_gear", "routing_version", "last_transition_seq", "load_window", "model_name",
+            "model_version"))
         active = {t.deployment_id: t for t in Transition.objects.filter(phase__in=ACTIVE_PHASES)}
         latest_done = dict(Transition.objects.filter(phase="done").values("deployment_id")
                            .annotate(seq=Max("seq")).values_list("deployment_id", "seq"))
@@ -106,6 +114,7 @@ class GearboxCollector(Collector):
                 shadow.add_metric([d.name, s], 1.0 if s == status else 0.0)
         yield from (info, gear, pinned, routing, phase, queue, shadow)
         yield from self._alert_inputs(deps, active)
+        yield from self._twu(deps, active)
         yield self._durations()
         yield from self._decisions(deps)
         yield from self._moved()
@@ -149,6 +158,26 @@ class GearboxCollector(Collector):
         for row in rows:
             ratio.add_metric([row["deployment__name"]], row["late"] / row["n"])
         yield ratio
+
+    def _twu(self, deps: list[Any], active: dict[int, Any]) -> Iterator[Metric]:
+        from console.gearbox import present
+        from console.gearbox.present_twu import twu_view
+
+        fleet = present.fleet_view()
+        view = twu_view(deps, fleet.engines, fleet.snapshot, active)
+        gpus = GaugeMetricFamily("flexpipe_gpu_twu", "Token-weighted utilisation of the GPU: cost-weighted tokens its "
+                                 "plans served over their modelled capacity (plans sharing it summed)",
+                                 labels=["gpu", "node"])
+        for uuid, share in sorted(view.gpus.items()):
+            gpus.add_metric([uuid, str(fleet.gpus.get(uuid, {}).get("node", ""))], share)
+        yield gpus
+        family = GaugeMetricFamily("flexpipe_deployment_twu", "Token-weighted utilisation of the deployment: its "
+                                   "plans' TWU weighted by their GPUs", labels=["deployment"])
+        for d in deps:
+            value = view.deployments.get(d.pk)
+            if value is not None:
+                family.add_metric([d.name], value)
+        yield family
 
     def _kv_free(self, deps: list[Any]) -> Metric:
         from console.fleet.models import Node

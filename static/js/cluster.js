@@ -5,7 +5,7 @@
 // read the gearbox) rows are nodes and columns GPU indexes.
 (function () {
   "use strict";
-  const state = { nodes: {}, gpus: {}, blocks: null, holders: {} };
+  const state = { nodes: {}, gpus: {}, blocks: null, holders: {}, twu: {} };
   const heartbeatTimeout = JSON.parse(document.getElementById("heartbeat-timeout").textContent);
   window.FlexPipe = window.FlexPipe || {};
   window.FlexPipe.cluster = state;
@@ -27,6 +27,9 @@
     render();
   }
 
+  // token-weighted utilisation (scheduler/pool/twu.py): "—" where no plan on the GPU reported
+  function twuText(g) { const v = state.twu[g.uuid]; return v == null ? "—" : v.toFixed(2); }
+
   function holderText(g) {
     const held = state.holders[g.uuid] || [];
     return held.length ? held.map(function (h) { return h.deployment + " " + h.plan + " stage " + h.stage + (h.role === "preparing" ? " (preparing)" : ""); }).join("; ") : "—";
@@ -41,7 +44,7 @@
     return { z: used, text: flag || mark,
              custom: [g.uuid, g.model, gib(g.mem_used_bytes) + " / " + gib(g.mem_total_bytes), pct(g.sm_util),
                       gpuStatus(g, node), g.temperature_c == null ? "?" : g.temperature_c + " °C", where,
-                      holderText(g), g.node_id, g.index] };
+                      holderText(g), g.node_id, g.index, twuText(g)] };
   }
 
   // rows: [{label, gpus: [gpu, ...], where: text}] - by block when known, else by node
@@ -94,7 +97,7 @@
       text: text, texttemplate: "%{text}", customdata: custom, zmin: 0, zmax: 1, xgap: 3, ygap: 3,
       colorscale: "YlOrRd", reversescale: true, colorbar: { title: { text: "memory used" }, tickformat: ".0%" },
       hovertemplate: "<b>%{customdata[8]} · GPU %{customdata[9]}</b><br>%{customdata[1]}<br>memory %{customdata[2]}" +
-                     "<br>utilisation %{customdata[3]}<br>%{customdata[4]}<br>%{customdata[5]}<br>%{customdata[6]}" +
+                     "<br>utilisation %{customdata[3]} · TWU %{customdata[10]}<br>%{customdata[4]}<br>%{customdata[5]}<br>%{customdata[6]}" +
                      "<br>runs: %{customdata[7]}<extra></extra>",
     };
     const el = document.getElementById("heatmap");
@@ -109,10 +112,11 @@
     renderNodes(Object.keys(state.nodes).sort());
   }
 
-  // overview.js hands over the blocks and what runs where, from /ws/gearbox/
-  state.setGearbox = function (blocks, holders) {
+  // overview.js hands over the blocks, what runs where and each GPU's TWU, from /ws/gearbox/
+  state.setGearbox = function (blocks, holders, twu) {
     if (blocks !== undefined) state.blocks = blocks;
     if (holders !== undefined) state.holders = holders || {};
+    if (twu !== undefined) state.twu = twu || {};
     render();
   };
 

@@ -20,6 +20,15 @@
     dl.appendChild(dd);
   }
 
+  // token-weighted utilisation (scheduler/pool/twu.py): the deployment's, then each plan's that reported
+  function twuText(t) {
+    if (!t) return "— (nothing runs)";
+    const plans = t.plans.filter(function (p) { return p.twu != null; }).map(function (p) {
+      return p.plan_id.slice(0, 8) + " " + p.twu.toFixed(2) + (p.prefill !== p.decode ? " (prefill " + p.prefill.toFixed(2) + ", decode " + p.decode.toFixed(2) + ")" : "");
+    });
+    return (t.value == null ? "— (no engine report yet)" : t.value.toFixed(2) + " of the modelled capacity") + (plans.length > 1 ? " · " + plans.join(" · ") : "");
+  }
+
   function renderSummary() {
     const d = state.deployment;
     gb.setPill(document.getElementById("mode"), gb.MODE_PILL[d.mode] || "", "mode: " + d.mode, d.mode);
@@ -39,6 +48,7 @@
     renderEmergency(d.emergency);
     if (d.pending_decision) fact(dl, "Waiting for approval", gb.link(gb.decisionUrl(d.pending_decision), "decision " + d.pending_decision));
     fact(dl, "Routing", "version " + d.routing.version);
+    fact(dl, "TWU", twuText(d.twu));
     const tbody = document.querySelector("#routes tbody");
     tbody.innerHTML = "";
     d.routing.routes.forEach(function (r) {

@@ -32,7 +32,7 @@
       state.deployments = msg.deployments;
       state.switches = {};
       msg.switches.forEach(function (t) { state.switches[t.id] = t; });
-      cluster.setGearbox(blocksOf(msg), msg.holders);
+      cluster.setGearbox(blocksOf(msg), msg.holders, msg.gpu_twu);
       blockError(msg);
       renderDeployments();
       renderSwitches();
@@ -41,7 +41,7 @@
       blockError(msg);
     } else if (msg.type === "deployments") {
       state.deployments = msg.deployments;
-      cluster.setGearbox(undefined, msg.holders);
+      cluster.setGearbox(undefined, msg.holders, msg.gpu_twu);
       renderDeployments();
     } else if (msg.type === "switch") {
       state.switches[msg.transition.id] = msg.transition;

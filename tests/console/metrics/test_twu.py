@@ -1,0 +1,93 @@
+"""Token-weighted utilisation (scheduler/pool/twu.py) from the engines' reports: in /metrics, in the
+Overview heatmap's data and on the deployment page - the same figure, from known token counts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from console.fleet.models import GpuSample
+from console.gearbox import present
+from console.gearbox.models import Deployment
+from console.gearbox.snapshot import fleet_snapshot
+from scheduler.costmodel import PlanProfile, Workload, steady_state
+from scheduler.modelspec import model_spec
+from tests.console.gearbox.ops import BASELINE, World, engine_report, running_deployment
+from tests.console.metrics.test_metrics import scrape
+from tests.console.people import Person
+
+pytestmark = pytest.mark.django_db
+
+WINDOW_S = 15.0
+PLAN = BASELINE.plans[0]  # TP2 on a1 GPUs 0 and 1
+
+
+def report(world: World, **changes: float) -> None:
+    """One report of a1 whose engine counts cover exactly WINDOW_S (its two latest reports apart)."""
+    world.report_engines("a1", replace(engine_report(PLAN.plan_id), **changes))  # type: ignore[arg-type]
+    gpu = PLAN.gpu_uuids[0]
+    newest, previous = GpuSample.objects.filter(gpu__uuid=gpu).order_by("-id")[:2]
+    GpuSample.objects.filter(pk=previous.pk).update(at=newest.at - timedelta(seconds=WINDOW_S))
+
+
+def expected_twu(tokens_per_s: float, arrivals: int, prompt_mean: float, output_mean: float) -> float:
+    """The docstring's formula, by hand: (c_p x prompt tokens + c_d x output tokens) / window."""
+    profile = PlanProfile.build(PLAN, model_spec("Llama-3-8B"), fleet_snapshot(timezone.now()))
+    c_p, c_d = steady_state(profile, Workload(0.0, prompt_mean, output_mean)).token_costs_s()
+    return (c_p * arrivals * prompt_mean + c_d * tokens_per_s * WINDOW_S) / WINDOW_S
+
+
+def test_a_report_with_known_token_counts_gives_the_same_twu_in_metrics_and_on_the_pages(viewer: Person) -> None:
+    world = running_deployment(moved=False)
+    report(world, tokens_per_s=900.0, arrivals=42)  # engine_report: prompts of 410, outputs of 180 tokens
+    want = expected_twu(900.0, 42, 410.0, 180.0)
+    assert 0.01 < want < 1.0
+    m = scrape(viewer.api())
+    assert m[("flexpipe_deployment_twu", (("deployment", "chat"),))] == pytest.approx(want, rel=1e-6)
+    for uuid in PLAN.gpu_uuids:  # each GPU of the plan carries the plan's TWU
+        assert m[("flexpipe_gpu_twu", (("gpu", uuid), ("node", "a1")))] == pytest.approx(want, rel=1e-6)
+    assert not [k for k in m if k[0] == "flexpipe_gpu_twu" and ("gpu", PLAN.gpu_uuids[0]) not in k[1]
+                and ("gpu", PLAN.gpu_uuids[1]) not in k[1]]
+
+    dep = Deployment.objects.get(name="chat")
+    page = present.deployment_state(dep)["deployment"]["twu"]
+    assert page["value"] == pytest.approx(want, abs=1e-4)
+    assert page["plans"] == [{"plan_id": PLAN.plan_id, "twu": page["value"], "prefill": page["value"],
+                              "decode": page["value"]}]
+    heatmap = present.overview_state()["gpu_twu"]
+    assert set(heatmap) == set(PLAN.gpu_uuids)
+    assert all(v == pytest.approx(want, abs=1e-4) for v in heatmap.values())
+
+    # twice the tokens in the same window: twice the TWU; decode tokens weigh more than prompt tokens
+    report(world, tokens_per_s=1800.0, arrivals=84)
+    twice = scrape(viewer.api())[("flexpipe_deployment_twu", (("deployment", "chat"),))]
+    assert twice == pytest.approx(2 * want, rel=1e-6)
+    report(world, tokens_per_s=0.0, arrivals=0)
+    idle = scrape(viewer.api())
+    assert idle[("flexpipe_deployment_twu", (("deployment", "chat"),))] == 0.0
+
+
+def test_a_plan_without_reports_is_unknown_not_idle(viewer: Person) -> None:
+    world = running_deployment(moved=False)
+    world.report_engines("a1")  # a report that carries no engine metrics
+    dep = Deployment.objects.get(name="chat")
+    twu = present.deployment_state(dep)["deployment"]["twu"]
+    assert twu == {"value": None, "plans": [{"plan_id": PLAN.plan_id, "twu": None}]}
+    assert present.overview_state()["gpu_twu"] == {}
+    m = scrape(viewer.api())
+    assert not [k for k in m if k[0] in ("flexpipe_deployment_twu", "flexpipe_gpu_twu")]
+
+
+def test_the_pool_settings_hold_the_seeds_example_and_are_valid() -> None:
+    from django.conf import settings
+
+    from scheduler.pool.autoscale import SEED_004_WEIGHTS, ScaleConfig, admission_shares
+
+    config = ScaleConfig.from_dict(settings.FLEXPIPE_POOL_SCALE)
+    assert (config.high_watermark, config.low_watermark, config.soft_limit_twu) == (0.85, 0.4, 0.8)
+    assert settings.FLEXPIPE_POOL_MODEL_WEIGHTS == SEED_004_WEIGHTS
+    shares = admission_shares(settings.FLEXPIPE_POOL_MODEL_WEIGHTS, 1.0, config=config).shares
+    assert max(shares, key=shares.__getitem__) == "Qwen2-72B" and min(shares.values()) > 0
