@@ -59,12 +59,12 @@ def twu_view(deployments: Sequence[Deployment], engines: Mapping[str, list[dict[
              snapshot: Snapshot | None, active: Mapping[int, Transition], now: datetime | None = None) -> TwuView:
     """TWU per plan, per GPU and per deployment (module docstring). `engines`: FleetView.engines."""
     from console.gearbox.present import parse_gear
-    from console.gearbox.snapshot import load_window
+    from console.gearbox.snapshot import load_window, report_intervals_s
     from console.registry.specs import spec_for
 
     now = now or timezone.now()
     view = TwuView()
-    windows = _windows_s({str(r.get("node")) for reports in engines.values() for r in reports})
+    windows = report_intervals_s({str(r.get("node")) for reports in engines.values() for r in reports})
     for dep in deployments:
         plans: dict[str, Plan] = {}
         t = active.get(dep.pk)
@@ -119,12 +119,6 @@ def _count(value: object) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else 0.0
 
 
-def _windows_s(node_ids: set[str]) -> dict[str, float]:
-    """node id -> seconds its latest engine counts cover (its two latest reports apart)."""
-    from console.fleet.models import Node
-    from console.gearbox.snapshot import _report_interval_s
-
-    return {n.node_id: _report_interval_s(n) for n in Node.objects.filter(node_id__in=node_ids)}
 
 
 __all__ = ["TwuView", "twu_view"]

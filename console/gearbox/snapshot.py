@@ -145,14 +145,37 @@ def load_sample(plan_ids: Iterable[str], now: datetime) -> LoadSample | None:
 
 def _report_interval_s(node: Node) -> float:
     """Seconds between the node's two latest reports (what its `arrivals` counts over)."""
-    gpu = Gpu.objects.filter(node=node, present=True).order_by("index").first()
+    return report_intervals_s([node.node_id])[node.node_id]
+
+
+def report_intervals_s(node_ids: Iterable[str]) -> dict[str, float]:
+    """node id -> seconds between its two latest reports, read from its first present GPU's samples
+    (FLEXPIPE_REPORT_INTERVAL_S while it has fewer than two; at least 0.5 s), in two queries for
+    any number of nodes: what the engines' counts of a node's latest report cover."""
+    from django.db.models import F, Window
+    from django.db.models.functions import RowNumber
+
+    ids = set(node_ids)
     default = float(settings.FLEXPIPE_REPORT_INTERVAL_S)
-    if gpu is None:
-        return default
-    times = list(GpuSample.objects.filter(gpu=gpu).order_by("-id").values_list("at", flat=True)[:2])
-    if len(times) < 2:
-        return default
-    return max(0.5, (times[0] - times[1]).total_seconds())
+    out = dict.fromkeys(ids, default)
+    first: dict[int, str] = {}  # gpu pk -> its node: the present GPU of the lowest index of each node
+    placed: set[str] = set()
+    for pk, node_id in (Gpu.objects.filter(node__node_id__in=ids, present=True)
+                        .order_by("node__node_id", "index").values_list("pk", "node__node_id")):
+        if node_id in out and node_id not in placed:
+            first[pk] = node_id
+            placed.add(node_id)
+    times: dict[int, list[datetime]] = {}
+    newest = Window(RowNumber(), partition_by=[F("gpu_id")], order_by=F("id").desc())
+    for gpu_id, at in (GpuSample.objects.filter(gpu_id__in=first).annotate(newest=newest).filter(newest__lte=2)
+                       .order_by("gpu_id", "-id").values_list("gpu_id", "at")):
+        times.setdefault(gpu_id, []).append(at)
+    for gpu_id, node_id in first.items():
+        got = times.get(gpu_id, [])
+        if len(got) >= 2:
+            out[node_id] = max(0.5, (got[0] - got[1]).total_seconds())
+    return out
 
 
-__all__ = ["KEEP_LOAD_S", "decision_snapshot", "fleet_snapshot", "gear_gpus", "load_sample", "load_window"]
+__all__ = ["KEEP_LOAD_S", "decision_snapshot", "fleet_snapshot", "gear_gpus", "load_sample", "load_window",
+           "report_intervals_s"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -91,3 +92,17 @@ def test_the_pool_settings_hold_the_seeds_example_and_are_valid() -> None:
     assert settings.FLEXPIPE_POOL_MODEL_WEIGHTS == SEED_004_WEIGHTS
     shares = admission_shares(settings.FLEXPIPE_POOL_MODEL_WEIGHTS, 1.0, config=config).shares
     assert max(shares, key=shares.__getitem__) == "Qwen2-72B" and min(shares.values()) > 0
+
+
+def test_report_intervals_are_each_nodes_two_latest_reports_apart(settings: Any) -> None:
+    from console.gearbox.snapshot import report_intervals_s
+    from tests.console.gearbox.harness import enroll_fleet, uuid
+
+    settings.FLEXPIPE_REPORT_INTERVAL_S = 15
+    rep = enroll_fleet({"a1": "A", "b1": "B", "c1": "C"}, gpus=2)  # one report each
+    rep.report("a1", 2)
+    rep.report("b1", 2)
+    for node_id, apart_s in (("a1", 7.5), ("b1", 0.1)):
+        newest, previous = GpuSample.objects.filter(gpu__uuid=uuid(node_id, 0)).order_by("-id")[:2]
+        GpuSample.objects.filter(pk=previous.pk).update(at=newest.at - timedelta(seconds=apart_s))
+    assert report_intervals_s(["a1", "b1", "c1", "nobody"]) == {"a1": 7.5, "b1": 0.5, "c1": 15.0, "nobody": 15.0}
