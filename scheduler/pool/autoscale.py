@@ -3,6 +3,8 @@
 `scale_signal(samples, now_s, deployment)` -> ScaleSignal(direction, reason): OUT when the mean
 TWU (twu.py) of both the short and the long window of the deployment's load window is above the
 high watermark (default 0.85), IN when both are below the low one (default 0.4), HOLD otherwise.
+The samples are one deployment's TWU per report interval - recorded by the caller, or derived from
+its load window by `load_twu_samples`.
 The seed's text says the same - below 0.4 the GPUs have idle cycles, above 0.85 requests queue -
 while its example config names the threshold under 0.4 "scale up": that contradicts the text,
 and we follow the text.
@@ -42,8 +44,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.gearbox import DEFAULT_CONFIG, GearboxConfig, Mode, cooldown_until
+from scheduler.gearbox import DEFAULT_CONFIG, GearboxConfig, LoadWindow, Mode, cooldown_until
 from scheduler.gearbox import Deployment as GearboxDeployment
+from scheduler.plan import Gear
+from scheduler.pool.twu import PlanTokens, PlanTwu, TokenCosts, deployment_twu, plan_twu
 
 SEED_004_WEIGHTS: Mapping[str, float] = {"Phi-3-mini": 1.0, "Llama-3-8B": 2.3, "Qwen2-72B": 8.7}
 """The seed's example soft-limit weights (seed 004 §3.2)."""
@@ -109,6 +113,32 @@ class ScaleSignal:
     reason: str
     short_twu: float | None = None  # mean TWU of the short window (None: no samples)
     long_twu: float | None = None  # ... of the long window
+
+
+def load_twu_samples(window: LoadWindow, gear: Gear, costs: Mapping[str, TokenCosts]) -> tuple[TwuSample, ...]:
+    """TWU samples from a deployment's load window, for a control loop that keeps no TWU history of
+    its own: each LoadSample (arrivals per second and the request shape, from the same engine
+    reports) split over the gear's plans by routing weight, as tokens over one second - rate x
+    prompt mean prompt tokens and rate x output mean output tokens per plan, priced by `costs`
+    (plan id -> TokenCosts; twu.deployment_twu over the plans). That is the *offered* TWU: equal to
+    the served one in steady state, above it (and above 1) while a queue grows - which is what the
+    scale rule should see then. Its backlog is not counted (the gearbox adds it to the rate; the
+    scale rule waits for the windows instead). A plan without costs leaves the sample out."""
+    out: list[TwuSample] = []
+    for s in window.samples:
+        plans: list[PlanTwu | None] = []
+        for plan, weight in zip(gear.plans, gear.weights, strict=True):
+            c = costs.get(plan.plan_id)
+            if c is None:
+                plans = []
+                break
+            rate = s.rate_rps * weight
+            plans.append(plan_twu(plan, c, PlanTokens(plan.plan_id, 1.0, rate * s.prompt_tokens_mean,
+                                                      rate * s.output_tokens_mean)))
+        value = deployment_twu(plans) if plans else None
+        if value is not None:
+            out.append(TwuSample(s.t_s, value))
+    return tuple(out)
 
 
 def window_mean(samples: Sequence[TwuSample], now_s: float, window_s: float) -> float | None:
@@ -196,4 +226,4 @@ def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
 
 
 __all__ = ["AdmissionShares", "DEFAULT_SCALE", "Direction", "SEED_004_WEIGHTS", "ScaleConfig", "ScaleSignal",
-           "TwuSample", "admission_shares", "scale_signal", "window_mean"]
+           "TwuSample", "admission_shares", "load_twu_samples", "scale_signal", "window_mean"]

@@ -114,3 +114,31 @@ def test_models_without_demand_give_their_share_away_and_unknown_ones_are_named(
     with pytest.raises(ValueError, match="weights.x"):
         admission_shares({"x": 0.0}, 0.5)
     assert admission_shares(SEED_004_WEIGHTS, None).shares == admission_shares(SEED_004_WEIGHTS, 0.0).shares
+
+
+def test_a_load_window_at_the_gears_capacity_reads_as_twu_one_and_drives_the_rule() -> None:
+    from scheduler.costmodel import PlanProfile, Workload, steady_state
+    from scheduler.gearbox import LoadSample, LoadWindow
+    from scheduler.modelspec import model_spec
+    from scheduler.plan import Gear
+    from scheduler.pool.autoscale import load_twu_samples
+    from scheduler.pool.twu import TokenCosts
+    from tests.scheduler.builders import NodeSpec, make_fleet, tp_plan
+
+    m8 = model_spec("Llama-3-8B")
+    snap = make_fleet([NodeSpec("a1")])
+    a, b = tp_plan(m8, ["a1-g0"], 100_000), tp_plan(m8, ["a1-g1", "a1-g2"], 200_000)
+    shape = Workload(0.0, 512.0, 200.0)
+    states = {p.plan_id: steady_state(PlanProfile.build(p, m8, snap), shape) for p in (a, b)}
+    caps = [states[p.plan_id].capacity_rps for p in (a, b)]
+    gear = Gear(m8.name, (a, b), (caps[0] / sum(caps), caps[1] / sum(caps)))  # split by capacity
+    costs = {p.plan_id: TokenCosts.of(PlanProfile.build(p, m8, snap), shape) for p in (a, b)}
+    st = states[a.plan_id]
+    full = sum(caps)
+    window = LoadWindow(tuple(LoadSample(NOW - 300 + 15 * i, full * f, st.prompt, st.output)
+                              for i, f in enumerate([0.9] * 16 + [1.0] * 4, start=1)))
+    samples = load_twu_samples(window, gear, costs)
+    assert len(samples) == 20 and samples[-1].twu == pytest.approx(1.0, rel=1e-6)
+    assert samples[0].twu == pytest.approx(0.9, rel=1e-6)
+    assert scale_signal(samples, NOW, DEP).direction is Direction.OUT
+    assert load_twu_samples(window, gear, {a.plan_id: costs[a.plan_id]}) == ()  # a plan without costs: unknown
