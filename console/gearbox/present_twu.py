@@ -30,6 +30,7 @@ from scheduler.topology import Snapshot
 log = logging.getLogger(__name__)
 
 DEFAULT_SHAPE = (512.0, 128.0)  # prompt / output tokens where nothing says (snapshot.load_sample's defaults)
+MAX_MEAN_TOKENS = 10_000_000.0  # a mean length beyond any context window is a broken report, not a shape
 
 
 @dataclass
@@ -84,14 +85,14 @@ def twu_view(deployments: Sequence[Deployment], engines: Mapping[str, list[dict[
         for plan_id, plan in plans.items():
             reports = engines.get(plan_id, [])
             window_s = max((windows.get(str(r.get("node")), 0.0) for r in reports), default=0.0)
-            tokens = PlanTokens.from_reports(plan_id, reports, window_s) if window_s > 0 else None
             twu = None
-            if tokens is not None and spec is not None and snapshot is not None:
-                try:
+            try:  # (reports whose counts overflow, a GPU no longer in the snapshot: unknown, not an error page)
+                tokens = PlanTokens.from_reports(plan_id, reports, window_s) if window_s > 0 else None
+                if tokens is not None and spec is not None and snapshot is not None:
                     profile = PlanProfile.build(plan, spec, snapshot)
                     twu = plan_twu(plan, TokenCosts.of(profile, _shape(reports, fallback)), tokens)
-                except (ValueError, KeyError) as exc:  # a GPU no longer in the snapshot: unknown
-                    log.debug("twu: plan %s of %s not priced: %s", plan_id, dep.name, exc)
+            except (ValueError, KeyError, OverflowError) as exc:
+                log.debug("twu: plan %s of %s not priced: %s", plan_id, dep.name, exc)
             if twu is not None:
                 view.plans[plan_id] = twu
             values.append(twu)
@@ -106,9 +107,9 @@ def _shape(reports: Sequence[Mapping[str, Any]], fallback: Workload | None) -> W
     for r in reports:
         n, f = _count(r.get("arrivals")), _count(r.get("finished"))
         p, o = r.get("prompt_tokens_mean"), r.get("output_tokens_mean")
-        if n and isinstance(p, int | float) and p >= 1:
+        if n and isinstance(p, int | float) and 1 <= p <= MAX_MEAN_TOKENS:
             prompt_w, prompt = prompt_w + n, prompt + n * float(p)
-        if f and isinstance(o, int | float) and o >= 1:
+        if f and isinstance(o, int | float) and 1 <= o <= MAX_MEAN_TOKENS:
             output_w, output = output_w + f, output + f * float(o)
     base_p, base_o = ((fallback.prompt_tokens_mean, fallback.output_tokens_mean) if fallback is not None
                       else DEFAULT_SHAPE)

@@ -106,3 +106,19 @@ def test_report_intervals_are_each_nodes_two_latest_reports_apart(settings: Any)
         newest, previous = GpuSample.objects.filter(gpu__uuid=uuid(node_id, 0)).order_by("-id")[:2]
         GpuSample.objects.filter(pk=previous.pk).update(at=newest.at - timedelta(seconds=apart_s))
     assert report_intervals_s(["a1", "b1", "c1", "nobody"]) == {"a1": 7.5, "b1": 0.5, "c1": 15.0, "nobody": 15.0}
+
+
+def test_a_report_with_absurd_counts_leaves_the_twu_unknown_and_the_page_up() -> None:
+    from console.gearbox.present_twu import twu_view
+    from scheduler.plan import Gear, Plan, Stage
+    from tests.scheduler.builders import NodeSpec, make_fleet
+
+    snap = make_fleet([NodeSpec("n1", gpus=2)])
+    m8 = model_spec("Llama-3-8B")
+    plan = Plan(m8.name, "colocated", (Stage(0, m8.num_layers, ("n1-g0",)),), kv_reserve_tokens=100_000)
+    dep = Deployment(pk=1, name="x", model_name=m8.name, current_gear=Gear(m8.name, (plan,), (1.0,)).to_dict())
+    sane = {"plan_id": plan.plan_id, "node": "n1", "tokens_per_s": 100.0, "arrivals": 10, "prompt_tokens_mean": 500.0}
+    broken = {**sane, "arrivals": 10**18, "prompt_tokens_mean": 1e308}
+    assert twu_view([dep], {plan.plan_id: [sane]}, snap, {}).deployments[1] is not None
+    view = twu_view([dep], {plan.plan_id: [broken]}, snap, {})
+    assert view.deployments[1] is None and view.gpus == {}
