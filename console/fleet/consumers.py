@@ -1,4 +1,5 @@
-"""Websocket: the live cluster view. A full snapshot on connect, then deltas as reports commit."""
+"""Websocket: the live cluster view. A full snapshot on connect, then deltas as reports commit (merged,
+at most every FLEXPIPE_PUSH_MIN_INTERVAL_S: console/dashboard/coalesce.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 
+from console.dashboard.coalesce import Coalescer, Merged
 from console.dashboard.consumers import LiveConsumer
 from console.fleet import live
 
@@ -19,5 +21,15 @@ class ClusterConsumer(LiveConsumer):
         state = await database_sync_to_async(live.cluster_state)()
         await self.send_json({"type": "snapshot", **state})
 
+    _push: Coalescer | None = None
+
     async def cluster_delta(self, event: dict[str, Any]) -> None:
-        await self.send_json({"type": "delta", **event["delta"]})
+        # Deltas are merged per node and GPU and sent at most every FLEXPIPE_PUSH_MIN_INTERVAL_S.
+        if self._push is None:
+            self._merged = Merged()
+            self._push = self.coalesced(self._send_merged)
+        self._merged.add(event["delta"])
+        self._push.poke()
+
+    async def _send_merged(self) -> None:
+        await self.send_json({"type": "delta", **self._merged.take()})

@@ -67,3 +67,33 @@ async def test_a_refused_report_pushes_nothing(django_user_model: Any) -> None:
         assert await comm.receive_nothing(timeout=0.5)
     finally:
         await comm.disconnect()
+
+
+async def test_a_burst_of_reports_is_coalesced_and_the_last_state_arrives(django_user_model: Any, settings: Any) -> None:
+    """Issue 19: thirty reports in a row reach the heatmap as a few merged deltas - never more than one
+    per FLEXPIPE_PUSH_MIN_INTERVAL_S (+ the first, at once) - and the last one carries the last state."""
+    import time
+
+    settings.FLEXPIPE_PUSH_MIN_INTERVAL_S = 0.5
+    user = (await sync_to_async(make_person)("ops", "viewer")).user
+    agent = await sync_to_async(enroll)(Client(), "a1", gpus=2)
+    comm = await _connect(user)
+    await comm.connect()
+    try:
+        await comm.receive_json_from(timeout=5)  # the snapshot
+        t0 = time.monotonic()
+        for seq in range(1, 31):
+            body = report_body(seq=seq, gpus=2, used_gib=seq)
+            assert (await sync_to_async(agent.post)("/agent/v1/report", body)).status_code == 200
+        deltas = []
+        while True:  # until the last state arrives (the wait is on a condition; the timeout only guards a hang)
+            deltas.append(await comm.receive_json_from(timeout=30))
+            used = {g["uuid"]: g["mem_used_bytes"] for d in deltas for g in d["gpus"]}
+            if used.get("GPU-a1-0") == 30 * GIB:
+                break
+        elapsed = time.monotonic() - t0
+        assert all(d["type"] == "delta" for d in deltas)
+        assert len(deltas) <= elapsed / 0.5 + 2
+        assert used == {"GPU-a1-0": 30 * GIB, "GPU-a1-1": 30 * GIB}
+    finally:
+        await comm.disconnect()
