@@ -50,8 +50,9 @@ def gpu_payload(gpu: Any) -> dict[str, Any]:
     }
 
 
-def cluster_state(node_pks: list[int] | None = None) -> dict[str, Any]:
-    """The whole cluster (or the given nodes) as the dashboard draws it."""
+def cluster_state(node_pks: list[int] | None = None, gpu_pks: list[int] | None = None) -> dict[str, Any]:
+    """The whole cluster (or the given nodes; of their GPUs only `gpu_pks`, when given) as the
+    dashboard draws it."""
     from console.fleet.models import Gpu, Node
 
     nodes = Node.objects.all()
@@ -59,14 +60,17 @@ def cluster_state(node_pks: list[int] | None = None) -> dict[str, Any]:
     if node_pks is not None:
         nodes = nodes.filter(pk__in=node_pks)
         gpus = gpus.filter(node__pk__in=node_pks)
-    return {"nodes": [node_payload(n) for n in nodes], "gpus": [gpu_payload(g) for g in gpus]}
+    if gpu_pks is not None:
+        gpus = gpus.filter(pk__in=gpu_pks)
+    return {"nodes": [node_payload(n) for n in nodes], "gpus": [gpu_payload(g) for g in gpus] if gpu_pks != [] else []}
 
 
-def push_nodes(node_pks: list[int], *, topology_changed: bool = False) -> None:
-    """Send the new state of these nodes to every dashboard, and tell the gearbox if GPUs moved."""
+def push_nodes(node_pks: list[int], *, topology_changed: bool = False, gpu_pks: list[int] | None = None) -> None:
+    """Send the new state of these nodes to every dashboard, and tell the gearbox if GPUs moved.
+    A report passes the GPUs it changed (`gpu_pks`): the others are as the dashboards have them."""
     if not node_pks:
         return
-    delta = cluster_state(node_pks)
+    delta = cluster_state(node_pks, gpu_pks)
     layer = get_channel_layer()
     if layer is not None:
         try:

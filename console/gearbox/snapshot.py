@@ -24,7 +24,7 @@ from datetime import datetime
 from django.conf import settings
 
 from console.fleet import links
-from console.fleet.models import Gpu, GpuSample, Node
+from console.fleet.models import Gpu, Node
 from scheduler.capabilities import EngineCaps
 from scheduler.gearbox import LoadSample, LoadWindow
 from scheduler.hardware import CATALOG, GpuSpec
@@ -57,7 +57,8 @@ def fleet_snapshot(now: datetime) -> Snapshot:
             mem_used_bytes=min(used, g.mem_total_bytes), sm_util=g.sm_util or 0.0,
             temperature_c=g.temperature_c or 0.0, healthy=g.healthy, schedulable=g.allocatable,
             nvlink_group=g.nvlink_group or None, xid_errors=g.xid_errors, ecc_errors=g.ecc_errors,
-            last_seen_s=g.updated_at.timestamp() if g.updated_at else 0.0))
+            # every report covers all of its node's GPUs (a delta one lists the changed ones only)
+            last_seen_s=g.node.reported_at.timestamp() if g.node.reported_at else 0.0))
     known = {n.node_id for n in nodes}
     intra, inter = links.defaults()
     snap = Snapshot(now_s=now.timestamp(), nodes=node_states, gpus=tuple(gpu_states),
@@ -145,35 +146,23 @@ def load_sample(plan_ids: Iterable[str], now: datetime) -> LoadSample | None:
 
 def _report_interval_s(node: Node) -> float:
     """Seconds between the node's two latest reports (what its `arrivals` counts over)."""
-    return report_intervals_s([node.node_id])[node.node_id]
+    if node.reported_at is None or node.prev_reported_at is None:
+        return float(settings.FLEXPIPE_REPORT_INTERVAL_S)
+    return max(0.5, (node.reported_at - node.prev_reported_at).total_seconds())
 
 
 def report_intervals_s(node_ids: Iterable[str]) -> dict[str, float]:
-    """node id -> seconds between its two latest reports, read from its first present GPU's samples
-    (FLEXPIPE_REPORT_INTERVAL_S while it has fewer than two; at least 0.5 s), in two queries for
-    any number of nodes: what the engines' counts of a node's latest report cover."""
-    from django.db.models import F, Window
-    from django.db.models.functions import RowNumber
-
+    """node id -> seconds between its two latest reports (FLEXPIPE_REPORT_INTERVAL_S while it has
+    fewer than two; at least 0.5 s), in one query for any number of nodes: what the engines' counts
+    of a node's latest report cover. A report repeating its GPUs' state writes no sample, so this
+    reads the node's own report times (reported_at, prev_reported_at)."""
     ids = set(node_ids)
     default = float(settings.FLEXPIPE_REPORT_INTERVAL_S)
     out = dict.fromkeys(ids, default)
-    first: dict[int, str] = {}  # gpu pk -> its node: the present GPU of the lowest index of each node
-    placed: set[str] = set()
-    for pk, node_id in (Gpu.objects.filter(node__node_id__in=ids, present=True)
-                        .order_by("node__node_id", "index").values_list("pk", "node__node_id")):
-        if node_id in out and node_id not in placed:
-            first[pk] = node_id
-            placed.add(node_id)
-    times: dict[int, list[datetime]] = {}
-    newest = Window(RowNumber(), partition_by=[F("gpu_id")], order_by=F("id").desc())
-    for gpu_id, at in (GpuSample.objects.filter(gpu_id__in=first).annotate(newest=newest).filter(newest__lte=2)
-                       .order_by("gpu_id", "-id").values_list("gpu_id", "at")):
-        times.setdefault(gpu_id, []).append(at)
-    for gpu_id, node_id in first.items():
-        got = times.get(gpu_id, [])
-        if len(got) >= 2:
-            out[node_id] = max(0.5, (got[0] - got[1]).total_seconds())
+    for node_id, last, prev in (Node.objects.filter(node_id__in=ids)
+                                .values_list("node_id", "reported_at", "prev_reported_at")):
+        if last is not None and prev is not None:
+            out[node_id] = max(0.5, (last - prev).total_seconds())
     return out
 
 
