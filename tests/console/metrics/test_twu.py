@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from console.fleet.models import GpuSample
+from console.fleet.models import Node
 from console.gearbox import present
 from console.gearbox.models import Deployment
 from console.gearbox.snapshot import fleet_snapshot
@@ -29,9 +29,8 @@ PLAN = BASELINE.plans[0]  # TP2 on a1 GPUs 0 and 1
 def report(world: World, **changes: float) -> None:
     """One report of a1 whose engine counts cover exactly WINDOW_S (its two latest reports apart)."""
     world.report_engines("a1", replace(engine_report(PLAN.plan_id), **changes))  # type: ignore[arg-type]
-    gpu = PLAN.gpu_uuids[0]
-    newest, previous = GpuSample.objects.filter(gpu__uuid=gpu).order_by("-id")[:2]
-    GpuSample.objects.filter(pk=previous.pk).update(at=newest.at - timedelta(seconds=WINDOW_S))
+    node = Node.objects.get(node_id="a1")
+    Node.objects.filter(pk=node.pk).update(prev_reported_at=node.reported_at - timedelta(seconds=WINDOW_S))
 
 
 def expected_twu(tokens_per_s: float, arrivals: int, prompt_mean: float, output_mean: float) -> float:
@@ -96,15 +95,16 @@ def test_the_pool_settings_hold_the_seeds_example_and_are_valid() -> None:
 
 def test_report_intervals_are_each_nodes_two_latest_reports_apart(settings: Any) -> None:
     from console.gearbox.snapshot import report_intervals_s
-    from tests.console.gearbox.harness import enroll_fleet, uuid
+    from tests.console.gearbox.harness import enroll_fleet
 
     settings.FLEXPIPE_REPORT_INTERVAL_S = 15
     rep = enroll_fleet({"a1": "A", "b1": "B", "c1": "C"}, gpus=2)  # one report each
     rep.report("a1", 2)
     rep.report("b1", 2)
     for node_id, apart_s in (("a1", 7.5), ("b1", 0.1)):
-        newest, previous = GpuSample.objects.filter(gpu__uuid=uuid(node_id, 0)).order_by("-id")[:2]
-        GpuSample.objects.filter(pk=previous.pk).update(at=newest.at - timedelta(seconds=apart_s))
+        node = Node.objects.get(node_id=node_id)
+        assert node.prev_reported_at is not None  # two reports: the enrolment's and this one
+        Node.objects.filter(pk=node.pk).update(prev_reported_at=node.reported_at - timedelta(seconds=apart_s))
     assert report_intervals_s(["a1", "b1", "c1", "nobody"]) == {"a1": 7.5, "b1": 0.5, "c1": 15.0, "nobody": 15.0}
 
 
