@@ -253,8 +253,16 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
             topology_changed = True
             record("fleet.node_schedulable", actor=actor_of(agent=node.node_id), at=now,
                    summary=f"{node.node_id} reports again: schedulable")
-    pushed = [g.pk for g in changed]
-    transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=topology_changed, gpu_pks=pushed))
+    # The live delta from what is in memory - no reading back - sent by the process's pusher thread
+    # (console/fleet/pusher.py) once this commits; the gearbox hears of a topology change at once.
+    node.last_seq, node.last_seen_at, node.reported_at = report.seq, now, now
+    node.engines = [e.__dict__ for e in report.engines]
+    if not was_schedulable and topology_changed:
+        node.schedulable, node.unschedulable_reason = True, ""
+    for row in changed:
+        row.node = node
+    delta = {"nodes": [live.node_payload(node)], "gpus": [live.gpu_payload(row) for row in changed]}
+    transaction.on_commit(lambda: live.push_report(delta, node_id=node.node_id, topology_changed=topology_changed))
     return report.seq
 
 

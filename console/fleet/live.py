@@ -50,9 +50,8 @@ def gpu_payload(gpu: Any) -> dict[str, Any]:
     }
 
 
-def cluster_state(node_pks: list[int] | None = None, gpu_pks: list[int] | None = None) -> dict[str, Any]:
-    """The whole cluster (or the given nodes; of their GPUs only `gpu_pks`, when given) as the
-    dashboard draws it."""
+def cluster_state(node_pks: list[int] | None = None) -> dict[str, Any]:
+    """The whole cluster (or the given nodes) as the dashboard draws it."""
     from console.fleet.models import Gpu, Node
 
     nodes = Node.objects.all()
@@ -60,17 +59,24 @@ def cluster_state(node_pks: list[int] | None = None, gpu_pks: list[int] | None =
     if node_pks is not None:
         nodes = nodes.filter(pk__in=node_pks)
         gpus = gpus.filter(node__pk__in=node_pks)
-    if gpu_pks is not None:
-        gpus = gpus.filter(pk__in=gpu_pks)
-    return {"nodes": [node_payload(n) for n in nodes], "gpus": [gpu_payload(g) for g in gpus] if gpu_pks != [] else []}
+    return {"nodes": [node_payload(n) for n in nodes], "gpus": [gpu_payload(g) for g in gpus]}
 
 
-def push_nodes(node_pks: list[int], *, topology_changed: bool = False, gpu_pks: list[int] | None = None) -> None:
-    """Send the new state of these nodes to every dashboard, and tell the gearbox if GPUs moved.
-    A report passes the GPUs it changed (`gpu_pks`): the others are as the dashboards have them."""
+def push_report(delta: dict[str, Any], *, node_id: str, topology_changed: bool) -> None:
+    """A committed report's delta to every dashboard (through the process's pusher thread), and the
+    gearbox told at once when its GPUs moved."""
+    from console.fleet import pusher
+
+    pusher.enqueue(delta)
+    if topology_changed:
+        signals.topology_changed.send(sender=None, node_ids=[node_id])
+
+
+def push_nodes(node_pks: list[int], *, topology_changed: bool = False) -> None:
+    """Send the new state of these nodes to every dashboard, and tell the gearbox if GPUs moved."""
     if not node_pks:
         return
-    delta = cluster_state(node_pks, gpu_pks)
+    delta = cluster_state(node_pks)
     layer = get_channel_layer()
     if layer is not None:
         try:
