@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from agents.protocol import EngineReport
+from agents.sim import seqlog
 from agents.sim.cluster import FAILED, TENANT, US, Change, SimCluster
 from agents.sim.engine import (
     KIND_ARRIVAL,
@@ -167,6 +168,8 @@ class EngineHost(Protocol):
     def failed(self, req: Request, t: float, reason: str) -> list[Event]: ...
 
     def pipe_idle(self, engine: PlanEngine, t: float) -> list[Event]: ...
+
+    def owns(self, req: Request, engine: PlanEngine) -> None: ...
 
 
 @dataclass
@@ -470,6 +473,8 @@ class FleetSim:
             req.pipe = None
             req.engine_id = 0
             dep.pending.append(req)
+            if self.events is not None:
+                seqlog.unowned(self.events, req, t)
             return []
         if new:
             engine.rep_arrivals += 1
@@ -500,8 +505,10 @@ class FleetSim:
         req.finish_s = t
         req.pipe = None
         del self.in_system[req.rid]
+        engine = self.engines.get(req.engine_id)
         if self.events is not None:
-            self.events.add(LogEvent(t, "seq_finished", deployment=req.deployment, seq_id=str(req.rid)))
+            self.events.add(LogEvent(t, "seq_finished", deployment=req.deployment, seq_id=str(req.rid),
+                                     plan_id=engine.plan.plan_id if engine is not None else ""))
         first = req.first_token_s if req.first_token_s is not None else t
         self.recorder.finished(req.deployment, req.arrival_s, first, t, req.output, req.replays, req.prompt)
         self.preemptions += req.preemptions
@@ -509,7 +516,6 @@ class FleetSim:
         dep.win_finished += 1
         dep.win_output += req.output
         dep.win_output_sq += req.output * req.output
-        engine = self.engines.get(req.engine_id)
         if engine is not None:
             engine.rep_finished += 1
             engine.rep_ttft.append(first - req.arrival_s)
@@ -531,6 +537,16 @@ class FleetSim:
         if self.events is not None:
             self.events.add(LogEvent(t, "seq_failed", deployment=req.deployment, seq_id=str(req.rid),
                                      detail=reason))
+
+    def owns(self, req: Request, engine: PlanEngine) -> None:
+        """`req` arrives on `engine`: the per-sequence log records who owns it (agents/sim/seqlog.py)."""
+        if self.events is not None:
+            seqlog.owns(self.events, req, engine, self.now_s, self._plan_nodes(engine.plan)[0])
+
+    def paused(self, req: Request, boundary: str) -> None:
+        """`req` was taken off its pipe at a safe boundary (`decode_end` | `idle`) to be handed over."""
+        if self.events is not None:
+            seqlog.paused(self.events, req, self.now_s, boundary)
 
     def pipe_idle(self, engine: PlanEngine, t: float) -> list[Event]:
         if engine.release_when_empty and engine.empty() and engine.state == "serving":
@@ -749,6 +765,7 @@ class FleetSim:
             queued = list(pipe.waiting)
             pipe.waiting.clear()
             for req in queued:
+                self.paused(req, "idle")
                 out += self._dispatch(dep, req, t)
         if mode == "move":
             for pipe in engine.pipes:
@@ -771,8 +788,13 @@ class FleetSim:
         def hand(pipe: Pipe, t: float) -> list[Event]:
             out: list[Event] = []
             taken = pipe.take_running(keep)
-            taken += list(pipe.waiting)
+            for req in taken:
+                self.paused(req, "decode_end")  # the round in flight ended: a safe boundary
+            queued = list(pipe.waiting)
             pipe.waiting.clear()
+            for req in queued:
+                self.paused(req, "idle")
+            taken += queued
             if record is not None:
                 record.stayed += len(pipe.running)
             for req in taken:
