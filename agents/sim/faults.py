@@ -15,6 +15,7 @@ feed - applies them:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -56,6 +57,17 @@ def take_fault(faults: list[Fault], cmd: CommandIntent) -> Fault | None:
     return None
 
 
+def through_fault(fault: Fault | None, cmd: CommandIntent, ok: bool, detail: str,
+                  result: Mapping[str, object]) -> tuple[bool, str, dict[str, object]] | None:
+    """The answer to `cmd` as its fault makes it: None when it hangs (never answered); a failure
+    with the fault's reason in place of a success when it fails; else unchanged."""
+    if fault is not None and fault.action == "hang":
+        return None
+    if fault is not None and fault.action == "fail" and ok:
+        return False, f"injected failure of {cmd.kind.value}", {"reason": fault.reason or "failed"}
+    return ok, detail, dict(result)
+
+
 def lost_gpus(fault: Fault, plan_gpus: list[str], node_gpus: list[str]) -> list[str]:
     """The GPUs a lose_gpus fault takes: its `uuids`, else the first `gpus` of the command's plan on
     the node (all of them with 0), else - a command naming no plan there - every GPU of the node."""
@@ -65,4 +77,4 @@ def lost_gpus(fault: Fault, plan_gpus: list[str], node_gpus: list[str]) -> list[
     return gpus[:fault.gpus] if fault.gpus else gpus
 
 
-__all__ = ["COMMAND_S", "FAULT_ACTIONS", "Fault", "FaultAction", "lost_gpus", "take_fault"]
+__all__ = ["COMMAND_S", "FAULT_ACTIONS", "Fault", "FaultAction", "lost_gpus", "take_fault", "through_fault"]

@@ -38,7 +38,7 @@ from typing import Literal, Protocol
 
 from agents.protocol import prepare_shape
 from agents.shadow_check import tokenizer_problem
-from agents.sim.faults import Fault, lost_gpus, take_fault
+from agents.sim.faults import Fault, lost_gpus, take_fault, through_fault
 from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
 from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, PlanProfile, kv_route
@@ -378,7 +378,7 @@ class MemoryFleet:
                 continue
             node = self.nodes.get(r.nodes[0])
             inst = node.instances.get(r.plan_id) if node and node.alive else None
-            if inst is not None and inst.leader and inst.state == "ready":
+            if node is not None and inst is not None and inst.leader and inst.state == "ready":
                 ready.append((r, node, inst))
         if not ready:
             return False
@@ -548,12 +548,11 @@ class MemoryFleet:
         if job.done or not self.nodes[job.cmd.node_id].alive:
             return
         job.done = True
-        if job.fault is not None and job.fault.action == "hang":
-            return  # it never answers
-        if job.fault is not None and job.fault.action == "fail" and status == "ok":
-            status, detail = "failed", f"injected failure of {job.cmd.kind.value}"
-            result = {"reason": job.fault.reason or "failed"}
-        self.mailbox.ack(job.cmd.key, status, detail, result or {})
+        answer = through_fault(job.fault, job.cmd, status == "ok", detail, result or {})
+        if answer is None:
+            return  # it hangs: never answered
+        ok, detail, out = answer
+        self.mailbox.ack(job.cmd.key, "ok" if ok else "failed", detail, out)
 
     def _start(self, job: _Job) -> None:
         cmd, p = job.cmd, job.cmd.payload

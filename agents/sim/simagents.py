@@ -40,7 +40,7 @@ from agents.protocol import prepare_shape
 from agents.shadow_check import tokenizer_problem
 from agents.sim.cluster import Change
 from agents.sim.engine import Pipe, PlanEngine, Request
-from agents.sim.faults import COMMAND_S, Fault, lost_gpus, take_fault
+from agents.sim.faults import COMMAND_S, Fault, lost_gpus, take_fault, through_fault
 from agents.sim.fleet import BookingRefused, FleetSim
 from scheduler.booking import REFUSAL_REASON, plan_memory
 from scheduler.capabilities import plan_refusals
@@ -145,15 +145,11 @@ class SimAgents:
         self._answered.add(cmd.key)
         if cmd.node_id not in self.sim.cluster.nodes:
             return  # the node left: nobody is there to answer
-        fault = self._faulted.pop(cmd.key, None)
-        if fault is not None and fault.action == "hang":
-            return  # it never answers
-        out = dict(result or {})
-        if fault is not None and fault.action == "fail" and ok:
-            ok, detail, out = False, f"injected failure of {cmd.kind.value}", {"reason": fault.reason or "failed"}
-        elif ok:
-            out = self._complete(cmd, out)
-        self.ack(cmd, ok, detail, out)
+        answer = through_fault(self._faulted.pop(cmd.key, None), cmd, ok, detail, result or {})
+        if answer is None:
+            return  # it hangs: never answered
+        ok, detail, out = answer
+        self.ack(cmd, ok, detail, self._complete(cmd, out) if ok else out)
 
     def _complete(self, cmd: CommandIntent, result: dict[str, object]) -> dict[str, object]:
         """The parts of an ok result that this node's agent adds (agents/protocol.py): the memory
