@@ -30,8 +30,9 @@ to attach to the report of the plan's first node. The console's transition comma
 (prepare_plan, freeze_plan, move_sequences, release_plan, abort_plan, thaw_plan) are carried out
 by `agents.sim.executor.SimAgents(sim, ack)` - build a `scheduler.transition.CommandIntent` from
 each protocol Command and `ack` it back over HTTP; routing weights come from `set_routing()`,
-per-node engine metrics from `engine_reports(leader=node)`, and admissions, finishes and
-failures go to `events` (an EventLog) when it is set.
+per-node engine metrics from `engine_reports(leader=node)`, and every request's life - admitted,
+owned by a plan under a lease, paused, handed over, returned, finished, failed - goes to `events`
+(an EventLog) when it is set (agents/sim/seqlog.py: invariants 1-2).
 
 Losses: a plan that loses a GPU (preempted, failed, node gone) stops at once, as a real engine
 crashes when one of its ranks disappears; its memory is freed, and its requests go back to the
@@ -240,8 +241,8 @@ class FleetSim:
         # the policy's control work still in flight (a gear change finishing its clean-up): the
         # drain runs on while it says so, so that no transition is cut off half-done
         self.control_busy: Callable[[], bool] | None = None
-        # where admissions, finishes and failures go as invariant-1 events (the live fleet's
-        # log); None in a replay, whose hundreds of thousands of requests the recorder counts
+        # where every request's life goes as invariant 1-2 events (agents/sim/seqlog.py): the live
+        # fleet's log, a test's, or a replay's CheckingLog (checked as it runs, nothing kept)
         self.events: EventLog | None = None
         self._pending_seen: dict[int, float] = {}  # request id -> first pass that saw it queued (expire_pending)
         self.now_s = 0.0
