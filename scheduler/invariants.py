@@ -9,7 +9,9 @@ whole history, DESIGN.md's invariants:
 2. A sequence is owned by exactly one plan at a time: it is assigned once; only its owner
    decodes, pauses or finishes it; a hand-over starts from the owner, after the owner paused
    it at a safe boundary (the end of a decode iteration, or while idle), and carries a lease
-   whose routing version is newer than the one it replaces.
+   whose routing version is newer than the one it replaces. An owner may also return it to
+   the router with a recorded reason (its plan stopped; a policy without leases re-routes it):
+   then no plan owns it until it is assigned again.
 3. One active transition per deployment and strictly increasing seqs; phases follow
    `transition.PHASE_EDGES`; every effect (command, routing commit, reservation) of a step
    comes after that step was persisted; the routing table never lists a plan that was
@@ -25,6 +27,7 @@ means the history is clean. It never raises on a bad log.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -43,7 +46,8 @@ EventKind = Literal[
     # memory: what GPUs hold after a booking (invariant 4)
     "mem_booked",
     # sequences
-    "seq_admitted", "seq_assigned", "seq_decoded", "seq_paused", "seq_handover", "seq_finished", "seq_failed",
+    "seq_admitted", "seq_assigned", "seq_decoded", "seq_paused", "seq_handover", "seq_returned", "seq_finished",
+    "seq_failed",
 ]
 SAFE_BOUNDARIES = ("decode_end", "idle")
 
@@ -130,142 +134,184 @@ class _Transition:
     persisted: set[tuple[str, int]] = field(default_factory=set)  # (step, attempt)
 
 
-def check(events: Iterable[LogEvent], *, complete: bool = True) -> list[Violation]:
-    """Every violation of invariants 1-4 in the history (module docstring)."""
-    out: list[Violation] = []
-    seqs: dict[str, _Seq] = {}
-    active: dict[str, _Transition] = {}
-    last_seq: dict[str, int] = {}
-    routed: dict[str, set[str]] = {}  # deployment -> plan_ids in its routing table
-    released: set[str] = set()  # plans released or aborted on some node and not prepared since
+class Checker:
+    """Invariants 1-4 checked one event at a time (module docstring): `add` every event in
+    order, then `violations()`. It keeps a little state per sequence and per deployment, not
+    the events, so a replay of hundreds of thousands of requests can be checked as it runs."""
 
-    def bad(inv: int, t: float, what: str) -> None:
-        out.append(Violation(inv, t, what))
+    def __init__(self) -> None:
+        self.found: list[Violation] = []
+        self.seqs: dict[str, _Seq] = {}
+        self.active: dict[str, _Transition] = {}
+        self.last_seq: dict[str, int] = {}
+        self.routed: dict[str, set[str]] = {}  # deployment -> plan_ids in its routing table
+        self.released: set[str] = set()  # plans released or aborted on some node and not prepared since
 
-    for e in events:
+    def _bad(self, inv: int, t: float, what: str) -> None:
+        self.found.append(Violation(inv, t, what))
+
+    def add(self, e: LogEvent) -> None:
         k = e.kind
         # -- invariant 4: memory -------------------------------------------------------------
         if k == "mem_booked":
             for uuid, booked, total in e.gpus:
                 if over_limit(booked, total):
-                    bad(4, e.t_s, f"GPU {uuid} holds {booked} of {total} bytes ({booked / total:.1%}) after plan"
-                                  f" {e.plan_id} booked it, above {MEM_FRACTION:.0%}")
-            continue
+                    self._bad(4, e.t_s, f"GPU {uuid} holds {booked} of {total} bytes ({booked / total:.1%}) after plan"
+                                        f" {e.plan_id} booked it, above {MEM_FRACTION:.0%}")
+            return
         # -- invariant 1 and 2: sequences ----------------------------------------------------
         if k == "seq_admitted":
-            if e.seq_id in seqs:
-                bad(1, e.t_s, f"sequence {e.seq_id} admitted twice")
-                continue
-            seqs[e.seq_id] = _Seq()
-            continue
-        if k in ("seq_assigned", "seq_decoded", "seq_paused", "seq_handover", "seq_finished", "seq_failed"):
-            s = seqs.get(e.seq_id)
+            if e.seq_id in self.seqs:
+                self._bad(1, e.t_s, f"sequence {e.seq_id} admitted twice")
+                return
+            self.seqs[e.seq_id] = _Seq()
+            return
+        if k in ("seq_assigned", "seq_decoded", "seq_paused", "seq_handover", "seq_returned", "seq_finished",
+                 "seq_failed"):
+            s = self.seqs.get(e.seq_id)
             if s is None:
-                bad(1, e.t_s, f"{k} for sequence {e.seq_id}, which was never admitted")
-                continue
+                self._bad(1, e.t_s, f"{k} for sequence {e.seq_id}, which was never admitted")
+                return
             if s.ended:
-                bad(1, e.t_s, f"{k} for sequence {e.seq_id} after it had ended")
-                continue
+                self._bad(1, e.t_s, f"{k} for sequence {e.seq_id} after it had ended")
+                return
             if k == "seq_assigned":
                 if s.owner:
-                    bad(2, e.t_s, f"sequence {e.seq_id} assigned to {e.plan_id} while {s.owner} owns it")
-                    continue
+                    self._bad(2, e.t_s, f"sequence {e.seq_id} assigned to {e.plan_id} while {s.owner} owns it")
+                    return
                 s.owner, s.lease = e.plan_id, e.version
             elif k == "seq_decoded":
                 if e.plan_id != s.owner:
-                    bad(2, e.t_s, f"plan {e.plan_id} decoded sequence {e.seq_id} but {s.owner or 'no plan'} owns it")
+                    self._bad(2, e.t_s, f"plan {e.plan_id} decoded sequence {e.seq_id} but {s.owner or 'no plan'} owns it")
                 s.paused_on = ""  # its owner goes on with it: a hand-over that did not happen
             elif k == "seq_paused":
                 if e.plan_id != s.owner:
-                    bad(2, e.t_s, f"plan {e.plan_id} paused sequence {e.seq_id} owned by {s.owner or 'no plan'}")
+                    self._bad(2, e.t_s, f"plan {e.plan_id} paused sequence {e.seq_id} owned by {s.owner or 'no plan'}")
                 elif e.boundary not in SAFE_BOUNDARIES:
-                    bad(2, e.t_s, f"sequence {e.seq_id} paused at {e.boundary or 'no boundary'}, not a safe one")
+                    self._bad(2, e.t_s, f"sequence {e.seq_id} paused at {e.boundary or 'no boundary'}, not a safe one")
                 else:
                     s.paused_on = e.plan_id
             elif k == "seq_handover":
                 if e.plan_id != s.owner:
-                    bad(2, e.t_s, f"hand-over of {e.seq_id} from {e.plan_id}, but {s.owner or 'no plan'} owns it")
+                    self._bad(2, e.t_s, f"hand-over of {e.seq_id} from {e.plan_id}, but {s.owner or 'no plan'} owns it")
                 elif s.paused_on != e.plan_id:
-                    bad(2, e.t_s, f"hand-over of {e.seq_id} from {e.plan_id} without a pause at a safe boundary")
+                    self._bad(2, e.t_s, f"hand-over of {e.seq_id} from {e.plan_id} without a pause at a safe boundary")
                 elif e.version <= s.lease:
-                    bad(2, e.t_s, f"hand-over of {e.seq_id} carries lease version {e.version}, not newer than "
-                                  f"{s.lease}")
+                    self._bad(2, e.t_s, f"hand-over of {e.seq_id} carries lease version {e.version}, not newer than "
+                                        f"{s.lease}")
                 else:
                     s.owner, s.lease, s.paused_on = e.to_plan, e.version, ""
+            elif k == "seq_returned":
+                # its owner gives it back to the router without a lease to hand it over with (the
+                # plan stopped, or a simulated policy re-routes it): owned by none until assigned
+                if e.plan_id != s.owner:
+                    self._bad(2, e.t_s, f"plan {e.plan_id} returned sequence {e.seq_id} owned by "
+                                        f"{s.owner or 'no plan'}")
+                elif not e.detail:
+                    self._bad(2, e.t_s, f"sequence {e.seq_id} returned by {e.plan_id} without a recorded reason")
+                else:
+                    s.owner, s.paused_on = "", ""
             elif k == "seq_finished":
                 if e.plan_id != s.owner:
-                    bad(2, e.t_s, f"plan {e.plan_id} finished sequence {e.seq_id} owned by {s.owner or 'no plan'}")
+                    self._bad(2, e.t_s, f"plan {e.plan_id} finished sequence {e.seq_id} owned by {s.owner or 'no plan'}")
                 s.ended = True
             elif k == "seq_failed":
                 if not e.detail:
-                    bad(1, e.t_s, f"sequence {e.seq_id} failed without a recorded reason")
+                    self._bad(1, e.t_s, f"sequence {e.seq_id} failed without a recorded reason")
                 s.ended = True
-            continue
+            return
         # -- invariant 3: transitions --------------------------------------------------------
         if k == "created":
-            if e.deployment in active:
-                bad(3, e.t_s, f"{e.deployment}: transition {e.seq} created while {active[e.deployment].seq} "
-                              "is active")
-            if e.seq <= last_seq.get(e.deployment, 0):
-                bad(3, e.t_s, f"{e.deployment}: transition seq {e.seq} is not above {last_seq[e.deployment]}")
-            last_seq[e.deployment] = max(e.seq, last_seq.get(e.deployment, 0))
-            active[e.deployment] = _Transition(e.seq, Phase.PREPARE)
-            continue
+            if e.deployment in self.active:
+                self._bad(3, e.t_s, f"{e.deployment}: transition {e.seq} created while {self.active[e.deployment].seq} "
+                                    "is active")
+            if e.seq <= self.last_seq.get(e.deployment, 0):
+                self._bad(3, e.t_s, f"{e.deployment}: transition seq {e.seq} is not above {self.last_seq[e.deployment]}")
+            self.last_seq[e.deployment] = max(e.seq, self.last_seq.get(e.deployment, 0))
+            self.active[e.deployment] = _Transition(e.seq, Phase.PREPARE)
+            return
         if k in ("step_started", "step_ok", "step_failed", "step_abandoned", "phase", "finished"):
-            t = active.get(e.deployment)
+            t = self.active.get(e.deployment)
             if t is None or t.seq != e.seq:
-                bad(3, e.t_s, f"{e.deployment}: {k} for transition {e.seq}, which is not the active one")
-                continue
+                self._bad(3, e.t_s, f"{e.deployment}: {k} for transition {e.seq}, which is not the active one")
+                return
             if k == "step_started":
                 t.persisted.add((e.step, e.attempt))
             elif k == "phase":
                 try:
                     new = Phase(e.phase)
                 except ValueError:
-                    bad(3, e.t_s, f"{e.deployment}: unknown phase {e.phase!r}")
-                    continue
+                    self._bad(3, e.t_s, f"{e.deployment}: unknown phase {e.phase!r}")
+                    return
                 if new is not t.phase and new not in PHASE_EDGES[t.phase]:
-                    bad(3, e.t_s, f"{e.deployment}: transition {e.seq} went from {t.phase.value} to {new.value}")
+                    self._bad(3, e.t_s, f"{e.deployment}: transition {e.seq} went from {t.phase.value} to {new.value}")
                 t.phase = new
             elif k == "finished":
                 if t.phase not in (Phase.DONE, Phase.ROLLED_BACK):
-                    bad(3, e.t_s, f"{e.deployment}: transition {e.seq} finished in phase {t.phase.value}")
-                del active[e.deployment]
-            continue
+                    self._bad(3, e.t_s, f"{e.deployment}: transition {e.seq} finished in phase {t.phase.value}")
+                del self.active[e.deployment]
+            return
         if k in ("command_issued", "routing_committed", "reserved", "unreserved"):
             if e.seq:
-                t = active.get(e.deployment)
+                t = self.active.get(e.deployment)
                 if t is None or t.seq != e.seq:
-                    bad(3, e.t_s, f"{e.deployment}: {k} for transition {e.seq}, which is not active")
+                    self._bad(3, e.t_s, f"{e.deployment}: {k} for transition {e.seq}, which is not active")
                 elif (e.step, e.attempt) not in t.persisted:
-                    bad(3, e.t_s, f"{e.deployment}: {k} by step {e.step} attempt {e.attempt} of transition "
-                                  f"{e.seq} before the step was persisted")
+                    self._bad(3, e.t_s, f"{e.deployment}: {k} by step {e.step} attempt {e.attempt} of transition "
+                                        f"{e.seq} before the step was persisted")
             if k == "routing_committed":
                 plans = {p for p, _, _ in e.plans}
-                gone = sorted(plans & released)
+                gone = sorted(plans & self.released)
                 if gone:
-                    bad(3, e.t_s, f"{e.deployment}: routing version {e.version} lists released plan(s) "
-                                  f"{', '.join(gone)}")
-                routed[e.deployment] = plans
-            continue
+                    self._bad(3, e.t_s, f"{e.deployment}: routing version {e.version} lists released plan(s) "
+                                        f"{', '.join(gone)}")
+                self.routed[e.deployment] = plans
+            return
         if k == "plan_prepared":
-            released.discard(e.plan_id)
-            continue
+            self.released.discard(e.plan_id)
+            return
         if k in ("plan_released", "plan_aborted"):
-            holders = sorted(d for d, ps in routed.items() if e.plan_id in ps)
+            holders = sorted(d for d, ps in self.routed.items() if e.plan_id in ps)
             if holders:
-                bad(3, e.t_s, f"plan {e.plan_id} {k.split('_')[1]} on {e.node} while the routing table of "
-                              f"{', '.join(holders)} lists it")
-            released.add(e.plan_id)
-            continue
+                self._bad(3, e.t_s, f"plan {e.plan_id} {k.split('_')[1]} on {e.node} while the routing table of "
+                                    f"{', '.join(holders)} lists it")
+            self.released.add(e.plan_id)
+            return
 
-    if complete:
-        for seq_id, s in seqs.items():
-            if not s.ended:
-                bad(1, float("inf"), f"sequence {seq_id} was admitted and never finished nor failed")
-        for dep, t in active.items():
-            bad(3, float("inf"), f"{dep}: transition {t.seq} never finished (phase {t.phase.value})")
-    return out
+    def violations(self, *, complete: bool = True) -> list[Violation]:
+        """What was found so far; with `complete`, also what the history left unended."""
+        out = list(self.found)
+        if complete:
+            for seq_id, s in self.seqs.items():
+                if not s.ended:
+                    out.append(Violation(1, math.inf, f"sequence {seq_id} was admitted and never finished nor failed"))
+            for dep, t in self.active.items():
+                out.append(Violation(3, math.inf, f"{dep}: transition {t.seq} never finished (phase {t.phase.value})"))
+        return out
+
+
+class CheckingLog(EventLog):
+    """An EventLog that checks each event as it comes (a `Checker`) and keeps none of them: for
+    a replay, whose per-sequence events would fill memory."""
+
+    def __init__(self) -> None:
+        super().__init__(record_decodes=False)
+        self.checker = Checker()
+        self.counts: dict[str, int] = {}  # events seen per kind
+
+    def add(self, event: LogEvent) -> None:
+        if event.kind == "seq_decoded" and not self.record_decodes:
+            return
+        self.counts[event.kind] = self.counts.get(event.kind, 0) + 1
+        self.checker.add(event)
+
+
+def check(events: Iterable[LogEvent], *, complete: bool = True) -> list[Violation]:
+    """Every violation of invariants 1-4 in the history (module docstring)."""
+    checker = Checker()
+    for e in events:
+        checker.add(e)
+    return checker.violations(complete=complete)
 
 
 def assert_clean(events: Iterable[LogEvent], *, complete: bool = True, limit: int = 10) -> None:
@@ -285,4 +331,4 @@ def summary(events: Sequence[LogEvent]) -> dict[str, int]:
     return out
 
 
-__all__ = ["EventKind", "EventLog", "LogEvent", "SAFE_BOUNDARIES", "Violation", "assert_clean", "check", "summary"]
+__all__ = ["Checker", "CheckingLog", "EventKind", "EventLog", "LogEvent", "SAFE_BOUNDARIES", "Violation", "assert_clean", "check", "summary"]

@@ -572,6 +572,7 @@ class PlanEngine:
 
     def submit(self, req: Request, t: float) -> list[Event]:
         """A request routed here: a prefill pass (or straight to decoding when its KV is here)."""
+        self.host.owns(req, self)
         pipe = self.decode if req.has_kv else self.prefill
         return pipe.enqueue(req, t)
 
@@ -591,6 +592,7 @@ class PlanEngine:
 
     def expect(self, req: Request, land_s: float) -> list[Event]:
         """A sequence whose KV is on its way here (hand-off or migration) lands at `land_s`."""
+        self.host.owns(req, self)
         req.pipe = None
         req.engine_id = self.engine_id
         req.paused_until = land_s

@@ -4,57 +4,33 @@
 production runs from Celery - over the in-memory ports of `scheduler.transition_memory` (store,
 versioned routing table, agent mailbox), with the `FleetSim` playing every agent: it takes the
 commands queued for each node and carries them out on its engines, with modelled durations,
-then acks them as agent protocol v1 says (the same answers `agents.sim.memory_fleet` gives):
-
-* prepare_plan: refused, as the real daemon refuses it, when the plan would book more than 92%
-  of a GPU beside what is held there (reason out_of_memory) or the node's engine cannot run it
-  (unsupported); otherwise the plan's engine starts loading (it holds its memory at once); acked when it
-  serves - weights from host memory over each GPU's host link (costmodel.switch_cost's PREPARE
-  time, shards already in place free) - or failed ("preempted") when its GPUs are gone.
-* freeze_plan: the plan stops admitting; the ack lists its sequences (context, tokens so far,
-  running or waiting) and its current round time.
-* move_sequences: at the end of the source pipe's round in flight (a safe boundary), each listed
-  sequence finishes where it is, migrates (its KV crosses the link at the capped bandwidth, one
-  migration at a time per source node) or replays (recomputed on the target). Acked when the
-  last migration has landed. A sequence holds a lease - the routing version it was routed
-  under, or that its last hand-over carried - and moves only with a newer one (else it stays
-  with its owner and the ack says `stale_lease`).
-* release_plan: the plan drains what it kept, then frees its GPUs; sequences still there after
-  the drain timeout are recomputed on the routed plans (the fleet never drops a request).
-* abort_plan: the plan stops at once; its sequences are recomputed on the routed plans.
-* thaw_plan: it admits again (the routing table says how much).
+then acks them as agent protocol v1 says: `agents.sim.simagents.SimAgents`, the one simulated
+executor of those commands (the live fleet and the tests' worlds run it too).
 
 After every executor pass the simulator's routing follows the committed routing table (weight
 > 0 and not frozen: takes new requests). The executor is advanced whenever an ack arrives,
 after a cluster change, and at the times it asks to be woken (a canary dwell, a timeout).
-Transition events and effects go to an `EventLog` (no per-sequence events: an eight-hour run
-would hold millions), so `scheduler.invariants.check` can verify invariant 3 over a run.
+Transition events and effects go to the driver's `EventLog`, so `scheduler.invariants.check` can
+verify invariant 3 over a run; each request's life goes to the simulator's own log when it has
+one (agents/sim/seqlog.py: `agents.sim.run` checks invariants 1-2 on it as a replay runs).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
 
-from agents.protocol import prepare_shape
-from agents.shadow_check import tokenizer_problem
-from agents.sim.cluster import Change
-from agents.sim.engine import Pipe, PlanEngine, Request
-from agents.sim.fleet import BookingRefused, FleetSim
-from agents.sim.memory_fleet import Fault, take_fault
+from agents.sim.engine import PlanEngine
+from agents.sim.faults import Fault
+from agents.sim.fleet import FleetSim
 from agents.sim.metrics import SwitchRecord
-from scheduler.booking import REFUSAL_REASON
-from scheduler.capabilities import plan_refusals
-from scheduler.costmodel import kv_route
-from scheduler.invariants import EventLog, LogEvent
+from agents.sim.simagents import SimAgents
+from scheduler.invariants import EventLog
 from scheduler.modelspec import model_spec
-from scheduler.plan import Gear, Plan
+from scheduler.plan import Gear
 from scheduler.transition import (
     DEFAULT_TRANSITION_CONFIG,
     CommandIntent,
-    CommandKind,
     Executor,
     Kind,
     Phase,
@@ -67,306 +43,6 @@ from scheduler.transition import (
 from scheduler.transition_memory import ManualClock, MemoryWorld
 
 Finished = Callable[[TransitionRecord, float], None]
-
-
-@dataclass
-class _Move:
-    """One move_sequences command being carried out."""
-
-    cmd: CommandIntent
-    engine_id: int
-    directives: dict[str, Mapping[str, object]]  # seq_id -> directive
-    pipes_left: int  # source pipes that have not reached their boundary yet
-    landing: int = 0  # migrations in flight
-    results: list[dict[str, object]] = field(default_factory=list)
-
-
-Ack = Callable[[CommandIntent, bool, str, Mapping[str, object]], None]
-
-
-class SimAgents:
-    """Every agent of the simulated cluster: carries out agent protocol v1's transition commands
-    on the simulator's engines (module docstring) and answers each through `ack` when it is done.
-
-    The transition driver feeds it from the in-memory mailbox; the live fleet can feed it the
-    commands the console sends (a protocol Command maps onto a CommandIntent: key = command id,
-    node_id, kind, payload, deployment, transition seq, step) and ack over HTTP. The simulator's
-    listener must forward `on_ready` and `on_stopped` (engines coming up, stopping, released).
-    """
-
-    def __init__(self, sim: FleetSim, ack: Ack, *, config: TransitionConfig = DEFAULT_TRANSITION_CONFIG,
-                 log: EventLog | None = None) -> None:
-        self.sim = sim
-        self.ack = ack
-        self.config = config
-        self.log = log if log is not None else EventLog(record_decodes=False)
-        self._prepares: dict[int, list[CommandIntent]] = {}  # engine id -> prepare commands to ack at ready
-        self._releases: dict[int, list[CommandIntent]] = {}  # engine id -> release commands to ack at release
-        self._link_free: dict[str, float] = {}  # source node -> its outgoing KV link is busy until then
-
-    def execute(self, cmd: CommandIntent) -> None:
-        """Carry out one command (acked now or when it is done)."""
-        self._execute(cmd)
-
-    def listener(self) -> _AgentsListener:
-        """A SimListener that tells these agents when engines come up or stop (give it to the
-        FleetSim when nothing else listens)."""
-        return _AgentsListener(self)
-
-    def _ack(self, cmd: CommandIntent, ok: bool, detail: str = "", result: Mapping[str, object] | None = None
-             ) -> None:
-        self.ack(cmd, ok, detail, dict(result or {}))
-
-    def _engine(self, cmd: CommandIntent) -> PlanEngine | None:
-        return self.sim.engine_of(cmd.deployment_id, str(cmd.payload.get("plan_id", "")))
-
-    def _execute(self, cmd: CommandIntent) -> None:
-        kind = cmd.kind
-        if kind is CommandKind.PREPARE_PLAN:
-            self._prepare(cmd)
-        elif kind is CommandKind.FREEZE_PLAN:
-            self._freeze(cmd)
-        elif kind is CommandKind.THAW_PLAN:
-            self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id")})
-        elif kind is CommandKind.MOVE_SEQUENCES:
-            self._move(cmd)
-        elif kind is CommandKind.RELEASE_PLAN:
-            self._release(cmd)
-        elif kind is CommandKind.ABORT_PLAN:
-            self._abort(cmd)
-
-    def _prepare(self, cmd: CommandIntent) -> None:
-        plan = Plan.from_dict(cmd.payload["plan"])
-        if cmd.deployment_id not in self.sim.deployments:
-            refused = self._new_deployment(cmd, plan)
-            if refused is not None:
-                self._ack(cmd, False, refused, {"reason": "failed"})
-                return
-        engine = self.sim.engine_of(cmd.deployment_id, plan.plan_id)
-        if engine is not None and engine.state == "serving":
-            self._ack(cmd, True, result={"plan_id": plan.plan_id, "load_s": 0.0})
-            return
-        if engine is None:
-            lost = [u for u in plan.gpu_uuids if not self.sim.gpu_usable(u)]
-            if lost:
-                self._ack(cmd, False, f"preempted: GPU(s) {', '.join(lost[:3])} are not ours",
-                          {"reason": "preempted", "gpus": lost})
-                return
-            unsupported = plan_refusals(plan, self.sim.snapshot())
-            if unsupported:
-                self._ack(cmd, False, "; ".join(unsupported), {"reason": "unsupported"})
-                return
-            vocab = self.sim.deployments[cmd.deployment_id].model.vocab_size
-            problem = tokenizer_problem(cmd.payload.get("model_version"), vocab)
-            if problem is not None:  # the shadow plan would not serve this version (agents/shadow_check.py)
-                self._ack(cmd, False, problem, {"reason": "tokenizer"})
-                return
-            try:
-                engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
-            except BookingRefused as exc:
-                # what the real daemon answers (scheduler.booking): the plan does not fit beside
-                # what its GPUs hold; nothing was booked
-                self._ack(cmd, False, str(exc), {"reason": REFUSAL_REASON, "gpus": [exc.over.gpu]})
-                return
-            self.log.add(LogEvent(self.sim.now_s, "plan_prepared", node=cmd.node_id, plan_id=plan.plan_id))
-        self._prepares.setdefault(engine.engine_id, []).append(cmd)
-        if engine.state == "serving":
-            self.on_ready(engine)
-
-    def _new_deployment(self, cmd: CommandIntent, plan: Plan) -> str | None:
-        """A PREPARE for a deployment the simulator was not configured with (one created in the
-        console) runs it from the model_spec and slo it carries (agents/protocol.py); why not, or None.
-        Once added it stays known, with that shape, even when this prepare is then refused (its
-        memory, its GPUs): a later prepare of it is checked the same way, a different shape refused."""
-        where = f"deployment {cmd.deployment_id!r} is not one this fleet was configured with"
-        try:
-            spec, slo = prepare_shape(cmd.payload)
-        except ValueError as exc:
-            return f"{exc} ({where})"
-        if spec is None:
-            return f"payload.model_spec: required: {where}, and the prepare does not say the model's shape"
-        if slo is None:
-            return f"payload.slo: required: {where}, and the prepare does not say its SLO"
-        if spec.name != plan.model:
-            return f"payload.model_spec.name: {spec.name!r} is not the plan's model {plan.model!r}"
-        self.sim.add_deployment(cmd.deployment_id, spec, slo)
-        return None
-
-    def on_ready(self, engine: PlanEngine) -> None:
-        for cmd in self._prepares.pop(engine.engine_id, []):
-            self._ack(cmd, True, result={"plan_id": engine.plan.plan_id,
-                                         "load_s": round(engine.ready_s - engine.started_s, 6)})
-
-    def on_stopped(self, engine: PlanEngine) -> None:
-        """An engine stopped (lost GPUs, aborted) or was released: answer what waited on it."""
-        reason = "preempted" if engine.state == "dead" else "failed"
-        for cmd in self._prepares.pop(engine.engine_id, []):
-            self._ack(cmd, False, f"plan {engine.plan.plan_id} stopped while loading", {"reason": reason})
-        for cmd in self._releases.pop(engine.engine_id, []):
-            self.log.add(LogEvent(self.sim.now_s, "plan_released", node=cmd.node_id, plan_id=engine.plan.plan_id))
-            self._ack(cmd, True, result={"plan_id": engine.plan.plan_id, "failed": []})
-
-    def _freeze(self, cmd: CommandIntent) -> None:
-        engine = self._engine(cmd)
-        pid = cmd.payload.get("plan_id")
-        if engine is None or engine.state != "serving":
-            self._ack(cmd, True, result={"plan_id": pid, "sequences": []})
-            return
-        engine.accepting = False
-        seqs = []
-        for req, running in _sequences(engine):
-            tokens = req.tokens_now()
-            seqs.append({"seq_id": str(req.rid), "context_tokens": req.prompt + tokens if req.has_kv or req.decoding
-                         else 0, "generated_tokens": tokens, "max_tokens": req.output,
-                         "state": "running" if running else "waiting", "kv_lost": False})
-        step = max((p.step for p in engine.pipes if p.busy), default=0.0) or engine.profile.pipeline(
-            "decode").decode_step_s(1, 512)
-        self._ack(cmd, True, result={"plan_id": pid, "sequences": seqs, "decode_step_s": step})
-
-    def _move(self, cmd: CommandIntent) -> None:
-        engine = self._engine(cmd)
-        raw = cmd.payload.get("moves", [])
-        directives = {str(m.get("seq_id")): m for m in raw if isinstance(m, Mapping)} if isinstance(raw, list) else {}
-        if engine is None or engine.state != "serving":
-            self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "moved": [
-                {"seq_id": s, "action": m.get("action"), "outcome": "gone", "ok": True}
-                for s, m in directives.items()]})
-            return
-        job = _Move(cmd, engine.engine_id, directives, pipes_left=len(engine.pipes))
-        for pipe in engine.pipes:
-            if pipe.busy:
-                pipe.handover = lambda p, t, job=job: self._hand_over(job, p, t)
-                # the safe boundary is the end of the decode iteration in flight, not of the
-                # run of iterations the simulator batched ahead: cut the run there
-                self.sim.push_events(pipe.poke(self.sim.now_s))
-            else:
-                self.sim.push_events(self._hand_over(job, pipe, self.sim.now_s))
-
-    def _hand_over(self, job: _Move, pipe: Pipe, t: float) -> list[Any]:
-        """At the pipe's safe boundary: the listed sequences leave it, or stay to finish."""
-        out: list[Any] = []
-        mine = {str(r.rid): r for r in list(pipe.running.values()) + list(pipe.waiting)}
-        wanted = {sid for sid, m in job.directives.items() if m.get("action") != "finish" and sid in mine}
-        # a hand-over needs a lease newer than the one the sequence holds (invariant 2): a move
-        # built on an older routing table (a late or repeated command) leaves it with its owner
-        version = _int_or(job.cmd.payload.get("routing_version"), 0)
-        for sid in sorted(s for s in wanted if version <= mine[s].lease):
-            wanted.discard(sid)
-            job.results.append({"seq_id": sid, "action": job.directives[sid].get("action"), "ok": False,
-                                "reason": "stale_lease",
-                                "error": f"lease version {version} is not newer than {mine[sid].lease}"})
-        for sid in [s for s, m in job.directives.items() if m.get("action") == "finish" and s in mine]:
-            job.results.append({"seq_id": sid, "action": "finish", "ok": True,
-                                "context_tokens": mine[sid].context()})
-        taken = pipe.take_running(lambda r: str(r.rid) not in wanted)
-        queued = [r for r in pipe.waiting if str(r.rid) in wanted]
-        for r in queued:
-            pipe.waiting.remove(r)
-            r.pipe = None
-            r.engine_id = 0
-        src = pipe.engine
-        for req in taken + queued:
-            m = job.directives[str(req.rid)]
-            out += self._send(job, src, req, m, t)
-        job.pipes_left -= 1
-        self._maybe_done(job)
-        return out
-
-    def _send(self, job: _Move, src: PlanEngine, req: Request, m: Mapping[str, object], t: float) -> list[Any]:
-        dst = self.sim.engine_of(src.deployment, str(m.get("target_plan", "")))
-        req.lease = max(req.lease, _int_or(job.cmd.payload.get("routing_version"), 0))  # the new owner's lease
-        action = str(m.get("action"))
-        ctx = req.prompt + req.generated
-        if dst is None or dst.state != "serving":
-            # the target cannot take it: it is recomputed wherever the router sends it
-            if req.has_kv:
-                req.drop_kv()
-            req.replays += 1
-            job.results.append({"seq_id": str(req.rid), "action": action, "ok": False, "reason": "target_refused",
-                                "error": f"target plan {m.get('target_plan')} is not serving"})
-            return self.sim.dispatch(src.deployment, req, t)
-        if action == "migrate" and req.has_kv:
-            src_stages = src.plan.decode_stages if src.plan.mode == "disaggregated" else src.plan.stages
-            dst_stages = dst.plan.decode_stages if dst.plan.mode == "disaggregated" else dst.plan.stages
-            route = kv_route(src_stages, dst_stages, src.model, self.sim.snapshot(), self.sim.eff)
-            cap = float(m.get("bw_cap_bytes_per_s", 0.0) or 0.0)  # type: ignore[arg-type]
-            per_token = route.s_per_token
-            if cap > 0 and route.bytes_per_token:
-                per_token = max(per_token, route.bytes_per_token / cap)
-            dur = 0.0 if route.bytes_per_token == 0 else route.latency_s + ctx * per_token
-            if not math.isfinite(dur):
-                action = "replay"
-            else:
-                node = self.sim.plan_nodes(src.plan)[0]
-                start = max(t, self._link_free.get(node, 0.0))
-                land = start + dur
-                self._link_free[node] = land
-                req.migrations += 1
-                job.landing += 1
-                job.results.append({"seq_id": str(req.rid), "action": "migrate", "ok": True, "context_tokens": ctx,
-                                    "kv_bytes": ctx * route.bytes_per_token, "replay_tokens": 0,
-                                    "stall_s": round(land - t, 6)})
-
-                def landed(now: float, job: _Move = job) -> None:
-                    job.landing -= 1
-                    self._maybe_done(job)
-
-                self.sim.call_at(land, landed)
-                return dst.expect(req, land)
-        # replay (or a sequence that held no KV): recomputed on the target
-        if req.has_kv:
-            req.drop_kv()
-        if req.generated or req.done:
-            req.replays += 1
-        est = dst.profile.pipeline("prefill").prefill_time_s(max(1, ctx))
-        job.results.append({"seq_id": str(req.rid), "action": "replay", "ok": True, "context_tokens": ctx,
-                            "kv_bytes": 0, "replay_tokens": ctx, "stall_s": round(est, 6)})
-        return dst.submit(req, t)
-
-    def _maybe_done(self, job: _Move) -> None:
-        if job.pipes_left > 0 or job.landing > 0:
-            return
-        done = {str(r.get("seq_id")) for r in job.results}
-        for sid, m in job.directives.items():
-            if sid not in done:
-                job.results.append({"seq_id": sid, "action": m.get("action"), "outcome": "gone", "ok": True})
-        failed = [r for r in job.results if not r.get("ok", True)]
-        result = {"plan_id": job.cmd.payload.get("plan_id"), "moved": job.results}
-        if failed:
-            reasons = {r.get("reason") for r in failed}
-            self._ack(job.cmd, False, f"{len(failed)} sequence(s) could not be handed over",
-                      {**result, "reason": "stale_lease" if reasons == {"stale_lease"} else "target_refused"})
-        else:
-            self._ack(job.cmd, True, result=result)
-
-    def _release(self, cmd: CommandIntent) -> None:
-        engine = self._engine(cmd)
-        if engine is None or engine.state != "serving":
-            self.log.add(LogEvent(self.sim.now_s, "plan_released", node=cmd.node_id,
-                                  plan_id=str(cmd.payload.get("plan_id", ""))))
-            self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "noop": True})
-            return
-        self._releases.setdefault(engine.engine_id, []).append(cmd)
-        if len(self._releases[engine.engine_id]) > 1:
-            return  # another node's release of the same plan: one drain serves both
-        raw = cmd.payload.get("drain_timeout_s", 2 * self.config.drain_budget_s)
-        drain_s = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else 0.0
-        self.sim.retire(engine, "drain")
-
-        def deadline(now: float) -> None:
-            if engine.state == "serving":
-                self.sim.retire(engine, "stop")  # what is left is recomputed on the routed plans
-
-        self.sim.call_at(self.sim.now_s + drain_s, deadline)
-
-    def _abort(self, cmd: CommandIntent) -> None:
-        engine = self._engine(cmd)
-        if engine is not None and engine.state in ("serving", "loading"):
-            self.sim.retire(engine, "stop")
-        self.log.add(LogEvent(self.sim.now_s, "plan_aborted", node=cmd.node_id,
-                              plan_id=str(cmd.payload.get("plan_id", "")),
-                              detail=str(cmd.payload.get("reason", "aborted"))))
-        self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "failed": []})
 
 
 class TransitionDriver:
@@ -386,7 +62,6 @@ class TransitionDriver:
         self._versions: dict[str, int] = {}  # deployment -> routing version the simulator follows
         self._wakes: dict[str, set[float]] = {}  # deployment -> advances already scheduled
         self.agents = SimAgents(sim, self._ack, config=config, log=self.log)
-        self.faults: list[Fault] = []  # injected refusals (`inject`)
 
     def _now(self) -> float:
         return self.sim.now_s
@@ -502,21 +177,20 @@ class TransitionDriver:
         self.sim.set_routing(deployment, weights, table.version)
 
     # --- the mailbox ---------------------------------------------------------------------------------
+    @property
+    def faults(self) -> list[Fault]:
+        """The faults injected and not yet used up (the agents hold them)."""
+        return self.agents.faults
+
     def inject(self, fault: Fault) -> None:
-        """Make the next matching commands fail (memory_fleet.Fault, action "fail"): the agent
-        refuses them without doing anything, as one whose node lacks the weights would."""
-        if fault.action != "fail":
-            raise ValueError(f"fault.action: the replay's agents inject 'fail' only, got {fault.action!r}")
-        self.faults.append(fault)
+        """Make the next matching commands misbehave (agents/sim/faults.py: fail, hang, lose_gpus),
+        as the simulated agents of the live fleet and of the tests' worlds do."""
+        self.agents.inject(fault)
 
     def _carry_out(self) -> None:
         mailbox = self.world.agents
         for node in sorted(self.sim.cluster.nodes):
             for cmd in mailbox.take(node):
-                fault = take_fault(self.faults, cmd) if self.faults else None
-                if fault is not None:
-                    self._ack(cmd, False, f"injected failure of {cmd.kind.value}", {"reason": fault.reason or "failed"})
-                    continue
                 self.agents.execute(cmd)
 
     def _ack(self, cmd: CommandIntent, ok: bool, detail: str, result: Mapping[str, object]) -> None:
@@ -530,41 +204,4 @@ class TransitionDriver:
         self.agents.on_stopped(engine)
 
 
-class _AgentsListener:
-    def __init__(self, agents: SimAgents) -> None:
-        self.agents = agents
-
-    def on_cluster_change(self, sim: FleetSim, t: float, changes: Sequence[Change],
-                          broke: Mapping[str, Sequence[PlanEngine]]) -> None:
-        return None
-
-    def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
-        self.agents.on_ready(engine)
-
-    def on_released(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
-        self.agents.on_stopped(engine)
-
-
-def _sequences(engine: PlanEngine) -> list[tuple[Request, bool]]:
-    """Every sequence an engine holds, with whether it is in the running batch."""
-    out: list[tuple[Request, bool]] = []
-    seen: set[int] = set()
-    for pipe in engine.pipes:
-        for req in pipe.running.values():
-            if req.rid not in seen:
-                seen.add(req.rid)
-                out.append((req, True))
-    for pipe in engine.pipes:
-        for req in pipe.waiting:
-            if req.rid not in seen:
-                seen.add(req.rid)
-                out.append((req, False))
-    for req in engine.in_flight.values():
-        if req.rid not in seen:
-            seen.add(req.rid)
-            out.append((req, True))
-    return out
-
-
-def _int_or(v: object, default: int) -> int:
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
+__all__ = ["Finished", "SimAgents", "TransitionDriver"]

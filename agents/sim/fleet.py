@@ -30,8 +30,9 @@ to attach to the report of the plan's first node. The console's transition comma
 (prepare_plan, freeze_plan, move_sequences, release_plan, abort_plan, thaw_plan) are carried out
 by `agents.sim.executor.SimAgents(sim, ack)` - build a `scheduler.transition.CommandIntent` from
 each protocol Command and `ack` it back over HTTP; routing weights come from `set_routing()`,
-per-node engine metrics from `engine_reports(leader=node)`, and admissions, finishes and
-failures go to `events` (an EventLog) when it is set.
+per-node engine metrics from `engine_reports(leader=node)`, and every request's life - admitted,
+owned by a plan under a lease, paused, handed over, returned, finished, failed - goes to `events`
+(an EventLog) when it is set (agents/sim/seqlog.py: invariants 1-2).
 
 Losses: a plan that loses a GPU (preempted, failed, node gone) stops at once, as a real engine
 crashes when one of its ranks disappears; its memory is freed, and its requests go back to the
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from agents.protocol import EngineReport
+from agents.sim import seqlog
 from agents.sim.buckets import LengthBuckets
 from agents.sim.cluster import FAILED, TENANT, US, Change, SimCluster
 from agents.sim.engine import (
@@ -171,6 +173,8 @@ class EngineHost(Protocol):
 
     def pipe_idle(self, engine: PlanEngine, t: float) -> list[Event]: ...
 
+    def owns(self, req: Request, engine: PlanEngine) -> None: ...
+
 
 @dataclass
 class DeploymentRuntime:
@@ -241,8 +245,8 @@ class FleetSim:
         # the policy's control work still in flight (a gear change finishing its clean-up): the
         # drain runs on while it says so, so that no transition is cut off half-done
         self.control_busy: Callable[[], bool] | None = None
-        # where admissions, finishes and failures go as invariant-1 events (the live fleet's
-        # log); None in a replay, whose hundreds of thousands of requests the recorder counts
+        # where every request's life goes as invariant 1-2 events (agents/sim/seqlog.py): the live
+        # fleet's log, a test's, or a replay's CheckingLog (checked as it runs, nothing kept)
         self.events: EventLog | None = None
         self._pending_seen: dict[int, float] = {}  # request id -> first pass that saw it queued (expire_pending)
         self.now_s = 0.0
@@ -474,6 +478,8 @@ class FleetSim:
             req.pipe = None
             req.engine_id = 0
             dep.pending.append(req)
+            if self.events is not None:
+                seqlog.unowned(self.events, req, t)
             return []
         if new:
             engine.rep_arrivals += 1
@@ -504,8 +510,10 @@ class FleetSim:
         req.finish_s = t
         req.pipe = None
         del self.in_system[req.rid]
+        engine = self.engines.get(req.engine_id)
         if self.events is not None:
-            self.events.add(LogEvent(t, "seq_finished", deployment=req.deployment, seq_id=str(req.rid)))
+            self.events.add(LogEvent(t, "seq_finished", deployment=req.deployment, seq_id=str(req.rid),
+                                     plan_id=engine.plan.plan_id if engine is not None else ""))
         first = req.first_token_s if req.first_token_s is not None else t
         self.recorder.finished(req.deployment, req.arrival_s, first, t, req.output, req.replays, req.prompt)
         self.preemptions += req.preemptions
@@ -513,7 +521,6 @@ class FleetSim:
         dep.win_finished += 1
         dep.win_output += req.output
         dep.win_output_sq += req.output * req.output
-        engine = self.engines.get(req.engine_id)
         if engine is not None:
             engine.rep_finished += 1
             engine.rep_ttft.append(first - req.arrival_s)
@@ -535,6 +542,16 @@ class FleetSim:
         if self.events is not None:
             self.events.add(LogEvent(t, "seq_failed", deployment=req.deployment, seq_id=str(req.rid),
                                      detail=reason))
+
+    def owns(self, req: Request, engine: PlanEngine) -> None:
+        """`req` arrives on `engine`: the per-sequence log records who owns it (agents/sim/seqlog.py)."""
+        if self.events is not None:
+            seqlog.owns(self.events, req, engine, self.now_s, self._plan_nodes(engine.plan)[0])
+
+    def paused(self, req: Request, boundary: str) -> None:
+        """`req` was taken off its pipe at a safe boundary (`decode_end` | `idle`) to be handed over."""
+        if self.events is not None:
+            seqlog.paused(self.events, req, self.now_s, boundary)
 
     def pipe_idle(self, engine: PlanEngine, t: float) -> list[Event]:
         if engine.release_when_empty and engine.empty() and engine.state == "serving":
@@ -753,6 +770,7 @@ class FleetSim:
             queued = list(pipe.waiting)
             pipe.waiting.clear()
             for req in queued:
+                self.paused(req, "idle")
                 out += self._dispatch(dep, req, t)
         if mode == "move":
             for pipe in engine.pipes:
@@ -775,8 +793,13 @@ class FleetSim:
         def hand(pipe: Pipe, t: float) -> list[Event]:
             out: list[Event] = []
             taken = pipe.take_running(keep)
-            taken += list(pipe.waiting)
+            for req in taken:
+                self.paused(req, "decode_end")  # the round in flight ended: a safe boundary
+            queued = list(pipe.waiting)
             pipe.waiting.clear()
+            for req in queued:
+                self.paused(req, "idle")
+            taken += queued
             if record is not None:
                 record.stayed += len(pipe.running)
             for req in taken:

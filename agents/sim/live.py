@@ -62,15 +62,13 @@ from agents.protocol import (
 )
 from agents.sim.cluster import FAILED, TENANT, SimCluster
 from agents.sim.dataserver import SimDataPlane
-from agents.sim.engine import PlanEngine
 from agents.sim.executor import SimAgents
+from agents.sim.faults import FAULT_ACTIONS, Fault
 from agents.sim.fleet import DEFAULT_OPTIONS, IDLE_MEM_BYTES, FleetSim, SimOptions
-from agents.sim.memory_fleet import Fault, take_fault
 from agents.sim.scenario import Scenario
 from agents.sim.workload import build_workload
 from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog
-from scheduler.plan import Plan
 from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
 from scheduler.transition import (
     CommandIntent,
@@ -79,16 +77,13 @@ from scheduler.transition import (
     Route,
     RoutingState,
     Step,
-    plan_memory,
 )
 
 log = logging.getLogger("agents.sim")
 
 AGENT_VERSION = "sim-3"
-FAULT_ACTIONS = ("fail", "hang", "lose_gpus")
 ADMIT_TIMEOUT_S = 120.0  # sim seconds a request may wait with no plan to take it (MemoryFleet's gateway too)
 LOOKAHEAD_S = 60.0  # sim seconds of workload fed ahead of the clock once the scenario runs out
-COMMAND_S = 0.2  # sim seconds a command other than prepare_plan is taken to run (where lose_gpus strikes)
 LIVE_RUN_ROUNDS = 4  # with a data plane: the longest analytic run of identical rounds (tokens stream, not burst)
 
 
@@ -208,7 +203,7 @@ def parse_fault(text: str) -> Fault:
         if not parts[3].isdigit() or int(parts[3]) < 1:
             raise ValueError(f"--fault {text!r}: TIMES must be an integer >= 1")
         times = int(parts[3])
-    return Fault(node=node, kind=kind, action=action, times=times)  # type: ignore[arg-type]
+    return Fault(node=node, kind=kind, action=action, times=times)
 
 
 class LiveFleet:
@@ -244,13 +239,10 @@ class LiveFleet:
         self.sim = FleetSim(scenario, options=SimOptions(max_run_rounds=LIVE_RUN_ROUNDS) if tokenizer else DEFAULT_OPTIONS)
         self.sim.events = self.log
         self.cluster: SimCluster = self.sim.cluster
-        self.executor = SimAgents(self.sim, self._answer, log=self.log)
+        self.executor = SimAgents(self.sim, self._answer, log=self.log, faults=faults)
         self.sim.listener = self.executor.listener()  # engines up or stopped: the agents answer
         self.sim.feed(build_workload(scenario).arrivals)
         self._periods_fed = 1  # the workload repeats after duration_s (_feed_ahead)
-        self.faults: list[Fault] = list(faults)
-        self._faulted: dict[str, Fault] = {}  # command key -> the fault it drew
-        self._answered: set[str] = set()  # command keys acked (or swallowed by a hang): answered once
         self._changes_seen = 0  # cluster changes of sim.change_log already logged
         self._gpu_util: dict[tuple[str, int], float] = {}  # (node, index) -> utilisation at the last reports
         self._stop = threading.Event()
@@ -266,8 +258,8 @@ class LiveFleet:
         return (self.clock() - self.t0) * self.time_scale
 
     def inject(self, fault: Fault) -> None:
-        """Make the next matching command misbehave (what --fault does)."""
-        self.faults.append(fault)
+        """Make the next matching command misbehave (what --fault does; SimAgents applies it)."""
+        self.executor.inject(fault)
 
     def _agent(self, node_id: str) -> SimAgent:
         agent = self.agents.get(node_id)
@@ -401,93 +393,18 @@ class LiveFleet:
                 self._execute(cmd)
 
     def _execute(self, cmd: CommandIntent) -> None:
-        if cmd.deployment_id not in self.sim.deployments and cmd.kind is not CommandKind.PREPARE_PLAN:
-            # not a deployment this fleet runs (a prepare carrying its model_spec and slo would add
-            # it: SimAgents): nothing of it runs here, so there is nothing to undo or move
-            self._answer(cmd, True, "", {"plan_id": cmd.payload.get("plan_id"), "noop": True})
-            return
-        fault = take_fault(self.faults, cmd)
-        if fault is not None:
-            self._faulted[cmd.key] = fault
-            log.warning("%s: %s %s is faulted (%s)", cmd.node_id, cmd.key, cmd.kind.value, fault.action)
-        if cmd.kind in (CommandKind.FREEZE_PLAN, CommandKind.THAW_PLAN):
+        if cmd.kind in (CommandKind.FREEZE_PLAN, CommandKind.THAW_PLAN) and cmd.deployment_id in self.sim.deployments:
             # the table that froze (or thaws) the plan was committed before this command: follow
             # it first, so that routing does not undo what the command does
             self._fetch_routing()
             self._follow_routing()
-        self.executor.execute(cmd)
-        if fault is not None and fault.action == "lose_gpus":
-            engine = self._engine_of(cmd)
-            run_s = engine.ready_s - self.sim.now_s if engine is not None and engine.state == "loading" else COMMAND_S
-            self.sim.call_at(self.sim.now_s + 0.5 * max(run_s, 0.0), lambda t: self._lose_for(cmd, fault))
-
-    def _engine_of(self, cmd: CommandIntent) -> PlanEngine | None:
-        if cmd.deployment_id not in self.sim.deployments:
-            return None
-        return self.sim.engine_of(cmd.deployment_id, str(cmd.payload.get("plan_id", "")))
-
-    def _lose_for(self, cmd: CommandIntent, fault: Fault) -> None:
-        """lose_gpus half way through the command: the plans on the command's GPUs on its node
-        crash (what MemoryFleet's fault does); the command, if still open, fails "preempted"."""
-        node = self.cluster.nodes.get(cmd.node_id)
-        mine = {g.uuid for g in node.gpus} if node is not None else set()
-        raw = cmd.payload.get("plan")
-        engine = self._engine_of(cmd)
-        plan = Plan.from_dict(raw) if isinstance(raw, Mapping) else engine.plan if engine is not None else None
-        gpus = [u for u in (plan.gpu_uuids if plan is not None else ()) if u in mine] or sorted(mine)
-        if fault.uuids:
-            gpus = list(fault.uuids)
-        elif fault.gpus:
-            gpus = gpus[:fault.gpus]
-        broken = self.sim.break_gpus(gpus)
-        log.warning("%s: injected loss of %d GPU(s) stopped %d plan(s)", cmd.node_id, len(gpus), len(broken))
-        if cmd.kind is not CommandKind.MOVE_SEQUENCES:
-            self._answer(cmd, False, f"preempted: {len(gpus)} GPU(s) of {cmd.node_id} taken",
-                         {"reason": "preempted", "gpus": gpus})
+        self.executor.execute(cmd)  # faults, idempotency, answered once: SimAgents
 
     def _answer(self, cmd: CommandIntent, ok: bool, detail: str, result: Mapping[str, object]) -> None:
-        """SimAgents' ack: once per command, through the command's fault, completed with what
-        agent protocol v1 says the result holds, then out over HTTP on the next pass."""
-        if cmd.key in self._answered:
-            return
-        self._answered.add(cmd.key)
-        if cmd.node_id not in self.cluster.nodes:
-            return  # the node left: nobody is there to answer
-        fault = self._faulted.pop(cmd.key, None)
-        if fault is not None and fault.action == "hang":
-            return  # it never answers
-        status: CommandStatus = "ok" if ok else "failed"
-        out = dict(result)
-        if fault is not None and fault.action == "fail" and ok:
-            status, detail = "failed", f"injected failure of {cmd.kind.value}"
-            out = {"reason": fault.reason or "failed"}
-        elif ok:
-            out = self._complete(cmd, out)
-        self.mailbox.ack(cmd.key, status, detail, out)
-
-    def _complete(self, cmd: CommandIntent, result: dict[str, object]) -> dict[str, object]:
-        """The parts of an ok result that this node's agent adds (agents/protocol.py): the memory
-        a prepare reserved and a release freed on this node's GPUs."""
-        if cmd.kind not in (CommandKind.PREPARE_PLAN, CommandKind.RELEASE_PLAN) or result.get("noop"):
-            return result
-        raw = cmd.payload.get("plan")
-        engine = self._engine_of(cmd)
-        plan = Plan.from_dict(raw) if isinstance(raw, Mapping) else engine.plan if engine is not None else None
-        node = self.cluster.nodes.get(cmd.node_id)
-        if plan is None or node is None:
-            return result
-        mine = {g.uuid for g in node.gpus}
-        dep = self.sim.deployments.get(cmd.deployment_id)
-        if dep is None:
-            return result
-        held = {u: b for u, b in plan_memory(plan, dep.model).items() if u in mine}
-        if cmd.kind is CommandKind.PREPARE_PLAN:
-            result.setdefault("reserved_bytes", held)
-        else:
-            result.setdefault("freed_bytes", held)
-            result.setdefault("failed", [])
-            result.setdefault("handed_over", [])
-        return result
+        """SimAgents' ack, out over HTTP on the next pass."""
+        if not ok:
+            log.warning("%s: %s %s failed: %s", cmd.node_id, cmd.key, cmd.kind.value, detail[:80])
+        self.mailbox.ack(cmd.key, "ok" if ok else "failed", detail, dict(result))
 
     def _send_acks(self) -> None:
         for node_id, cid, ack in self.mailbox.acks():

@@ -22,8 +22,8 @@ One `MemoryFleet` plays every node's agent and engines, and a gateway in front o
 
 Everything it does goes to an `EventLog`, so `scheduler.invariants.check` can verify
 invariants 1-2 over it (and 3 with the in-memory ports' log). Faults - a command that fails,
-hangs, or loses its GPUs half way - are injected with `Fault` (tests; the live fleet, which
-runs agents.sim.fleet instead, applies the same `Fault`s from its `--fault` flag). Deterministic: time is injected, randomness comes from the seeded `rng`.
+hangs, or loses its GPUs half way - are injected with `agents.sim.faults.Fault`, which
+`agents.sim.executor.SimAgents` (on FleetSim) applies the same way. Deterministic: time is injected, randomness comes from the seeded `rng`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Literal, Protocol
 
 from agents.protocol import prepare_shape
 from agents.shadow_check import tokenizer_problem
+from agents.sim.faults import Fault, lost_gpus, take_fault, through_fault
 from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
 from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, PlanProfile, kv_route
@@ -230,31 +231,6 @@ class Node:
     link_busy: bool = False  # a migration holds its outgoing KV link (they go one at a time)
 
 
-@dataclass(frozen=True)
-class Fault:
-    """Make the next matching command misbehave."""
-
-    node: str  # which agent
-    kind: str  # which command kind (agents/protocol.py), or "*"
-    action: Literal["fail", "hang", "lose_gpus"]
-    times: int = 1  # how many matching commands it hits
-    gpus: int = 0  # lose_gpus: how many (0: every GPU of the command's plan on that node)
-    uuids: tuple[str, ...] = ()  # lose_gpus: exactly these GPUs instead
-    reason: str = ""  # fail: the reason the ack carries (default: failed)
-
-
-def take_fault(faults: list[Fault], cmd: CommandIntent) -> Fault | None:
-    """The first fault that strikes `cmd` (its node, its kind or "*"), used up by one."""
-    for i, f in enumerate(faults):
-        if f.node == cmd.node_id and f.kind in ("*", cmd.kind.value):
-            if f.times <= 1:
-                faults.pop(i)
-            else:
-                faults[i] = replace(f, times=f.times - 1)
-            return f
-    return None
-
-
 @dataclass
 class _Job:
     cmd: CommandIntent
@@ -402,7 +378,7 @@ class MemoryFleet:
                 continue
             node = self.nodes.get(r.nodes[0])
             inst = node.instances.get(r.plan_id) if node and node.alive else None
-            if inst is not None and inst.leader and inst.state == "ready":
+            if node is not None and inst is not None and inst.leader and inst.state == "ready":
                 ready.append((r, node, inst))
         if not ready:
             return False
@@ -572,12 +548,11 @@ class MemoryFleet:
         if job.done or not self.nodes[job.cmd.node_id].alive:
             return
         job.done = True
-        if job.fault is not None and job.fault.action == "hang":
-            return  # it never answers
-        if job.fault is not None and job.fault.action == "fail" and status == "ok":
-            status, detail = "failed", f"injected failure of {job.cmd.kind.value}"
-            result = {"reason": job.fault.reason or "failed"}
-        self.mailbox.ack(job.cmd.key, status, detail, result or {})
+        answer = through_fault(job.fault, job.cmd, status == "ok", detail, result or {})
+        if answer is None:
+            return  # it hangs: never answered
+        ok, detail, out = answer
+        self.mailbox.ack(job.cmd.key, "ok" if ok else "failed", detail, out)
 
     def _start(self, job: _Job) -> None:
         cmd, p = job.cmd, job.cmd.payload
@@ -651,14 +626,10 @@ class MemoryFleet:
     def _lose_for(self, job: _Job) -> None:
         plan_id = str(job.cmd.payload.get("plan_id", ""))
         inst = self.nodes[job.cmd.node_id].instances.get(plan_id)
-        gpus = [u for u in (inst.plan.gpu_uuids if inst else ()) if self._node_of(u) == job.cmd.node_id]
-        if not gpus:
-            gpus = [g.uuid for g in self.base.gpus if g.node_id == job.cmd.node_id]
         assert job.fault is not None  # noqa: S101 - only called for a lose_gpus fault
-        if job.fault.uuids:
-            gpus = list(job.fault.uuids)
-        elif job.fault.gpus:
-            gpus = gpus[: job.fault.gpus]
+        node = job.cmd.node_id
+        gpus = lost_gpus(job.fault, [u for u in (inst.plan.gpu_uuids if inst else ()) if self._node_of(u) == node],
+                         [g.uuid for g in self.base.gpus if g.node_id == node])
         self.lose_gpus(gpus)
         if not job.done and job.cmd.kind is not CommandKind.MOVE_SEQUENCES:
             self._ack(job, "failed", f"preempted: {len(gpus)} GPU(s) of {job.cmd.node_id} taken",

@@ -17,6 +17,7 @@ class Request:
         "generated", "need", "done", "has_kv", "ctx0", "d0", "gen0", "epoch", "pipe", "decoding",
         "preemptions", "replays", "migrations", "error", "engine_id", "paused_until", "lease",
         "priority", "deadline_at", "blocks", "blocks_in", "route_req", "predicted_ttft_s", "routed_plan",
+        "owner", "owner_engine", "owner_lease", "paused_on", "paused_at",
     )
 
     def __init__(self, rid: int, deployment: str, arrival_s: float, prompt: int, output: int, *,
@@ -54,6 +55,13 @@ class Request:
         self.route_req: object = None  # its scheduler.router RouteRequest, made once
         self.predicted_ttft_s: float | None = None  # what the router predicted when it routed it
         self.routed_plan = ""  # the plan the router gave it to
+        # its owner as the per-sequence log (agents/sim/seqlog.py) last recorded it: only kept
+        # while the simulator has an event log
+        self.owner = ""  # plan id ("": none - new, or returned to the router)
+        self.owner_engine = 0  # that plan's engine
+        self.owner_lease = 0  # the lease it was given to its owner with
+        self.paused_on = ""  # the owner that paused it at a safe boundary, for a hand-over
+        self.paused_at = ""  # ... and that boundary (decode_end | idle)
 
     def tokens_now(self) -> int:
         """Tokens emitted so far (reads the pipe's decode clock while decoding)."""

@@ -20,7 +20,7 @@ from tests.scheduler.transition_world import DEP, GEAR_A, GEAR_B, Load, World
 
 
 def commands_of_a_run(rollback: bool) -> list[tuple[str, dict[str, object], Step]]:
-    from agents.sim.memory_fleet import Fault
+    from agents.sim.faults import Fault
 
     w = World()
     w.seed_gear(DEP, GEAR_A)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.invariants import LogEvent, assert_clean, check
+from scheduler.invariants import CheckingLog, LogEvent, assert_clean, check
 
 
 def ev(t: float, kind: str, **kw: object) -> LogEvent:
@@ -111,6 +111,36 @@ def test_a_second_assignment_while_owned_is_caught() -> None:
     log = admitted() + [ev(1, "seq_assigned", seq_id="s1", plan_id="pB", version=2),
                         ev(2, "seq_finished", seq_id="s1", plan_id="pA")]
     only(check(log), 2, "while pA owns it")
+
+
+def test_a_sequence_returned_to_the_router_may_be_assigned_again() -> None:
+    back = [ev(1, "seq_returned", seq_id="s1", plan_id="pA", detail="its plan stopped"),
+            ev(2, "seq_assigned", seq_id="s1", plan_id="pB", version=1), ev(3, "seq_finished", seq_id="s1",
+                                                                           plan_id="pB")]
+    assert check(admitted() + back) == []
+
+
+def test_only_its_owner_may_return_a_sequence_and_only_with_a_reason() -> None:
+    stranger = [ev(1, "seq_returned", seq_id="s1", plan_id="pX", detail="stopped"),
+                ev(2, "seq_finished", seq_id="s1", plan_id="pA")]
+    only(check(admitted() + stranger), 2, "returned sequence s1 owned by pA")
+    silent = [ev(1, "seq_returned", seq_id="s1", plan_id="pA"), ev(2, "seq_finished", seq_id="s1", plan_id="pA")]
+    only(check(admitted() + silent), 2, "without a recorded reason")
+
+
+def test_the_old_owner_may_not_finish_a_sequence_it_returned() -> None:
+    log = admitted() + [ev(1, "seq_returned", seq_id="s1", plan_id="pA", detail="stopped"),
+                        ev(2, "seq_finished", seq_id="s1", plan_id="pA")]
+    only(check(log), 2, "owned by no plan")
+
+
+def test_a_checking_log_finds_what_check_finds_without_keeping_the_events() -> None:
+    log = admitted() + handover(src="pX") + admitted("s2") + [ev(3, "seq_finished", seq_id="s1", plan_id="pA")]
+    streamed = CheckingLog()
+    for e in log:
+        streamed.add(e)
+    assert [str(v) for v in streamed.checker.violations()] == [str(v) for v in check(log)]
+    assert len(check(log)) >= 2 and streamed.events == [] and streamed.counts["seq_admitted"] == 2
 
 
 # --- invariant 3 ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from agents.sim.memory_fleet import Fault
+from agents.sim.faults import Fault
 from scheduler.invariants import check
 from scheduler.topology import LinkState
 from scheduler.transition import (

@@ -3,8 +3,8 @@ hammered (scheduler.backoff, driven the same way by the console's tick)."""
 
 from __future__ import annotations
 
+from agents.sim.faults import Fault
 from agents.sim.fleet import FleetSim
-from agents.sim.memory_fleet import Fault
 from agents.sim.policies import FlexPipePolicy
 from agents.sim.workload import build_workload
 from tests.agents.sim.worlds import one_deployment

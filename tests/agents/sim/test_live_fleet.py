@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from agents.protocol import Command
+from agents.sim.faults import Fault
 from agents.sim.live import LiveFleet
-from agents.sim.memory_fleet import Fault
 from agents.sim.scenario import load_scenario
 from console.fleet.models import Gpu, Node
 from scheduler.modelspec import model_spec

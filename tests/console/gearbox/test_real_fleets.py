@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from agents.sim.memory_fleet import Fault
+from agents.sim.faults import Fault
 from console.audit.models import AuditEntry
 from console.fleet.links import link_table
 from console.fleet.models import BlockTrajectory, Node, NodeLink

@@ -27,7 +27,7 @@ import pytest
 import redis
 from django.db import connection
 
-from agents.sim.memory_fleet import Fault
+from agents.sim.faults import Fault
 from console.celery import app
 from console.fleet.models import AgentCommand
 from console.gearbox.executor import build_executor
