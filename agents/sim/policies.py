@@ -475,9 +475,7 @@ class FlexPipePolicy(Policy):
                 running=Running(running.seq, running.kind, running.phase.value, bool(running.abort_reason))
                 if running is not None else None,
                 serving=self._valid(sim, name), index=dep.index))
-        held = {name: frozenset(driver.held_by_others("\0" + name) - driver.held_by_others(name))
-                for name in self.deployments}
-        return states, FleetState(snapshot=snap, history=self.history, held=held)
+        return states, FleetState(snapshot=snap, history=self.history, held=_held(driver))
 
     def _step(self, sim: FleetSim, t: float, trigger: Trigger, only: str | None = None) -> None:
         assert self.driver is not None  # noqa: S101
