@@ -8,8 +8,8 @@
 * restart: Kubernetes-style. On a loss the deployment is redeployed: every plan stops (KV
   dropped, requests recomputed), and the best single plan that now fits starts cold from disk.
   It never moves back on its own.
-* flexpipe: the production gearbox (`scheduler.gearbox.decide`, with `scheduler.planner`) on
-  snapshots of the simulated cluster, every `tick_s` and at once (after the agents' report
+* flexpipe: the production control loop (`scheduler.control.ControlLoop`, over
+  `scheduler.gearbox.decide` and `scheduler.planner`) on snapshots of the simulated cluster, every `tick_s` and at once (after the agents' report
   delay) on a topology change; its switches run as three-phase transitions with their modelled
   costs (`agents.sim.switching`).
 * oracle: an upper bound. It knows the event schedule and the requests to come: every
@@ -36,7 +36,19 @@ from agents.sim.executor import TransitionDriver
 from agents.sim.fleet import DeploymentRuntime, FleetSim
 from agents.sim.metrics import SwitchRecord
 from agents.sim.scenario import DistSpec, Scenario
-from scheduler.backoff import NO_BACKOFF, Backoff, refusal
+from scheduler.backoff import Backoff
+from scheduler.control import (
+    BringUp,
+    ControlLoop,
+    DeploymentState,
+    Finished,
+    FirstStage,
+    FleetState,
+    LoopConfig,
+    Running,
+    Staged,
+    Step,
+)
 from scheduler.costmodel import PlanProfile, Workload, estimate_plan
 from scheduler.gearbox import (
     DEFAULT_CONFIG,
@@ -45,8 +57,6 @@ from scheduler.gearbox import (
     LoadWindow,
     Outcome,
     Trigger,
-    cooldown_until,
-    decide,
     gear_footprint,
     record_switch,
 )
@@ -329,23 +339,36 @@ def best_single_plan(cands: Sequence[Candidate], dep: DeploymentRuntime, snapsho
 
 
 # --- flexpipe ------------------------------------------------------------------------------------
+# The simulator's differences from the console's loop, as the loop's own inputs (scheduler.control):
+# baselines are seeded at t=0 (BringUp.SEEDED), reports are instant (reports_mirror_last), and a
+# periodic step inside a cooldown is skipped (skip_cooldown_stays: the replay needs only switches)
+SIM_LOOP = LoopConfig(bring_up=BringUp.SEEDED, skip_cooldown_stays=True)
+
+
 class FlexPipePolicy(Policy):
-    """scheduler.gearbox + planner on simulated snapshots; transitions through scheduler.transition."""
+    """A thin driver of scheduler.control.ControlLoop on simulated snapshots; its transitions
+    run through scheduler.transition (agents.sim.executor.TransitionDriver)."""
 
     name = PolicyName.FLEXPIPE
 
     def __init__(self, options: PolicyOptions = DEFAULT_POLICY_OPTIONS) -> None:
         super().__init__(options)
+        self.loop = ControlLoop(replace(SIM_LOOP, gearbox=options.gearbox))
         self.deployments: dict[str, Deployment] = {}
         self.windows: dict[str, LoadWindow] = {}
         self.history = FragmentHistory()
         self.driver: TransitionDriver | None = None
         self.decisions: list[dict[str, Any]] = []  # switches and blocks, for the report
-        self.calls = 0  # decide() calls
-        self.staged: dict[str, Gear] = {}  # deployment -> where its staged switch goes once stage 1 is done
-        self.backoff: dict[str, Backoff] = {}  # deployment -> its back-off after refused PREPAREs (scheduler.backoff)
+        self.staged: dict[str, Staged] = {}  # deployment -> its staged switch on the way
+        self.backoff: dict[str, Backoff] = {}  # deployment -> its back-off book (scheduler.backoff)
+        self.finished: dict[str, list[Finished]] = {}  # deployment -> transitions ended since its last step
         self._topology_at: float | None = None
         self._sim: FleetSim | None = None
+
+    @property
+    def calls(self) -> int:
+        """gearbox.decide calls."""
+        return self.loop.calls
 
     def attach(self, sim: FleetSim) -> None:
         self._sim = sim
@@ -370,9 +393,7 @@ class FlexPipePolicy(Policy):
             sample = sim.load_sample(name, t)
             if sample is not None:
                 self.windows[name] = self.windows[name].add(sample, keep_s=keep)
-        self._observe(sim, t)
-        for dep in by_priority(sim):
-            self._decide(sim, dep.name, t, Trigger.PERIODIC)
+        self._step(sim, t, Trigger.PERIODIC)
         if t + self.options.tick_s <= sim.scenario.duration_s:
             sim.call_at(t + self.options.tick_s, lambda now: self._tick(sim, now))
 
@@ -387,17 +408,7 @@ class FlexPipePolicy(Policy):
 
     def _topology(self, sim: FleetSim, t: float) -> None:
         self._topology_at = None
-        self._observe(sim, t)
-        for dep in by_priority(sim):
-            self._decide(sim, dep.name, t, Trigger.TOPOLOGY)
-
-    def _observe(self, sim: FleetSim, t: float) -> None:
-        """What every decision reads of the cluster's past: the blocks' trajectories and, per
-        deployment, back-off entries a topology change has reset (the console's tick does the same)."""
-        snap = sim.snapshot()
-        self.history = self.history.observe(atomic_blocks(snap), t)
-        for name, book in self.backoff.items():
-            self.backoff[name] = book.observe(snap, now_s=t)
+        self._step(sim, t, Trigger.TOPOLOGY)
 
     def on_ready(self, sim: FleetSim, t: float, engine: PlanEngine) -> None:
         if self.driver is not None:
@@ -411,27 +422,26 @@ class FlexPipePolicy(Policy):
         sim = self._sim
         assert sim is not None  # noqa: S101
         name = rec.deployment_id
-        book = self.backoff.get(name, NO_BACKOFF)
-        if rec.phase is TransitionPhase.DONE:
-            self.backoff[name] = book.succeeded()
-        else:
-            self.staged.pop(name, None)  # the first stage rolled back: the path is off
-            why = refusal(rec)
-            if why is not None:
-                self.backoff[name] = book.failed(rec.new_plans, t, why, sim.snapshot())
-        if rec.phase is TransitionPhase.DONE and name in self.staged:
-            # the first stage of a staged switch is done: on to the second at once
-            sim.call_at(t, lambda now: self._decide(sim, name, now, Trigger.PERIODIC))
-            return
-        if not self._valid(sim, rec.deployment_id) or rec.phase is not TransitionPhase.DONE:
+        # the loop folds it into the back-off at the deployment's next step (rule 5), on the
+        # fleet as it is now (what the refusal's fingerprint must compare against)
+        self.finished.setdefault(name, []).append(Finished(rec, t, sim.snapshot()))
+        staged = self.staged.get(name)
+        if staged is not None:
+            done = rec.phase is TransitionPhase.DONE
+            self.staged[name] = replace(staged, first_stage=FirstStage.DONE if done else FirstStage.ENDED)
+            if done:
+                # the first stage of a staged switch is done: on to the second at once
+                sim.call_at(t, lambda now: self._step(sim, now, Trigger.PERIODIC, only=name))
+                return
+        if not self._valid(sim, name) or rec.phase is not TransitionPhase.DONE:
             # decisions deferred while it ran may be owed: decide again now - or, after a roll
             # back, a second later (as the console's retry does): at the same instant the same
             # snapshot gives the same decision, and a reservation refused because another
             # deployment booked the GPUs an instant ago would be refused again, forever
             again = t if rec.phase is TransitionPhase.DONE else t + 1.0
-            sim.call_at(again, lambda now: self._decide(sim, rec.deployment_id, now, Trigger.TOPOLOGY))
+            sim.call_at(again, lambda now: self._step(sim, now, Trigger.TOPOLOGY, only=name))
 
-    # -- the decision ---------------------------------------------------------------------------
+    # -- the loop -------------------------------------------------------------------------------
     def _valid(self, sim: FleetSim, name: str) -> bool:
         """Every plan of the stable gear serves (then the gearbox's validity check passes: the
         simulator's memory never changes under a serving plan)."""
@@ -445,44 +455,56 @@ class FlexPipePolicy(Policy):
                 return False
         return True
 
-    def _decision_snapshot(self, sim: FleetSim, name: str) -> Snapshot:
-        """The snapshot with the GPUs other deployments hold marked unschedulable, as the
-        console hands it to the gearbox: a gear on another deployment's GPUs (or on GPUs it
-        just booked for its own transition) would be refused at RESERVE."""
+    def observation(self, sim: FleetSim, t: float, only: str | None = None
+                    ) -> tuple[list[DeploymentState], FleetState]:
+        """The simulator's state as the loop observes it (also records the blocks' trajectories)."""
         assert self.driver is not None  # noqa: S101
+        driver = self.driver
         snap = sim.snapshot()
-        others = self.driver.held_by_others(name)
-        if not others:
-            return snap
-        return replace(snap, gpus=tuple(replace(g, schedulable=False) if g.uuid in others else g for g in snap.gpus))
+        self.history = self.history.observe(atomic_blocks(snap), t)
+        states = []
+        for dep in by_priority(sim):
+            name = dep.name
+            if only is not None and name != only:
+                continue
+            running = driver.world.store.active(name)
+            states.append(DeploymentState(
+                deployment=self.deployments[name], current=driver.current_gear(name), load=self.windows[name],
+                model=dep.model, backoff=self.backoff.get(name), finished=tuple(self.finished.get(name, ())),
+                staged=self.staged.get(name),
+                running=Running(running.seq, running.kind, running.phase.value, bool(running.abort_reason))
+                if running is not None else None,
+                serving=self._valid(sim, name), index=dep.index))
+        return states, FleetState(snapshot=snap, history=self.history, held=_held(driver))
 
-    def _decide(self, sim: FleetSim, name: str, t: float, trigger: Trigger) -> None:
+    def _step(self, sim: FleetSim, t: float, trigger: Trigger, only: str | None = None) -> None:
         assert self.driver is not None  # noqa: S101
-        if self.driver.running(name):
-            return  # decide() answers DEFERRED; _done decides again when it ends
-        dep = self.deployments[name]
-        valid = self._valid(sim, name)
-        until = cooldown_until(dep, self.options.gearbox)
-        staged = self.staged.pop(name, None)
-        if staged is None and valid and trigger is Trigger.PERIODIC and until is not None and t < until:
-            # by rule 3 a valid gear inside its cooldown STAYs whatever the candidates are:
-            # the call would only re-plan to say so
+        states, fleet = self.observation(sim, t, only)
+        self.loop.observe(states, fleet)
+        out = self.loop.step(t, trigger)
+        for step in out.steps:
+            self._carry_out(sim, step, t)
+
+    def _carry_out(self, sim: FleetSim, step: Step, t: float) -> None:
+        """Persist one step of the loop's output in the simulator's state; start its transition."""
+        assert self.driver is not None  # noqa: S101
+        name = step.deployment_id
+        if step.backoff is not None:  # the loop folded what ended (rule 5)
+            self.backoff[name] = step.backoff
+            self.finished.pop(name, None)
+        if step.clear_staged:
+            self.staged.pop(name, None)
+        decision = step.decision
+        if decision is None:
             return
-        self.calls += 1
-        runtime = sim.deployments[name]
-        current = self.driver.current_gear(name)
-        decision = decide(dep, current, self._decision_snapshot(sim, name), self.windows[name], t, trigger=trigger,
-                          history=self.history, model=runtime.model, config=self.options.gearbox,
-                          staged_target=staged, backoff=self.backoff.get(name))
-        if decision.outcome is Outcome.SWITCH and decision.target is not None:
-            rec = self.driver.start(name, decision.target, decision.trigger.value,
-                                    decision_ref=f"{name}@{t:.3f}")
+        if step.start is not None:
+            rec = self.driver.start(name, step.start.target, decision.trigger.value, decision_ref=f"{name}@{t:.3f}")
             if rec is None:
                 return
-            if decision.staged_target is not None:
-                self.staged[name] = decision.staged_target
+            if step.start.staged_target is not None:
+                self.staged[name] = Staged(step.start.staged_target, step.start.kind, FirstStage.RUNNING)
             # only a switch the gearbox chose starts a cooldown (gearbox.record_switch)
-            self.deployments[name] = record_switch(dep, t, forced=decision.forced)
+            self.deployments[name] = record_switch(self.deployments[name], t, forced=decision.forced)
             self.switches += 1
         if decision.outcome in (Outcome.SWITCH, Outcome.BLOCKED):
             self.decisions.append({
@@ -498,6 +520,26 @@ class FlexPipePolicy(Policy):
         violations = check_invariants(self.driver.log.events, complete=True)
         return {"decide_calls": self.calls, "decisions": self.decisions[:200],
                 "transition_invariant_violations": [str(v) for v in violations[:20]]}
+
+
+def _held(driver: TransitionDriver) -> dict[str, frozenset[str]]:
+    """deployment -> GPUs it holds: its stable gear, both gears of a transition it runs, its
+    bookings (the console's `held_gpus`, on the simulator's store)."""
+    store = driver.world.store
+    out: dict[str, set[str]] = {}
+    for name, gear in store.gears.items():
+        if gear is not None:
+            out.setdefault(name, set()).update(gear.gpu_uuids)
+    for name in list(store.gears):
+        rec = store.active(name)
+        if rec is not None:
+            out.setdefault(name, set()).update(rec.to_gear.gpu_uuids)
+            if rec.from_gear is not None:
+                out[name].update(rec.from_gear.gpu_uuids)
+    for u, holders in store.bookings.items():
+        for d, _ in holders:
+            out.setdefault(d, set()).add(u)
+    return {k: frozenset(v) for k, v in out.items()}
 
 
 # --- oracle ----------------------------------------------------------------------------------------

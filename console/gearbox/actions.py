@@ -23,11 +23,10 @@ The gearbox (ticks.py) and the scenario loader:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -43,12 +42,12 @@ from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, GpuReser
 from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
 from console.registry.specs import planner_options, spec_for
 from scheduler import gearbox
-from scheduler.backoff import Backoff, refusal
+from scheduler.backoff import Backoff
 from scheduler.costmodel import Slo
 from scheduler.gearbox import LoadSample, Mode, Outcome, Trigger
 from scheduler.plan import Gear, validate_gear
 from scheduler.topology import FragmentHistory, Snapshot
-from scheduler.transition import Kind, Phase, TransitionRecord, lost_gpus
+from scheduler.transition import Kind
 
 GEARBOX = "system:gearbox"
 
@@ -190,55 +189,10 @@ def _decide(dep: Deployment, base: Snapshot, held: Mapping[str, set[str]], now: 
                           staged_target=staged)
 
 
-def fold_backoff(dep: Deployment, base: Snapshot, now: datetime) -> Deployment:
-    """Bring the deployment's back-off up to date (scheduler.backoff, as the simulator's policy
-    does): each transition that ended since it was last folded in - a refused one puts its new
-    plans on back-off, one that reached DONE ends the streak - and the topology changes that
-    touched a backed-off plan (a node's registration epoch included) reset it. Telemetry of the
-    decision, not an operator's act: not audited (the decision says "backing off until ...")."""
-    state = dep.backoff or {}
-    book = Backoff.from_dict(state.get("book"))
-    seen = int(state.get("seq") or 0)
-    epochs = dict(Node.objects.values_list("node_id", "epoch"))
-    for t in (Transition.objects.filter(deployment=dep, seq__gt=seen, phase__in=("done", "rolled_back"))
-              .order_by("seq")):
-        seen = t.seq
-        try:
-            rec = TransitionRecord.from_dict(t.record)
-        except ValueError:
-            continue
-        if rec.phase is Phase.DONE:
-            book = book.succeeded()
-        elif (why := refusal(rec)) is not None:
-            at = t.finished_at.timestamp() if t.finished_at else now.timestamp()
-            book = book.failed(rec.new_plans, at, why, base, extra=epochs)
-    book = book.observe(base, extra=epochs, now_s=now.timestamp())
-    updated = {"book": book.to_dict(), "seq": seen}
-    if updated != state:
-        Deployment.objects.filter(pk=dep.pk).update(backoff=updated)
-        dep.backoff = updated
-    return dep
-
-
-def _staged(dep: Deployment) -> tuple[Gear | None, Kind]:
-    """The gear a staged switch goes on to, once its first stage (transition `staged_seq`) is done;
-    a first stage that rolled back ends the path (cleared here)."""
-    if not dep.staged_gear:
-        return None, Kind.AUTO
-    first = Transition.objects.filter(deployment=dep, seq=dep.staged_seq).values_list("phase", flat=True).first()
-    kind = Kind(dep.staged_kind) if dep.staged_kind in {k.value for k in Kind} else Kind.AUTO
-    if first == "done":
-        return Gear.from_dict(dep.staged_gear, "staged_gear"), kind
-    if first in ACTIVE_PHASES:
-        return None, kind
-    Deployment.objects.filter(pk=dep.pk).update(staged_gear=None, staged_seq=0, staged_kind="")
-    dep.staged_gear = None
-    return None, kind
-
-
 def _remember_stage(dep: Deployment, d: gearbox.Decision, started: Transition | None, kind: Kind) -> None:
-    """After a decision: a first stage that started is remembered (its second follows when it is
-    done); anything else ends a staged path on its way."""
+    """After an operator's decision (the loop's own: console/gearbox/control.persist): a first
+    stage that started is remembered (its second follows when it is done); anything else ends a
+    staged path on its way."""
     if d.stage == 1 and d.staged_target is not None and started is not None:
         Deployment.objects.filter(pk=dep.pk).update(staged_gear=d.staged_target.to_dict(), staged_seq=started.seq,
                                                     staged_kind=kind.value)
@@ -249,66 +203,13 @@ def _remember_stage(dep: Deployment, d: gearbox.Decision, started: Transition | 
 def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datetime, base: Snapshot,
                    held: Mapping[str, set[str]], actor: str = GEARBOX,
                    history: FragmentHistory | None = None) -> Decided:
-    """One gearbox decision for the deployment, recorded, and the transition it calls for.
+    """One control-loop step for the deployment, recorded, and the transition it calls for
+    (console/gearbox/control.py drives scheduler.control.ControlLoop: the rules are there)."""
+    from console.gearbox.control import decide_all
 
-    Order: a pending emergency first (it asks a running transition to roll back, or starts the
-    downshift once nothing runs); nothing while a transition runs, nor until the agents reported
-    what the last one left; with nothing running yet,
-    bring the baseline gear up (or the best feasible one when the baseline does not fit);
-    otherwise scheduler.gearbox.decide. Two ticks may race: both decide, one claims the seq
-    (ports.DjangoStore.create), the other's decision is noted as not started.
-    """
     name = deployment if isinstance(deployment, str) else deployment.name
-    dep = Deployment.objects.get(name=name)
-    if dep.deleting_since is not None:
-        return Decided(None, None)  # being drained for deletion (console/gearbox/lifecycle.py)
-    active = _active(dep)
-    if active is None and drop_lost_plans(dep, now=now):
-        dep = Deployment.objects.get(name=name)
-        trigger = Trigger.TOPOLOGY  # what an agent lost is replaced at once, like lost GPUs
-    if dep.emergency_requested_at is not None:
-        from console.gearbox.emergency import emergency_tick
-
-        return emergency_tick(dep, active, base, held, now, actor)
-    if active is not None:
-        return Decided(None, None)
-    dep = fold_backoff(dep, base, now)  # (before waiting for reports: a refusal is known at once)
-    if not _reports_mirror_last_transition(dep, base, now):
-        return Decided(None, None, waiting_for_reports=True)
-    staged, staged_kind = _staged(dep)
-    current = _gear(dep, "current_gear")
-    if trigger is Trigger.PERIODIC and current is not None and any(lost_gpus(p, base) for p in current.plans):
-        # whichever tick notices first, a gear that lost GPUs is a topology event (DESIGN.md)
-        trigger = Trigger.TOPOLOGY
-    if dep.current_gear is None:
-        baseline = Gear.from_dict(dep.baseline_gear)
-        unreported = [u for u in baseline.gpu_uuids if (g := base.gpu_by_uuid.get(u)) is None or g.last_seen_s == 0]
-        if unreported:
-            # its agents registered but have not reported yet (or not even that): decide nothing
-            # on GPUs nobody has seen; a report that brings them is a topology event, a new tick
-            return Decided(None, None, waiting_for_reports=True)
-        d = _decide(dep, base, held, now, Trigger.MANUAL, requested=baseline)
-        if d.outcome is Outcome.SWITCH:
-            outcome = Outcome.SWITCH if dep.mode != Deployment.ADVISORY else Outcome.ADVISE
-            d = replace(d, trigger=trigger, outcome=outcome,
-                        reasons=("nothing runs yet: bring the baseline gear up",))
-        else:
-            d = _decide(dep, base, held, now, trigger, history=history)
-    else:
-        d = _decide(dep, base, held, now, trigger, history=history, staged=staged)
-    # the second stage of a staged switch has the kind of its first (an operator's, or the gearbox's)
-    kind = staged_kind if d.stage == 2 else Kind.AUTO
-    with transaction.atomic():
-        _locked(dep)  # the deployment row before the audit head (lock order: ports._lock_deployment)
-        row = do_record_decision(dep, d, actor=actor, now=now)
-        started = None
-        if d.outcome is Outcome.SWITCH and d.target is not None:
-            started = _start(dep, d.target, kind=kind, decision=row, actor=actor)
-            if started is None:
-                row.note = "not started: another transition claimed the deployment first"
-                row.save(update_fields=["note"])
-        _remember_stage(dep, d, started, kind)
-    return Decided(row, started)
+    return decide_all([name], trigger=trigger, now=now, base=base, held=held, history=history,
+                      actor=actor).get(name, Decided(None, None))
 
 
 def lost_plans(dep: Deployment) -> dict[str, list[str]]:
@@ -380,32 +281,6 @@ def drop_lost_plans(deployment: Deployment | str, *, now: datetime, actor: str =
                after={"version": row.routing_version, "current_gear_id": gear.gear_id if gear else None})
     transaction.on_commit(lambda: live.push_routing(name))
     return sorted(lost)
-
-
-def _reports_mirror_last_transition(dep: Deployment, base: Snapshot, now: datetime) -> bool:
-    """Mirror first, then decide: the GPUs the deployment's last transition touched must have been
-    reported since the agents acknowledged its last command. Before that their memory is the
-    agents' old picture (the old plan not yet freed) and the new gear would look over-full.
-    Agents report right after a command they executed, so this holds within moments; GPUs that
-    are out (lost, cordoned) and a transition older than two report intervals hold nothing up."""
-    last = (Transition.objects.filter(deployment=dep, finished_at__isnull=False).order_by("-seq")
-            .values("seq", "from_gear", "to_gear", "finished_at").first())
-    if last is None:
-        return True
-    if now.timestamp() - last["finished_at"].timestamp() > 2 * float(settings.FLEXPIPE_REPORT_INTERVAL_S):
-        return True
-    acked = (AgentCommand.objects.filter(deployment=dep.name, transition_seq=last["seq"], acked_at__isnull=False)
-             .order_by("-acked_at").values_list("acked_at", flat=True).first())
-    if acked is None:
-        return True  # no agent did anything: nothing to mirror
-    nodes = base.node_by_id
-    for u in gear_gpus(last["from_gear"]) | gear_gpus(last["to_gear"]):
-        g = base.gpu_by_uuid.get(u)
-        if g is None or not g.healthy or not g.schedulable or not nodes[g.node_id].schedulable:
-            continue
-        if g.last_seen_s < acked.timestamp():
-            return False
-    return True
 
 
 @transaction.atomic
@@ -663,6 +538,5 @@ def _held_by_others(dep: Deployment) -> set[str]:
 __all__ = [
     "Decided", "Rejected", "do_approve_decision", "do_decide_gear", "do_pin_gear", "do_record_decision",
     "do_record_load", "do_request_gear", "do_set_latency_critical", "do_set_mode", "do_sync_deployment",
-    "fold_backoff",
     "do_unpin_gear", "held_gpus", "scheduler_deployment",
 ]

@@ -14,7 +14,8 @@ escape hatch saves you when automation is wrong") and DESIGN.md invariant 6. Wha
 * Otherwise the deployment's mode becomes `emergency` at once, with the target as its held
   gear (`pinned_gear`): the gearbox never switches it automatically (scheduler.gearbox rule 3),
   whatever the load, cooldown or not. The downshift itself is a transition of kind emergency
-  started by the next tick (a running transition is asked to roll back first).
+  started by the next tick (a running transition is asked to roll back first: the control
+  loop's rule 3, scheduler/control/loop.py; console/gearbox/control.py carries it out).
 * It holds until an operator releases it (`do_release_emergency`, to auto, advisory or pinned).
   Asking again while it is pending, running or holding changes nothing (audited as repeated).
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from django.db import transaction
@@ -32,14 +32,12 @@ from django.utils import timezone
 from console.audit.chain import record
 from console.fleet.actions import Rejected
 from console.gearbox.actions import (
-    Decided,
     _active,
     _decide,
     _gear,
     _gear_id,
     _kick,
     _locked,
-    _start,
     _who,
     do_record_decision,
     held_gpus,
@@ -51,8 +49,6 @@ from console.gearbox.snapshot import fleet_snapshot
 from scheduler import gearbox
 from scheduler.gearbox import Outcome, Trigger
 from scheduler.plan import Gear
-from scheduler.topology import Snapshot
-from scheduler.transition import Kind
 
 OFFER_LABEL = "the planner's best safe gear - not the baseline"
 STATES = ("requested", "holding", "already_requested", "already_running", "blocked")
@@ -194,45 +190,11 @@ def do_release_emergency(deployment: Deployment | str, *, actor: Any, mode: str 
     return dep
 
 
-def emergency_tick(dep: Deployment, active: Transition | None, base: Snapshot, held: Mapping[str, set[str]],
-                   now: datetime, actor: str) -> Decided:
-    """A pending emergency, at a tick: roll back what runs, then start the downshift. A target
-    that cannot run any more stays pending (retried every tick; the page shows it blocked)."""
-    who = dep.emergency_actor or actor
-    if active is not None:
-        # (the first stage of a staged downshift is the emergency's own: it is not rolled back)
-        if active.phase in ("prepare", "switch") and not active.abort_reason and active.kind != Transition.EMERGENCY:
-            build_executor(actor=who).store.request_abort(dep.name, active.seq,
-                                                          f"emergency downshift: {dep.emergency_reason}")
-        return Decided(None, None)  # it rolls back (or finishes CLEANUP) first
-    d = _decide(dep, base, held, now, Trigger.EMERGENCY, requested=emergency_target(dep))
-    with transaction.atomic():
-        locked = _locked(dep)
-        if locked.emergency_requested_at is None:
-            return Decided(None, None)  # another tick handled it
-        if d.outcome is Outcome.BLOCKED and _same_as_last(locked, d):
-            return Decided(None, None)  # still blocked for the same reasons: recorded already
-        row = do_record_decision(locked, d, actor=who, now=now,
-                                 note=f"emergency requested by {who}: {locked.emergency_reason}")
-        started = None
-        if d.outcome is Outcome.SWITCH and d.target is not None:
-            started = _start(locked, d.target, kind=Kind.EMERGENCY, decision=row, actor=who)
-            if started is None:
-                return Decided(row, None)  # try again on the next tick
-            if d.stage == 1:
-                # a staged downshift (the target does not fit beside what runs): the request stands
-                # until its second stage, decided when this transition is done, reaches the target
-                return Decided(row, started)
-        if d.outcome is not Outcome.BLOCKED:
-            Deployment.objects.filter(pk=locked.pk).update(emergency_requested_at=None, updated_at=now)
-    return Decided(row, started)
-
-
-def _same_as_last(dep: Deployment, d: gearbox.Decision) -> bool:
+def same_as_last(dep: Deployment, d: gearbox.Decision) -> bool:
     last = Decision.objects.filter(deployment=dep).order_by("-id").values("trigger", "outcome", "reasons").first()
     return (last is not None and last["trigger"] == d.trigger.value and last["outcome"] == d.outcome.value
             and last["reasons"] == list(d.reasons))
 
 
 __all__ = ["OFFER_LABEL", "Emergency", "do_emergency_downshift", "do_release_emergency", "emergency_target",
-           "emergency_tick", "offers_of"]
+           "offers_of", "same_as_last"]

@@ -92,13 +92,10 @@ def gear_gpus(gear: Mapping[str, object] | None) -> set[str]:
 
 
 def decision_snapshot(base: Snapshot, held_by_others: Iterable[str]) -> Snapshot:
-    """`base` with the GPUs other deployments hold marked unschedulable."""
-    taken = set(held_by_others)
-    if not taken:
-        return base
-    from dataclasses import replace
+    """`base` with the GPUs other deployments hold marked unschedulable (scheduler.control's)."""
+    from scheduler.control import decision_snapshot as marked
 
-    return replace(base, gpus=tuple(replace(g, schedulable=False) if g.uuid in taken else g for g in base.gpus))
+    return marked(base, held_by_others)
 
 
 def load_window(raw: object) -> LoadWindow:

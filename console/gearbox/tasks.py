@@ -40,7 +40,7 @@ def tick(trigger: str = "periodic", deployment: str | None = None, **kwargs: Any
     coalesce.started(trigger, deployment)  # before it reads the fleet: a later event gets a tick of its own
     out = ticks.tick(trigger=trigger, deployment=deployment)
     # a decision put off until the agents' reports catch up is taken as soon as they do, not at
-    # the next beat (the wait is bounded: actions._reports_mirror_last_transition)
+    # the next beat (the wait is bounded: control.reports_mirror_last_transition)
     waiting = out.get("waiting") or []
     for name in waiting if isinstance(waiting, list) else []:  # one pending re-tick per deployment
         coalesce.request_tick(tick, trigger=trigger, deployment=name, countdown_s=RETICK_S)

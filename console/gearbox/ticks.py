@@ -1,11 +1,11 @@
-"""The gearbox loop: one tick decides for every deployment (highest priority first).
+"""The gearbox tick: one step of the control loop for every deployment (highest priority first).
 
 A tick reads the fleet once (console.gearbox.snapshot), records the blocks' trajectories in the
 fragment history (console.fleet.fragments), samples each deployment's load from its engines'
-reports, and calls actions.do_decide_gear (which folds finished transitions into the deployment's
-back-off, scheduler.backoff, and continues a staged switch, scheduler.staging). GPUs a deployment holds - or is about to
-hold through a transition this very tick started - are off limits to the deployments decided
-after it, so two deployments never plan on one GPU.
+reports, then takes one step of scheduler.control.ControlLoop through its console driver
+(console/gearbox/control.py: the database in, the actions out). The loop's rules - emergency
+first, back-off folded, reports mirrored, staged switches, baseline bring-up, GPUs held across
+deployments - are in one docstring, scheduler/control/loop.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from django.utils import timezone
 
 from console.fleet import fragments
 from console.gearbox import present
-from console.gearbox.actions import do_decide_gear, do_record_load, do_record_serving, held_gpus
+from console.gearbox.actions import do_record_load, do_record_serving, held_gpus
+from console.gearbox.control import decide_all
 from console.gearbox.lifecycle import finish_deletions
 from console.gearbox.models import Deployment, Transition
-from console.gearbox.snapshot import fleet_snapshot, gear_gpus, load_sample
+from console.gearbox.snapshot import fleet_snapshot, load_sample
 from scheduler.gearbox import Trigger
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
     deps = Deployment.objects.order_by("-priority", "name")
     if deployment is not None:
         deps = deps.filter(name=deployment)
+    names = []
     for dep in deps:
         if dep.deleting_since is not None:
             continue
@@ -68,14 +70,18 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
             sample = load_sample([r.get("plan_id", "") for r in dep.routing if isinstance(r, dict)], now)
             if sample is not None:
                 do_record_load(dep, sample)
-        out = do_decide_gear(dep.name, trigger=TRIGGERS[trigger], now=now, base=base, held=held, history=history)
-        if out.waiting_for_reports:
-            waiting.append(dep.name)
-        if out.decision is not None:
-            decided.append(f"{dep.name}:{out.decision.outcome}")
-        if out.transition is not None:
-            started.append(f"{dep.name}#{out.transition.seq}")
-            held.setdefault(dep.name, set()).update(gear_gpus(out.transition.to_gear))
+        names.append(dep.name)
+    steps = decide_all(names, trigger=TRIGGERS[trigger], now=now, base=base, held=held, history=history)
+    for name in names:
+        done = steps.get(name)
+        if done is None:
+            continue
+        if done.waiting_for_reports:
+            waiting.append(name)
+        if done.decision is not None:
+            decided.append(f"{name}:{done.decision.outcome}")
+        if done.transition is not None:
+            started.append(f"{name}#{done.transition.seq}")
     out: dict[str, object] = {"trigger": trigger, "decided": decided, "started": started, "waiting": waiting}
     if deleted:
         out["deleted"] = deleted

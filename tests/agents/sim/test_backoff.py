@@ -7,6 +7,7 @@ from agents.sim.faults import Fault
 from agents.sim.fleet import FleetSim
 from agents.sim.policies import FlexPipePolicy
 from agents.sim.workload import build_workload
+from scheduler.gearbox import Trigger
 from tests.agents.sim.worlds import one_deployment
 
 NODES = [{"id": "a1", "gpu": "H100-SXM", "gpus": 2, "nvlink": True, "rack": "A"},
@@ -55,6 +56,6 @@ def test_a_topology_change_that_touches_a_backed_off_plan_resets_it() -> None:
     node = sim.cluster.nodes["b1"]
     node.gpus[0].owner = "tenant"  # another tenant takes a GPU of the refused plan
     sim._snapshot = None
-    policy._observe(sim, sim.now_s)
+    policy._step(sim, sim.now_s, Trigger.TOPOLOGY)  # the loop folds the book before it decides
     after = policy.backoff["d"]
     assert len(after.entries) < len(book.entries)

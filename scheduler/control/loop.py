@@ -1,0 +1,239 @@
+"""The gear control loop: observe the world, then step(now) -> ControlOutput.
+
+One loop for every driver: the console's tick (console/gearbox/ticks.py) builds the observation
+from its database and persists the output through its actions; the simulator's FlexPipe policy
+(agents/sim/policies.py) builds it from the simulated fleet and carries the output out through
+its TransitionDriver. The shape is vLLM v1's `schedule() -> SchedulerOutput` and Ray autoscaler
+v2's reconciler: pure, deterministic, no I/O, no clock but `now_s`.
+
+The rules, in order, for each deployment, highest priority first (then `index`):
+
+ 1. A deployment being deleted is left alone (no step).
+ 2. Plans an agent came back without (`lost_plans`, dropped by the driver before observing:
+    it owns the routing table) make the step a TOPOLOGY one.
+ 3. A pending emergency comes first. A running transition is asked to roll back (unless it is
+    the emergency's own, already asked, or past SWITCH: it ends first); with nothing running
+    the gearbox decides the EMERGENCY trigger towards the emergency target, and a switch
+    starts a transition of kind emergency (a staged one remembers no second stage: the request
+    stands, and decides again once the first stage is done). Its book is not folded.
+ 4. Nothing is decided while a transition runs (its end is a new observation).
+ 5. The back-off book is folded: each finished transition (a refusal at PREPARE backs its new
+    plans off, a DONE ends the streak), then entries whose GPUs changed are reset. Before rule
+    6: a refusal is known at once.
+ 6. Mirror first, then decide: until the agents reported what the last transition left
+    (`reports_mirror_last`) their memory is the old picture; the step waits (`waiting_for_reports`).
+    The simulator's reports are instant: always True there.
+ 7. A staged switch whose first stage is done decides its second stage (the gearbox's
+    `staged_target`), of the first stage's kind; a first stage that rolled back ends the path.
+ 8. A periodic step on a gear that lost GPUs is a topology step (whichever notices first).
+ 9. No gear yet: with `BringUp.DECIDE` (the console) the baseline comes up through a requested
+    MANUAL decision relabelled with the step's trigger ("bring the baseline gear up"; ADVISE in
+    advisory mode), waiting while any of its GPUs was never reported; when it does not fit,
+    the best feasible gear. With `BringUp.SEEDED` (the simulator starts every baseline at t=0)
+    a deployment with no gear is a driver error.
+10. With `skip_cooldown_stays` (the simulator), a valid, serving gear inside its cooldown on a
+    periodic step, with no staged second stage owed, stays without a call (gearbox rule 3 makes
+    that call a STAY whatever the candidates are); nothing is recorded.
+11. Otherwise scheduler.gearbox.decide with the folded back-off and the staged target. A SWITCH
+    starts a transition (kind AUTO, or the first stage's kind for a second stage). A staged
+    path ends when a transition starts, on a second stage, or on anything but DEFERRED.
+
+Across deployments: the GPUs another deployment holds are unschedulable in each decision's
+snapshot, and the GPUs a transition started in this step are held for the deployments decided
+after it, so two deployments never plan on one GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from scheduler import gearbox
+from scheduler.backoff import NO_BACKOFF, Backoff, refusal
+from scheduler.control.state import (
+    BringUp,
+    ControlOutput,
+    DeploymentState,
+    FirstStage,
+    FleetState,
+    LoopConfig,
+    Start,
+    Step,
+)
+from scheduler.gearbox import Mode, Outcome, Trigger, cooldown_until
+from scheduler.plan import Gear
+from scheduler.topology import Snapshot
+from scheduler.transition import Kind, Phase, lost_gpus
+
+BRING_UP_REASON = "nothing runs yet: bring the baseline gear up"
+ABORTABLE_PHASES = frozenset({"prepare", "switch"})  # past SWITCH a transition rolls forward
+
+
+def decision_snapshot(base: Snapshot, held_by_others: Iterable[str]) -> Snapshot:
+    """`base` with the GPUs other deployments hold marked unschedulable."""
+    taken = set(held_by_others)
+    if not taken:
+        return base
+    return replace(base, gpus=tuple(replace(g, schedulable=False) if g.uuid in taken else g for g in base.gpus))
+
+
+def fold_backoff(state: DeploymentState, fleet: FleetState, now_s: float) -> Backoff:
+    """Rule 5: the book after the transitions that ended since it was folded."""
+    book = state.backoff if state.backoff is not None else NO_BACKOFF
+    for f in state.finished:
+        if f.record.phase is Phase.DONE:
+            book = book.succeeded()
+        elif (why := refusal(f.record)) is not None:
+            snap = f.snapshot if f.snapshot is not None else fleet.snapshot
+            book = book.failed(f.record.new_plans, f.at_s, why, snap, extra=fleet.node_epochs)
+    return book.observe(fleet.snapshot, extra=fleet.node_epochs, now_s=now_s)
+
+
+def has_lost_gpus(gear: Gear | None, snapshot: Snapshot) -> bool:
+    return gear is not None and any(lost_gpus(p, snapshot) for p in gear.plans)
+
+
+def unreported(gear: Gear, snapshot: Snapshot) -> list[str]:
+    """GPUs of `gear` no agent has reported yet (registered without a report, or unknown)."""
+    return [u for u in gear.gpu_uuids if (g := snapshot.gpu_by_uuid.get(u)) is None or g.last_seen_s == 0]
+
+
+class ControlLoop:
+    """observe(deployments, fleet), then step(now_s, trigger) -> ControlOutput (module docstring)."""
+
+    def __init__(self, config: LoopConfig | None = None) -> None:
+        self.config = config if config is not None else LoopConfig()
+        self._deployments: tuple[DeploymentState, ...] = ()
+        self._fleet: FleetState | None = None
+        self.calls = 0  # gearbox.decide calls (the replay reports them)
+
+    def observe(self, deployments: Iterable[DeploymentState], fleet: FleetState) -> None:
+        """What the next step decides on (replaces the previous observation)."""
+        deps = tuple(deployments)
+        names = [d.deployment.id for d in deps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"deployments: ids must be unique; got {names}")
+        self._deployments, self._fleet = deps, fleet
+
+    def step(self, now_s: float, trigger: Trigger = Trigger.PERIODIC) -> ControlOutput:
+        """Decide for every observed deployment, highest priority first (rules: module docstring)."""
+        if trigger not in (Trigger.PERIODIC, Trigger.TOPOLOGY):
+            raise ValueError(f"trigger: a step is periodic or topology; got {trigger.value!r}")
+        fleet = self._fleet
+        if fleet is None:
+            raise ValueError("observe: nothing observed yet; call observe() before step()")
+        held: dict[str, set[str]] = {k: set(v) for k, v in fleet.held.items()}
+        steps: list[Step] = []
+        wakes: list[float] = []
+        for state in sorted(self._deployments, key=lambda d: (-d.deployment.priority, d.index)):
+            if state.deleting:  # rule 1
+                continue
+            step = self._one(state, fleet, held, now_s, trigger)
+            steps.append(step)
+            if step.start is not None:
+                held.setdefault(state.deployment.id, set()).update(step.start.target.gpu_uuids)
+            wakes += self._wakes(state, step, now_s)
+        return ControlOutput(now_s, tuple(steps), min(wakes) if wakes else None)
+
+    # --- one deployment ---------------------------------------------------------------------
+    def _one(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
+             trigger: Trigger) -> Step:
+        name = state.deployment.id
+        if state.lost_plans:  # rule 2
+            trigger = Trigger.TOPOLOGY
+        if state.emergency_target is not None:  # rule 3
+            return self._emergency(state, fleet, held, now_s, trigger)
+        if state.running is not None:  # rule 4
+            return Step(name, trigger)
+        book = fold_backoff(state, fleet, now_s)  # rule 5
+        if not state.reports_mirror_last:  # rule 6
+            return Step(name, trigger, waiting_for_reports=True, backoff=book)
+        staged, kind, clear = None, Kind.AUTO, False  # rule 7
+        if state.staged is not None:
+            kind = state.staged.kind
+            if state.staged.first_stage is FirstStage.DONE:
+                staged = state.staged.target
+            elif state.staged.first_stage is FirstStage.ENDED:
+                clear = True
+        if trigger is Trigger.PERIODIC and has_lost_gpus(state.current, fleet.snapshot):  # rule 8
+            trigger = Trigger.TOPOLOGY
+        if state.current is None:  # rule 9
+            return self._bring_up(state, fleet, held, now_s, trigger, book)
+        cfg = self.config
+        until = cooldown_until(state.deployment, cfg.gearbox)
+        if (cfg.skip_cooldown_stays and staged is None and state.serving and trigger is Trigger.PERIODIC
+                and until is not None and now_s < until):  # rule 10
+            return Step(name, trigger, clear_staged=clear, backoff=book)
+        d = self._decide(state, fleet, held, now_s, trigger, book=book, staged=staged)  # rule 11
+        start_kind = kind if d.stage == 2 else Kind.AUTO
+        start = self._start_of(d, start_kind)
+        ends = state.staged is not None and (start is not None or d.stage == 2 or d.outcome is not Outcome.DEFERRED)
+        return Step(name, trigger, d, start, clear_staged=clear or ends, backoff=book)
+
+    def _emergency(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
+                   trigger: Trigger) -> Step:
+        name = state.deployment.id
+        run = state.running
+        if run is not None:
+            # (the first stage of a staged downshift is the emergency's own: it is not rolled back)
+            abort = None
+            if run.phase in ABORTABLE_PHASES and not run.abort_requested and run.kind is not Kind.EMERGENCY:
+                abort = "emergency downshift"
+            return Step(name, trigger, abort=abort, emergency=True)
+        assert state.emergency_target is not None  # noqa: S101 - the caller checked
+        d = self._decide(state, fleet, held, now_s, Trigger.EMERGENCY, requested=state.emergency_target)
+        start = self._start_of(d, Kind.EMERGENCY)
+        # a staged downshift remembers no second stage: the standing request decides it again
+        return Step(name, trigger, d, replace(start, staged_target=None) if start else None, emergency=True)
+
+    def _bring_up(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
+                  trigger: Trigger, book: Backoff) -> Step:
+        name = state.deployment.id
+        if self.config.bring_up is BringUp.SEEDED:
+            raise ValueError(f"current: {name} has no gear, but this loop's baselines are seeded by its driver")
+        baseline = state.deployment.baseline
+        if baseline is None:
+            raise ValueError(f"baseline: {name} has no gear and no baseline to bring up")
+        if unreported(baseline, fleet.snapshot):
+            # its agents registered but have not reported yet: decide nothing on GPUs nobody has
+            # seen; a report that brings them is a topology event, a new step
+            return Step(name, trigger, waiting_for_reports=True, backoff=book)
+        d = self._decide(state, fleet, held, now_s, Trigger.MANUAL, requested=baseline, book=book)
+        if d.outcome is Outcome.SWITCH:
+            outcome = Outcome.ADVISE if state.deployment.mode is Mode.ADVISORY else Outcome.SWITCH
+            d = replace(d, trigger=trigger, outcome=outcome, reasons=(BRING_UP_REASON,))
+        else:
+            d = self._decide(state, fleet, held, now_s, trigger, book=book)
+        return Step(name, trigger, d, self._start_of(d, Kind.AUTO), backoff=book)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _decide(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
+                trigger: Trigger, *, requested: Gear | None = None, book: Backoff | None = None,
+                staged: Gear | None = None) -> gearbox.Decision:
+        name = state.deployment.id
+        others = set().union(*[g for n, g in held.items() if n != name]) if held else set()
+        self.calls += 1
+        return gearbox.decide(state.deployment, state.current, decision_snapshot(fleet.snapshot, others), state.load,
+                              now_s, trigger=trigger, requested_gear=requested, history=fleet.history,
+                              staged_target=staged, backoff=book if book is not None else state.backoff,
+                              model=state.model, config=self.config.gearbox, planner_options=state.planner_options)
+
+    @staticmethod
+    def _start_of(d: gearbox.Decision, kind: Kind) -> Start | None:
+        if d.outcome is not Outcome.SWITCH or d.target is None:
+            return None
+        return Start(d.target, kind, d.stage, d.staged_target if d.stage == 1 else None)
+
+    def _wakes(self, state: DeploymentState, step: Step, now_s: float) -> list[float]:
+        """When this deployment could decide differently with nothing new observed."""
+        out = []
+        until = cooldown_until(state.deployment, self.config.gearbox)
+        if until is not None and until > now_s:
+            out.append(until)
+        book = step.backoff if step.backoff is not None else state.backoff
+        if book is not None and book.hold_until_s is not None and book.hold_until_s > now_s:
+            out.append(book.hold_until_s)
+        return out
+
+
+__all__ = ["BRING_UP_REASON", "ControlLoop", "decision_snapshot", "fold_backoff", "has_lost_gpus", "unreported"]

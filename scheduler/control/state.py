@@ -1,0 +1,157 @@
+"""What the control loop observes and what one step hands back (scheduler.control.loop).
+
+Plain frozen dataclasses, built by the drivers (the console's tick from the database, the
+simulator's FlexPipe policy from its state), never by the loop. Each field says what it is;
+the loop reads nothing else (no clock, no I/O).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from scheduler.backoff import Backoff
+from scheduler.gearbox import DEFAULT_CONFIG, Decision, Deployment, GearboxConfig, LoadWindow, Trigger
+from scheduler.modelspec import ModelSpec
+from scheduler.plan import Gear
+from scheduler.planner import PlannerOptions
+from scheduler.topology import FragmentHistory, Snapshot
+from scheduler.transition import Kind, TransitionRecord
+
+
+class FirstStage(enum.StrEnum):
+    """Where the first stage of a staged switch is (the transition that started it)."""
+
+    RUNNING = "running"  # still running: nothing to do yet
+    DONE = "done"  # done: the second stage is decided now
+    ENDED = "ended"  # rolled back (or gone): the staged path is off
+
+
+class BringUp(enum.StrEnum):
+    """How a deployment with no gear gets its first one (loop rule 9)."""
+
+    DECIDE = "decide"  # the loop brings the baseline up (a requested MANUAL decision, relabelled)
+    SEEDED = "seeded"  # the driver started every baseline before the first step (the simulator's
+    # scenario has them running at t=0): a deployment with no gear is a driver bug (ValueError)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The knobs of the loop; the only place the drivers may differ, each one documented."""
+
+    gearbox: GearboxConfig = DEFAULT_CONFIG  # hysteresis, cooldowns, windows (scheduler.gearbox)
+    bring_up: BringUp = BringUp.DECIDE  # rule 9
+    # rule 10: a valid, serving gear inside its cooldown stays on a periodic step whatever the
+    # candidates are (gearbox rule 3), so the call is skipped and nothing is recorded. The
+    # console keeps every "stay" (its page and audit show them: False); the simulator only
+    # needs the switches and blocks (True: the replay calls the planner far less)
+    skip_cooldown_stays: bool = False
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A staged switch on its way (scheduler.staging): where its second stage goes."""
+
+    target: Gear  # the gear the second stage goes to
+    kind: Kind  # the kind of its first stage (an operator's, or the gearbox's): the second's too
+    first_stage: FirstStage  # where its first stage is
+
+
+@dataclass(frozen=True)
+class Running:
+    """The deployment's transition that runs now."""
+
+    seq: int
+    kind: Kind
+    phase: str  # prepare | switch | cleanup | rollback (scheduler.transition.Phase values)
+    abort_requested: bool = False  # someone already asked it to roll back
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A transition that ended since the back-off was last folded (oldest first)."""
+
+    record: TransitionRecord
+    at_s: float  # when it ended
+    snapshot: Snapshot | None = None  # the fleet when it ended (None: the step's snapshot)
+
+
+@dataclass(frozen=True)
+class DeploymentState:
+    """One deployment as the loop sees it."""
+
+    deployment: Deployment  # the scheduler's view: SLO, baseline, priority, mode, switch times
+    current: Gear | None  # the stable gear (None: nothing runs yet)
+    load: LoadWindow  # its load samples
+    model: ModelSpec  # its architecture (the planner's maths)
+    planner_options: PlannerOptions | None = None  # its engine's limits (None: the planner's defaults)
+    backoff: Backoff | None = None  # its back-off book before the finished transitions below
+    finished: tuple[Finished, ...] = ()  # transitions ended since the book was folded
+    staged: Staged | None = None  # a staged switch on its way
+    running: Running | None = None  # the transition that runs, if one does
+    reports_mirror_last: bool = True  # the agents reported what its last transition left
+    # (the console checks report times against command acks; the simulator's reports are
+    # instant, so it is always True there)
+    emergency_target: Gear | None = None  # an operator's pending emergency downshift: go here
+    deleting: bool = False  # being drained for deletion: the loop leaves it alone
+    lost_plans: tuple[str, ...] = ()  # plans the driver just dropped (an agent came back without them)
+    serving: bool = True  # every plan of its current gear serves (the simulator knows; the
+    # console leaves it True and relies on lost GPUs): rule 10 needs it
+    index: int = 0  # tie-break after priority (file order, or name order)
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """The fleet, once per step."""
+
+    snapshot: Snapshot  # what the agents last reported
+    history: FragmentHistory = field(default_factory=FragmentHistory)  # the blocks' trajectories
+    held: Mapping[str, frozenset[str]] = field(default_factory=dict)  # deployment -> GPUs it holds
+    node_epochs: Mapping[str, object] | None = None  # node -> agent epoch (back-off fingerprints)
+
+
+@dataclass(frozen=True)
+class Start:
+    """A transition to start."""
+
+    target: Gear
+    kind: Kind
+    stage: int = 0  # 1: the first stage of a staged switch (its second follows), 2: the second
+    staged_target: Gear | None = None  # stage 1: remember this; the second stage goes there
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the loop decided for one deployment."""
+
+    deployment_id: str
+    trigger: Trigger  # the trigger it decided under (after rules 2 and 8 promoted it)
+    decision: Decision | None = None  # None: nothing decided (a transition runs, reports awaited)
+    start: Start | None = None  # the transition to start
+    abort: str | None = None  # ask the running transition to roll back, with this reason
+    waiting_for_reports: bool = False  # decide again in a moment
+    clear_staged: bool = False  # the staged path on its way is over (forget it)
+    backoff: Backoff | None = None  # the folded book (rule 5 ran: persist it, `finished` is in it)
+    emergency: bool = False  # this step served a pending emergency
+
+
+@dataclass(frozen=True)
+class ControlOutput:
+    """What one step decided, deployments in decision order."""
+
+    now_s: float
+    steps: tuple[Step, ...]
+    next_wake_s: float | None = None  # the earliest time a step could decide differently without
+    # a new observation (a cooldown or a back-off ending); None: only a new observation
+
+    def by_id(self) -> dict[str, Step]:
+        return {s.deployment_id: s for s in self.steps}
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        return tuple(s.decision for s in self.steps if s.decision is not None)
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        return tuple(s.deployment_id for s in self.steps if s.waiting_for_reports)
