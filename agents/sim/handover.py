@@ -78,6 +78,20 @@ class Handover:
         if engine.empty():
             self._release(engine, t)
 
+    def evict(self: FleetSim, engine: PlanEngine) -> list[Request]:
+        """Stop a plan now and give back every sequence it held, KV dropped, owned by nobody until
+        the caller hands each over (`PlanEngine.submit`, `dispatch`) or ends it (`failed`): what an
+        agent does with a plan's sequences at the end of an abort's or a release's drain (agent
+        protocol v1). A plan no longer running gives nothing."""
+        engine.accepting = False
+        if engine.state == "dead" or engine.engine_id not in self.live:
+            return []
+        t = self.now_s
+        reqs, events = engine.stop(t)
+        self._push_all(events)
+        self._drop(engine, t)
+        return reqs
+
     def _hand_over_fn(self: FleetSim, dep: DeploymentRuntime, record: SwitchRecord | None
                       ) -> Callable[[Pipe, float], list[Event]]:
         stay = self.options.stay_tokens

@@ -20,9 +20,17 @@ hang, lose_gpus):
   last migration has landed. A sequence holds a lease - the routing version it was routed
   under, or that its last hand-over carried - and moves only with a newer one (else it stays
   with its owner and the ack says `stale_lease`).
-* release_plan: the plan drains what it kept, then frees its GPUs; sequences still there after
-  the drain timeout are recomputed on the routed plans (the fleet never drops a request).
-* abort_plan: the plan stops at once; its sequences are recomputed on the routed plans.
+* release_plan: the plan drains what it kept, then frees its GPUs; a sequence still there after
+  the drain timeout is handed over by replay to the command's `fallback` plan, under the
+  fallback's routing version, or - no fallback, or one that does not serve - ends with an
+  explicit error (the ack lists both: handed_over, failed).
+* abort_plan: the plan stops admitting; its sequences may finish for the command's
+  drain_timeout_s (0: none may), then each still there ends with an explicit error (the ack's
+  `failed`).
+
+A PREPARE is refused ("conflict") for a plan another deployment runs, and ("failed") for a plan
+this deployment is releasing (draining). `lose_node` kills a node's agent: it answers nothing
+more, and the plans on its GPUs stop, their sequences ending with an explicit error.
 * thaw_plan: it admits again (the routing table says how much).
 
 Every plan prepared, released or aborted goes to its `EventLog` (with the simulator's
@@ -93,6 +101,9 @@ class SimAgents:
         self._seen: set[str] = set()  # command keys taken: a command delivered again is not run twice
         self._answered: set[str] = set()  # command keys acked (or swallowed by a hang): answered once
         self._faulted: dict[str, Fault] = {}  # command key -> the fault it drew
+        self._ending: set[int] = set()  # engine ids whose end these agents answer themselves (evict)
+        self._aborts: dict[int, list[Callable[[list[str]], None]]] = {}  # engine id -> aborts draining it
+        self._dead: set[str] = set()  # nodes whose agent died (lose_node): nothing runs or answers there
 
     def inject(self, fault: Fault) -> None:
         """Make the next matching commands misbehave (agents/sim/faults.py)."""
@@ -103,6 +114,8 @@ class SimAgents:
         if cmd.key in self._seen:
             return
         self._seen.add(cmd.key)
+        if cmd.node_id in self._dead:
+            return  # nobody there to run it, nor to answer: the controller's step timeout acts
         if cmd.deployment_id not in self.sim.deployments and cmd.kind is not CommandKind.PREPARE_PLAN:
             # not a deployment this fleet runs (a prepare carrying its model_spec and slo would add
             # it): nothing of it runs here, so there is nothing to undo or move
@@ -116,6 +129,17 @@ class SimAgents:
             engine = self._engine(cmd)
             run_s = engine.ready_s - self.sim.now_s if engine is not None and engine.state == "loading" else COMMAND_S
             self.sim.call_at(self.sim.now_s + 0.5 * max(run_s, 0.0), lambda t: self._lose_for(cmd, fault))
+
+    def lose_node(self, node_id: str) -> None:
+        """The node's agent dies: it answers nothing more (open commands and new ones go unanswered)
+        and every plan with a GPU there stops now, each of its sequences ending with an explicit
+        error (their state was on that node)."""
+        self._dead.add(node_id)
+        node = self.sim.cluster.nodes.get(node_id)
+        mine = {g.uuid for g in node.gpus} if node is not None else set()
+        for engine in [e for e in self.sim.live.values() if mine.intersection(e.plan.gpu_uuids)]:
+            for req in self.sim.evict(engine):
+                self.sim.failed(req, self.sim.now_s, f"node {node_id} lost")
 
     def _lose_for(self, cmd: CommandIntent, fault: Fault) -> None:
         """lose_gpus half way through the command: the plans on its GPUs on its node crash; the
@@ -143,8 +167,8 @@ class SimAgents:
         if cmd.key in self._answered:
             return
         self._answered.add(cmd.key)
-        if cmd.node_id not in self.sim.cluster.nodes:
-            return  # the node left: nobody is there to answer
+        if cmd.node_id not in self.sim.cluster.nodes or cmd.node_id in self._dead:
+            return  # the node left, or its agent died: nobody is there to answer
         answer = through_fault(self._faulted.pop(cmd.key, None), cmd, ok, detail, result or {})
         if answer is None:
             return  # it hangs: never answered
@@ -200,7 +224,15 @@ class SimAgents:
             if refused is not None:
                 self._ack(cmd, False, refused, {"reason": "failed"})
                 return
+        other = next((d for d in self.sim.deployments if d != cmd.deployment_id
+                      and self.sim.engine_of(d, plan.plan_id) is not None), None)
+        if other is not None:  # the same plan (same GPUs, same model) already runs for another deployment
+            self._ack(cmd, False, f"plan {plan.plan_id} runs for deployment {other}", {"reason": "conflict"})
+            return
         engine = self.sim.engine_of(cmd.deployment_id, plan.plan_id)
+        if engine is not None and engine.release_when_empty:
+            self._ack(cmd, False, f"plan {plan.plan_id} is being released", {"reason": "failed"})
+            return
         if engine is not None and engine.state == "serving":
             self._ack(cmd, True, result={"plan_id": plan.plan_id, "load_s": 0.0})
             return
@@ -260,6 +292,10 @@ class SimAgents:
         reason = "preempted" if engine.state == "dead" else "failed"
         for cmd in self._prepares.pop(engine.engine_id, []):
             self._ack(cmd, False, f"plan {engine.plan.plan_id} stopped while loading", {"reason": reason})
+        for finish in self._aborts.pop(engine.engine_id, []):
+            finish([])  # drained before its abort's deadline: nothing left to fail
+        if engine.engine_id in self._ending:
+            return  # its releases are answered where these agents stopped it (`_end`)
         for cmd in self._releases.pop(engine.engine_id, []):
             self.log.add(LogEvent(self.sim.now_s, "plan_released", node=cmd.node_id, plan_id=engine.plan.plan_id))
             self._ack(cmd, True, result={"plan_id": engine.plan.plan_id, "failed": []})
@@ -410,24 +446,79 @@ class SimAgents:
         self._releases.setdefault(engine.engine_id, []).append(cmd)
         if len(self._releases[engine.engine_id]) > 1:
             return  # another node's release of the same plan: one drain serves both
-        raw = cmd.payload.get("drain_timeout_s", 2 * self.config.drain_budget_s)
-        drain_s = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else 0.0
+        drain_s = _num_or(cmd.payload.get("drain_timeout_s"), 2 * self.config.drain_budget_s)
+        raw = cmd.payload.get("fallback")
+        fallback = raw if isinstance(raw, Mapping) else None
         self.sim.retire(engine, "drain")
 
         def deadline(now: float) -> None:
-            if engine.state == "serving":
-                self.sim.retire(engine, "stop")  # what is left is recomputed on the routed plans
+            if engine.state != "serving":
+                return  # drained (released, acked then) or lost with its GPUs
+            handed, failed = self._end(engine, f"plan {engine.plan.plan_id} ran out of its {drain_s:g} s drain"
+                                       " before it finished", fallback)
+            for c in self._releases.pop(engine.engine_id, []):
+                self.log.add(LogEvent(self.sim.now_s, "plan_released", node=c.node_id, plan_id=engine.plan.plan_id))
+                self._ack(c, True, result={"plan_id": engine.plan.plan_id, "failed": failed, "handed_over": handed})
 
         self.sim.call_at(self.sim.now_s + drain_s, deadline)
 
+    def _end(self, engine: PlanEngine, why: str, fallback: Mapping[str, object] | None) -> tuple[list[str], list[str]]:
+        """The plan stops now; each sequence still there is handed over by replay to `fallback`'s
+        plan (with its routing version as the lease) when that plan serves, else ends with `why`.
+        Returns (handed over, failed) sequence ids."""
+        self._ending.add(engine.engine_id)
+        try:
+            reqs = self.sim.evict(engine)
+        finally:
+            self._ending.discard(engine.engine_id)
+        dst = None
+        if fallback is not None:
+            dst = self.sim.engine_of(engine.deployment, str(fallback.get("target_plan", "")))
+            if dst is not None and dst.state != "serving":
+                dst = None
+        version = _int_or(fallback.get("routing_version"), 0) if fallback is not None else 0
+        handed: list[str] = []
+        failed: list[str] = []
+        t = self.sim.now_s
+        for req in reqs:
+            if dst is None:
+                failed.append(str(req.rid))
+                self.sim.failed(req, t, why)
+                continue
+            self.sim.paused(req, "idle")  # its plan stopped: handed over as it stands, recomputed there
+            req.lease = max(req.lease, version)
+            if req.generated or req.done:
+                req.replays += 1
+            handed.append(str(req.rid))
+            self.sim.push_events(dst.submit(req, t))
+        return handed, failed
+
     def _abort(self, cmd: CommandIntent) -> None:
         engine = self._engine(cmd)
-        if engine is not None and engine.state in ("serving", "loading"):
-            self.sim.retire(engine, "stop")
-        self.log.add(LogEvent(self.sim.now_s, "plan_aborted", node=cmd.node_id,
-                              plan_id=str(cmd.payload.get("plan_id", "")),
-                              detail=str(cmd.payload.get("reason", "aborted"))))
-        self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "failed": []})
+        reason = str(cmd.payload.get("reason", "aborted"))
+        drain_s = _num_or(cmd.payload.get("drain_timeout_s"), 0.0)
+
+        def done(failed: list[str]) -> None:
+            self.log.add(LogEvent(self.sim.now_s, "plan_aborted", node=cmd.node_id,
+                                  plan_id=str(cmd.payload.get("plan_id", "")), detail=reason))
+            self._ack(cmd, True, result={"plan_id": cmd.payload.get("plan_id"), "failed": failed})
+
+        if engine is None or engine.state not in ("serving", "loading"):
+            done([])
+            return
+        why = f"plan {engine.plan.plan_id} aborted: {reason}"
+        if engine.state == "loading" or drain_s <= 0 or engine.empty():
+            done(self._end(engine, why, None)[1])
+            return
+        self._aborts.setdefault(engine.engine_id, []).append(done)
+        self.sim.retire(engine, "drain")  # its sequences may finish here for drain_s (acked when it is empty)
+
+        def deadline(now: float) -> None:
+            if done in self._aborts.get(engine.engine_id, []):
+                self._aborts[engine.engine_id].remove(done)
+                done(self._end(engine, why, None)[1] if engine.state == "serving" else [])
+
+        self.sim.call_at(self.sim.now_s + drain_s, deadline)
 
 
 class _AgentsListener:
@@ -468,3 +559,7 @@ def _sequences(engine: PlanEngine) -> list[tuple[Request, bool]]:
 
 def _int_or(v: object, default: int) -> int:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
+
+
+def _num_or(v: object, default: float) -> float:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
