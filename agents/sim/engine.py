@@ -195,6 +195,10 @@ class Pipe:
                     del self.running[req.rid]
                     req.generated = req.output
                     out += host.finished(req, t)
+            if host.log_decodes:  # who decoded what, for invariant 2 (agents/sim/seqlog.py)
+                for req in self.running.values():
+                    if req.decoding:
+                        host.decoded(req, self.engine, t)
         else:
             self.kv_token_s += span * kv_start
         if self.chunks:

@@ -169,6 +169,11 @@ class EngineHost(Protocol):
 
     def owns(self, req: Request, engine: PlanEngine) -> None: ...
 
+    @property
+    def log_decodes(self) -> bool: ...
+
+    def decoded(self, req: Request, engine: PlanEngine, t: float) -> None: ...
+
 
 class FleetSim(Gateway, Handover, Churn, Reports):
     """The simulator (module docstring). Deterministic: the scenario seed drives the cluster's

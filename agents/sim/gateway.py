@@ -273,6 +273,17 @@ class Gateway:
         if self.events is not None:
             seqlog.owns(self.events, req, engine, self.now_s, self._plan_nodes(engine.plan)[0])
 
+    @property
+    def log_decodes(self: FleetSim) -> bool:
+        """The per-sequence log wants every decoding round (`EventLog.record_decodes`)."""
+        return self.events is not None and self.events.record_decodes
+
+    def decoded(self: FleetSim, req: Request, engine: PlanEngine, t: float) -> None:
+        """`engine` ran decode rounds of `req` up to `t` (one event per credited run of rounds)."""
+        if self.events is not None:
+            self.events.add(LogEvent(t, "seq_decoded", deployment=req.deployment, seq_id=str(req.rid),
+                                     plan_id=engine.plan.plan_id))
+
     def paused(self: FleetSim, req: Request, boundary: str) -> None:
         """`req` was taken off its pipe at a safe boundary (`decode_end` | `idle`) to be handed over."""
         if self.events is not None:

@@ -13,6 +13,9 @@ When a `FleetSim` has an event log (`sim.events`: the live fleet's, a test's, or
 * seq_returned: its owner gave it back to the router without such a lease - the plan stopped
   (GPUs lost, aborted, released past its drain: its KV is gone) or a policy that keeps no
   routing versions re-routed it; then no plan owns it until it is assigned again;
+* seq_decoded: its owner ran decode rounds of it (one event per credited run of rounds; only
+  when the log records decodes - `EventLog(record_decodes=True)`: a replay's CheckingLog and the
+  live fleet's log leave them out);
 * seq_finished (by the plan whose engine ran its last token), seq_failed (with the reason).
 
 Ownership changes are seen where a request arrives: `owns` is called by `PlanEngine.submit` and

@@ -3,6 +3,7 @@ end, checked by scheduler.invariants for invariants 1 and 2 - and the simulated 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from agents.sim.engine import PlanEngine
@@ -169,3 +170,21 @@ def test_injected_faults_fail_hang_or_take_the_gpus_half_way() -> None:
     agents.execute(cmd("t1", "b1", CommandKind.THAW_PLAN, plan, Step.FREEZE))
     sim.advance_to(70)
     assert acks["f1"] == [(False, {"reason": "failed"})] and "t1" not in acks
+
+
+def test_with_decodes_recorded_only_the_owner_of_a_sequence_decodes_it_across_a_gear_change() -> None:
+    sim, driver, fwd = world()
+    sim.events = EventLog(record_decodes=True)
+    sim.advance_to(100)
+    driver.start("d", tp2(sim, "b1"), "test")
+    sim.run_to_completion()
+    assert fwd.finished[0].phase is Phase.DONE
+    events = sim.events.events
+    decoders = {e.plan_id for e in events if e.kind == "seq_decoded"}
+    assert len(decoders) == 2  # the old plan and the new one both decoded
+    assert check(events) == []
+    # the checker does read them: the same log with one decode moved to the other plan fails
+    i = next(i for i, e in enumerate(events) if e.kind == "seq_decoded")
+    other = next(iter(decoders - {events[i].plan_id}))
+    forged = events[:i] + [replace(events[i], plan_id=other)] + events[i + 1:]
+    assert any(v.invariant == 2 for v in check(forged))
