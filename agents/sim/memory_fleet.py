@@ -39,6 +39,7 @@ from typing import Literal, Protocol
 from agents.protocol import prepare_shape
 from agents.shadow_check import tokenizer_problem
 from agents.sim.faults import Fault, lost_gpus, take_fault, through_fault
+from agents.sim.simagents import StallSample
 from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
 from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, PlanProfile, kv_route
@@ -240,18 +241,6 @@ class _Job:
     moves: list[dict[str, object]] = field(default_factory=list)
     results: list[dict[str, object]] = field(default_factory=list)
     active: int = 0  # moves in flight
-
-
-@dataclass(frozen=True)
-class StallSample:
-    """One handed-over sequence: how long it stood still, and what moved."""
-
-    seq_id: str
-    action: str
-    context_tokens: int
-    stall_s: float
-    kv_bytes: int
-    replay_tokens: int
 
 
 class MemoryFleet:

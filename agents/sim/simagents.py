@@ -75,6 +75,20 @@ class _Move:
     results: list[dict[str, object]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StallSample:
+    """One handed-over sequence: how long it stood still, and what moved. The
+    modelled stall: a migration's transfer (from the pause to the KV landing), a replay's prefill
+    on the target; the same figure its ack reports."""
+
+    seq_id: str
+    action: str
+    context_tokens: int
+    stall_s: float
+    kv_bytes: int
+    replay_tokens: int
+
+
 Ack = Callable[[CommandIntent, bool, str, Mapping[str, object]], None]
 
 
@@ -104,6 +118,7 @@ class SimAgents:
         self._ending: set[int] = set()  # engine ids whose end these agents answer themselves (evict)
         self._aborts: dict[int, list[Callable[[list[str]], None]]] = {}  # engine id -> aborts draining it
         self._dead: set[str] = set()  # nodes whose agent died (lose_node): nothing runs or answers there
+        self.stalls: list[StallSample] = []  # every hand-over done (move_sequences, a release's fallback)
 
     def inject(self, fault: Fault) -> None:
         """Make the next matching commands misbehave (agents/sim/faults.py)."""
@@ -403,6 +418,8 @@ class SimAgents:
                 job.results.append({"seq_id": str(req.rid), "action": "migrate", "ok": True, "context_tokens": ctx,
                                     "kv_bytes": ctx * route.bytes_per_token, "replay_tokens": 0,
                                     "stall_s": round(land - t, 6)})
+                self.stalls.append(StallSample(str(req.rid), "migrate", ctx, round(land - t, 6),
+                                               int(ctx * route.bytes_per_token), 0))
 
                 def landed(now: float, job: _Move = job) -> None:
                     job.landing -= 1
@@ -418,6 +435,7 @@ class SimAgents:
         est = dst.profile.pipeline("prefill").prefill_time_s(max(1, ctx))
         job.results.append({"seq_id": str(req.rid), "action": "replay", "ok": True, "context_tokens": ctx,
                             "kv_bytes": 0, "replay_tokens": ctx, "stall_s": round(est, 6)})
+        self.stalls.append(StallSample(str(req.rid), "replay", ctx, round(est, 6), 0, ctx))
         return dst.submit(req, t)
 
     def _maybe_done(self, job: _Move) -> None:
@@ -490,6 +508,9 @@ class SimAgents:
             if req.generated or req.done:
                 req.replays += 1
             handed.append(str(req.rid))
+            ctx = req.prompt + req.generated
+            est = dst.profile.pipeline("prefill").prefill_time_s(max(1, ctx))
+            self.stalls.append(StallSample(str(req.rid), "replay", ctx, round(est, 6), 0, ctx))
             self.sim.push_events(dst.submit(req, t))
         return handed, failed
 

@@ -128,6 +128,9 @@ def test_a_release_past_its_drain_hands_what_is_left_to_its_fallback_under_the_f
     ok, _, result = w.acks[key]
     assert ok and result["handed_over"] == [str(rid)] and result["failed"] == []
     assert req.owner == b.plan_id and req.lease == 4 and req.replays == 1
+    (stall,) = w.agents.stalls
+    assert stall.seq_id == str(rid) and stall.action == "replay" and stall.kv_bytes == 0
+    assert stall.replay_tokens == stall.context_tokens > 500 and stall.stall_s > 0  # prompt + what it had made
     w.clean()
     assert w.sim.events is not None and summary(w.sim.events.events).get("seq_handover") == 1
     assert len(w.sim.recorder.f_e2e) == 1 and not w.sim.recorder.failed
@@ -162,3 +165,23 @@ def test_a_lost_node_answers_nothing_more_and_ends_the_sequences_of_its_plans_wi
     w.clean()
     assert release not in w.acks and again not in w.acks  # a dead agent answers nothing
     assert w.sim.engine_of("d", a.plan_id) is None  # and runs nothing
+
+
+def test_a_migration_records_its_stall_as_its_ack_reports_it() -> None:
+    w = World()
+    a, b = w.plan("a1"), w.plan("b1")
+    w.serve(b, "b1")
+    w.serve(a, "a1", version=3)
+    rid = w.sim.submit("d", 500, 4000)
+    w.sim.advance_to(w.sim.now_s + 1)
+    key = w.send(CommandKind.MOVE_SEQUENCES, a, "a1", routing_version=4, boundary="decode_end", moves=[
+        {"seq_id": str(rid), "action": "migrate", "target_plan": b.plan_id, "target_node": "b1",
+         "target_addr": "", "bw_cap_bytes_per_s": 0.0, "lazy": False, "est_stall_s": 0.0}])
+    w.sim.advance_to(w.sim.now_s + 2)
+    ok, _, result = w.acks[key]
+    (moved,) = result["moved"]
+    (stall,) = w.agents.stalls
+    assert ok and moved["action"] == stall.action == "migrate"
+    assert stall.stall_s == moved["stall_s"] > 0 and stall.kv_bytes == moved["kv_bytes"] > 0
+    assert stall.context_tokens == moved["context_tokens"] and stall.replay_tokens == 0
+    w.clean()
