@@ -26,8 +26,9 @@ tokens of finished requests), lost (ended with an error), cache_hit_share (promp
 prefill a prefix hit skipped); `time_scale`, `bisection` (factor, attainment per probe);
 `decision_us` = {"8": {"p50", "p99", ...}, "64": {...}}: the flexpipe router's own time per
 decision (route(), wall clock; cpu_* its thread's CPU time; record_* the admitted() bookkeeping
-after it) over pools of 8 and 64 plans made of this pool's plans, loads drawn from a seeded
-generator, requests from the trace; each decision timed as the least of five identical replays
+after it; load_* the Pool.set_loads before it, which derives the load-only terms decisions read
+until the next report) over pools of 8 and 64 plans made of this pool's plans, loads drawn from a
+seeded generator, requests from the trace; each decision timed as the least of five identical replays
 (decision_times), raw_* without that;
 `targets`: the issue's targets as measured (reported, never asserted).
 """
@@ -238,11 +239,12 @@ def decision_times(trace: Trace, *, seed: int, sizes: Sequence[int] = DECISION_S
     out: dict[str, dict[str, Any]] = {}
     for n in sizes:
         runs = [_decision_round(trace, n, seed=seed, samples=samples) for _ in range(rounds)]
-        best = {k: np.min(np.array([r[k] for r in runs]), axis=0) for k in ("wall", "cpu", "record")}
+        best = {k: np.min(np.array([r[k] for r in runs]), axis=0) for k in ("wall", "cpu", "record", "load")}
         raw = np.concatenate([r["wall"] for r in runs])
         out[str(n)] = {"p50": _q(best["wall"], 50), "p99": _q(best["wall"], 99),
                        "cpu_p50": _q(best["cpu"], 50), "cpu_p99": _q(best["cpu"], 99),
                        "record_p50": _q(best["record"], 50), "record_p99": _q(best["record"], 99),
+                       "load_p50": _q(best["load"], 50), "load_p99": _q(best["load"], 99),
                        "raw_p50": _q(raw, 50), "raw_p99": _q(raw, 99), "samples": len(best["wall"]),
                        "rounds": rounds}
     return out
@@ -265,9 +267,13 @@ def _decision_round(trace: Trace, n: int, *, seed: int, samples: int) -> dict[st
     wall: list[int] = []
     cpu: list[int] = []
     record: list[int] = []
+    load: list[int] = []
     for k, req in enumerate(reqs):
-        pool.set_loads([PlanLoad(rng.randint(0, 64), rng.randint(0, 16), rng.randint(0, 200_000), 0,
-                                 rng.randint(0, f.kv_capacity_tokens // 2)) for f in facts])
+        loads = [PlanLoad(rng.randint(0, 64), rng.randint(0, 16), rng.randint(0, 200_000), 0,
+                          rng.randint(0, f.kv_capacity_tokens // 2)) for f in facts]
+        tl = time.perf_counter_ns()
+        pool.set_loads(loads)
+        tl = time.perf_counter_ns() - tl
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         d = router.route(req, pool, k * 0.1)
@@ -280,7 +286,8 @@ def _decision_round(trace: Trace, n: int, *, seed: int, samples: int) -> dict[st
             wall.append(t1 - t0)
             cpu.append(c1 - c0)
             record.append(t2 - t1)
-    return {"wall": np.array(wall), "cpu": np.array(cpu), "record": np.array(record)}
+            load.append(tl)
+    return {"wall": np.array(wall), "cpu": np.array(cpu), "record": np.array(record), "load": np.array(load)}
 
 
 def _q(ns: np.ndarray, q: float) -> float:
@@ -329,10 +336,11 @@ def table(result: dict[str, Any]) -> str:
     out.append("")
     rounds = next(iter(result["decision_us"].values()), {}).get("rounds", DECISION_ROUNDS)
     out.append(f"router decision (flexpipe), microseconds, least of {rounds} replays: wall p50 / p99, thread CPU"
-               " p50 / p99, bookkeeping p50; raw (every replay) p50 / p99")
+               " p50 / p99, bookkeeping p50, load update p50; raw (every replay) p50 / p99")
     for n, d in result["decision_us"].items():
         out.append(f"  {n:>3} plans: {d['p50']:7.1f} / {d['p99']:7.1f}   cpu {d['cpu_p50']:7.1f} / {d['cpu_p99']:7.1f}"
-                   f"   record {d['record_p50']:6.1f}   raw {d['raw_p50']:7.1f} / {d['raw_p99']:7.1f}")
+                   f"   record {d['record_p50']:6.1f}   load {d.get('load_p50', 0.0):6.1f}"
+                   f"   raw {d['raw_p50']:7.1f} / {d['raw_p99']:7.1f}")
     t = result["targets"]
     out.append("")
     out.append("targets (issue 15; measured here, never asserted)")
