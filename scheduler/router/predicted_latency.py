@@ -24,9 +24,9 @@ the request's own terms: its prefill is computed once (`prefill_s`) and read by 
 stall.
 
 Score: cost = ttft / ttft_ref + (tpot + stall) / tpot_ref, with the request's deadline as TTFT
-yardstick when it has one, else the best candidate's TTFT, and the best candidate's TPOT (so both
-count as ratios to what the pool can do now); score = 100 x the best candidate's cost / the plan's
-cost.
+yardstick when it has one, else the best candidate's TTFT, and the best candidate's tpot + stall
+(so both count as ratios to what the pool can do now); score = 100 x the best candidate's cost /
+the plan's cost.
 `deadline_ok` marks the plans predicted to meet the request's deadline: the pick prefers those.
 """
 
@@ -110,15 +110,13 @@ def score(req: RouteRequest, pool: Pool, ttft: Floats, tpot: Floats, cand: Bools
     if ttft_ref is None:
         t = ttft if every else ttft[cand]
         ttft_ref = float(t[t.argmin()])
-    u = tpot if every else tpot[cand]
+    per_token = tpot if stall is None else tpot + stall
+    u = per_token if every else per_token[cand]
     tpot_ref = float(u[u.argmin()])
     if not (math.isfinite(ttft_ref) and math.isfinite(tpot_ref)):
         return _unpriced(ttft, tpot, cand), None
     cost = ttft * (1.0 / max(ttft_ref, 1e-6))
-    per_token = tpot * (1.0 / max(tpot_ref, 1e-9)) if stall is None else np.add(tpot, stall)
-    if stall is not None:
-        per_token *= 1.0 / max(tpot_ref, 1e-9)
-    cost += per_token
+    cost += per_token * (1.0 / max(tpot_ref, 1e-9))
     c = cost if every else cost[cand]
     best = float(c[c.argmin()])
     if not best > 1e-9:  # plans without step times (unpriced) cost "nothing": equal
