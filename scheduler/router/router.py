@@ -221,7 +221,7 @@ class Router:
                                 prefix_affinity.NAME: pool.zeros if s_prefix is None else s_prefix,
                                 topology_affinity.NAME: s_topo},
                         weights=self._weights, total=total, demoted=demoted, ttft_s=ttft, tpot_s=tpot,
-                        cached_tokens=cached)
+                        stall_s=stall, cached_tokens=cached)
 
     def admitted(self, decision: Decision, slot: int) -> None:
         record_prefix(self.index, decision, slot)
