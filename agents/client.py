@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import httpx
 from agents.protocol import (
     Ack,
     Command,
+    GpuReport,
     RegisterRequest,
     RegisterResponse,
     Report,
@@ -52,6 +54,40 @@ def save_token(path: Path, token: str) -> None:
     os.replace(tmp, path)
 
 
+FULL_REPORT_EVERY = 10  # a full report after at most this many (agents/protocol.py, delta reports)
+
+
+class DeltaReports:
+    """Turns an agent's full reports into delta ones (agents/protocol.py, delta reports).
+
+    It remembers the GPU states of the last report the controller accepted; `shape` lists only what
+    differs from them, and says "full" after a registration (a new epoch), after a failure
+    (`forget`) and every `every` reports."""
+
+    def __init__(self, every: int = FULL_REPORT_EVERY) -> None:
+        if every < 1:
+            raise ValueError(f"every: must be at least 1; got {every}")
+        self.every = every
+        self._accepted: dict[str, GpuReport] = {}
+        self._epoch: int | None = None
+        self._deltas_sent = 0  # accepted delta reports since the last full one
+
+    def shape(self, report: Report) -> Report:
+        if (report.epoch != self._epoch or not self._accepted or self._deltas_sent + 1 >= self.every
+                or {g.uuid for g in report.gpus} != set(self._accepted)):
+            return replace(report, full=True)
+        return replace(report, full=False, gpus=tuple(g for g in report.gpus if self._accepted[g.uuid] != g))
+
+    def accepted(self, report: Report, sent: Report) -> None:
+        """The controller took `sent` (what shape made of `report`)."""
+        self._accepted = {g.uuid: g for g in report.gpus}
+        self._epoch = report.epoch
+        self._deltas_sent = 0 if sent.full else self._deltas_sent + 1
+
+    def forget(self) -> None:
+        self._accepted, self._epoch, self._deltas_sent = {}, None, 0
+
+
 class AgentClient:
     """One agent's connection to the controller. Not thread-safe: one per agent thread.
 
@@ -60,8 +96,10 @@ class AgentClient:
     """
 
     def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0,
-                 transport: httpx.BaseTransport | None = None, token_file: Path | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, token_file: Path | None = None,
+                 delta_reports: bool = True) -> None:
         self.base_url = base_url.rstrip("/")
+        self.deltas: DeltaReports | None = DeltaReports() if delta_reports else None
         self.token_file = token_file
         self.token = load_token(token_file) or token
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
@@ -93,6 +131,8 @@ class AgentClient:
         return resp.json()
 
     def register(self, request: RegisterRequest) -> RegisterResponse:
+        if self.deltas is not None:
+            self.deltas.forget()  # a new epoch: its first report is a full one
         resp = parse_register_response(self._call("POST", "/agent/v1/register", json=request.to_dict()))
         if resp.agent_token:
             # Enrollment hands out the agent's own token: from now on use it, never the join token.
@@ -102,7 +142,22 @@ class AgentClient:
         return resp
 
     def report(self, report: Report) -> int:
-        body = self._call("POST", "/agent/v1/report", json=report.to_dict())
+        """Send a full report - as a delta one when the controller has the rest (DeltaReports)."""
+        if self.deltas is None:
+            return int(self._call("POST", "/agent/v1/report", json=report.to_dict())["accepted"])
+        sent = self.deltas.shape(report)
+        try:
+            body = self._call("POST", "/agent/v1/report", json=sent.to_dict())
+        except ControllerError as exc:
+            self.deltas.forget()
+            if exc.status == 400 and "full" in exc.errors:
+                self.deltas = None  # an older controller: full reports from now on
+                return self.report(report)
+            raise
+        except BaseException:
+            self.deltas.forget()  # did it arrive? the next report says everything
+            raise
+        self.deltas.accepted(report, sent)
         return int(body["accepted"])
 
     def pull_commands(self, after: int = 0, wait_s: float = 0.0) -> list[Command]:

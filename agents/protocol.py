@@ -22,6 +22,14 @@ seq strictly increasing inside an epoch. A report from an older epoch, or with a
 the last accepted one, is stale and refused with 409 — a delayed packet from before an agent
 restart can never overwrite newer state.
 
+Delta reports (v1.1, added without a version bump): a report with `"full": false` lists only the
+GPUs whose state changed since the agent's last *accepted* report (a report that failed does not
+count: the next one says everything since the last that was accepted); the controller keeps the
+others as they were. `engines`, `links` and `collectives` mean what they mean in a full report.
+An agent sends a full report after each registration, after any failed report, and every
+agents.client.FULL_REPORT_EVERY reports, so nothing a delta missed lasts. An agent whose controller
+refuses `full` (400 naming it: an older console) goes back to full reports.
+
 Control only: commands say *what* to move; KV bytes and tokens travel agent to agent
 (`data_addr`), never through the controller (DESIGN.md, data flow).
 
@@ -361,9 +369,13 @@ class Report:
     engines: tuple[EngineReport, ...] = ()
     collectives: tuple[CollectiveReport, ...] = ()
     protocol: int = PROTOCOL_VERSION
+    # False: a delta report - `gpus` lists only the GPUs whose state changed since the agent's last
+    # accepted report (maybe none); the others are as that report said. Added to v1 without a
+    # version bump (v1.1): a body without "full" is a full report, as before.
+    full: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        d = {
+        d: dict[str, Any] = {
             "protocol": self.protocol,
             "node_id": self.node_id,
             "epoch": self.epoch,
@@ -374,6 +386,8 @@ class Report:
         }
         if self.collectives:
             d["collectives"] = [{**asdict(c), "points": [list(p) for p in c.points]} for c in self.collectives]
+        if not self.full:
+            d["full"] = False
         return d
 
 
@@ -529,9 +543,10 @@ def parse_report(body: Any) -> Report:
     node_id = _node_id(r)
     epoch = r.int("epoch", min=1)
     seq = r.int("seq", min=1)
+    full = r.bool("full", True)
     gpus: list[GpuReport] = []
     seen: dict[str, str] = {}
-    glist = r.list("gpus", min_len=1, max_len=_MAX_GPUS_PER_NODE)
+    glist = r.list("gpus", min_len=1 if full is not False else 0, max_len=_MAX_GPUS_PER_NODE)
     if glist is not None:
         for g in glist.objects():
             uuid = g.str("uuid", max_len=128)
@@ -601,7 +616,8 @@ def parse_report(body: Any) -> Report:
     r.done()
     problems.raise_if_any("report")
     assert node_id is not None and epoch is not None and seq is not None  # noqa: S101
-    return Report(node_id, epoch, seq, tuple(gpus), tuple(links), tuple(engines), tuple(collectives))
+    return Report(node_id, epoch, seq, tuple(gpus), tuple(links), tuple(engines), tuple(collectives),
+                  full=full is not False)
 
 
 def _collective(c: ObjectReader, node_id: str | None) -> CollectiveReport | None:

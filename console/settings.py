@@ -199,6 +199,10 @@ CHANNEL_LAYERS = {"default": channel_layer(REDIS_URL, os.environ.get("FLEXPIPE_C
 # Live pages: the server sends {"type": "ping"} this often, so an idle connection carries traffic
 # (proxies keep it) and the page notices a dead one (static/js/live.js reconnects after 3 silent periods).
 FLEXPIPE_WS_PING_S = float(os.environ.get("FLEXPIPE_WS_PING_S", "20"))
+# A live socket sends a page's state at most once per this many seconds (console/dashboard/coalesce.py).
+FLEXPIPE_PUSH_MIN_INTERVAL_S = float(os.environ.get("FLEXPIPE_PUSH_MIN_INTERVAL_S", "0.5"))
+# The heatmap's first state goes in pages of this many nodes (8 GPUs each: ~300 KB, under daphne's 1 MiB).
+FLEXPIPE_SNAPSHOT_PAGE_NODES = int(os.environ.get("FLEXPIPE_SNAPSHOT_PAGE_NODES", "100"))
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", REDIS_URL)

@@ -267,7 +267,15 @@ class Pipe:
         """Drop the KV of the most recently admitted sequence of the least urgent priority class
         here (vLLM's priority policy; plain last-admitted while every sequence has one class); it
         is recomputed later."""
-        if self.mixed_priorities:
+        buckets = self.engine.host.length_buckets
+        if buckets is not None:
+            # the least urgent class, then its longest bucket (agents/sim/buckets.py), then the last admitted
+            worst = max(r.priority for r in self.running.values())
+            order = list(self.running.values())
+            rid = max((i for i, r in enumerate(order) if r.priority == worst),
+                      key=lambda i: (buckets.of(order[i].prompt), i))
+            req = self.running.pop(order[rid].rid)
+        elif self.mixed_priorities:
             worst = max(r.priority for r in self.running.values())
             rid = next(r.rid for r in reversed(self.running.values()) if r.priority == worst)
             req = self.running.pop(rid)
@@ -297,11 +305,29 @@ class Pipe:
         budget = self.budget - n_dec if role == "both" else (self.budget if role == "prefill" else 0)
         chunks: list[tuple[Request, int]] = []
         pre_tokens = pre_ctx = 0
-        # 2. prefill passes in progress, first come first served
-        for req in self.prefilling:
+        # With length buckets (agents/sim/buckets.py) a round that mixes short and long prompts is
+        # split: shorter buckets first, each bucket within its share of the budget.
+        buckets = self.engine.host.length_buckets
+        room: list[int] | None = None
+        prefilling = self.prefilling
+        if buckets is not None and (prefilling or self.waiting):
+            lengths = [r.prompt for r in prefilling]
+            if self.waiting:
+                lengths.append(self.waiting[0].prompt)
+            if buckets.split(min(lengths), max(lengths)):
+                room = [buckets.cap(b, self.budget) for b in range(len(buckets.shares))]
+                prefilling = sorted(prefilling, key=lambda r: buckets.of(r.prompt))
+        # 2. prefill passes in progress, first come first served (by bucket when split)
+        for req in prefilling:
             if budget <= 0:
                 break
             c = min(req.need - req.done, budget)
+            if room is not None:
+                b = buckets.of(req.prompt)  # type: ignore[union-attr]
+                c = min(c, room[b])
+                room[b] -= c
+                if c <= 0:
+                    continue
             chunks.append((req, c))
             pre_ctx += req.done
             pre_tokens += c
@@ -350,6 +376,12 @@ class Pipe:
                         req.done = min(hit * self.cache.block_tokens, need - 1)
                         self.cache.hit_tokens += req.done
                 c = min(need - req.done, budget)
+                if room is not None:
+                    b = buckets.of(req.prompt)  # type: ignore[union-attr]
+                    c = min(c, room[b])
+                    room[b] -= c
+                    if c <= 0:
+                        continue  # admitted: its prefill starts next round, in its bucket's share
                 chunks.append((req, c))
                 pre_ctx += req.done
                 pre_tokens += c

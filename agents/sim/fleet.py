@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from agents.protocol import EngineReport
+from agents.sim.buckets import LengthBuckets
 from agents.sim.cluster import FAILED, TENANT, US, Change, SimCluster
 from agents.sim.engine import (
     KIND_ARRIVAL,
@@ -113,6 +114,7 @@ class SimOptions:
     disk_cold_start_s: float = COLD_START_S  # a plan started from disk (a restarted pod) also starts its process
     max_run_rounds: int = MAX_RUN_ROUNDS  # longest analytic run of identical rounds (1: simulate each round)
     prefix_block_tokens: int = BLOCK_TOKENS  # the engines' prefix cache block (a trace's hash block); 0: none
+    length_buckets: LengthBuckets | None = None  # batching split by prompt length (agents/sim/buckets.py); None: FCFS
 
 
 DEFAULT_OPTIONS = SimOptions()
@@ -157,6 +159,7 @@ class EngineHost(Protocol):
 
     max_run_rounds: int  # longest analytic run of identical rounds
     prefix_block_tokens: int  # the prefix cache's block size (0: engines keep no prefix cache)
+    length_buckets: LengthBuckets | None  # batching split by prompt length; None: one FCFS queue
 
     def tokens(self, engine: PlanEngine, t0: float, t1: float, n: int) -> None: ...
 
@@ -228,6 +231,7 @@ class FleetSim:
         self.listener: SimListener = listener or _Silent()
         self.max_run_rounds = options.max_run_rounds
         self.prefix_block_tokens = options.prefix_block_tokens
+        self.length_buckets = options.length_buckets
         # the one request router (scheduler.router), as the gateway runs it; a baseline in bench.route
         self.router: RoutingPolicy = router or make_router("flexpipe", seed=scenario.seed)
         self._facts: dict[tuple[int, int, float], PlanFacts] = {}  # (engine id, profile, weight) -> facts

@@ -35,6 +35,7 @@ from django.utils import timezone
 
 from console.accounts import live as account_live
 from console.accounts.roles import VIEWER, has_role
+from console.dashboard.coalesce import Coalescer
 from console.metrics import websockets as ws_metrics
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     groups: list[str] = []
     _counted = False
     _pinger: asyncio.Task[None] | None = None
+    _coalescers: list[Coalescer] | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Run the consumer; when the channel layer (Redis) fails under it, tell the browser the page is
@@ -92,6 +94,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                 pass
         finally:
             self._stop_pinging()
+            self._stop_coalescing()
             self._uncount()
 
     async def connect(self) -> None:
@@ -116,6 +119,16 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             await asyncio.sleep(every_s)
             await self.send_json({"type": "ping", "every_s": every_s, "at": timezone.now().isoformat()})
 
+    def coalesced(self, flush: Any) -> Coalescer:
+        """A Coalescer for this socket's pushes (console/dashboard/coalesce.py), stopped with it."""
+        c = Coalescer(float(settings.FLEXPIPE_PUSH_MIN_INTERVAL_S), flush)
+        self._coalescers = [*(self._coalescers or ()), c]
+        return c
+
+    def _stop_coalescing(self) -> None:
+        for c in self._coalescers or ():
+            c.cancel()
+
     def _stop_pinging(self) -> None:
         if self._pinger is not None:
             self._pinger.cancel()
@@ -131,6 +144,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def disconnect(self, code: int) -> None:
         self._stop_pinging()
+        self._stop_coalescing()
         if self._counted:
             self._uncount()
             await self.channel_layer.group_discard(self.group, self.channel_name)

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 
 from agents.protocol import RegisterRequest, Report
 from console.audit.chain import actor_of, record
@@ -207,6 +208,8 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
     claimed = Node.objects.filter(pk=node.pk, epoch=report.epoch, last_seq__lt=report.seq).update(
         last_seq=report.seq,
         last_seen_at=now,
+        prev_reported_at=F("reported_at"),
+        reported_at=now,
         engines=[e.__dict__ for e in report.engines],
     )
     if claimed != 1:
@@ -215,29 +218,31 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
             raise Rejected(409, {"epoch": f"stale epoch {report.epoch}; the current one is {current['epoch']}"})
         raise Rejected(409, {"seq": f"stale seq {report.seq}; last accepted is {current['last_seq']}"})
 
+    # Only what changed is written (issue 19: a report's cost grows with its change, not with the node):
+    # a GPU whose state the report repeats keeps its row and gets no history sample; the node's
+    # reported_at says it was seen. A delta report (report.full is False) lists only changed GPUs anyway.
     was_schedulable = node.schedulable
     topology_changed = False
     changed: list[Gpu] = []
     samples: list[GpuSample] = []
     for g in report.gpus:
         row = gpus[g.uuid]
+        state = (g.mem_used_bytes, g.mem_total_bytes, g.sm_util, g.temperature_c, g.healthy, g.allocatable,
+                 g.xid_errors, g.ecc_errors)
+        if _gpu_state(row) == state:
+            continue
         if row.healthy != g.healthy or row.allocatable != g.allocatable:
             topology_changed = True
-        row.mem_used_bytes = g.mem_used_bytes
-        row.mem_total_bytes = g.mem_total_bytes
-        row.sm_util = g.sm_util
-        row.temperature_c = g.temperature_c
-        row.healthy = g.healthy
-        row.allocatable = g.allocatable
-        row.xid_errors = g.xid_errors
-        row.ecc_errors = g.ecc_errors
+        (row.mem_used_bytes, row.mem_total_bytes, row.sm_util, row.temperature_c, row.healthy, row.allocatable,
+         row.xid_errors, row.ecc_errors) = state
         row.updated_at = now
         changed.append(row)
         samples.append(GpuSample(gpu=row, at=now, mem_used_bytes=g.mem_used_bytes, sm_util=g.sm_util,
                                  temperature_c=g.temperature_c, healthy=g.healthy, allocatable=g.allocatable))
-    Gpu.objects.bulk_update(changed, ["mem_used_bytes", "mem_total_bytes", "sm_util", "temperature_c", "healthy",
-                                      "allocatable", "xid_errors", "ecc_errors", "updated_at"])
-    GpuSample.objects.bulk_create(samples)  # bounded by the beat's fleet.prune_history (console/fleet/retention.py)
+    if changed:
+        Gpu.objects.bulk_update(changed, ["mem_used_bytes", "mem_total_bytes", "sm_util", "temperature_c", "healthy",
+                                          "allocatable", "xid_errors", "ecc_errors", "updated_at"])
+        GpuSample.objects.bulk_create(samples)  # bounded by the beat's fleet.prune_history (console/fleet/retention.py)
 
     links.store_links(node, report, now=now)
 
@@ -248,8 +253,22 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
             topology_changed = True
             record("fleet.node_schedulable", actor=actor_of(agent=node.node_id), at=now,
                    summary=f"{node.node_id} reports again: schedulable")
-    transaction.on_commit(lambda: live.push_nodes([node.pk], topology_changed=topology_changed))
+    # The live delta from what is in memory - no reading back - sent by the process's pusher thread
+    # (console/fleet/pusher.py) once this commits; the gearbox hears of a topology change at once.
+    node.last_seq, node.last_seen_at, node.reported_at = report.seq, now, now
+    node.engines = [e.__dict__ for e in report.engines]
+    if not was_schedulable and topology_changed:
+        node.schedulable, node.unschedulable_reason = True, ""
+    for row in changed:
+        row.node = node
+    delta = {"nodes": [live.node_payload(node)], "gpus": [live.gpu_payload(row) for row in changed]}
+    transaction.on_commit(lambda: live.push_report(delta, node_id=node.node_id, topology_changed=topology_changed))
     return report.seq
+
+
+def _gpu_state(row: Gpu) -> tuple[object, ...]:
+    return (row.mem_used_bytes, row.mem_total_bytes, row.sm_util, row.temperature_c, row.healthy, row.allocatable,
+            row.xid_errors, row.ecc_errors)
 
 
 @transaction.atomic

@@ -62,6 +62,16 @@ def cluster_state(node_pks: list[int] | None = None) -> dict[str, Any]:
     return {"nodes": [node_payload(n) for n in nodes], "gpus": [gpu_payload(g) for g in gpus]}
 
 
+def push_report(delta: dict[str, Any], *, node_id: str, topology_changed: bool) -> None:
+    """A committed report's delta to every dashboard (through the process's pusher thread), and the
+    gearbox told at once when its GPUs moved."""
+    from console.fleet import pusher
+
+    pusher.enqueue(delta)
+    if topology_changed:
+        signals.topology_changed.send(sender=None, node_ids=[node_id])
+
+
 def push_nodes(node_pks: list[int], *, topology_changed: bool = False) -> None:
     """Send the new state of these nodes to every dashboard, and tell the gearbox if GPUs moved."""
     if not node_pks:

@@ -27,6 +27,10 @@ class Node(models.Model):
     last_seq = models.PositiveBigIntegerField(default=0)  # last accepted report seq in this epoch
     registered_at = models.DateTimeField()
     last_seen_at = models.DateTimeField(null=True, blank=True)
+    # The last two accepted reports (not registrations): every GPU of the node was reported then - a
+    # delta report lists only the GPUs that changed - and their interval is what `engines` counts over.
+    reported_at = models.DateTimeField(null=True, blank=True)
+    prev_reported_at = models.DateTimeField(null=True, blank=True)
     schedulable = models.BooleanField(default=True)
     unschedulable_reason = models.CharField(max_length=200, blank=True, default="")
     engines = models.JSONField(default=list)  # latest EngineReports, as sent
@@ -84,6 +88,8 @@ class Gpu(models.Model):
     allocatable = models.BooleanField(default=True)
     xid_errors = models.PositiveIntegerField(default=0)
     ecc_errors = models.PositiveIntegerField(default=0)
+    # When a report last changed this row's state (a report that repeats it writes nothing here: the
+    # node's reported_at says it was seen then).
     updated_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -7,7 +7,9 @@ Both listen to three groups, each fed from `transaction.on_commit` only (what th
 "gearbox" (console.gearbox.live: transition steps and phases, routing commits, decisions), "cluster"
 (console.fleet.live: agents' reports - GPUs, blocks, engine metrics) and "audit" (the operator verbs
 that push nothing of their own: mode, pin, unpin, emergency request, approval). Each event makes the
-consumer read the current state and send it, so a page never applies a change out of order.
+consumer read the current state and send it, so a page never applies a change out of order. Fleet
+reports come in far faster than a page needs them: they are coalesced per socket, at most one push
+every FLEXPIPE_PUSH_MIN_INTERVAL_S, the last state always sent (console/dashboard/coalesce.py).
 
 Messages (JSON, "type" first):
     snapshot      on connect and on {"type": "resync"}: the whole state (present.overview_state /
@@ -28,6 +30,7 @@ from typing import Any
 from channels.db import database_sync_to_async
 
 from console.audit.live import AUDIT_GROUP
+from console.dashboard.coalesce import Coalescer, Merged
 from console.dashboard.consumers import LiveConsumer
 from console.fleet.live import CLUSTER_GROUP
 from console.gearbox import present
@@ -79,7 +82,15 @@ class GearboxConsumer(_GearboxLive):
             if switch is not None:
                 await self.send_json({"type": "switch", "transition": switch})
 
+    _fleet_push: Coalescer | None = None
+
     async def cluster_delta(self, event: dict[str, Any]) -> None:
+        # The fleet view is the whole fleet: built once per FLEXPIPE_PUSH_MIN_INTERVAL_S, not per report.
+        if self._fleet_push is None:
+            self._fleet_push = self.coalesced(self._send_fleet)
+        self._fleet_push.poke()
+
+    async def _send_fleet(self) -> None:
         fleet = await database_sync_to_async(present.fleet_view)()
         await self.send_json({"type": "fleet", **present.fleet_payload(fleet)})
         await self.send_json({"type": "deployments",
@@ -122,8 +133,18 @@ class DeploymentConsumer(_GearboxLive):
         decision = ev.get("decision") if ev.get("kind") == "decision" else None
         await self.send_all(await database_sync_to_async(_updates)(self.name, seq=seq, decision=decision))
 
+    _push: Coalescer | None = None
+
     async def cluster_delta(self, event: dict[str, Any]) -> None:
-        if await database_sync_to_async(_touches)(self.name, event["delta"]):
+        # Reports gathered and checked together, at most every FLEXPIPE_PUSH_MIN_INTERVAL_S.
+        if self._push is None:
+            self._merged = Merged()
+            self._push = self.coalesced(self._send_if_touched)
+        self._merged.add(event["delta"])
+        self._push.poke()
+
+    async def _send_if_touched(self) -> None:
+        if await database_sync_to_async(_touches)(self.name, self._merged.take()):
             await self.send_all(await database_sync_to_async(_updates)(self.name))
 
     async def audit_entry(self, event: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from datetime import datetime
 from django.conf import settings
 
 from console.fleet import links
-from console.fleet.models import Gpu, GpuSample, Node
+from console.fleet.models import Gpu, Node
 from scheduler.capabilities import EngineCaps
 from scheduler.gearbox import LoadSample, LoadWindow
 from scheduler.hardware import CATALOG, GpuSpec
@@ -57,7 +57,8 @@ def fleet_snapshot(now: datetime) -> Snapshot:
             mem_used_bytes=min(used, g.mem_total_bytes), sm_util=g.sm_util or 0.0,
             temperature_c=g.temperature_c or 0.0, healthy=g.healthy, schedulable=g.allocatable,
             nvlink_group=g.nvlink_group or None, xid_errors=g.xid_errors, ecc_errors=g.ecc_errors,
-            last_seen_s=g.updated_at.timestamp() if g.updated_at else 0.0))
+            # every report covers all of its node's GPUs (a delta one lists the changed ones only)
+            last_seen_s=g.node.reported_at.timestamp() if g.node.reported_at else 0.0))
     known = {n.node_id for n in nodes}
     intra, inter = links.defaults()
     snap = Snapshot(now_s=now.timestamp(), nodes=node_states, gpus=tuple(gpu_states),
@@ -145,14 +146,9 @@ def load_sample(plan_ids: Iterable[str], now: datetime) -> LoadSample | None:
 
 def _report_interval_s(node: Node) -> float:
     """Seconds between the node's two latest reports (what its `arrivals` counts over)."""
-    gpu = Gpu.objects.filter(node=node, present=True).order_by("index").first()
-    default = float(settings.FLEXPIPE_REPORT_INTERVAL_S)
-    if gpu is None:
-        return default
-    times = list(GpuSample.objects.filter(gpu=gpu).order_by("-id").values_list("at", flat=True)[:2])
-    if len(times) < 2:
-        return default
-    return max(0.5, (times[0] - times[1]).total_seconds())
+    if node.reported_at is None or node.prev_reported_at is None:
+        return float(settings.FLEXPIPE_REPORT_INTERVAL_S)
+    return max(0.5, (node.reported_at - node.prev_reported_at).total_seconds())
 
 
 __all__ = ["KEEP_LOAD_S", "decision_snapshot", "fleet_snapshot", "gear_gpus", "load_sample", "load_window"]

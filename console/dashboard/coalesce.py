@@ -1,0 +1,74 @@
+"""Pushes coalesced per socket: at most one every FLEXPIPE_PUSH_MIN_INTERVAL_S, the last state always sent.
+
+A fleet of agents reports every few milliseconds in all; a live page needs the state a few times a
+second. Each socket's consumer pokes its `Coalescer` on every event; the coalescer runs the flush at
+once when the last one is older than the interval, otherwise when the interval is up - once, for
+every event that came meanwhile. A flush reads the state when it runs (or sends what `Merged`
+gathered), so what arrives last is the newest committed state; an event that comes while a flush
+runs gets a flush of its own after it. Pages' messages are whole states or keyed upserts, so
+skipping the ones in between changes nothing the page shows at the end.
+
+Why per socket and not per group: a socket reads the state its own page needs (a deployment page
+its deployment only), and a slow socket only delays itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+class Coalescer:
+    def __init__(self, every_s: float, flush: Callable[[], Awaitable[None]], *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        if every_s < 0:
+            raise ValueError(f"every_s: must be >= 0; got {every_s}")
+        self.every_s, self._flush, self._clock, self._sleep = every_s, flush, clock, sleep
+        self._dirty = False
+        self._last = float("-inf")
+        self._task: asyncio.Task[None] | None = None
+        self.flushes = 0
+
+    def poke(self) -> None:
+        """Something changed: a flush will follow (at once, or when the interval is up)."""
+        self._dirty = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while self._dirty:
+            wait = self._last + self.every_s - self._clock()
+            if wait > 0:
+                await self._sleep(wait)
+            self._dirty = False
+            self._last = self._clock()
+            self.flushes += 1
+            await self._flush()
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+
+class Merged:
+    """Cluster deltas gathered between two flushes: nodes by node_id and GPUs by uuid, the newest of
+    each (console.fleet.live.cluster_state's shape)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.gpus: dict[str, dict[str, Any]] = {}
+
+    def add(self, delta: dict[str, Any]) -> None:
+        for n in delta.get("nodes") or ():
+            self.nodes[n["node_id"]] = n
+        for g in delta.get("gpus") or ():
+            self.gpus[g["uuid"]] = g
+
+    def take(self) -> dict[str, Any]:
+        out = {"nodes": list(self.nodes.values()), "gpus": list(self.gpus.values())}
+        self.nodes, self.gpus = {}, {}
+        return out
