@@ -147,6 +147,10 @@ class RoutingPolicy(Protocol):
         """The request went to `slot` (the first of `decision.order` that took it)."""
         ...
 
+    def finished(self, req: RouteRequest, ttft_s: float, tpot_s: float | None, now_s: float) -> None:
+        """A request it routed finished with these latencies (what a learning policy learns from)."""
+        ...
+
     def first_token(self, plan_id: str, now_s: float, ttft_s: float, predicted_s: float | None) -> None: ...
 
     def forget(self, plan_id: str) -> None:
@@ -233,6 +237,17 @@ class Router:
     def forget(self, plan_id: str) -> None:
         self.index.forget(plan_id)
         self.jitter.forget(plan_id)
+
+    def finished(self, req: RouteRequest, ttft_s: float, tpot_s: float | None, now_s: float) -> None:
+        return None  # static weights (learned.py learns them)
+
+    def weights(self) -> dict[str, float]:
+        return dict(self._weights)
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """New score weights (learned.py); every name one of RouterWeights', every value >= 0."""
+        self.config = replace(self.config, weights=RouterWeights(**{k: float(v) for k, v in weights.items()}))
+        self._weights = self.config.weights.as_dict()
 
 
 def record_prefix(index: PrefixIndex, decision: Decision, slot: int) -> None:
