@@ -147,6 +147,10 @@ class RoutingPolicy(Protocol):
         """The request went to `slot` (the first of `decision.order` that took it)."""
         ...
 
+    def finished(self, req: RouteRequest, ttft_s: float, tpot_s: float | None, now_s: float) -> None:
+        """A request it routed finished with these latencies (what a learning policy learns from)."""
+        ...
+
     def first_token(self, plan_id: str, now_s: float, ttft_s: float, predicted_s: float | None) -> None: ...
 
     def forget(self, plan_id: str) -> None:
@@ -157,8 +161,14 @@ class RoutingPolicy(Protocol):
 def hard_filters(req: RouteRequest, pool: Pool) -> tuple[Bools, Bools, Bools, bool]:
     """(hard_ok, fits_now, candidates, relaxed): the prefilter and the memory bound, with the
     bound's fits-now half relaxed when no plan has room now (memory_bound's docstring)."""
+    if req.kv_tokens <= pool.room_floor and not pool.priority_limited:
+        # (the usual case: it fits every plan now - the filters are the pool's static half; the
+        # identity of the mask it returns tells the router so)
+        return pool.base_ok, pool.all_true, pool.base_ok, False
     ever, now = memory_bound(req, pool)
-    hard: Bools = prefilter(req, pool) & ever
+    hard: Bools = prefilter(req, pool)
+    if ever is not pool.all_true:
+        hard = hard & ever
     cand: Bools = hard & now
     if np.count_nonzero(cand):
         return hard, now, cand, False
@@ -184,32 +194,38 @@ class Router:
             # common single-plan gear; it is the prefilter and the memory bound of one plan, inline)
             return Decision(self.name, req, pool, (0,), note="the only plan")
         hard, now, cand, relaxed = hard_filters(req, pool)
-        count = np.count_nonzero(cand)
+        if cand is pool.base_ok:
+            count, every = pool.base_count, pool.base_all
+        else:
+            count = int(np.count_nonzero(cand))
+            every = count == pool.n
         if not count:
             return Decision(self.name, req, pool, (), hard_ok=hard, fits_now=now)
-        matched = self.index.match(req.blocks, pool)
+        matched = self.index.match(req.blocks, pool) if req.blocks else None
         s_prefix, cached = prefix_affinity.score(req, matched, block_tokens=cfg.block_tokens,
                                                  host_tier_weight=cfg.host_tier_weight)
         s_topo = topology_affinity.score(req, pool)
-        ttft, tpot = predicted_latency.predict(req, pool, cached)
+        own = predicted_latency.prefill_s(req, pool, cached)
+        ttft, tpot = predicted_latency.predict(req, pool, cached, own)
+        stall = predicted_latency.stall_s(req, own, pool)
         demotion = self.jitter.demotion(pool, now_s)
         demoted = None
         if demotion is not None:
             demoted, factor = demotion
             ttft = ttft * factor  # a demoted plan is priced as its tail says (jitter.py)
-        s_lat, deadline_ok = predicted_latency.score(req, pool, ttft, tpot, cand)
+        s_lat, deadline_ok = predicted_latency.score(req, pool, ttft, tpot, cand, stall, every=every)
         w = cfg.weights
         total = s_lat * w.predicted_latency
         total += s_topo if w.topology_affinity == 1.0 else s_topo * w.topology_affinity
         if s_prefix is not None:
             total += s_prefix if w.prefix_affinity == 1.0 else s_prefix * w.prefix_affinity
-        order = pick(total, cand, demoted, deadline_ok, pool.load_rel, cfg.top_k, self.rng)
+        order = pick(total, cand, demoted, deadline_ok, pool.load_rel, cfg.top_k, self.rng, count=count)
         return Decision(self.name, req, pool, order, hard_ok=hard, fits_now=now, relaxed=relaxed,
                         scores={predicted_latency.NAME: s_lat,
                                 prefix_affinity.NAME: pool.zeros if s_prefix is None else s_prefix,
                                 topology_affinity.NAME: s_topo},
                         weights=self._weights, total=total, demoted=demoted, ttft_s=ttft, tpot_s=tpot,
-                        cached_tokens=cached)
+                        stall_s=stall, cached_tokens=cached)
 
     def admitted(self, decision: Decision, slot: int) -> None:
         record_prefix(self.index, decision, slot)
@@ -221,6 +237,17 @@ class Router:
     def forget(self, plan_id: str) -> None:
         self.index.forget(plan_id)
         self.jitter.forget(plan_id)
+
+    def finished(self, req: RouteRequest, ttft_s: float, tpot_s: float | None, now_s: float) -> None:
+        return None  # static weights (learned.py learns them)
+
+    def weights(self) -> dict[str, float]:
+        return dict(self._weights)
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """New score weights (learned.py); every name one of RouterWeights', every value >= 0."""
+        self.config = replace(self.config, weights=RouterWeights(**{k: float(v) for k, v in weights.items()}))
+        self._weights = self.config.weights.as_dict()
 
 
 def record_prefix(index: PrefixIndex, decision: Decision, slot: int) -> None:
