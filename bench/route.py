@@ -79,7 +79,7 @@ PLANS_PER_NODE = 2  # two TP4 plans on each 8-GPU node
 SLO_SCALE = 5.0
 TARGET_ATTAINMENT = 0.8  # least-loaded meets the SLO for this share at the chosen time scale
 POLICIES = ("round-robin", "least-loaded", "prefix-only", "flexpipe")
-VARIANTS = {"learned": "flexpipe+learned", "buckets": "flexpipe+buckets"}  # --learned, --buckets
+VARIANTS = {"learned": "flexpipe+learned", "buckets": "flexpipe+buckets", "kv_budget": "flexpipe+budget"}
 SHORT_PROMPT_TOKENS = 2048  # the short bucket (agents/sim/buckets.py): ttft_p99_short_s
 DECISION_SIZES = (8, 64)
 DECISION_SAMPLES = 4000
@@ -462,10 +462,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated: {', '.join(known)}")
     ap.add_argument("--learned", action="store_true", help=f"add {VARIANTS['learned']} (scheduler/router/learned.py)")
     ap.add_argument("--buckets", action="store_true", help=f"add {VARIANTS['buckets']} (agents/sim/buckets.py)")
+    ap.add_argument("--kv-budget", action="store_true", help=f"add {VARIANTS['kv_budget']} (scheduler/router/spillover.py)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     names = [p for p in args.policies.split(",") if p]
-    names += [VARIANTS[k] for k in ("learned", "buckets") if getattr(args, k) and VARIANTS[k] not in names]
+    names += [VARIANTS[k] for k in ("kv_budget", "learned", "buckets") if getattr(args, k) and VARIANTS[k] not in names]
     unknown = [p for p in names if p not in known]
     if unknown or not names:
         ap.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")

@@ -133,7 +133,18 @@ ROUTING_POLICIES: dict[str, Callable[[RouterConfig, random.Random], RoutingPolic
     "prefix-only": lambda cfg, rng: PrefixOnly(rng, block_tokens=cfg.block_tokens),
     "flexpipe": lambda cfg, rng: Router(cfg, rng=rng),
     "flexpipe+learned": lambda cfg, rng: _learned(cfg, rng),
+    "flexpipe+budget": lambda cfg, rng: _budget(cfg, rng),
 }
+
+
+def _budget(cfg: RouterConfig, rng: random.Random) -> RoutingPolicy:
+    from dataclasses import replace
+
+    from scheduler.router.spillover import SpillConfig
+
+    r = Router(replace(cfg, spill=cfg.spill or SpillConfig()), rng=rng)
+    r.name = "flexpipe+budget"
+    return r
 
 
 def _learned(cfg: RouterConfig, rng: random.Random) -> RoutingPolicy:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from scheduler.router import predicted_latency, prefix_affinity, topology_affinity
+from scheduler.router import predicted_latency, prefix_affinity, spillover, topology_affinity
 from scheduler.router._arrays import Bools
 from scheduler.router.decision import Decision
 from scheduler.router.jitter import JitterConfig, JitterTracker
@@ -33,6 +33,7 @@ from scheduler.router.pool import Pool
 from scheduler.router.prefilter import prefilter
 from scheduler.router.prefix_affinity import PrefixIndex
 from scheduler.router.request import BLOCK_TOKENS, RouteRequest
+from scheduler.router.spillover import SpillConfig
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class RouterConfig:
     host_tier_weight: float = 0.5  # a host-memory KV hit is worth this share of a GPU hit
     jitter: JitterConfig = field(default_factory=JitterConfig)
     prices: Mapping[str, float] | None = None  # GPU model -> price per GPU-hour (topology_affinity)
+    spill: SpillConfig | None = None  # KV spillover bands (spillover.py); None: not applied
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -186,6 +188,7 @@ class Router:
         self.index = PrefixIndex(self.config.block_tokens)
         self.jitter = JitterTracker(self.config.jitter)
         self._weights = self.config.weights.as_dict()
+        self._n = 0  # requests routed with spillover: each one's key for its spill probe draw
 
     def route(self, req: RouteRequest, pool: Pool, now_s: float) -> Decision:
         cfg = self.config
@@ -220,7 +223,13 @@ class Router:
         if s_prefix is not None:
             total += s_prefix if w.prefix_affinity == 1.0 else s_prefix * w.prefix_affinity
         order = pick(total, cand, demoted, deadline_ok, pool.load_rel, cfg.top_k, self.rng, count=count)
-        return Decision(self.name, req, pool, order, hard_ok=hard, fits_now=now, relaxed=relaxed,
+        note = ""
+        if cfg.spill is not None and len(order) > 1:
+            self._n += 1
+            free = pool.room / np.maximum(pool.cap_tokens, 1.0)
+            order, note = spillover.reorder(order, free, high_priority=req.priority < 0, key=str(self._n),
+                                            config=cfg.spill)
+        return Decision(self.name, req, pool, order, hard_ok=hard, fits_now=now, relaxed=relaxed, note=note,
                         scores={predicted_latency.NAME: s_lat,
                                 prefix_affinity.NAME: pool.zeros if s_prefix is None else s_prefix,
                                 topology_affinity.NAME: s_topo},
