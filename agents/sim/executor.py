@@ -42,15 +42,15 @@ from agents.protocol import prepare_shape
 from agents.shadow_check import tokenizer_problem
 from agents.sim.cluster import Change
 from agents.sim.engine import Pipe, PlanEngine, Request
-from agents.sim.fleet import BookingRefused, FleetSim
+from agents.sim.fleet import FleetSim
 from agents.sim.memory_fleet import Fault, take_fault
 from agents.sim.metrics import SwitchRecord
-from scheduler.booking import REFUSAL_REASON
 from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import kv_route
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import model_spec
 from scheduler.plan import Gear, Plan
+from scheduler.refusal import Refused
 from scheduler.transition import (
     DEFAULT_TRANSITION_CONFIG,
     CommandIntent,
@@ -163,10 +163,10 @@ class SimAgents:
                 return
             try:
                 engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
-            except BookingRefused as exc:
+            except Refused as exc:
                 # what the real daemon answers (scheduler.booking): the plan does not fit beside
                 # what its GPUs hold; nothing was booked
-                self._ack(cmd, False, str(exc), {"reason": REFUSAL_REASON, "gpus": [exc.over.gpu]})
+                self._ack(cmd, False, exc.reason, {"reason": exc.code, "gpus": exc.gpus})
                 return
             self.log.add(LogEvent(self.sim.now_s, "plan_prepared", node=cmd.node_id, plan_id=plan.plan_id))
         self._prepares.setdefault(engine.engine_id, []).append(cmd)
