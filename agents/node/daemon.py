@@ -369,6 +369,10 @@ class NodeAgent:
         try:
             out = self._execute(cmd)
         except Refused as exc:
+            if type(exc) is not Refused:
+                # a data plane's own answer (agents.dataplane.errors) that escaped the command: a
+                # crash of it, as before they were one Refused (`_run_and_ack`)
+                raise
             out = _Outcome("failed", exc.reason, {"reason": exc.code, **({"gpus": exc.gpus} if exc.gpus else {}),
                                                   **exc.detail})
         if out.status == "ok":
