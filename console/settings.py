@@ -135,10 +135,14 @@ TEMPLATES = [
     },
 ]
 
+# The gateway's process runs every query on console.db_pool's few threads (console/gateway/asgi.py):
+# their connections are kept - at most FLEXPIPE_POLL_DB_THREADS, checked before reuse - rather than
+# a new PostgreSQL connection for each of a request's half-dozen queries.
 DATABASES = {
     "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
-        conn_max_age=0,
+        conn_max_age=300 if FLEXPIPE_PROCESS == "gateway" else 0,
+        conn_health_checks=FLEXPIPE_PROCESS == "gateway",
     )
 }
 # The test database's name is spelled out: the live-server test process (channels' daphne) derives
@@ -251,6 +255,8 @@ FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
 FLEXPIPE_ALERTS_EVAL_S = float(os.environ.get("FLEXPIPE_ALERTS_EVAL_S", "15"))
 # The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
 # or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
+# How long an admission waits for the table that ends a switch's freeze before a 429 (console/gateway/views.py).
+FLEXPIPE_GATEWAY_FROZEN_WAIT_S = float(os.environ.get("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", "3"))
 FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get("FLEXPIPE_GATEWAY_TOKENIZERS", "")
                                    .split(",") if "=" in item)
 FLEXPIPE_CANARY_SHARE = float(os.environ.get("FLEXPIPE_CANARY_SHARE", "0.1"))
