@@ -1,6 +1,6 @@
 """Does a flood of OpenAI streams move the agent API's latency? (issue 19: at most 20% at 100 streams)
 
-    python -m bench.gateway_flood [--streams 100] [--seconds 10] [--rounds 2] [--rate 20] [--json PATH]
+    python -m bench.gateway_flood [--streams 100] [--seconds 10] [--rounds 2] [--rate 5] [--json PATH]
 
 Real processes, as `make run` starts them: the console (daphne console.asgi, FLEXPIPE_PROCESS=console)
 and the gateway (daphne console.gateway.asgi) against one database (DATABASE_URL: a PostgreSQL
@@ -281,15 +281,18 @@ class Agent:
 
 
 async def stream_once(client: httpx.AsyncClient, url: str, token: str, max_tokens: int) -> tuple[int, int, str]:
-    """One streaming completion: (HTTP status, token chunks, finish_reason)."""
+    """One streaming completion: (HTTP status, tokens, finish_reason - or the error's code when refused)."""
     body = {"model": DEPLOYMENT, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
     chunks, finish = 0, ""
     async with client.stream("POST", f"{url}/v1/completions", json=body,
                              headers={"Authorization": f"Bearer {token}"}) as resp:
         if resp.status_code != 200:
-            await resp.aread()
-            return resp.status_code, 0, ""
+            try:
+                code = str(json.loads(await resp.aread())["error"]["code"])
+            except (ValueError, KeyError, TypeError):
+                code = "?"
+            return resp.status_code, 0, code
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -306,6 +309,7 @@ class FloodResult:
     statuses: dict[int, int] = field(default_factory=dict)
     tokens: int = 0
     incomplete: int = 0  # 200 but not every token, or no finish_reason
+    refusals: dict[str, int] = field(default_factory=dict)  # "status code" -> count, e.g. "429 no_route"
 
 
 def flood(url: str, token: str, concurrency: int, stop: threading.Event, *, max_tokens: int = 32,
@@ -321,6 +325,10 @@ def flood(url: str, token: str, concurrency: int, stop: threading.Event, *, max_
             out.tokens += n
             if status == 200 and (n != max_tokens or finish != "length"):
                 out.incomplete += 1
+            if status != 200:
+                key = f"{status} {finish}"
+                out.refusals[key] = out.refusals.get(key, 0) + 1
+                await asyncio.sleep(0.2)  # a refusal: not a busy loop of them
             if once or stop.is_set():
                 return
 
@@ -334,28 +342,36 @@ def flood(url: str, token: str, concurrency: int, stop: threading.Event, *, max_
 
 
 def report_loop(agents: list[Agent], rate_rps: float, stop: threading.Event) -> tuple[list[float], dict[int, int]]:
-    """Reports at `rate_rps` in all, round-robin over the agents, until `stop`: each one's latency (s)
-    and the count per status."""
+    """Each agent reports on its own thread at `rate_rps / len(agents)` until `stop` (open loop: a slow
+    answer does not lower the offered rate, unless one agent's report outlasts its interval): each
+    report's latency (s) and the count per status (0: no answer)."""
     latencies: list[float] = []
     statuses: dict[int, int] = {}
-    with httpx.Client(timeout=30) as client:
-        i = 0
-        next_s = time.monotonic()
-        while not stop.is_set():
-            agent = agents[i % len(agents)]
-            i += 1
-            body = agent.report_body()
-            t0 = time.monotonic()
-            try:
-                resp = client.post(f"{agent.url}/agent/v1/report", json=body,
-                                   headers={"Authorization": f"Bearer {agent.token}"})
-                status = resp.status_code
-            except httpx.HTTPError:
-                status = 0
-            latencies.append(time.monotonic() - t0)
-            statuses[status] = statuses.get(status, 0) + 1
-            next_s += 1.0 / rate_rps
-            stop.wait(max(0.0, next_s - time.monotonic()))
+    lock = threading.Lock()
+    interval_s = len(agents) / rate_rps
+
+    def one_agent(agent: Agent, offset_s: float) -> None:
+        with httpx.Client(timeout=30) as client:
+            next_s = time.monotonic() + offset_s
+            while not stop.wait(max(0.0, next_s - time.monotonic())):
+                body = agent.report_body()
+                t0 = time.monotonic()
+                try:
+                    status = client.post(f"{agent.url}/agent/v1/report", json=body,
+                                         headers={"Authorization": f"Bearer {agent.token}"}).status_code
+                except httpx.HTTPError:
+                    status = 0
+                with lock:
+                    latencies.append(time.monotonic() - t0)
+                    statuses[status] = statuses.get(status, 0) + 1
+                next_s += interval_s
+
+    threads = [threading.Thread(target=one_agent, args=(a, i * interval_s / len(agents)), daemon=True)
+               for i, a in enumerate(agents)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return latencies, statuses
 
 
@@ -374,9 +390,12 @@ def _django(database_url: str) -> Iterator[None]:
     os.environ["DATABASE_URL"] = database_url
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
     os.environ.setdefault("SECRET_KEY", "bench-gateway-flood-" + os.urandom(16).hex())
+    import logging
+
     import django
 
     django.setup()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, check=True,
                    env=os.environ.copy())
     yield
@@ -411,6 +430,7 @@ def phase(stack: Stack, agents: list[Agent], token: str, *, seconds: float, rate
             "report_p50_ms": 1e3 * pct(latencies, 0.5), "report_p99_ms": 1e3 * pct(latencies, 0.99),
             "latencies_ms": [1e3 * x for x in latencies],
             "streams": result.streams if result else 0, "stream_statuses": result.statuses if result else {},
+            "refusals": result.refusals if result else {},
             "stream_tokens": result.tokens if result else 0, "incomplete": result.incomplete if result else 0}
 
 
@@ -419,20 +439,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=100, help="concurrent streaming clients (100)")
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each phase (10)")
     ap.add_argument("--rounds", type=int, default=2, help="times each phase runs, interleaved (2)")
-    ap.add_argument("--rate", type=float, default=20.0, help="agent reports per second, all agents (20)")
-    ap.add_argument("--agents", type=int, default=10, help="simulated agents reporting (10)")
+    ap.add_argument("--rate", type=float, default=5.0,
+                    help="agent reports per second, all agents (5: below what one loaded console process takes)")
+    ap.add_argument("--agents", type=int, default=5, help="simulated agents reporting, one thread each (5)")
     ap.add_argument("--database-url", default=os.environ.get("DATABASE_URL", ""),
                     help="a PostgreSQL database the bench may migrate and write (default $DATABASE_URL)")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the processes it started are stopped on the way out
     if not args.database_url.startswith("postgres"):
         ap.error("--database-url: a PostgreSQL URL is needed (SQLite serialises the writers: it would measure its lock)")
 
     results: dict[str, list[dict[str, Any]]] = {"quiet": [], "apart": [], "together": []}
     with _django(args.database_url), tempfile.TemporaryDirectory(prefix="gateway-flood-") as tmp:
         prefix = "flood-" + os.urandom(4).hex()
-        env = {"FLEXPIPE_CHANNEL_PREFIX": prefix, "FLEXPIPE_QUEUE": prefix}  # no worker takes its ticks
+        # no worker takes its ticks; the flood's arrivals all fit the gateway's CPU queue (no 429 gateway_busy)
+        env = {"FLEXPIPE_CHANNEL_PREFIX": prefix, "FLEXPIPE_QUEUE": prefix,
+               "FLEXPIPE_GATEWAY_CPU_QUEUE": str(max(16, 2 * args.streams))}
         for where in ("apart", "together"):
             _clear()
             stack = Stack(Path(tmp) / where, database_url=args.database_url, redis_url=args.redis_url,
@@ -450,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{where:>8} round {n} {name:>8}: reports {res['reports']:4d} "
                               f"p50 {res['report_p50_ms']:7.1f} ms p99 {res['report_p99_ms']:7.1f} ms "
                               f"{res['report_statuses']}; streams {res['streams']} {res['stream_statuses']} "
-                              f"incomplete {res['incomplete']}", flush=True)
+                              f"incomplete {res['incomplete']} {res['refusals'] or ''}", flush=True)
                 console_v1 = [p for p in stack.console.paths_served() if p.startswith("/v1")]
                 print(f"{where:>8}: /v1 requests served by the console's process: {len(console_v1)}")
             finally:

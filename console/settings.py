@@ -253,10 +253,14 @@ FLEXPIPE_MODEL_ROOTS = [Path(p) for p in os.environ.get("FLEXPIPE_MODEL_ROOTS", 
                         .split(os.pathsep) if p.strip()]
 FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
 FLEXPIPE_ALERTS_EVAL_S = float(os.environ.get("FLEXPIPE_ALERTS_EVAL_S", "15"))
-# The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
-# or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
+# The gateway's CPU pool (console/gateway/cpu.py): threads, and requests working or waiting for one
+# before a 429 (a process that takes bursts of a hundred arrivals needs a longer queue than 16).
+FLEXPIPE_GATEWAY_CPU_THREADS = int(os.environ.get("FLEXPIPE_GATEWAY_CPU_THREADS", "2"))
+FLEXPIPE_GATEWAY_CPU_QUEUE = int(os.environ.get("FLEXPIPE_GATEWAY_CPU_QUEUE", "16"))
 # How long an admission waits for the table that ends a switch's freeze before a 429 (console/gateway/views.py).
 FLEXPIPE_GATEWAY_FROZEN_WAIT_S = float(os.environ.get("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", "3"))
+# The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
+# or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
 FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get("FLEXPIPE_GATEWAY_TOKENIZERS", "")
                                    .split(",") if "=" in item)
 FLEXPIPE_CANARY_SHARE = float(os.environ.get("FLEXPIPE_CANARY_SHARE", "0.1"))

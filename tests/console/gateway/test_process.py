@@ -41,7 +41,7 @@ def stack(django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytes
             pytest.skip("several processes writing one SQLite file serialise on its lock; needs PostgreSQL")
         url = database_url()
     env = {"FLEXPIPE_CHANNEL_PREFIX": TEST_NAMESPACE, "FLEXPIPE_QUEUE": TEST_NAMESPACE,
-           "FLEXPIPE_GATEWAY_FROZEN_WAIT_S": "0"}
+           "FLEXPIPE_GATEWAY_FROZEN_WAIT_S": "0", "FLEXPIPE_GATEWAY_CPU_QUEUE": "128"}  # 100 arrive at once
     s = Stack(tmp_path_factory.mktemp("gwproc"), database_url=url, redis_url=TEST_REDIS_URL, extra_env=env,
               speed=4.0).start()
     yield s
@@ -132,7 +132,7 @@ def test_a_flood_of_streams_goes_through_the_gateway_process_never_the_consoles(
         stop.set()
         reporter.join(60)
     latencies, statuses = box["reports"]
-    assert result.statuses == {200: 100} and result.incomplete == 0  # every stream whole
+    assert result.statuses == {200: 100} and result.incomplete == 0, result  # every stream whole
     assert latencies and set(statuses) <= {200, 202}, statuses  # every report answered 2xx
     # daphne logs a request as its answer goes out: wait for every line, then look at what each served
     logged(lambda: len(stack.console.paths_served()) - served_before >= len(latencies))
