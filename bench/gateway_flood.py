@@ -1,6 +1,6 @@
 """Does a flood of OpenAI streams move the agent API's latency? (issue 19: at most 20% at 100 streams)
 
-    python -m bench.gateway_flood [--streams 100] [--seconds 10] [--rounds 2] [--rate 5] [--json PATH]
+    python -m bench.gateway_flood [--streams 100] [--seconds 10] [--rounds 2] [--rate 5] [--pin] [--json PATH]
 
 Real processes, as `make run` starts them: the console (daphne console.asgi, FLEXPIPE_PROCESS=console)
 and the gateway (daphne console.gateway.asgi) against one database (DATABASE_URL: a PostgreSQL
@@ -18,7 +18,10 @@ Phases, `--seconds` each, repeated `--rounds` times in this order so drift hits 
 Printed: report p50/p99 per phase, and p99(apart)/p99(quiet) - the target is <= 1.2 - and
 p99(together)/p99(quiet) for comparison. The machine's cores are shared by every process here
 (the flood's clients and the simulator too): on a 2-core machine the gateway's CPU competes with
-the console's even in separate processes, which the ratio includes.
+the console's even in separate processes, which the ratio includes. `--pin` puts the console's
+process and the agents' threads on the first core and everything of the flood (the gateway's
+process, its clients, the simulator) on the others: the gateway on cores of its own, as on
+another host.
 
 `Stack` (the processes and the simulated engine) is what tests/console/gateway/test_process.py
 starts too.
@@ -351,6 +354,7 @@ def report_loop(agents: list[Agent], rate_rps: float, stop: threading.Event) -> 
     interval_s = len(agents) / rate_rps
 
     def one_agent(agent: Agent, offset_s: float) -> None:
+        pin("console")
         with httpx.Client(timeout=30) as client:
             next_s = time.monotonic() + offset_s
             while not stop.wait(max(0.0, next_s - time.monotonic())):
@@ -383,6 +387,19 @@ def pct(values: list[float], q: float) -> float:
 
 
 # -- the bench -------------------------------------------------------------------------------------------
+
+# --pin: the console's side (its process, the agents' threads) on the first core, the flood's side
+# (the gateway's process, the streaming clients, the simulated engine) on the others - as if the
+# gateway ran on cores of its own. Linux only (sched_setaffinity on a thread's native id).
+_PINS: dict[str, set[int]] = {}
+
+
+def pin(side: str, pid: int = 0) -> None:
+    """Put `pid` (0: the calling thread) on `side`'s cores, when --pin set them."""
+    cores = _PINS.get(side)
+    if cores:
+        os.sched_setaffinity(pid or threading.get_native_id(), cores)
+
 
 
 @contextmanager
@@ -417,7 +434,11 @@ def phase(stack: Stack, agents: list[Agent], token: str, *, seconds: float, rate
     box: dict[str, FloodResult] = {}
     flooder = None
     if flood_url is not None:
-        flooder = threading.Thread(target=lambda: box.setdefault("r", flood(flood_url, token, streams, stop)))
+        def flooding() -> None:
+            pin("flood")
+            box["r"] = flood(flood_url, token, streams, stop)
+
+        flooder = threading.Thread(target=flooding)
         flooder.start()
         time.sleep(1.0)  # the flood at full concurrency before reports are timed
     timer = threading.Timer(seconds, stop.set)
@@ -445,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--database-url", default=os.environ.get("DATABASE_URL", ""),
                     help="a PostgreSQL database the bench may migrate and write (default $DATABASE_URL)")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--pin", action="store_true",
+                    help="the console and the agents on core 0, the gateway, its clients and the simulator on the rest")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the processes it started are stopped on the way out
@@ -463,6 +486,18 @@ def main(argv: list[str] | None = None) -> int:
                           extra_env=env, console_process="console" if where == "apart" else "all")
             try:
                 stack.start()
+                if args.pin:
+                    cores = sorted(os.sched_getaffinity(0))
+                    if len(cores) < 2:
+                        ap.error("--pin: needs 2 cores or more")
+                    _PINS.update(console={cores[0]}, flood=set(cores[1:]))
+                    assert stack.console.popen is not None and stack.gateway.popen is not None
+                    pin("console", stack.console.popen.pid)
+                    pin("flood", stack.gateway.popen.pid)
+                    for thread in (stack.engine._thread, stack.engine.server._thread):  # the data server's
+                        if thread is not None and thread.native_id:                  # handlers inherit it
+                            pin("flood", thread.native_id)
+                    pin("flood")  # this thread, and the flood's thread it starts
                 token, agents = seed(stack, args.agents)
                 target = stack.gateway.url if where == "apart" else stack.console.url
                 for n in range(args.rounds):
@@ -492,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["apart_ratio"] = summary["apart_p99_ms"] / summary["quiet_apart_p99_ms"]
     summary["together_ratio"] = summary["together_p99_ms"] / summary["quiet_together_p99_ms"]
     summary.update(streams=args.streams, rate_rps=args.rate, seconds=args.seconds, rounds=args.rounds,
-                   cores=os.cpu_count())
+                   cores=os.cpu_count(), pinned=args.pin)
     print(f"\nreport p99 under a flood of {args.streams} streams, against quiet (target <= 1.2):")
     print(f"  gateway in its own process:      {summary['apart_p99_ms']:7.1f} ms / {summary['quiet_apart_p99_ms']:.1f} ms"
           f" = {summary['apart_ratio']:.2f}x")
