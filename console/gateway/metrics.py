@@ -105,4 +105,3 @@ def record_load(deployment: str, *, force: bool = False) -> LoadSample | None:
     if dep is not None:
         do_record_load(dep, sample)
     return sample
-
