@@ -470,7 +470,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the console and the agents on core 0, the gateway, its clients and the simulator on the rest")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the processes it started are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            ap.error("--pin: needs 2 cores or more")
+        _PINS.update(console={cores[0]}, flood=set(cores[1:]))  # the processes it started are stopped on the way out
     if not args.database_url.startswith("postgres"):
         ap.error("--database-url: a PostgreSQL URL is needed (SQLite serialises the writers: it would measure its lock)")
 
@@ -487,10 +492,6 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 stack.start()
                 if args.pin:
-                    cores = sorted(os.sched_getaffinity(0))
-                    if len(cores) < 2:
-                        ap.error("--pin: needs 2 cores or more")
-                    _PINS.update(console={cores[0]}, flood=set(cores[1:]))
                     assert stack.console.popen is not None and stack.gateway.popen is not None
                     pin("console", stack.console.popen.pid)
                     pin("flood", stack.gateway.popen.pid)
