@@ -56,6 +56,10 @@ _SEQ_STREAM = re.compile(r"^/data/v1/sequences/([^/]{1,200})/stream$")
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default listen backlog is 5: a gateway opening a burst of streams at once (100
+    # clients arriving together) had connections dropped past it, retried for longer than its
+    # connect timeout, and answered "no plan can take a request" (bench.gateway_flood found it).
+    request_queue_size = 256
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A reader that closes its pooled keep-alive connection is routine, not a traceback.
