@@ -41,6 +41,14 @@ def is_long_poll(path: str) -> bool:
     return path == _long_poll_path()
 
 
+def is_agent_api(path: str) -> bool:
+    """Agent protocol v1's paths: their database calls run on console.db_pool's threads, so a fleet
+    of agents reporting at once holds at most FLEXPIPE_POLL_DB_THREADS connections of this process
+    (a thread and a connection per report in flight ran a default PostgreSQL out of its 100 at ~200
+    agents: issue 19); requests past them wait their turn on the event loop, which costs nothing."""
+    return path.startswith("/agent/v1/") or is_long_poll(path)
+
+
 _live: dict[asyncio.Event, asyncio.Future[Any]] = {}  # requests in flight: stop event -> task
 _server_stopping = False
 
@@ -94,7 +102,8 @@ class StopOnCancel:
 
     The long poll's path also runs its sync calls on console.db_pool's shared threads, so that a
     waiting poll holds no thread and no database connection of its own (`pooled` says which paths
-    do: the gateway's process pools every request, console.gateway.asgi).
+    do: the console pools every agent API path, is_agent_api; the gateway's process every request,
+    console.gateway.asgi).
     """
 
     def __init__(self, app: Any, *, pooled: Callable[[str], bool] = is_long_poll) -> None:
@@ -138,7 +147,7 @@ class StopOnCancel:
 
 application = ProtocolTypeRouter(
     {
-        "http": StopOnCancel(django_asgi_app),
+        "http": StopOnCancel(django_asgi_app, pooled=is_agent_api),
         "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )
