@@ -16,7 +16,8 @@ PYTEST_ARGS ?=
 .PHONY: run test venv vllm-env lint typecheck status stop clean lock help
 
 help:
-	@echo "make run    - set up and start the console, Celery worker and beat, and the simulated fleet"
+	@echo "make run    - set up and start the console, the OpenAI gateway (its own process), Celery worker and beat,"
+	@echo "              and the simulated fleet"
 	@echo "              (ENGINE=torch or ENGINE=vllm: real engine agents on this machine instead;"
 	@echo "               one database per engine and scenario under .run/, FRESH=1 starts it over)"
 	@echo "make test   - set up and run the test suite (PostgreSQL and Redis on this machine if they answer)"

@@ -169,8 +169,12 @@ def _wal_lsn(db_url: str) -> int | None:
         return None
     import psycopg
 
-    with psycopg.connect(db_url) as conn:
-        row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    try:
+        with psycopg.connect(db_url) as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    except psycopg.OperationalError as exc:  # (a database out of connections says so in the step's errors)
+        print(f"WAL position not read: {exc}", flush=True)
+        return None
     return int(row[0]) if row else None
 
 
@@ -331,66 +335,74 @@ async def _run(args: argparse.Namespace, console: Console, cookie: str, db_url: 
     tasks: list[asyncio.Task[None]] = []
     agents: list[Agent] = []
     out: dict[str, Any] = {}
-    async with httpx.AsyncClient(limits=limits, timeout=30.0) as http:
-        for _ in range(600):
-            try:
-                if (await http.get(f"{base}/healthz")).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-        else:
-            raise SystemExit("the console did not answer /healthz")
-        if not args.no_dashboard:
-            tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/gearbox/", cookie, stats, True)))
-            tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/cluster/", cookie, stats, False)))
-        for n in counts:
-            new = [Agent(i, args.gpus_per_agent, base, console.env["FLEXPIPE_ENROLL_TOKEN"])
-                   for i in range(len(agents), n)]
-            sem = asyncio.Semaphore(8)
-
-            async def enroll(a: Agent, sem: asyncio.Semaphore = sem) -> bool:
-                async with sem:
-                    return await a.enroll(http, stats)
-
-            ok = await asyncio.gather(*(enroll(a) for a in new))
-            for a, good in zip(new, ok, strict=True):
-                if not good:
-                    continue
-                agents.append(a)
-                tasks.append(asyncio.ensure_future(a.poll_forever(http, stats)))
-                tasks.append(asyncio.ensure_future(a.report_forever(http, stats, args.interval_s, args.changed_gpus,
-                                                                    state)))
-            await asyncio.sleep(args.interval_s)  # every agent has reported once: the step starts settled
-            for kept in (stats.report_ms, stats.sent, stats.seen, stats.errors):
-                kept.clear()
-            stats.gearbox_messages = stats.gearbox_bytes = 0
-            cpu0, wall0, wal0 = console.cpu_ticks(), time.monotonic(), _wal_lsn(db_url)
-            state["measuring"] = True
-            await asyncio.sleep(args.step_s)
-            state["measuring"] = False
-            wall = time.monotonic() - wall0
-            cpu1, wal1 = console.cpu_ticks(), _wal_lsn(db_url)
-            await asyncio.sleep(PUSH_GRACE_S)
-            push_p99, coverage = _push_figures(stats, time.monotonic())
-            reports = len(stats.report_ms)
-            step = {
-                "agents": len(agents), "gpus": len(agents) * args.gpus_per_agent, "reports": reports,
-                "report_p50_ms": _pct(stats.report_ms, 0.5), "report_p99_ms": _pct(stats.report_ms, 0.99),
-                "report_mean_ms": statistics.fmean(stats.report_ms) if stats.report_ms else None,
-                "errors": sum(stats.errors.values()), "error_kinds": dict(stats.errors),
-                "push_p99_ms": push_p99, "push_coverage": coverage,
-                "gearbox_messages": stats.gearbox_messages, "gearbox_bytes": stats.gearbox_bytes,
-                "cpu": {k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in cpu1},
-                "wal_bytes_per_report": ((wal1 - wal0) / reports) if wal0 is not None and wal1 is not None
-                and reports else None,
-            }
-            out[str(n)] = step
-            _print_step(step)
+    try:
+        async with httpx.AsyncClient(limits=limits, timeout=30.0) as http:
+            await _steps(args, console, cookie, db_url, http, base, counts, stats, state, tasks, agents, out)
+    finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return out
+
+
+async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url: str, http: httpx.AsyncClient,
+                 base: str, counts: list[int], stats: Stats, state: dict[str, bool], tasks: list[asyncio.Task[None]],
+                 agents: list[Agent], out: dict[str, Any]) -> None:
+    for _ in range(600):
+        try:
+            if (await http.get(f"{base}/healthz")).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.2)
+    else:
+        raise SystemExit("the console did not answer /healthz")
+    if not args.no_dashboard:
+        tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/gearbox/", cookie, stats, True)))
+        tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/cluster/", cookie, stats, False)))
+    for n in counts:
+        new = [Agent(i, args.gpus_per_agent, base, console.env["FLEXPIPE_ENROLL_TOKEN"])
+               for i in range(len(agents), n)]
+        sem = asyncio.Semaphore(8)
+
+        async def enroll(a: Agent, sem: asyncio.Semaphore = sem) -> bool:
+            async with sem:
+                return await a.enroll(http, stats)
+
+        ok = await asyncio.gather(*(enroll(a) for a in new))
+        for a, good in zip(new, ok, strict=True):
+            if not good:
+                continue
+            agents.append(a)
+            tasks.append(asyncio.ensure_future(a.poll_forever(http, stats)))
+            tasks.append(asyncio.ensure_future(a.report_forever(http, stats, args.interval_s, args.changed_gpus,
+                                                                state)))
+        await asyncio.sleep(args.interval_s)  # every agent has reported once: the step starts settled
+        for kept in (stats.report_ms, stats.sent, stats.seen, stats.errors):
+            kept.clear()
+        stats.gearbox_messages = stats.gearbox_bytes = 0
+        cpu0, wall0, wal0 = console.cpu_ticks(), time.monotonic(), _wal_lsn(db_url)
+        state["measuring"] = True
+        await asyncio.sleep(args.step_s)
+        state["measuring"] = False
+        wall = time.monotonic() - wall0
+        cpu1, wal1 = console.cpu_ticks(), _wal_lsn(db_url)
+        await asyncio.sleep(PUSH_GRACE_S)
+        push_p99, coverage = _push_figures(stats, time.monotonic())
+        reports = len(stats.report_ms)
+        step = {
+            "agents": len(agents), "gpus": len(agents) * args.gpus_per_agent, "reports": reports,
+            "report_p50_ms": _pct(stats.report_ms, 0.5), "report_p99_ms": _pct(stats.report_ms, 0.99),
+            "report_mean_ms": statistics.fmean(stats.report_ms) if stats.report_ms else None,
+            "errors": sum(stats.errors.values()), "error_kinds": dict(stats.errors),
+            "push_p99_ms": push_p99, "push_coverage": coverage,
+            "gearbox_messages": stats.gearbox_messages, "gearbox_bytes": stats.gearbox_bytes,
+            "cpu": {k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in cpu1},
+            "wal_bytes_per_report": ((wal1 - wal0) / reports) if wal0 is not None and wal1 is not None
+            and reports else None,
+        }
+        out[str(n)] = step
+        _print_step(step)
 
 
 def _fmt(v: Any, spec: str) -> str:

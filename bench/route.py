@@ -26,8 +26,9 @@ tokens of finished requests), lost (ended with an error), cache_hit_share (promp
 prefill a prefix hit skipped); `time_scale`, `bisection` (factor, attainment per probe);
 `decision_us` = {"8": {"p50", "p99", ...}, "64": {...}}: the flexpipe router's own time per
 decision (route(), wall clock; cpu_* its thread's CPU time; record_* the admitted() bookkeeping
-after it) over pools of 8 and 64 plans made of this pool's plans, loads drawn from a seeded
-generator, requests from the trace; each decision timed as the least of five identical replays
+after it; load_* the Pool.set_loads before it, which derives the load-only terms decisions read
+until the next report) over pools of 8 and 64 plans made of this pool's plans, loads drawn from a
+seeded generator, requests from the trace; each decision timed as the least of five identical replays
 (decision_times), raw_* without that;
 `targets`: the issue's targets as measured (reported, never asserted).
 """
@@ -48,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from agents.sim.buckets import LengthBuckets
 from agents.sim.fleet import FleetSim, SimOptions
 from agents.sim.scenario import Scenario, parse_scenario
 from agents.sim.traces import Trace, read_trace
@@ -65,6 +67,9 @@ from scheduler.router import (
     make_router,
     plan_facts,
 )
+from scheduler.router.learned import LearnedRouter
+from scheduler.router.learning import RolloutConfig, RolloutController
+from scheduler.router.learning import Stage as RolloutStage
 
 MODEL = "Qwen2-72B"  # modelspec: 131,072-token context
 DEPLOYMENT = "chat"
@@ -74,6 +79,8 @@ PLANS_PER_NODE = 2  # two TP4 plans on each 8-GPU node
 SLO_SCALE = 5.0
 TARGET_ATTAINMENT = 0.8  # least-loaded meets the SLO for this share at the chosen time scale
 POLICIES = ("round-robin", "least-loaded", "prefix-only", "flexpipe")
+VARIANTS = {"learned": "flexpipe+learned", "buckets": "flexpipe+buckets", "kv_budget": "flexpipe+budget"}
+SHORT_PROMPT_TOKENS = 2048  # the short bucket (agents/sim/buckets.py): ttft_p99_short_s
 DECISION_SIZES = (8, 64)
 DECISION_SAMPLES = 4000
 DECISION_ROUNDS = 5
@@ -131,16 +138,30 @@ class Run:
     summary: dict[str, Any]
 
 
-def run_policy(trace: Trace, policy: str, factor: float, *, seed: int) -> Run:
-    """One policy over the whole trace at time scale `factor`, drained to the end."""
+def learned_rollout(duration_s: float) -> RolloutConfig:
+    """The rollout of flexpipe+learned over a bench run: the issue's stages at the run's scale - a cold
+    start on round-robin over the first 10%, windows of a fortieth, a hold of three windows."""
+    window = max(1.0, duration_s / 40)
+    return RolloutConfig(cold_start_s=duration_s / 10, window_s=window, hold_s=3 * window, min_requests=20)
+
+
+def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: float | None = None) -> Run:
+    """One policy over the whole trace at time scale `factor`, drained to the end. `flexpipe+buckets`
+    is flexpipe's router over engines that split batches by prompt length (agents/sim/buckets.py);
+    `shift_s` (a drift case: where the second trace begins, unscaled) splits the attainment in two."""
     arrivals = [replace(a, t_s=a.t_s * factor, deployment=DEPLOYMENT) for a in trace.arrivals]
     duration = max(arrivals[-1].t_s, 1.0)
-    sim = FleetSim(pool_scenario(duration, seed), router=make_router(policy, seed=seed),
-                   options=SimOptions(prefix_block_tokens=trace.block_tokens or BLOCK_TOKENS))
+    buckets = LengthBuckets() if policy == "flexpipe+buckets" else None
+    router = make_router("flexpipe" if buckets else policy, seed=seed)
+    sim = FleetSim(pool_scenario(duration, seed), router=router,
+                   options=SimOptions(prefix_block_tokens=trace.block_tokens or BLOCK_TOKENS, length_buckets=buckets))
     plans = pool_plans(sim)
     for plan in plans:
         sim.launch(DEPLOYMENT, plan, source="warm", accepting=True)
     rule = _rule(sim, plans)
+    if isinstance(router, LearnedRouter):
+        router.slo = rule.limits
+        router.controller = RolloutController(learned_rollout(duration))
     sim.feed(arrivals)
     sim.run_to_completion()
     rec = sim.recorder
@@ -164,8 +185,45 @@ def run_policy(trace: Trace, policy: str, factor: float, *, seed: int) -> Run:
         "lost": len(rec.failed),
         "cache_hit_share": round(hit / prompt_total, 4) if prompt_total else 0.0,
         "preemptions": sim.preemptions,
+        "sla_violation_rate": round(1 - ok / len(arrivals), 4),
     }
+    short = [t for t, p in zip(rec.f_ttft, rec.f_prompt, strict=True) if p < SHORT_PROMPT_TOKENS]
+    summary["ttft_p99_short_s"] = _r(_pct(np.array(short), 99)) if short else None
+    if shift_s is not None:
+        for part, keep in (("before", lambda a: a < shift_s * factor), ("after", lambda a: a >= shift_s * factor)):
+            idx = [i for i, a in enumerate(rec.f_arrival) if keep(a)]
+            met = sum(_met(rule, rec, i) for i in idx)
+            summary[f"slo_attainment_{part}_shift"] = round(met / len(idx), 4) if idx else None
+    if isinstance(router, LearnedRouter):
+        c = router.controller
+        summary.update({
+            "rollbacks": sum(e.after is RolloutStage.ROLLED_BACK for e in c.events),
+            "fallbacks": sum(e.after is RolloutStage.FALLBACK for e in c.events),
+            "worst_window_violations_vs_rr": round(c.worst_ratio, 4) if c.compared else None,
+            "windows_compared": c.compared,
+            "weights": {k: round(v, 4) for k, v in router.weights.items()},
+            "stages": [{"at_s": round(e.at_s, 1), "to": e.after.value, "share": round(e.share, 3),
+                        "learned_violation_rate": _r(e.learned_violation_rate), "rr_violation_rate":
+                        _r(e.rr_violation_rate), "reason": e.reason} for e in c.events[:50]],
+        })
     return Run(policy, factor, summary)
+
+
+def _met(rule: SloRule, rec: Any, i: int) -> bool:
+    lim_t, lim_u = rule.limits(rec.f_prompt[i], rec.f_output[i])
+    return bool(rec.f_ttft[i] <= lim_t and (rec.f_output[i] <= 1 or rec.f_tpot[i] <= lim_u))
+
+
+def drift_trace(a: Trace, b: Trace) -> tuple[Trace, float]:
+    """Trace `b` after trace `a` (its first request a mean gap after a's last): the drift case, and
+    where `b` begins."""
+    gap = a.span_s / max(1, len(a.arrivals) - 1)
+    t0 = a.arrivals[-1].t_s + gap
+    shifted = [replace(x, t_s=t0 + (x.t_s - b.arrivals[0].t_s)) for x in b.arrivals]
+    base = a.arrivals[0].t_s
+    arrivals = tuple(replace(x, t_s=x.t_s - base) for x in (*a.arrivals, *shifted))
+    return Trace(f"{a.path}+{b.path}", f"{a.format}+{b.format}", arrivals, a.block_tokens if a.block_tokens ==
+                 b.block_tokens else 0, a.clipped + b.clipped), t0 - base
 
 
 _RULES: dict[tuple[str, ...], SloRule] = {}
@@ -238,11 +296,12 @@ def decision_times(trace: Trace, *, seed: int, sizes: Sequence[int] = DECISION_S
     out: dict[str, dict[str, Any]] = {}
     for n in sizes:
         runs = [_decision_round(trace, n, seed=seed, samples=samples) for _ in range(rounds)]
-        best = {k: np.min(np.array([r[k] for r in runs]), axis=0) for k in ("wall", "cpu", "record")}
+        best = {k: np.min(np.array([r[k] for r in runs]), axis=0) for k in ("wall", "cpu", "record", "load")}
         raw = np.concatenate([r["wall"] for r in runs])
         out[str(n)] = {"p50": _q(best["wall"], 50), "p99": _q(best["wall"], 99),
                        "cpu_p50": _q(best["cpu"], 50), "cpu_p99": _q(best["cpu"], 99),
                        "record_p50": _q(best["record"], 50), "record_p99": _q(best["record"], 99),
+                       "load_p50": _q(best["load"], 50), "load_p99": _q(best["load"], 99),
                        "raw_p50": _q(raw, 50), "raw_p99": _q(raw, 99), "samples": len(best["wall"]),
                        "rounds": rounds}
     return out
@@ -265,9 +324,13 @@ def _decision_round(trace: Trace, n: int, *, seed: int, samples: int) -> dict[st
     wall: list[int] = []
     cpu: list[int] = []
     record: list[int] = []
+    load: list[int] = []
     for k, req in enumerate(reqs):
-        pool.set_loads([PlanLoad(rng.randint(0, 64), rng.randint(0, 16), rng.randint(0, 200_000), 0,
-                                 rng.randint(0, f.kv_capacity_tokens // 2)) for f in facts])
+        loads = [PlanLoad(rng.randint(0, 64), rng.randint(0, 16), rng.randint(0, 200_000), 0,
+                          rng.randint(0, f.kv_capacity_tokens // 2)) for f in facts]
+        tl = time.perf_counter_ns()
+        pool.set_loads(loads)
+        tl = time.perf_counter_ns() - tl
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         d = router.route(req, pool, k * 0.1)
@@ -280,7 +343,8 @@ def _decision_round(trace: Trace, n: int, *, seed: int, samples: int) -> dict[st
             wall.append(t1 - t0)
             cpu.append(c1 - c0)
             record.append(t2 - t1)
-    return {"wall": np.array(wall), "cpu": np.array(cpu), "record": np.array(record)}
+            load.append(tl)
+    return {"wall": np.array(wall), "cpu": np.array(cpu), "record": np.array(record), "load": np.array(load)}
 
 
 def _q(ns: np.ndarray, q: float) -> float:
@@ -329,10 +393,11 @@ def table(result: dict[str, Any]) -> str:
     out.append("")
     rounds = next(iter(result["decision_us"].values()), {}).get("rounds", DECISION_ROUNDS)
     out.append(f"router decision (flexpipe), microseconds, least of {rounds} replays: wall p50 / p99, thread CPU"
-               " p50 / p99, bookkeeping p50; raw (every replay) p50 / p99")
+               " p50 / p99, bookkeeping p50, load update p50; raw (every replay) p50 / p99")
     for n, d in result["decision_us"].items():
         out.append(f"  {n:>3} plans: {d['p50']:7.1f} / {d['p99']:7.1f}   cpu {d['cpu_p50']:7.1f} / {d['cpu_p99']:7.1f}"
-                   f"   record {d['record_p50']:6.1f}   raw {d['raw_p50']:7.1f} / {d['raw_p99']:7.1f}")
+                   f"   record {d['record_p50']:6.1f}   load {d.get('load_p50', 0.0):6.1f}"
+                   f"   raw {d['raw_p50']:7.1f} / {d['raw_p99']:7.1f}")
     t = result["targets"]
     out.append("")
     out.append("targets (issue 15; measured here, never asserted)")
@@ -354,8 +419,15 @@ def _fmt(v: Any) -> str:
 
 
 def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0, log: Any = None,
-          decision_samples: int | None = None) -> dict[str, Any]:
-    trace = read_trace(trace_path, context_tokens=model_spec(MODEL).max_context_tokens)
+          decision_samples: int | None = None, drift: str | None = None) -> dict[str, Any]:
+    """`trace_path`, or with `drift` ("A,B") trace B after trace A."""
+    context = model_spec(MODEL).max_context_tokens
+    shift_s = None
+    if drift:
+        first, second = drift.split(",", 1)
+        trace, shift_s = drift_trace(read_trace(first, context_tokens=context), read_trace(second, context_tokens=context))
+    else:
+        trace = read_trace(trace_path, context_tokens=context)
     say = log or (lambda _: None)
     say(f"{trace.path}: {trace.format}, {len(trace.arrivals)} requests over {trace.span_s:.0f} s"
         f"{f', {trace.clipped} cut to the context' if trace.clipped else ''}")
@@ -365,7 +437,7 @@ def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0,
     results: dict[str, Any] = {}
     for name in policies:
         t0 = time.process_time()
-        results[name] = run_policy(trace, name, factor, seed=seed).summary
+        results[name] = run_policy(trace, name, factor, seed=seed, shift_s=shift_s).summary
         say(f"  {name:14} goodput {results[name]['goodput_rps']:.3f} req/s, attainment "
             f"{results[name]['slo_attainment']:.1%} ({time.process_time() - t0:.1f} s CPU)")
     decisions = decision_times(trace, seed=seed, samples=decision_samples or DECISION_SAMPLES)
@@ -376,25 +448,38 @@ def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0,
         "slo_rule": f"TTFT <= {SLO_SCALE:g} x idle prefill, TPOT <= {SLO_SCALE:g} x idle decode step, "
                     "on the fastest plan that holds the request",
         "time_scale": round(factor, 6), "bisection": probes, "policies": results, "decision_us": decisions,
+        "drift_shift_s": None if shift_s is None else round(shift_s * factor, 3),
         "targets": targets(trace.format, results, decisions),
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.route", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", required=True, help="Mooncake JSONL or Azure CSV (format read from the file)")
+    ap.add_argument("--trace", help="Mooncake JSONL or Azure CSV (format read from the file)")
+    ap.add_argument("--drift", metavar="TRACE_A,TRACE_B", help="the drift case: trace B after trace A")
     ap.add_argument("--json", help="write the result here")
-    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated: {', '.join(ROUTING_POLICIES)}")
+    known = [*ROUTING_POLICIES, VARIANTS["buckets"]]
+    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated: {', '.join(known)}")
+    ap.add_argument("--learned", action="store_true", help=f"add {VARIANTS['learned']} (scheduler/router/learned.py)")
+    ap.add_argument("--buckets", action="store_true", help=f"add {VARIANTS['buckets']} (agents/sim/buckets.py)")
+    ap.add_argument("--kv-budget", action="store_true", help=f"add {VARIANTS['kv_budget']} (scheduler/router/spillover.py)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     names = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in names if p not in ROUTING_POLICIES]
+    names += [VARIANTS[k] for k in ("kv_budget", "learned", "buckets") if getattr(args, k) and VARIANTS[k] not in names]
+    unknown = [p for p in names if p not in known]
     if unknown or not names:
-        ap.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(ROUTING_POLICIES)}")
-    if not Path(args.trace).is_file():
-        ap.error(f"--trace: {args.trace} is not a file")
+        ap.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
+    if bool(args.trace) == bool(args.drift):
+        ap.error("--trace or --drift: give one of them")
+    for path in (args.drift.split(",") if args.drift else [args.trace]):
+        if not Path(path).is_file():
+            ap.error(f"{'--drift' if args.drift else '--trace'}: {path} is not a file")
+    if args.drift and args.drift.count(",") != 1:
+        ap.error("--drift: two traces, TRACE_A,TRACE_B")
     try:
-        result = bench(args.trace, policies=names, seed=args.seed, log=lambda s: print(s, flush=True))
+        result = bench(args.trace or "", policies=names, seed=args.seed, log=lambda s: print(s, flush=True),
+                       drift=args.drift)
     except ValueError as exc:
         print(f"bench.route: {exc}", file=sys.stderr)
         return 2

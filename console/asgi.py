@@ -7,6 +7,7 @@ import functools
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from django.core.asgi import get_asgi_application
@@ -28,9 +29,24 @@ STOP_GRACE_S = 2.0
 
 @functools.cache
 def _long_poll_path() -> str:
-    from django.urls import reverse
+    from django.urls import NoReverseMatch, reverse
 
-    return reverse("agent-commands")
+    try:
+        return reverse("agent-commands")
+    except NoReverseMatch:  # the gateway's own process (console.gateway.urls) serves no long poll
+        return ""
+
+
+def is_long_poll(path: str) -> bool:
+    return path == _long_poll_path()
+
+
+def is_agent_api(path: str) -> bool:
+    """Agent protocol v1's paths: their database calls run on console.db_pool's threads, so a fleet
+    of agents reporting at once holds at most FLEXPIPE_POLL_DB_THREADS connections of this process
+    (a thread and a connection per report in flight ran a default PostgreSQL out of its 100 at ~200
+    agents: issue 19); requests past them wait their turn on the event loop, which costs nothing."""
+    return path.startswith("/agent/v1/") or is_long_poll(path)
 
 
 _live: dict[asyncio.Event, asyncio.Future[Any]] = {}  # requests in flight: stop event -> task
@@ -85,11 +101,14 @@ class StopOnCancel:
     is all async now, console/static.py; the event still carries disconnects and the server's stop.)
 
     The long poll's path also runs its sync calls on console.db_pool's shared threads, so that a
-    waiting poll holds no thread and no database connection of its own.
+    waiting poll holds no thread and no database connection of its own (`pooled` says which paths
+    do: the console pools every agent API path, is_agent_api; the gateway's process every request,
+    console.gateway.asgi).
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, pooled: Callable[[str], bool] = is_long_poll) -> None:
         self.app = app
+        self.pooled = pooled
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         _hook_server_shutdown()
@@ -104,7 +123,7 @@ class StopOnCancel:
             return message
 
         async def run() -> None:
-            if scope.get("path") == _long_poll_path():
+            if self.pooled(str(scope.get("path", ""))):
                 # its short database calls borrow a pool thread each; it holds none while it waits
                 async with ThreadSensitiveContext(executor=db_pool.Borrowed()):
                     await self.app({**scope, STOP_KEY: stop}, receive_watching_disconnect, send)
@@ -128,7 +147,7 @@ class StopOnCancel:
 
 application = ProtocolTypeRouter(
     {
-        "http": StopOnCancel(django_asgi_app),
+        "http": StopOnCancel(django_asgi_app, pooled=is_agent_api),
         "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

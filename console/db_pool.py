@@ -9,11 +9,15 @@ queries: each pending poll held a thread and an idle connection, and a default P
 Why a pool of threads and not Django's connection pool: Django 5.2 pools connections
 (OPTIONS["pool"]) only with psycopg_pool, which requirements.txt does not have, and a pool of
 connections alone would not free the threads. Here the request keeps asgiref's thread-sensitive
-rules (one call at a time, in order) but borrows a thread of this pool per call, and closes the
-connection when the call returns if Django's usual rule says so (close_old_connections: always
-with conn_max_age=0; kept for reuse with CONN_MAX_AGE > 0, at most one per pool thread). So a
-thousand waiting polls hold no thread and no connection; at most FLEXPIPE_POLL_DB_THREADS
-(default 4) of their queries run at once.
+rules (one call at a time, in order) but borrows a thread of this pool per call. So a thousand
+waiting polls hold no thread and no connection; at most FLEXPIPE_POLL_DB_THREADS (default 4) of
+their queries run at once.
+
+A pool thread keeps its connection from call to call (at most one per thread: the pool's size
+bounds them), whatever CONN_MAX_AGE says for the request threads that come and go: opening one
+per call - a PostgreSQL backend forked for every agent report - was a large part of a report's
+cost on a busy machine. A connection is closed when it broke (Django's usability check after an
+error) or when a call left a transaction open, so the next call never inherits one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import connections
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -53,7 +57,19 @@ def _closing(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     finally:
-        close_old_connections()  # the next call of this request may run on another thread
+        _keep_or_close()
+
+
+def _keep_or_close() -> None:
+    """After a call on a pool thread: keep its connection for the next call (module docstring)."""
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is None:
+            continue
+        if conn.in_atomic_block or (conn.errors_occurred and not conn.is_usable()):
+            conn.close()
+        else:
+            conn.errors_occurred = False
+            conn.close_at = None  # Django's close_old_connections (request_finished) keeps it too
 
 
 class Borrowed(Executor):

@@ -15,6 +15,11 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
     FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
     FLEXPIPE_GATEWAY_TOKENIZERS    name=path,... tokenizers for deployments without a registry version (* for any)
+    FLEXPIPE_PROCESS               what this web process serves (all): all - the console and the OpenAI API in one
+                                   process (tests, one-process setups); console - the console without /v1, which
+                                   answers 421 naming FLEXPIPE_GATEWAY_URL; gateway - only /v1, /healthz and
+                                   /metrics (console.gateway.asgi sets it: the data plane's own process)
+    FLEXPIPE_GATEWAY_URL           where clients reach the gateway process (the console's 421 names it)
     FLEXPIPE_MODEL_ROOTS           folders the registry may read local weights and tokenizers from
                                    (os.pathsep-separated; default .run/models)
     FLEXPIPE_SWEEP_S               period of the transition sweep on Celery beat: timeouts, dwells, and
@@ -108,7 +113,14 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
-ROOT_URLCONF = "console.urls"
+# Which process this is (module docstring): the gateway's own process routes only its own URLs.
+FLEXPIPE_PROCESS = os.environ.get("FLEXPIPE_PROCESS", "all").strip().lower()
+if FLEXPIPE_PROCESS not in {"all", "console", "gateway"}:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(f"FLEXPIPE_PROCESS: must be all, console or gateway, got {FLEXPIPE_PROCESS!r}")
+FLEXPIPE_GATEWAY_URL = os.environ.get("FLEXPIPE_GATEWAY_URL", "").strip().rstrip("/")
+ROOT_URLCONF = "console.gateway.urls" if FLEXPIPE_PROCESS == "gateway" else "console.urls"
 WSGI_APPLICATION = "console.wsgi.application"
 ASGI_APPLICATION = "console.asgi.application"
 
@@ -128,10 +140,14 @@ TEMPLATES = [
     },
 ]
 
+# The gateway's process runs every query on console.db_pool's few threads (console/gateway/asgi.py):
+# their connections are kept - at most FLEXPIPE_POLL_DB_THREADS, checked before reuse - rather than
+# a new PostgreSQL connection for each of a request's half-dozen queries.
 DATABASES = {
     "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
-        conn_max_age=0,
+        conn_max_age=300 if FLEXPIPE_PROCESS == "gateway" else 0,
+        conn_health_checks=FLEXPIPE_PROCESS == "gateway",
     )
 }
 # The test database's name is spelled out: the live-server test process (channels' daphne) derives
@@ -233,7 +249,8 @@ FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
 # whose task was lost expires after FLEXPIPE_TICK_PENDING_TTL_S (default: the beat period).
 FLEXPIPE_TICK_COALESCE_S = float(os.environ.get("FLEXPIPE_TICK_COALESCE_S", "0.5"))
 # Threads the long polls' short queries borrow (console/db_pool.py): at most this many PostgreSQL
-# connections for all pending polls of a process together.
+# connections for all pending polls of a process together. The gateway's process runs every request's
+# queries on them (console.gateway.asgi): its open streams hold no connection either.
 FLEXPIPE_POLL_DB_THREADS = int(os.environ.get("FLEXPIPE_POLL_DB_THREADS", "4"))
 FLEXPIPE_TICK_PENDING_TTL_S = float(os.environ.get("FLEXPIPE_TICK_PENDING_TTL_S", str(FLEXPIPE_TICK_S)))
 # Local weights files up to this size are hashed during the registration request; bigger ones by the
@@ -245,6 +262,12 @@ FLEXPIPE_MODEL_ROOTS = [Path(p) for p in os.environ.get("FLEXPIPE_MODEL_ROOTS", 
                         .split(os.pathsep) if p.strip()]
 FLEXPIPE_SWEEP_S = float(os.environ.get("FLEXPIPE_SWEEP_S", "2"))
 FLEXPIPE_ALERTS_EVAL_S = float(os.environ.get("FLEXPIPE_ALERTS_EVAL_S", "15"))
+# The gateway's CPU pool (console/gateway/cpu.py): threads, and requests working or waiting for one
+# before a 429 (a process that takes bursts of a hundred arrivals needs a longer queue than 16).
+FLEXPIPE_GATEWAY_CPU_THREADS = int(os.environ.get("FLEXPIPE_GATEWAY_CPU_THREADS", "2"))
+FLEXPIPE_GATEWAY_CPU_QUEUE = int(os.environ.get("FLEXPIPE_GATEWAY_CPU_QUEUE", "16"))
+# How long an admission waits for the table that ends a switch's freeze before a 429 (console/gateway/views.py).
+FLEXPIPE_GATEWAY_FROZEN_WAIT_S = float(os.environ.get("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", "3"))
 # The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
 # or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
 FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get("FLEXPIPE_GATEWAY_TOKENIZERS", "")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
@@ -9,7 +10,7 @@ from console.accounts.login import ThrottledAdminAuthenticationForm, ThrottledLo
 from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
 from console.fleet import agent_api
-from console.gateway import views as gateway
+from console.gateway import urls as gateway
 from console.gearbox import agent_api as gearbox_agent_api
 from console.gearbox import views as gearbox_pages
 from console.metrics.views import MetricsView, alerts_page
@@ -42,8 +43,7 @@ urlpatterns = [
     path("agent/v1/commands", agent_api.commands, name="agent-commands"),
     path("agent/v1/commands/<int:command_id>/ack", agent_api.ack, name="agent-ack"),
     path("agent/v1/routing", gearbox_agent_api.routing, name="agent-routing"),
-    # the OpenAI-compatible gateway (docs/gateway.md)
-    path("v1/completions", gateway.completions, name="gateway-completions"),
-    path("v1/chat/completions", gateway.chat_completions, name="gateway-chat"),
-    path("v1/models", gateway.models, name="gateway-models"),
+    # the OpenAI-compatible gateway (docs/gateway.md): here only when this process serves it too;
+    # its own process (console.gateway.asgi) serves it otherwise, and here every /v1 path says so
+    *(gateway.api if settings.FLEXPIPE_PROCESS == "all" else gateway.elsewhere),
 ]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start the whole system in the foreground: web (daphne), Celery worker and beat, the fleet
+# Start the whole system in the foreground: web (daphne: the console), the gateway (daphne: the OpenAI
+# API, its own process), Celery worker and beat, the fleet
 # (ENGINE=sim: the simulated fleet; ENGINE=torch|vllm: real engine agents, scripts/fleet.sh).
 # supervisord (scripts/supervisord.conf) runs them and restarts any that exits. Ctrl-C (or SIGTERM)
 # stops every process it started: supervisord stops its programs, then the private Redis (when no
@@ -20,6 +21,10 @@ export DJANGO_SETTINGS_MODULE=console.settings
 export DEBUG="${DEBUG:-1}"
 PORT="${FLEXPIPE_PORT:-$($PY scripts/services.py free-port 8000)}"
 export FLEXPIPE_PORT="$PORT"
+# The gateway's own process (console/gateway/asgi.py): the OpenAI API, apart from the agents' API.
+GATEWAY_PORT="${FLEXPIPE_GATEWAY_PORT:-$($PY scripts/services.py free-port $((PORT + 1)))}"
+export FLEXPIPE_GATEWAY_PORT="$GATEWAY_PORT"
+export FLEXPIPE_GATEWAY_URL="${FLEXPIPE_GATEWAY_URL:-http://127.0.0.1:${GATEWAY_PORT}}"
 # The join token the simulated agents enroll with: made once, kept under .run/.
 if [ -z "${FLEXPIPE_ENROLL_TOKEN:-}" ]; then
   [ -s .run/enroll-token ] || $PY -c "import secrets; print('fpj_' + secrets.token_urlsafe(24))" > .run/enroll-token
@@ -65,6 +70,7 @@ fi
 
 echo
 echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"
+echo "  OpenAI gateway:    ${FLEXPIPE_GATEWAY_URL}/v1   (its own process)"
 echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
 echo "  Database:          ${DATABASE_URL}"

@@ -24,11 +24,25 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-APP_SERVICES = ("migrate", "web", "worker", "beat", "fleet")
+APP_SERVICES = ("migrate", "web", "gateway", "worker", "beat", "fleet")
 
 
 def test_it_has_every_part_of_a_production_deployment(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"postgres", "redis", *APP_SERVICES}
+    assert set(compose["services"]) == {"postgres", "redis", "edge", *APP_SERVICES}
+
+
+def test_the_gateway_runs_apart_from_the_console_behind_one_address(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert services["gateway"]["command"][-1] == "console.gateway.asgi:application"
+    assert services["web"]["environment"]["FLEXPIPE_PROCESS"] == "console"  # its /v1 is the gateway's
+    # only the edge publishes a port: web and gateway scale (--scale) without a port clash
+    assert [svc.get("ports") for name, svc in services.items() if svc.get("ports")] == [["8000:8000"]]
+    assert services["edge"]["ports"] == ["8000:8000"]
+    conf = (ROOT / "deploy" / "nginx" / "flexpipe.conf").read_text()
+    mount = services["edge"]["volumes"][0].split(":")
+    assert mount[0] == "./deploy/nginx/flexpipe.conf" and mount[1].startswith("/etc/nginx/conf.d/")
+    assert re.search(r"location /v1/ \{\s*set \$gateway gateway:8001;", conf)
+    assert re.search(r"location / \{\s*set \$web web:8000;", conf)
 
 
 def test_app_services_share_the_image_and_reach_postgres_and_redis_by_service_name(compose: dict[str, Any]) -> None:
@@ -66,7 +80,10 @@ def test_every_command_starts_something_that_exists(compose: dict[str, Any]) -> 
     for name in APP_SERVICES:
         command = compose["services"][name]["command"]
         module = _module_of(command)
-        if module:
+        if module == "console.gateway.asgi":  # it must be the first to read the settings: its own process
+            subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, check=True,
+                           env={**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings"})
+        elif module:
             importlib.import_module(module if module != "agents.sim" else "agents.sim.__main__")
         else:
             assert command[:2] == ["python", "manage.py"], name
@@ -94,10 +111,13 @@ def supervised() -> dict[str, dict[str, str]]:
     return {name.split(":", 1)[1]: dict(conf[name]) for name in conf.sections() if name.startswith("program:")}
 
 
-def test_make_run_supervises_the_same_four_processes_and_restarts_each() -> None:
+def test_make_run_supervises_the_same_five_processes_and_restarts_each() -> None:
     programs = supervised()
-    assert set(programs) == {"web", "worker", "beat", "fleet"}
+    assert set(programs) == {"web", "gateway", "worker", "beat", "fleet"}
     assert "console.asgi:application" in programs["web"]["command"]
+    assert programs["web"]["environment"] == 'FLEXPIPE_PROCESS="console"'
+    assert "console.gateway.asgi:application" in programs["gateway"]["command"]
+    assert "$FLEXPIPE_GATEWAY_PORT" in programs["gateway"]["command"]
     # the fleet by ENGINE: the simulated one (sim) or real agent daemons (torch, vllm)
     assert shlex.split(programs["fleet"]["command"]) == ["scripts/fleet.sh"]
     fleet = (ROOT / "scripts" / "fleet.sh").read_text()
@@ -109,7 +129,7 @@ def test_make_run_supervises_the_same_four_processes_and_restarts_each() -> None
     assert "supervisord -c scripts/supervisord.conf" in (ROOT / "scripts" / "supervisor.sh").read_text()
 
 
-LONG_RUNNING = ("postgres", "redis", "web", "worker", "beat", "fleet")
+LONG_RUNNING = ("postgres", "redis", "edge", "web", "gateway", "worker", "beat", "fleet")
 
 
 def test_every_long_running_service_restarts_and_has_a_health_check(compose: dict[str, Any]) -> None:

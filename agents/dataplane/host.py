@@ -405,7 +405,7 @@ class PlanHost(DrainThenHandOver):
                            plan_id=target_plan, routing_version=routing_version,
                            resume_from=len(state.generated_ids))
             except (DataPlaneError, OSError) as exc:
-                reason = exc.reason if isinstance(exc, DataPlaneError) else "target_refused"
+                reason = exc.code if isinstance(exc, DataPlaneError) else "target_refused"
                 self._call(partial(engine.resume, sid))
                 results.append({"seq_id": sid, "action": action, "ok": False, "reason": reason,
                                 "error": str(exc), "context_tokens": ctx})

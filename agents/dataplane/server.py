@@ -56,6 +56,10 @@ _SEQ_STREAM = re.compile(r"^/data/v1/sequences/([^/]{1,200})/stream$")
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default listen backlog is 5: a gateway opening a burst of streams at once (100
+    # clients arriving together) had connections dropped past it, retried for longer than its
+    # connect timeout, and answered "no plan can take a request" (bench.gateway_flood found it).
+    request_queue_size = 256
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A reader that closes its pooled keep-alive connection is routine, not a traceback.
@@ -154,9 +158,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _refuse(self, exc: DataPlaneError) -> None:
         if isinstance(exc, Saturated):
             retry = str(max(1, round(exc.retry_after_s)))
-            self._send_json(429, {"error": str(exc), "reason": exc.reason}, {"Retry-After": retry})
+            self._send_json(429, {"error": str(exc), "reason": exc.code}, {"Retry-After": retry})
         else:
-            self._send_json(409, {"error": str(exc), "reason": exc.reason})
+            self._send_json(409, {"error": str(exc), "reason": exc.code})
 
     def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
@@ -265,7 +269,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise NotPrepared("this node runs no torch stage workers for other nodes")
             started = members.start(body)
         except DataPlaneError as exc:
-            self._send_json(409, {"error": str(exc), "reason": exc.reason})
+            self._send_json(409, {"error": str(exc), "reason": exc.code})
             return
         self._send_json(200, started)
 
@@ -292,7 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             host.accept(state, (q["plan_id"], int(q["routing_version"])), int(q["resume_from"]))
         except DataPlaneError as exc:
-            self._send_json(409, {"error": str(exc), "reason": exc.reason})
+            self._send_json(409, {"error": str(exc), "reason": exc.code})
             return
         self._send_json(200, {"ok": True, "seq_id": state.seq_id})
 

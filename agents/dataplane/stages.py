@@ -34,11 +34,11 @@ RETRY_S = 0.2  # between two asks while the member has not prepared the plan yet
 
 
 class NotPrepared(DataPlaneError):
-    reason = "not_prepared"
+    code = "not_prepared"
 
 
 class WrongWeights(DataPlaneError):
-    reason = "weights"
+    code = "weights"
 
 
 def stages_problem(body: Any) -> tuple[str, str] | None:
@@ -165,7 +165,7 @@ class HttpStageSite:
                 answer = json_body(resp)
                 if resp.status_code == 200:
                     return [(int(a), int(b)) for a, b in answer.get("started", [])]
-                if not (resp.status_code == 409 and answer.get("reason") == NotPrepared.reason):
+                if not (resp.status_code == 409 and answer.get("reason") == NotPrepared.code):
                     raise RuntimeError(f"{self.addr} refused (HTTP {resp.status_code}): {answer.get('error')}")
                 last = str(answer.get("error"))
             if time.monotonic() + RETRY_S >= deadline:

@@ -471,7 +471,7 @@ class VllmPlanHost(DrainThenHandOver):
                            routing_version=routing_version, resume_from=len(generated))
             except (DataPlaneError, OSError) as exc:
                 self._resume(run)
-                reason = exc.reason if isinstance(exc, DataPlaneError) else "target_refused"
+                reason = exc.code if isinstance(exc, DataPlaneError) else "target_refused"
                 results.append({**base, "ok": False, "reason": reason, "error": str(exc)})
                 continue
             with run.lock:

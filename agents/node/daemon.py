@@ -40,7 +40,7 @@ import httpx
 
 from agents.client import AgentClient, ControllerError
 from agents.node.links import LinkProber
-from agents.node.plans import Backend, ModelStore, PlanEngine, PrepareError
+from agents.node.plans import Backend, ModelStore, PlanEngine
 from agents.probes import Probe
 from agents.protocol import (
     FAILURE_REASONS,
@@ -61,6 +61,7 @@ from agents.protocol import (
 from scheduler.booking import REFUSAL_REASON, refuse_booking
 from scheduler.capabilities import DEFAULT_CAPS, EngineCaps, engine_refusals
 from scheduler.plan import Plan
+from scheduler.refusal import Refused
 
 log = logging.getLogger("agents.node")
 
@@ -367,10 +368,13 @@ class NodeAgent:
         started = self.clock()
         try:
             out = self._execute(cmd)
-        except PrepareError as exc:
-            out = _Outcome("failed", str(exc), {"reason": exc.reason, **({"gpus": exc.gpus} if exc.gpus else {}),
-                                                **({"weights_sha256": exc.observed_sha256}
-                                                   if exc.observed_sha256 else {})})
+        except Refused as exc:
+            if type(exc) is not Refused:
+                # a data plane's own answer (agents.dataplane.errors) that escaped the command: a
+                # crash of it, as before they were one Refused (`_run_and_ack`)
+                raise
+            out = _Outcome("failed", exc.reason, {"reason": exc.code, **({"gpus": exc.gpus} if exc.gpus else {}),
+                                                  **exc.detail})
         if out.status == "ok":
             try:
                 check_result(cmd.kind, out.result)
@@ -431,7 +435,7 @@ class NodeAgent:
         try:
             if slot.role == "leader":
                 if self.backend is None:
-                    raise PrepareError(f"this node runs no engine backend ({self.backend_name})")
+                    raise Refused(f"this node runs no engine backend ({self.backend_name})")
                 engine = self.backend.make(deployment, p["plan"], plan_id, str(p["model"]), p.get("weights_sha256"),
                                            stages=list(p.get("stages") or []), peers=dict(p.get("peers") or {}),
                                            warmup_tokens=int((p.get("model_version") or {}).get("warmup_tokens", 1)))
@@ -449,10 +453,10 @@ class NodeAgent:
             if slot.engine is not None:
                 self._stop_engine(slot.engine)
             self._leave(slot)
-            if isinstance(exc, PrepareError):
+            if isinstance(exc, Refused):
                 raise
             log.exception("%s: prepare of %s failed", self.node_id, plan_id)
-            raise PrepareError(f"plan {plan_id}: the engine did not start: {exc}") from exc
+            raise Refused(f"plan {plan_id}: the engine did not start: {exc}") from exc
         slot.load_s = self.clock() - t0
         slot.ready = True
         log.info("%s: plan %s of %s prepared as %s in %.2f s", self.node_id, plan_id, deployment, slot.role,
@@ -481,8 +485,8 @@ class NodeAgent:
         name = str(p["name"])
         store = getattr(self.backend, "models", None)
         if not isinstance(store, ModelStore):
-            raise PrepareError(f"model {name!r}: node {self.node_id} holds no model store (backend "
-                               f"{self.backend_name}), so it has no weights to hash")
+            raise Refused(f"model {name!r}: node {self.node_id} holds no model store (backend "
+                          f"{self.backend_name}), so it has no weights to hash")
         weights, digest = store.hash_held(name)
         same = "the registry's" if digest == p["sha256"] else f"not the registry's {str(p['sha256'])[:16]}..."
         return _Outcome("ok", f"model {name!r}: {weights} has sha256 {digest[:16]}..., {same}", {"sha256": digest})
@@ -515,35 +519,35 @@ class NodeAgent:
             pass
 
     def _check_gpus(self, want: dict[str, int]) -> None:
-        """PrepareError unless every GPU is ours, healthy, allocatable and has the memory free."""
+        """Refused unless every GPU is ours, healthy, allocatable and has the memory free."""
         reports = {g.uuid: g for g in self.probe.report()}
         not_ours = sorted(u for u in want if u not in reports)
         if not_ours:
-            raise PrepareError(f"GPU(s) {', '.join(not_ours)} are not on node {self.node_id}", "preempted", not_ours)
+            raise Refused(f"GPU(s) {', '.join(not_ours)} are not on node {self.node_id}", "preempted", gpus=not_ours)
         lost = sorted(u for u in want if not reports[u].healthy or not reports[u].allocatable)
         if lost:
-            raise PrepareError(f"GPU(s) {', '.join(lost)} are unhealthy or held by another tenant", "preempted",
-                               lost)
+            raise Refused(f"GPU(s) {', '.join(lost)} are unhealthy or held by another tenant", "preempted",
+                          gpus=lost)
         booked = self.booked() if self.book_memory else {}
         over = refuse_booking(want, {u: g.mem_used_bytes + booked.get(u, 0) for u, g in reports.items()},
                               {u: g.mem_total_bytes for u, g in reports.items()})
         if over is not None:
             # scheduler.booking: the words every agent (and the simulated ones) refuses with
-            raise PrepareError(over.message(), REFUSAL_REASON, [over.gpu])
+            raise Refused(over.message(), REFUSAL_REASON, gpus=[over.gpu])
 
     def _check_engine(self, p: dict[str, Any]) -> None:
-        """PrepareError unless this node's engine can run the plan (scheduler.capabilities: the
+        """Refused unless this node's engine can run the plan (scheduler.capabilities: the
         planner's filter, in the same words)."""
         if self.capabilities is None:
             return
         try:
             plan = Plan.from_dict(p["plan"])
         except ValueError as exc:
-            raise PrepareError(f"plan: {exc}") from None
+            raise Refused(f"plan: {exc}", field="plan") from None
         nodes = sorted({self.node_id, *(str(n) for n in (p.get("peers") or {}))})
         problems = engine_refusals(plan, nodes, {self.node_id: self.capabilities})
         if problems:
-            raise PrepareError("; ".join(problems), "unsupported")
+            raise Refused("; ".join(problems), "unsupported")
 
     def _stop_engine(self, engine: PlanEngine) -> None:
         try:

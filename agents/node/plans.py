@@ -37,24 +37,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from agents.engines.torch.weights import WEIGHTS_FILE, make_tiny_llama, sha256_file
 from agents.node.weightcache import HostWeightCache, Source
 from agents.protocol import EngineReport
+from scheduler.refusal import Refused
 
 if TYPE_CHECKING:
     from agents.engines.torch.layout import Layout
 
 TINY_MODEL = "tiny-llama"  # the one model a node can make itself (agents/engines/torch/weights.py)
-
-
-class PrepareError(RuntimeError):
-    """prepare_plan cannot be done; `reason` is one of agents.protocol.FAILURE_REASONS."""
-
-    def __init__(self, message: str, reason: str = "failed", gpus: list[str] | None = None,
-                 observed_sha256: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.gpus = gpus or []
-        # The digest this node computed for weights other than the registry's: the ack reports it,
-        # and the registry quarantines the version (console/registry/receivers.py).
-        self.observed_sha256 = observed_sha256
 
 
 class PlanEngine(Protocol):
@@ -120,20 +108,23 @@ class ModelStore:
         return Checkout(got.folder, digest, got.source, got.weights_bytes, leased)
 
     def resolve(self, model: str, weights_sha256: str | None) -> tuple[Path, str]:
-        """(model folder, its weights' SHA256); PrepareError when missing or other weights."""
+        """(model folder, its weights' SHA256); Refused when missing or other weights."""
         folder = self.root / model
         with self._lock:
             weights = folder / WEIGHTS_FILE
             if not weights.exists():
                 if model != TINY_MODEL:
-                    raise PrepareError(f"model {model!r}: no weights at {weights}; put the model folder there")
+                    raise Refused(f"model {model!r}: no weights at {weights}; put the model folder there")
                 self._digests[folder] = make_tiny_llama(folder)
             digest = self._digests.get(folder)
             if digest is None:
                 digest = self._digests[folder] = sha256_file(weights)
         if weights_sha256 is not None and digest != weights_sha256:
-            raise PrepareError(f"model {model!r}: the weights at {weights} have sha256 {digest[:16]}..., "
-                               f"the registry wants {weights_sha256[:16]}...", observed_sha256=digest)
+            # the digest this node found travels in the ack (`detail`), and the registry
+            # quarantines the version (console/registry/receivers.py)
+            raise Refused(f"model {model!r}: the weights at {weights} have sha256 {digest[:16]}..., "
+                          f"the registry wants {weights_sha256[:16]}...", field="weights_sha256",
+                          detail={"weights_sha256": digest})
         return folder, digest
 
     def hash_held(self, model: str) -> tuple[Path, str]:
@@ -141,7 +132,7 @@ class ModelStore:
 
         Makes and downloads nothing - even the tiny model is hashed only once it is here: the check
         is of what this node would load. Hashed once per folder, as `resolve` does (the same cache).
-        PrepareError naming the model and the path when there are no weights or they cannot be read.
+        Refused naming the model and the path when there are no weights or they cannot be read.
         """
         folder = self.root / model
         weights = folder / WEIGHTS_FILE
@@ -150,12 +141,12 @@ class ModelStore:
         if digest is not None:
             return weights, digest
         if not weights.is_file():
-            raise PrepareError(f"model {model!r}: no weights on this node at {weights}; put the model folder "
-                               f"{folder} there")
+            raise Refused(f"model {model!r}: no weights on this node at {weights}; put the model folder "
+                          f"{folder} there")
         try:
             observed = sha256_file(weights)  # outside the lock: gigabytes must not block other models' prepares
         except OSError as exc:
-            raise PrepareError(f"model {model!r}: cannot read {weights}: {exc.strerror or exc}") from None
+            raise Refused(f"model {model!r}: cannot read {weights}: {exc.strerror or exc}") from None
         with self._lock:
             return weights, self._digests.setdefault(folder, observed)
 
@@ -220,7 +211,7 @@ class TorchBackend:
         try:
             from agents.dataplane import PlanHost
         except ImportError as exc:
-            raise PrepareError(f"the torch data plane is not installed on this node ({exc})") from None
+            raise Refused(f"the torch data plane is not installed on this node ({exc})") from None
         co = self.models.checkout(model, weights_sha256)
         try:
             placement = self.placement(deployment, plan, plan_id, co.digest, stages or [], peers or {})
@@ -230,7 +221,7 @@ class TorchBackend:
                             gpus=self.cuda_indexes(plan) if self.device == "cuda" else None, placement=placement,
                             warmup_tokens=warmup_tokens, verified_sha256=co.digest, host_kv_bytes=self.host_kv_bytes)
             if host.plan_id != plan_id:
-                raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
+                raise Refused(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})", field="plan_id")
         except BaseException:
             co.release()
             raise
@@ -443,7 +434,7 @@ class VllmBackend:
                                             "env": spec.env},
                             warmup_tokens=warmup_tokens)
         if host.plan_id != plan_id:
-            raise PrepareError(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})")
+            raise Refused(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})", field="plan_id")
         return _Served(host, self.server(), co)
 
     def join(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, weights_sha256: str | None,

@@ -72,7 +72,7 @@ from agents.sim.metrics import Recorder, check_conservation
 from agents.sim.reports import IDLE_MEM_BYTES, Reports
 from agents.sim.scenario import BaselineSpec, ModelDeploymentSpec, Scenario, baseline_stage_nodes
 from agents.sim.workload import Arrival
-from scheduler.booking import Overbooking, plan_memory, refuse_booking
+from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
 from scheduler.costmodel import (
     COLD_START_S,
     DEFAULT_EFFICIENCY,
@@ -88,6 +88,7 @@ from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage
+from scheduler.refusal import Refused
 from scheduler.router import (
     BLOCK_TOKENS,
     PlanFacts,
@@ -114,15 +115,6 @@ class SimOptions:
 
 
 DEFAULT_OPTIONS = SimOptions()
-
-
-class BookingRefused(ValueError):
-    """A PREPARE the simulated agent refuses: the plan would book more than 92% of a GPU beside
-    what is held there (scheduler.booking; the real daemon refuses with the same words)."""
-
-    def __init__(self, over: Overbooking) -> None:
-        super().__init__(over.message())
-        self.over = over
 
 
 class SimListener(Protocol):
@@ -403,14 +395,14 @@ class FleetSim(Gateway, Handover, Churn, Reports):
 
     def _refuse(self, plan: Plan, want: Mapping[str, int]) -> None:
         """An agent's PREPARE check (scheduler.booking.refuse_booking, the real daemon's words):
-        BookingRefused when the plan does not fit beside what its GPUs hold."""
+        Refused (code out_of_memory) when the plan does not fit beside what its GPUs hold."""
         booked = self.booked_bytes()
         used = {u: booked.get(u, IDLE_MEM_BYTES) for u in want}
         total = {u: gpu_spec(self._gpu_model(u)).mem_bytes for u in want}
         over = refuse_booking(want, used, total)
         if over is not None:
             self.refused_prepares += 1
-            raise BookingRefused(over)
+            raise Refused(over.message(), REFUSAL_REASON, gpus=[over.gpu])
 
     def _booked_now(self, t: float, plan: Plan, fp: Mapping[str, int]) -> None:
         """Record what the GPUs of a plan hold after it booked them (the peak, and the events the

@@ -241,6 +241,9 @@ class Gateway:
                                      plan_id=engine.plan.plan_id if engine is not None else ""))
         first = req.first_token_s if req.first_token_s is not None else t
         self.recorder.finished(req.deployment, req.arrival_s, first, t, req.output, req.replays, req.prompt)
+        if isinstance(req.route_req, RouteRequest):  # what a learning router learns from
+            self.router.finished(req.route_req, first - req.arrival_s,
+                                 (t - first) / (req.output - 1) if req.output > 1 else None, t)
         self.preemptions += req.preemptions
         dep = self.deployments[req.deployment]
         dep.win_finished += 1

@@ -49,12 +49,13 @@ from agents.shadow_check import tokenizer_problem
 from agents.sim.cluster import Change
 from agents.sim.engine import Pipe, PlanEngine, Request
 from agents.sim.faults import COMMAND_S, Fault, lost_gpus, take_fault, through_fault
-from agents.sim.fleet import BookingRefused, FleetSim
-from scheduler.booking import REFUSAL_REASON, plan_memory
+from agents.sim.fleet import FleetSim
+from scheduler.booking import plan_memory
 from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import kv_route
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.plan import Plan
+from scheduler.refusal import Refused
 from scheduler.transition import (
     DEFAULT_TRANSITION_CONFIG,
     CommandIntent,
@@ -268,10 +269,10 @@ class SimAgents:
                 return
             try:
                 engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
-            except BookingRefused as exc:
+            except Refused as exc:
                 # what the real daemon answers (scheduler.booking): the plan does not fit beside
                 # what its GPUs hold; nothing was booked
-                self._ack(cmd, False, str(exc), {"reason": REFUSAL_REASON, "gpus": [exc.over.gpu]})
+                self._ack(cmd, False, exc.reason, {"reason": exc.code, "gpus": exc.gpus})
                 return
             self.log.add(LogEvent(self.sim.now_s, "plan_prepared", node=cmd.node_id, plan_id=plan.plan_id))
         self._prepares.setdefault(engine.engine_id, []).append(cmd)

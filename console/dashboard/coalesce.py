@@ -8,6 +8,10 @@ gathered), so what arrives last is the newest committed state; an event that com
 runs gets a flush of its own after it. Pages' messages are whole states or keyed upserts, so
 skipping the ones in between changes nothing the page shows at the end.
 
+A push that reads the whole fleet (the Overview's) costs more as the fleet grows: with `busy_share`
+its interval stretches to its last flush's duration / busy_share (0.25: a quarter of a core at most),
+so a large fleet's Overview updates less often instead of starving the agents' reports.
+
 Why per socket and not per group: a socket reads the state its own page needs (a deployment page
 its deployment only), and a slow socket only delays itself.
 """
@@ -21,12 +25,16 @@ from typing import Any
 
 
 class Coalescer:
-    def __init__(self, every_s: float, flush: Callable[[], Awaitable[None]], *,
+    def __init__(self, every_s: float, flush: Callable[[], Awaitable[None]], *, busy_share: float | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if every_s < 0:
             raise ValueError(f"every_s: must be >= 0; got {every_s}")
+        if busy_share is not None and not 0 < busy_share <= 1:
+            raise ValueError(f"busy_share: must be in (0, 1]; got {busy_share}")
         self.every_s, self._flush, self._clock, self._sleep = every_s, flush, clock, sleep
+        self.busy_share = busy_share
+        self.gap_s = every_s  # the interval now: every_s, or longer while flushes are costly
         self._dirty = False
         self._last = float("-inf")
         self._task: asyncio.Task[None] | None = None
@@ -40,13 +48,17 @@ class Coalescer:
 
     async def _run(self) -> None:
         while self._dirty:
-            wait = self._last + self.every_s - self._clock()
+            wait = self._last + self.gap_s - self._clock()
             if wait > 0:
                 await self._sleep(wait)
             self._dirty = False
             self._last = self._clock()
             self.flushes += 1
             await self._flush()
+            if self.busy_share is not None:
+                # a costly flush (the whole fleet's view) spaces the next ones out, so this socket's
+                # pushes take at most busy_share of the process however large the fleet grows
+                self.gap_s = max(self.every_s, (self._clock() - self._last) / self.busy_share)
 
     def cancel(self) -> None:
         if self._task is not None:

@@ -119,9 +119,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             await asyncio.sleep(every_s)
             await self.send_json({"type": "ping", "every_s": every_s, "at": timezone.now().isoformat()})
 
-    def coalesced(self, flush: Any) -> Coalescer:
+    def coalesced(self, flush: Any, *, busy_share: float | None = None) -> Coalescer:
         """A Coalescer for this socket's pushes (console/dashboard/coalesce.py), stopped with it."""
-        c = Coalescer(float(settings.FLEXPIPE_PUSH_MIN_INTERVAL_S), flush)
+        c = Coalescer(float(settings.FLEXPIPE_PUSH_MIN_INTERVAL_S), flush, busy_share=busy_share)
         self._coalescers = [*(self._coalescers or ()), c]
         return c
 

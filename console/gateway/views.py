@@ -528,3 +528,16 @@ async def models(request: HttpRequest) -> HttpResponse:
     except ApiError as exc:
         return exc.response()
     return JsonResponse({"object": "list", "data": await sync_to_async(_models)()})
+
+
+@csrf_exempt
+async def elsewhere(request: HttpRequest) -> HttpResponse:
+    """Any /v1 path of the console's process when the gateway runs as its own (FLEXPIPE_PROCESS=console).
+
+    421 Misdirected Request, not a redirect: clients strip the Authorization header when a redirect
+    leaves the origin (another port is another origin), so a redirected request would arrive without
+    its token; and the console must not serve a stream itself (the flood would share its process).
+    """
+    where = f"{settings.FLEXPIPE_GATEWAY_URL}/v1" if settings.FLEXPIPE_GATEWAY_URL else "the gateway's process"
+    return ApiError(421, f"this is the console's process; the OpenAI API is served by the gateway at {where} "
+                         "(console.gateway.asgi)", code="wrong_process").response()

@@ -37,6 +37,8 @@ from console.gearbox import present
 from console.gearbox.live import GEARBOX_GROUP
 from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
 
+FLEET_PUSH_BUSY_SHARE = 0.25  # the Overview's fleet view takes at most this share of the process per socket
+
 # audit events of changes that push nothing themselves (the transitions and decisions push their own)
 OPERATOR_EVENTS = frozenset({
     "gearbox.mode_set", "gearbox.gear_pinned", "gearbox.gear_unpinned", "gearbox.emergency_requested",
@@ -87,7 +89,7 @@ class GearboxConsumer(_GearboxLive):
     async def cluster_delta(self, event: dict[str, Any]) -> None:
         # The fleet view is the whole fleet: built once per FLEXPIPE_PUSH_MIN_INTERVAL_S, not per report.
         if self._fleet_push is None:
-            self._fleet_push = self.coalesced(self._send_fleet)
+            self._fleet_push = self.coalesced(self._send_fleet, busy_share=FLEET_PUSH_BUSY_SHARE)
         self._fleet_push.poke()
 
     async def _send_fleet(self) -> None:

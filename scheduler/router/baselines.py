@@ -43,6 +43,9 @@ class _Baseline:
     def forget(self, plan_id: str) -> None:
         return None
 
+    def finished(self, req: RouteRequest, ttft_s: float, tpot_s: float | None, now_s: float) -> None:
+        return None
+
     def _decide(self, req: RouteRequest, pool: Pool, first: int | None, hard: np.ndarray, now: np.ndarray,
                 cand: np.ndarray, note: str) -> Decision:
         if first is None:
@@ -129,7 +132,25 @@ ROUTING_POLICIES: dict[str, Callable[[RouterConfig, random.Random], RoutingPolic
     "least-loaded": lambda cfg, rng: LeastLoaded(rng),
     "prefix-only": lambda cfg, rng: PrefixOnly(rng, block_tokens=cfg.block_tokens),
     "flexpipe": lambda cfg, rng: Router(cfg, rng=rng),
+    "flexpipe+learned": lambda cfg, rng: _learned(cfg, rng),
+    "flexpipe+budget": lambda cfg, rng: _budget(cfg, rng),
 }
+
+
+def _budget(cfg: RouterConfig, rng: random.Random) -> RoutingPolicy:
+    from dataclasses import replace
+
+    from scheduler.router.spillover import SpillConfig
+
+    r = Router(replace(cfg, spill=cfg.spill or SpillConfig()), rng=rng)
+    r.name = "flexpipe+budget"
+    return r
+
+
+def _learned(cfg: RouterConfig, rng: random.Random) -> RoutingPolicy:
+    from scheduler.router.learned import LearnedRouter  # (it builds on this module's RoundRobin)
+
+    return LearnedRouter(cfg, rng=rng)
 
 
 def make_router(name: str = "flexpipe", config: RouterConfig | None = None, *, seed: int = 0) -> RoutingPolicy:

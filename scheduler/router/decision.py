@@ -34,6 +34,7 @@ class Decision:
     demoted: Bools | None = None  # in the jitter retry pool
     ttft_s: Floats | None = None  # predicted time to first token per slot
     tpot_s: Floats | None = None  # predicted time per output token per slot
+    stall_s: Floats | None = None  # what its prefill adds per token of the sequences running there
     cached_tokens: Floats | None = None  # prompt tokens predicted to hit each plan's cache
     note: str = ""  # how the policy chose, when it is not the weighted sum (baselines)
 
@@ -83,6 +84,8 @@ class Decision:
                 if self.ttft_s is not None and self.tpot_s is not None:
                     entry["predicted_ttft_ms"] = round(1e3 * float(self.ttft_s[i]), 2)
                     entry["predicted_tpot_ms"] = round(1e3 * float(self.tpot_s[i]), 3)
+                if self.stall_s is not None:
+                    entry["predicted_stall_ms"] = round(1e3 * float(self.stall_s[i]), 3)
                 if self.cached_tokens is not None:
                     entry["cached_tokens"] = int(self.cached_tokens[i])
                 if self.demoted is not None and self.demoted[i]:

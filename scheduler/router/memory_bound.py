@@ -56,8 +56,8 @@ def token_capacity(facts: Sequence[PlanFacts]) -> Floats:
 
 def memory_bound(req: RouteRequest, pool: Pool) -> tuple[Bools, Bools]:
     """(fits ever, fits now), masks over the pool's plans."""
-    need = req.kv_tokens
-    ever: Bools = pool.cap_tokens >= need
+    need = float(req.kv_tokens)  # (a float: numpy compares an array with one faster than with an int)
+    ever: Bools = pool.all_true if need <= pool.cap_floor else pool.cap_tokens >= need
     now: Bools = pool.room >= need
     return ever, now
 

@@ -27,8 +27,9 @@ _LATE = 1e9  # what missing the deadline costs in the ranking: more than any sco
 
 
 def pick(total: Floats, cand: Bools, demoted: Bools | None, deadline_ok: Bools | None, load_rel: Floats,
-         top_k: int, rng: random.Random) -> tuple[int, ...]:
-    """Pool slots in the order to try them (module docstring)."""
+         top_k: int, rng: random.Random, *, count: int | None = None) -> tuple[int, ...]:
+    """Pool slots in the order to try them (module docstring). `count`: the candidates in
+    `cand`, when the caller has counted them."""
     retry = None
     primary = cand
     if demoted is not None:
@@ -37,14 +38,26 @@ def pick(total: Floats, cand: Bools, demoted: Bools | None, deadline_ok: Bools |
             healthy_best = float(np.where(kept, total, -np.inf).max())
             overflow = cand & demoted & (total > healthy_best)
             primary, retry = kept | overflow, cand & demoted & ~overflow
-    key = np.where(primary, total, -np.inf)
-    if deadline_ok is not None:
-        key -= _LATE * ~deadline_ok
-    count = int(np.count_nonzero(primary))
-    order = np.argsort(-key, kind="stable")[:count]
+        count = None
+    if count is None:
+        count = int(np.count_nonzero(primary))
+    if count == len(total):  # (every plan: no mask to apply)
+        neg = -total  # (sorted ascending: the best first)
+        if deadline_ok is not None:
+            neg += _LATE * ~deadline_ok
+        order = neg.argsort(kind="stable")  # (the method: half the call overhead of np.argsort)
+        key = None
+    else:
+        key = np.where(primary, total, -np.inf)
+        if deadline_ok is not None:
+            key -= _LATE * ~deadline_ok
+        neg = -key
+        order = neg.argsort(kind="stable")[:count]
     first = int(order[0])
-    best = float(key[first])
-    if count > 1 and _tie(float(key[order[1]]), best):
+    best = -float(neg[first])
+    if count > 1 and _tie(-float(neg[order[1]]), best):
+        if key is None:
+            key = -neg
         tied = np.flatnonzero(np.abs(key - best) <= _EPS * max(1.0, abs(best)))
         loads = load_rel[tied]
         tied = tied[loads == loads[loads.argmin()]]

@@ -239,7 +239,19 @@ class Pool:
         self.queue_all_s: Floats = np.zeros(n)  # ... and of a low-priority one (behind everything)
         self.tpot_base: Floats = np.zeros(n)  # ... decode step with one more sequence, before its own context
         self.chunk_room: Floats = np.full(n, float(CHUNK_TOKENS))  # ... prefill tokens a round still carries
+        self.queue_sh: Floats = np.zeros(n)  # ... queue_s x share, queue_all_s x share (what a TTFT adds to
+        self.queue_all_sh: Floats = np.zeros(n)  # the request's own prefill x share)
+        self.queued_chunk_s: Floats = np.zeros(n)  # ... queued_tokens, chunk_room x pre_b_chunk (the TPOT's
+        self.chunk_room_s: Floats = np.zeros(n)  # prefill chunks, in seconds)
+        self.room_floor = math.inf  # memory bound: the least room of any plan (a request within it fits all)
         self.load_rel: Floats = 1.0 / self.weight  # pick: (outstanding + 1) / weight
+        # static, per routing-table version: what a decision would otherwise rebuild every time
+        self.pre_c_half: Floats = self.pre_c / 2
+        self.dense_minus_cheap: Floats = self.dense - self.cheap  # topology: cheap + longness x this
+        self.all_true: Bools = np.ones(n, dtype=np.bool_)
+        self.cap_floor = float(self.cap_tokens.min()) if n else math.inf  # a request within it fits every plan ever
+        self.base_count = int(np.count_nonzero(self.base_ok))
+        self.base_all = self.base_count == n
         self._derive()
 
     def set_load(self, i: int, load: PlanLoad) -> None:
@@ -273,7 +285,12 @@ class Pool:
     def _derive(self) -> None:
         """The terms the plugins derive from the load alone, once per load update."""
         self.room = self.cap_tokens - self.kv_used
+        self.room_floor = float(self.room.min()) if self.n else math.inf
         self.share, self.queue_s, self.queue_all_s, self.tpot_base = predicted_latency.load_terms(self)
+        self.queue_sh = self.queue_s * self.share
+        self.queue_all_sh = self.queue_all_s * self.share
+        self.queued_chunk_s = self.queued_tokens * self.pre_b_chunk
+        self.chunk_room_s = self.chunk_room * self.pre_b_chunk
         self.load_rel = (self.running + self.waiting + 1.0) / self.weight
 
     def load_of(self, i: int) -> PlanLoad:

@@ -14,13 +14,19 @@ scheduler.costmodel on that plan's hardware) and its load.
            through its next rounds, (budget - running) a round, so over its max_tokens rounds
            each costs pre_b x min(budget - running, Q / max_tokens) more - at most one full
            chunk per token (chunked prefill's stall on decodes, Sarathi-Serve's subject)
+    stall = the same stall the other way round: the request's own prefill lengthens the rounds
+           of the `running` sequences already there, by prefill / max_tokens per token of theirs
+           (`stall_s`); without it every plan looks as good for a long prompt as its own latency
+           says, and the long prompts land on the plans decoding the most short answers
 
 `load_terms` computes the load-only parts once per load update (Pool.set_loads); a decision adds
-the request's own terms.
+the request's own terms: its prefill is computed once (`prefill_s`) and read by the TTFT and the
+stall.
 
-Score: cost = ttft / ttft_ref + tpot / tpot_ref, with the request's deadline as TTFT yardstick when
-it has one, else the best candidate's TTFT, and the best candidate's TPOT (so both count as ratios
-to what the pool can do now); score = 100 x the best candidate's cost / the plan's cost.
+Score: cost = ttft / ttft_ref + (tpot + stall) / tpot_ref, with the request's deadline as TTFT
+yardstick when it has one, else the best candidate's TTFT, and the best candidate's tpot + stall
+(so both count as ratios to what the pool can do now); score = 100 x the best candidate's cost /
+the plan's cost.
 `deadline_ok` marks the plans predicted to meet the request's deadline: the pick prefers those.
 """
 
@@ -52,45 +58,73 @@ def load_terms(pool: Pool) -> tuple[Floats, Floats, Floats, Floats]:
     return share, queue, queue_all, tpot
 
 
-def predict(req: RouteRequest, pool: Pool, cached_tokens: Floats | None) -> tuple[Floats, Floats]:
-    """(ttft_s, tpot_s) per plan (module docstring); `cached_tokens` None: no plan holds any."""
+def prefill_s(req: RouteRequest, pool: Pool, cached_tokens: Floats | None) -> Floats:
+    """Per plan, the request's own prefill on an idle plan: its uncached tokens with the cached
+    prefix as their attention context (no queue, no decodes sharing the rounds)."""
     p = float(req.prompt_tokens)
-    prefill = pool.pre_poly @ np.array((p * p, p, 1.0))
+    own: Floats = pool.pre_poly.dot(np.array((p * p, p, 1.0)))  # (.dot: a third of `@`'s call overhead)
     if cached_tokens is not None:
         # a + b (p - h) + c (p - h)(h + (p - h) / 2) = [the whole prompt's] - h (b + c h / 2)
-        saved = pool.pre_poly[:, 0] * cached_tokens
+        saved = pool.pre_c_half * cached_tokens
         saved += pool.pre_b
         saved *= cached_tokens
-        prefill -= saved
-    prefill += pool.queue_all_s if req.low_priority else pool.queue_s
-    prefill *= pool.share
-    tpot = np.minimum(pool.chunk_room, pool.queued_tokens * (1.0 / req.max_tokens))
-    tpot *= pool.pre_b_chunk
-    tpot += pool.dec_2 * p
+        own -= saved
+    return own
+
+
+def predict(req: RouteRequest, pool: Pool, cached_tokens: Floats | None,
+            own: Floats | None = None) -> tuple[Floats, Floats]:
+    """(ttft_s, tpot_s) per plan (module docstring); `cached_tokens` None: no plan holds any;
+    `own`: `prefill_s` of the request when the caller has it already."""
+    if own is None:
+        own = prefill_s(req, pool, cached_tokens)
+    ttft: Floats = own * pool.share
+    ttft += pool.queue_all_sh if req.low_priority else pool.queue_sh
+    tpot: Floats = pool.queued_chunk_s * (1.0 / req.max_tokens)  # (x pre_b_chunk already: pool._derive)
+    np.minimum(tpot, pool.chunk_room_s, out=tpot)
     tpot += pool.tpot_base
-    return prefill, tpot
+    tpot += pool.dec_2 * float(req.prompt_tokens)
+    return ttft, tpot
 
 
-def score(req: RouteRequest, pool: Pool, ttft: Floats, tpot: Floats, cand: Bools) -> tuple[Floats, Bools | None]:
-    """(score 0..100, predicted to meet the deadline - None without one) per plan."""
-    every = len(cand) == int(np.count_nonzero(cand))  # (the usual case: no need to mask)
+def stall_s(req: RouteRequest, own: Floats, pool: Pool) -> Floats:
+    """Per plan, what the request's prefill costs the sequences already running there, per token
+    of theirs: its `own` prefill time stalls each of them once (the rounds that carry its chunks
+    are that much longer), spread over their remaining tokens - unknown to the router, so taken
+    as this request's `max_tokens` (one workload's outputs are alike). A myopic TTFT/TPOT of the
+    request alone misses this: a long prompt sent to a plan decoding many short answers makes
+    every one of them late (Sarathi-Serve's stall, seen from the other side)."""
+    out: Floats = own * pool.running
+    out *= 1.0 / req.max_tokens
+    return out
+
+
+def score(req: RouteRequest, pool: Pool, ttft: Floats, tpot: Floats, cand: Bools,
+          stall: Floats | None = None, *, every: bool | None = None) -> tuple[Floats, Bools | None]:
+    """(score 0..100, predicted to meet the deadline - None without one) per plan. `stall`
+    (stall_s) counts with the request's own TPOT; `every`: whether `cand` holds every plan,
+    when the caller knows it."""
+    if every is None:
+        every = len(cand) == int(np.count_nonzero(cand))  # (the usual case: no need to mask)
     ttft_ref = req.deadline_s
     if ttft_ref is None:
         t = ttft if every else ttft[cand]
         ttft_ref = float(t[t.argmin()])
-    u = tpot if every else tpot[cand]
+    per_token = tpot if stall is None else tpot + stall
+    u = per_token if every else per_token[cand]
     tpot_ref = float(u[u.argmin()])
     if not (math.isfinite(ttft_ref) and math.isfinite(tpot_ref)):
         return _unpriced(ttft, tpot, cand), None
     cost = ttft * (1.0 / max(ttft_ref, 1e-6))
-    cost += tpot * (1.0 / max(tpot_ref, 1e-9))
-    cost = np.maximum(cost, 1e-9, out=cost)  # plans without step times (unpriced) cost "nothing": equal
+    cost += per_token * (1.0 / max(tpot_ref, 1e-9))
     c = cost if every else cost[cand]
     best = float(c[c.argmin()])
+    if not best > 1e-9:  # plans without step times (unpriced) cost "nothing": equal
+        np.maximum(cost, 1e-9, out=cost)
+        best = max(best, 1e-9)
     if not math.isfinite(best):
         return _unpriced(ttft, tpot, cand), None
-    out: Floats = np.reciprocal(cost)
-    out *= 100.0 * best
+    out: Floats = np.divide(100.0 * best, cost, out=cost)
     ok: Bools | None = ttft <= req.deadline_s if req.deadline_s is not None else None
     return out, ok
 

@@ -217,10 +217,11 @@ def score(req: RouteRequest, matched: tuple[Floats, Floats] | None, *, block_tok
         return None, None
     gpu_blocks, total_blocks = matched
     cap = float(req.prompt_tokens - 1)
-    gpu_tokens = np.minimum(gpu_blocks * block_tokens, cap)
+    gpu_tokens = gpu_blocks * float(block_tokens)  # (float scalars: numpy's fast path)
+    np.minimum(gpu_tokens, cap, out=gpu_tokens)
     if total_blocks is gpu_blocks:
         cached: Floats = gpu_tokens
     else:
-        cached = gpu_tokens + host_tier_weight * (np.minimum(total_blocks * block_tokens, cap) - gpu_tokens)
+        cached = gpu_tokens + host_tier_weight * (np.minimum(total_blocks * float(block_tokens), cap) - gpu_tokens)
     out: Floats = cached * (100.0 / req.prompt_tokens)
     return out, cached

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from scheduler.router import predicted_latency, prefix_affinity, topology_affinity
+from scheduler.router import predicted_latency, prefix_affinity, spillover, topology_affinity
 from scheduler.router._arrays import Bools
 from scheduler.router.decision import Decision
 from scheduler.router.jitter import JitterConfig, JitterTracker
@@ -33,6 +33,7 @@ from scheduler.router.pool import Pool
 from scheduler.router.prefilter import prefilter
 from scheduler.router.prefix_affinity import PrefixIndex
 from scheduler.router.request import BLOCK_TOKENS, RouteRequest
+from scheduler.router.spillover import SpillConfig
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class RouterConfig:
     host_tier_weight: float = 0.5  # a host-memory KV hit is worth this share of a GPU hit
     jitter: JitterConfig = field(default_factory=JitterConfig)
     prices: Mapping[str, float] | None = None  # GPU model -> price per GPU-hour (topology_affinity)
+    spill: SpillConfig | None = None  # KV spillover bands (spillover.py); None: not applied
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -147,6 +149,10 @@ class RoutingPolicy(Protocol):
         """The request went to `slot` (the first of `decision.order` that took it)."""
         ...
 
+    def finished(self, req: RouteRequest, ttft_s: float, tpot_s: float | None, now_s: float) -> None:
+        """A request it routed finished with these latencies (what a learning policy learns from)."""
+        ...
+
     def first_token(self, plan_id: str, now_s: float, ttft_s: float, predicted_s: float | None) -> None: ...
 
     def forget(self, plan_id: str) -> None:
@@ -157,8 +163,14 @@ class RoutingPolicy(Protocol):
 def hard_filters(req: RouteRequest, pool: Pool) -> tuple[Bools, Bools, Bools, bool]:
     """(hard_ok, fits_now, candidates, relaxed): the prefilter and the memory bound, with the
     bound's fits-now half relaxed when no plan has room now (memory_bound's docstring)."""
+    if req.kv_tokens <= pool.room_floor and not pool.priority_limited:
+        # (the usual case: it fits every plan now - the filters are the pool's static half; the
+        # identity of the mask it returns tells the router so)
+        return pool.base_ok, pool.all_true, pool.base_ok, False
     ever, now = memory_bound(req, pool)
-    hard: Bools = prefilter(req, pool) & ever
+    hard: Bools = prefilter(req, pool)
+    if ever is not pool.all_true:
+        hard = hard & ever
     cand: Bools = hard & now
     if np.count_nonzero(cand):
         return hard, now, cand, False
@@ -176,6 +188,7 @@ class Router:
         self.index = PrefixIndex(self.config.block_tokens)
         self.jitter = JitterTracker(self.config.jitter)
         self._weights = self.config.weights.as_dict()
+        self._n = 0  # requests routed with spillover: each one's key for its spill probe draw
 
     def route(self, req: RouteRequest, pool: Pool, now_s: float) -> Decision:
         cfg = self.config
@@ -184,32 +197,44 @@ class Router:
             # common single-plan gear; it is the prefilter and the memory bound of one plan, inline)
             return Decision(self.name, req, pool, (0,), note="the only plan")
         hard, now, cand, relaxed = hard_filters(req, pool)
-        count = np.count_nonzero(cand)
+        if cand is pool.base_ok:
+            count, every = pool.base_count, pool.base_all
+        else:
+            count = int(np.count_nonzero(cand))
+            every = count == pool.n
         if not count:
             return Decision(self.name, req, pool, (), hard_ok=hard, fits_now=now)
-        matched = self.index.match(req.blocks, pool)
+        matched = self.index.match(req.blocks, pool) if req.blocks else None
         s_prefix, cached = prefix_affinity.score(req, matched, block_tokens=cfg.block_tokens,
                                                  host_tier_weight=cfg.host_tier_weight)
         s_topo = topology_affinity.score(req, pool)
-        ttft, tpot = predicted_latency.predict(req, pool, cached)
+        own = predicted_latency.prefill_s(req, pool, cached)
+        ttft, tpot = predicted_latency.predict(req, pool, cached, own)
+        stall = predicted_latency.stall_s(req, own, pool)
         demotion = self.jitter.demotion(pool, now_s)
         demoted = None
         if demotion is not None:
             demoted, factor = demotion
             ttft = ttft * factor  # a demoted plan is priced as its tail says (jitter.py)
-        s_lat, deadline_ok = predicted_latency.score(req, pool, ttft, tpot, cand)
+        s_lat, deadline_ok = predicted_latency.score(req, pool, ttft, tpot, cand, stall, every=every)
         w = cfg.weights
         total = s_lat * w.predicted_latency
         total += s_topo if w.topology_affinity == 1.0 else s_topo * w.topology_affinity
         if s_prefix is not None:
             total += s_prefix if w.prefix_affinity == 1.0 else s_prefix * w.prefix_affinity
-        order = pick(total, cand, demoted, deadline_ok, pool.load_rel, cfg.top_k, self.rng)
-        return Decision(self.name, req, pool, order, hard_ok=hard, fits_now=now, relaxed=relaxed,
+        order = pick(total, cand, demoted, deadline_ok, pool.load_rel, cfg.top_k, self.rng, count=count)
+        note = ""
+        if cfg.spill is not None and len(order) > 1:
+            self._n += 1
+            free = pool.room / np.maximum(pool.cap_tokens, 1.0)
+            order, note = spillover.reorder(order, free, high_priority=req.priority < 0, key=str(self._n),
+                                            config=cfg.spill)
+        return Decision(self.name, req, pool, order, hard_ok=hard, fits_now=now, relaxed=relaxed, note=note,
                         scores={predicted_latency.NAME: s_lat,
                                 prefix_affinity.NAME: pool.zeros if s_prefix is None else s_prefix,
                                 topology_affinity.NAME: s_topo},
                         weights=self._weights, total=total, demoted=demoted, ttft_s=ttft, tpot_s=tpot,
-                        cached_tokens=cached)
+                        stall_s=stall, cached_tokens=cached)
 
     def admitted(self, decision: Decision, slot: int) -> None:
         record_prefix(self.index, decision, slot)
@@ -221,6 +246,17 @@ class Router:
     def forget(self, plan_id: str) -> None:
         self.index.forget(plan_id)
         self.jitter.forget(plan_id)
+
+    def finished(self, req: RouteRequest, ttft_s: float, tpot_s: float | None, now_s: float) -> None:
+        return None  # static weights (learned.py learns them)
+
+    def weights(self) -> dict[str, float]:
+        return dict(self._weights)
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """New score weights (learned.py); every name one of RouterWeights', every value >= 0."""
+        self.config = replace(self.config, weights=RouterWeights(**{k: float(v) for k, v in weights.items()}))
+        self._weights = self.config.weights.as_dict()
 
 
 def record_prefix(index: PrefixIndex, decision: Decision, slot: int) -> None:

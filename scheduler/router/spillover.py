@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from scheduler.router._arrays import Floats
 
 
 class Band(enum.StrEnum):
@@ -81,6 +84,25 @@ def admits(free_ratio: float, *, spilled: bool, high_priority: bool, key: str,
     return False, f"{pct}: past its share of spill probes ({config.probe_share:.0%})"
 
 
+def reorder(order: tuple[int, ...], free_ratio: Sequence[float] | Floats, *, high_priority: bool, key: str,
+            config: SpillConfig = SpillConfig()) -> tuple[tuple[int, ...], str]:
+    """The router's order with the bands applied: the first plan keeps the request when its band
+    takes its own traffic; otherwise the request spills to the first of the others that admits a
+    spilled one, and the plans that refused go last (tried only if every other one fails). When no
+    plan admits it, the order stands: it waits at its first choice's queue (never dropped)."""
+    if not order:
+        return order, ""
+    first = order[0]
+    ok, why = admits(float(free_ratio[first]), spilled=False, high_priority=high_priority, key=key, config=config)
+    if ok:
+        return order, ""
+    for i, slot in enumerate(order[1:], start=1):
+        took, how = admits(float(free_ratio[slot]), spilled=True, high_priority=high_priority, key=key, config=config)
+        if took:
+            return (slot, *order[1:i], *order[i + 1:], first), f"spilled: first choice {why}; taken as {how}"
+    return order, f"no plan takes it as a spill ({why}): it waits at its first choice"
+
+
 def pull_back_s(kv_bytes: float, link_gbps: float) -> float:
     """Seconds to bring a spilled request's KV back to its home plan over a link of `link_gbps`
     (the cost model's link figures; PCIe Gen5 x16 is ~64 GB/s, seed 003)."""
@@ -89,4 +111,4 @@ def pull_back_s(kv_bytes: float, link_gbps: float) -> float:
     return kv_bytes * 8 / (link_gbps * 1e9)
 
 
-__all__ = ["Band", "SpillConfig", "admits", "band", "pull_back_s"]
+__all__ = ["Band", "SpillConfig", "admits", "band", "pull_back_s", "reorder"]

@@ -92,5 +92,6 @@ def score(req: RouteRequest, pool: Pool) -> Floats:
         return pool.cheap
     if long_share == 1.0:
         return pool.dense
-    out: Floats = long_share * pool.dense + (1.0 - long_share) * pool.cheap
+    out: Floats = pool.dense_minus_cheap * long_share  # = long_share x dense + (1 - long_share) x cheap
+    out += pool.cheap
     return out

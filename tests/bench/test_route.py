@@ -101,3 +101,21 @@ def test_it_writes_the_json_it_prints(tmp_path: Path, capsys: pytest.CaptureFixt
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"least-loaded", "flexpipe"}
     assert f"time scale {result['time_scale']:.4f}" in printed and "targets (issue 15" in printed
+
+
+def test_the_learned_and_bucket_variants_and_the_drift_case_report_their_fields(tmp_path: Path) -> None:
+    a, b = mooncake_like(tmp_path / "a.jsonl", n=24), mooncake_like(tmp_path / "b.jsonl", n=24)
+    result = bench.bench("", policies=["round-robin", "flexpipe+learned", "flexpipe+buckets"], decision_samples=20,
+                         drift=f"{a},{b}")
+    assert result["requests"] == 48 and result["drift_shift_s"] > 0
+    pols = result["policies"]
+    for name, r in pols.items():
+        assert {"sla_violation_rate", "ttft_p99_short_s", "slo_attainment_before_shift",
+                "slo_attainment_after_shift"} <= set(r), name
+        assert r["lost"] == 0
+        assert r["sla_violation_rate"] == pytest.approx(1 - r["slo_attainment"], abs=1e-4)
+    learned = pols["flexpipe+learned"]
+    assert {"rollbacks", "worst_window_violations_vs_rr", "weights", "stages"} <= set(learned)
+    assert learned["stages"] and learned["stages"][0]["to"] == "canary"  # out of the cold start on round-robin
+    assert sum(learned["weights"].values()) == pytest.approx(4.0, abs=1e-3)  # Hedge keeps the weights' total
+

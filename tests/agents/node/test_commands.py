@@ -111,6 +111,9 @@ def test_a_leader_with_weights_other_than_the_registry_s_fails_and_books_nothing
     plan = tiny_plan([gpus("n1", 1)])
     ack = agent.handle(command("prepare_plan", prepare_payload(plan, "n1", weights_sha256="0" * 64)))
     assert ack.status == "failed" and ack.result["reason"] == "failed" and "sha256" in ack.detail
+    # the digest the node found travels in the ack (the registry quarantines the version on it)
+    assert set(ack.result) == {"reason", "weights_sha256"} and len(ack.result["weights_sha256"]) == 64
+    assert ack.result["weights_sha256"] != "0" * 64
     assert agent.booked() == {} and not agent.plans
 
 

@@ -112,3 +112,22 @@ def test_merged_deltas_keep_the_newest_of_each_node_and_gpu() -> None:
     assert out == {"nodes": [{"node_id": "a", "v": 2}, {"node_id": "b", "v": 1}],
                    "gpus": [{"uuid": "g0", "v": 2}, {"uuid": "g1", "v": 1}]}
     assert m.take() == {"nodes": [], "gpus": []}
+
+
+async def test_a_costly_push_spaces_the_next_ones_out_to_its_busy_share() -> None:
+    clock, seen = Clock(), []
+
+    async def flush() -> None:  # the whole fleet's view: 0.4 s of work each time
+        seen.append(clock.t)
+        await clock.sleep(0.4)
+
+    c = Coalescer(0.5, flush, busy_share=0.25, clock=clock, sleep=clock.sleep)
+    for _ in range(60):  # a report every 0.1 s for 6 s
+        c.poke()
+        await clock.advance(0.1)
+    await clock.advance(10)
+    gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
+    assert gaps and min(gaps) >= 1.6 - 1e-9  # 0.4 s / 0.25: a quarter of the time at most
+    assert c.gap_s == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="busy_share"):
+        Coalescer(0.5, flush, busy_share=0)

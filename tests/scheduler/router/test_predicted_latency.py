@@ -67,3 +67,18 @@ def test_a_deadline_is_the_ttft_yardstick_and_plans_that_miss_it_rank_last() -> 
     assert ok is not None and [gpu_of(pool, i) for i in range(3) if ok[i]] == ["H100-SXM", "A100-80G"]
     d = router().route(req(30_000, deadline_s=deadline), pool, 0.0)
     assert gpu_of(pool, d.order[-1]) == "L40S"
+
+
+def test_a_long_prompt_avoids_the_plan_whose_many_decodes_its_prefill_would_stall() -> None:
+    from scheduler.router.predicted_latency import prefill_s, stall_s
+
+    snap = mixed_snapshot()
+    pool = Pool([facts("h100", snap), facts("h100", snap, kv_tokens=400_000)], model="Qwen2-72B")
+    # plan 0 decodes 100 short answers and has no queue; plan 1 decodes nothing but has a queue
+    pool.set_loads([PlanLoad(running=100), PlanLoad(waiting=1, queued_tokens=2000)])
+    r = req(8000, 16)
+    ttft, _ = predict(r, pool, None)
+    assert ttft[0] < ttft[1]  # alone, the request's own first token would come sooner on plan 0
+    stall = stall_s(r, prefill_s(r, pool, None), pool)
+    assert stall[1] == 0.0 and stall[0] > 0.0
+    assert router().route(r, pool, 0.0).chosen == 1

@@ -59,6 +59,7 @@ def test_a_decision_explains_each_plugins_score_and_each_filter() -> None:
     assert h100["rank"] == 1 and h100["total"] == pytest.approx(sum(
         e["weights"][k] * v for k, v in h100["scores"].items()), abs=0.05)
     assert h100["predicted_ttft_ms"] < a100["predicted_ttft_ms"]
+    assert h100["predicted_stall_ms"] == 0.0  # nothing runs there for its prefill to stall
     assert l40s["filtered"].startswith("memory_bound: needs") and l40s["rank"] is None
 
 

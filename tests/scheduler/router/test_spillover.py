@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.router.spillover import Band, SpillConfig, admits, band, pull_back_s
+from scheduler.router.spillover import Band, SpillConfig, admits, band, pull_back_s, reorder
 
 
 @pytest.mark.parametrize("free,expected", [(0.95, Band.PROBE), (0.31, Band.PROBE), (0.30, Band.NORMAL),
@@ -46,3 +46,20 @@ def test_a_bad_config_names_the_field(kw: dict[str, float], field: str) -> None:
         SpillConfig(**kw)
     with pytest.raises(ValueError, match="link_gbps"):
         pull_back_s(1.0, 0)
+
+
+def test_a_request_stays_with_its_first_choice_while_that_takes_its_own_traffic() -> None:
+    assert reorder((2, 0, 1), [0.5, 0.5, 0.2], high_priority=False, key="k") == ((2, 0, 1), "")
+
+
+def test_a_saturated_first_choice_spills_to_the_first_plan_with_room_and_goes_last() -> None:
+    free = [0.2, 0.9, 0.05]  # slot 2 (first choice) nearly full, slot 0 takes no spills, slot 1 probes
+    keys = [k for k in (f"r{i}" for i in range(50)) if admits(0.9, spilled=True, high_priority=False, key=k)[0]]
+    order, why = reorder((2, 0, 1), free, high_priority=False, key=keys[0])
+    assert order == (1, 0, 2) and why.startswith("spilled")
+
+
+def test_when_no_plan_takes_the_spill_the_request_waits_at_its_first_choice() -> None:
+    order, why = reorder((2, 0), [0.2, 0.5, 0.05], high_priority=False, key="k")
+    assert order == (2, 0) and "waits at its first choice" in why
+    assert reorder((2, 0), [0.2, 0.5, 0.05], high_priority=True, key="k") == ((2, 0), "")  # high: it gets in

@@ -1,0 +1,170 @@
+"""What a decision measures: the offered load, the cooldown, whether a gear stands (meets its
+SLOs with room to spare), the current gear as it is on the snapshot, a gear's value, and the
+orders candidates are ranked in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from scheduler.costmodel import (
+    Efficiency,
+    Estimate,
+    PlanProfile,
+    Slo,
+    Workload,
+    combine_estimates,
+    estimate_plan,
+)
+from scheduler.gearbox.values import DEFAULT_CONFIG, CandidateEval, Deployment, GearboxConfig, LoadWindow
+from scheduler.modelspec import ModelSpec
+from scheduler.plan import Gear, Plan, stage_bytes_per_gpu, validate_gear, validate_plan
+from scheduler.topology import AtomicBlock, BlockPolicy, Snapshot
+
+
+def offered_load(window: LoadWindow, now_s: float, config: GearboxConfig = DEFAULT_CONFIG) -> Workload | None:
+    """The load to plan for: the larger of the short- and long-window means, backlog included."""
+    return _larger(window.over(now_s, config.short_window_s, config.backlog_drain_s),
+                   window.over(now_s, config.long_window_s, config.backlog_drain_s))
+
+
+def _larger(short: Workload | None, long: Workload | None) -> Workload | None:
+    if short is None:
+        return long
+    if long is None:
+        return short
+    return short if short.rate_rps >= long.rate_rps else long
+
+
+def cooldown_until(deployment: Deployment, config: GearboxConfig = DEFAULT_CONFIG) -> float | None:
+    """When automatic switching is allowed again (None: never switched)."""
+    times = sorted(deployment.last_switch_times_s)
+    if not times:
+        return None
+    last = times[-1]
+    flapping = len(times) >= 2 and last - times[-2] <= config.flap_window_s
+    return last + (config.long_cooldown_s if flapping else config.cooldown_s)
+
+
+def record_switch(deployment: Deployment, now_s: float, *, forced: bool, keep: int = 4) -> Deployment:
+    """The deployment after a switch started at `now_s`: a chosen switch joins the recent
+    switch times (cooldown, anti-flapping); a forced one (`Decision.forced`) does not - being
+    pushed off broken GPUs, or down by an operator, is not flapping, and counting it would hold
+    the gear for a (long) cooldown just when the load or the returning GPUs call for a move."""
+    if forced:
+        return deployment
+    times = (*sorted(deployment.last_switch_times_s)[-(keep - 1):], now_s) if keep > 1 else (now_s,)
+    return replace(deployment, last_switch_times_s=times)
+
+
+def margin_load(workload: Workload, config: GearboxConfig = DEFAULT_CONFIG, *, shrinking: bool = False) -> Workload:
+    """The load a standing gear must still carry within its SLOs: the offered load over the
+    watermark (the high one; the shrink one for a gear that would give GPUs back)."""
+    return workload.scaled(1.0 / (config.shrink_watermark if shrinking else config.high_watermark))
+
+
+def standing(est: Estimate | None, workload: Workload, config: GearboxConfig = DEFAULT_CONFIG, *,
+             shrinking: bool = False, at_margin: Estimate | None = None) -> bool:
+    """Whether a gear meets both SLOs at this load with room to spare: served in full below
+    the high watermark, and at least `standing_attainment` of its output within the SLOs -
+    and, given its estimate `at_margin` (under `margin_load`), still within them there: a
+    tight TPOT is missed well before a plan saturates, so utilisation alone is no margin. A
+    gear that would give GPUs back (`shrinking`) must stay below `shrink_watermark` instead:
+    the band between the two keeps a shrink from landing where the next rise of the load
+    calls for growing again - and the cooldown (the long one after a second switch) would
+    hold the small gear through that rise."""
+    if est is None:
+        return False
+    if workload.rate_rps <= 0:
+        return True
+    limit = config.shrink_watermark if shrinking else config.high_watermark
+    if est.capacity_rps <= 0 or est.utilization > limit:
+        return False
+    if at_margin is not None and (at_margin.overloaded or at_margin.goodput_tokens_s
+                                  < config.standing_attainment * at_margin.throughput_tokens_s):
+        return False
+    return est.goodput_tokens_s >= config.standing_attainment * est.throughput_tokens_s
+
+
+def gear_footprint(gear: Gear, model: ModelSpec, snapshot: Snapshot) -> dict[str, int]:
+    """Memory the gear holds per GPU (weights + KV reserve), capped at what is reported used:
+    what the deployment would give back when it leaves those GPUs."""
+    out: dict[str, int] = {}
+    for plan in gear.plans:
+        for st in plan.all_stages:
+            if st.layer_start < 0 or st.layer_end > model.num_layers or st.layer_end <= st.layer_start:
+                continue
+            need = stage_bytes_per_gpu(st, model, plan.kv_reserve_tokens)
+            for u in st.gpu_uuids:
+                g = snapshot.gpu_by_uuid.get(u)
+                if g is not None:
+                    out[u] = out.get(u, 0) + min(need, g.mem_used_bytes)
+    return out
+
+
+@dataclass
+class _Current:
+    gear: Gear | None
+    valid: bool
+    reasons: list[str]
+    estimate: Estimate | None
+    profiles: dict[Plan, PlanProfile] = field(default_factory=dict)
+
+
+def _evaluate_current(gear: Gear | None, model: ModelSpec, snapshot: Snapshot, workload: Workload, slo: Slo,
+                      blocks: Sequence[AtomicBlock], reclaim: Mapping[str, int], policy: BlockPolicy,
+                      eff: Efficiency) -> _Current:
+    if gear is None:
+        return _Current(None, False, ["no current gear"], None)
+    reasons = validate_gear(gear, snapshot, model, blocks=blocks, reclaimable_bytes=reclaim, policy=policy)
+    valid = not reasons
+    # estimate the plans that still work; traffic of the broken ones is lost
+    ok_plans = []
+    ok_weights = []
+    profiles: dict[Plan, PlanProfile] = {}
+    for plan, w in zip(gear.plans, gear.weights, strict=False):
+        # a valid gear's plans are valid (validate_gear checked each); else check them one by one
+        if not valid and validate_plan(plan, snapshot, model, blocks=blocks, reclaimable_bytes=reclaim,
+                                       policy=policy):
+            continue
+        prof = PlanProfile.build(plan, model, snapshot, eff)
+        profiles[plan] = prof
+        ok_plans.append(prof)
+        ok_weights.append(w)
+    if not ok_plans:
+        return _Current(gear, valid, reasons, None, profiles)
+    total = sum(ok_weights)
+    weights = [w / total for w in ok_weights] if total > 0 else [1.0 / len(ok_weights)] * len(ok_weights)
+    ests = [estimate_plan(p, workload.scaled(w), slo) for p, w in zip(ok_plans, weights, strict=True)]
+    est = combine_estimates(ests, weights, workload)
+    if not valid:
+        # the survivors only carry their own share; the rest of the traffic is not served
+        kept = total if total > 0 else 0.0
+        est = combine_estimates(
+            [estimate_plan(p, workload.scaled(w * kept), slo) for p, w in zip(ok_plans, weights, strict=True)],
+            weights, workload.scaled(kept))
+    return _Current(gear, valid, reasons, est, profiles)
+
+
+def _value(est: Estimate | None, rent_tokens_s_per_gpu: float) -> float:
+    if est is None:
+        return 0.0
+    return est.goodput_tokens_s - rent_tokens_s_per_gpu * est.gpus
+
+
+
+
+def safe_rank(e: CandidateEval) -> tuple[object, ...]:
+    """The order of safe gears for an emergency: meets the SLOs first, then the most goodput, then the
+    fewest GPUs (a deterministic tie-break last). Switch cost does not count: it is an emergency."""
+    return (not e.standing, -e.estimate.goodput_tokens_s, e.estimate.gpus, _gear_order(e.gear))
+
+
+def _gear_order(gear: Gear) -> tuple[tuple[str, ...], ...]:
+    """A deterministic tie-break that needs no content digest."""
+    return tuple(p.gpu_uuids for p in gear.plans)
+
+
+def _flapping(deployment: Deployment, config: GearboxConfig) -> bool:
+    times = sorted(deployment.last_switch_times_s)
+    return len(times) >= 2 and times[-1] - times[-2] <= config.flap_window_s
