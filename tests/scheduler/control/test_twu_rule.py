@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from scheduler.control import DeploymentState, LoopConfig, Step
+from scheduler.control import DeploymentState, FirstStage, LoopConfig, Staged, Step
 from scheduler.gearbox import DEFAULT_CONFIG, Mode, Outcome, Trigger
 from scheduler.pool.autoscale import TwuSample, gear_twu_samples, window_mean
-from tests.scheduler.control.test_loop import NOW, fleet, state, step, tp8
+from scheduler.transition import Kind
+from tests.scheduler.builders import one_plan_gear, tp_plan
+from tests.scheduler.control.test_loop import M70, NOW, fleet, state, step, tp8
 
 MID_RATE = 12.0  # req/s: tp8 of Llama-3-70B on H100s near 0.64 of its modelled capacity (no LOAD of its own)
 LOW_RATE = 8.0  # ... near 0.42: still no LOAD of its own, but a TP4 serves it within the SLOs
@@ -119,9 +121,18 @@ def test_an_operators_emergency_comes_before_the_twu_signal() -> None:
 
 
 def test_the_twu_rule_waits_for_a_staged_second_stage() -> None:
-    from scheduler.control import FirstStage, Staged
-    from scheduler.transition import Kind
-
     staged = Staged(tp8("a2"), Kind.AUTO, FirstStage.DONE)
     s = one(state(current=tp8("a1"), rate=MID_RATE, twu=twu(0.1, 0.1), staged=staged))
     assert s.decision is not None and s.decision.stage == 2 and not led_by_twu(s)
+
+
+def test_the_ask_never_trades_the_slo() -> None:
+    # a TP4 over its capacity misses its SLOs; TWU samples that say "less" (a stale or wrong
+    # report) leave the gears that meet them eligible, however many GPUs they hold
+    tp4 = one_plan_gear(tp_plan(M70, [f"a1-g{i}" for i in range(4)], kv_tokens=50_000))
+    d = one(state(current=tp4, rate=18.0, twu=twu(0.1, 0.1))).decision
+    assert d is not None and d.trigger is Trigger.LOAD and "less capacity" in d.reasons[0]
+    kept = [c for c in d.candidates if c.standing and c.estimate.gpus >= 4]
+    assert kept and all("asks for less" not in c.note for c in kept)
+    assert all("asks for less" in c.note for c in d.candidates if not c.standing and c.estimate.gpus >= 4)
+    assert d.outcome is Outcome.SWITCH and d.target is not None and len(d.target.gpu_uuids) > 4, d.reasons
