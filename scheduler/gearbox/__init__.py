@@ -64,7 +64,8 @@ long-window means (never plan below a dip), plus the backlog: requests waiting a
 of the newest sample count as arrivals spread over `backlog_drain_s`, so a gear that has
 fallen behind looks as loaded as it is. The LOAD trigger is reported only when both windows
 agree that the current gear is over its high watermark or under its low one, so one spike
-does not move the gear.
+does not move the gear - or when the caller passes it: the control loop does when both TWU
+windows agree (its rule 11, with a `capacity_ask`).
 
 Modules: `values` (modes, triggers, the deployment, the knobs, load windows, the Decision and
 its candidates), `measures` (offered load, cooldown, standing, the current gear, rankings), `weighing` (how one
