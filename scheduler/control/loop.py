@@ -34,7 +34,18 @@ The rules, in order, for each deployment, highest priority first (then `index`):
 10. With `skip_cooldown_stays` (the simulator), a valid, serving gear inside its cooldown on a
     periodic step, with no staged second stage owed, stays without a call (gearbox rule 3 makes
     that call a STAY whatever the candidates are); nothing is recorded.
-11. Otherwise scheduler.gearbox.decide with the folded back-off and the staged target. A SWITCH
+11. TWU (seed 004 section 3.2; scheduler/pool/autoscale.py). On a periodic step with no staged
+    second stage owed, the deployment's TWU samples (`twu`; None: its load window priced over
+    the current gear's plans, `autoscale.gear_twu_samples` - what both drivers pass) go through
+    `autoscale.scale_signal` with the loop's `scale` watermarks and the gearbox's windows and
+    cooldown - no second hysteresis: the cooldown is `cooldown_until`, the one rule 10 and the
+    gearbox read; pinned and emergency-mode deployments, and silence, hold. OUT (the mean TWU of
+    both windows above the high watermark, 0.85) or IN (both below the low one, 0.4) makes the
+    decision of rule 12 a LOAD one that asks for more or less capacity (`capacity_ask`: the
+    candidates that go the other way are left out, bar one that meets the SLOs the current gear
+    misses), its reasons led by the signal's; gain against cost x hysteresis still decides, and
+    an operator's pin holds (the gearbox's rule 3). HOLD leaves the step to rule 12 as it was.
+12. Otherwise scheduler.gearbox.decide with the folded back-off and the staged target. A SWITCH
     starts a transition (kind AUTO, or the first stage's kind for a second stage). A staged
     path ends when a transition starts, on a second stage, or on anything but DEFERRED.
 
@@ -60,13 +71,15 @@ from scheduler.control.state import (
     Start,
     Step,
 )
-from scheduler.gearbox import Mode, Outcome, Trigger, cooldown_until
+from scheduler.gearbox import CapacityAsk, Mode, Outcome, Trigger, cooldown_until
 from scheduler.plan import Gear
+from scheduler.pool.autoscale import Direction, ScaleSignal, gear_twu_samples, scale_signal
 from scheduler.topology import Snapshot
 from scheduler.transition import Kind, Phase, lost_gpus
 
 BRING_UP_REASON = "nothing runs yet: bring the baseline gear up"
 ABORTABLE_PHASES = frozenset({"prepare", "switch"})  # past SWITCH a transition rolls forward
+_ASKS = {Direction.OUT: CapacityAsk.MORE, Direction.IN: CapacityAsk.LESS}  # rule 11: the TWU signal's ask
 
 
 def decision_snapshot(base: Snapshot, held_by_others: Iterable[str]) -> Snapshot:
@@ -164,7 +177,13 @@ class ControlLoop:
         if (cfg.skip_cooldown_stays and staged is None and state.serving and trigger is Trigger.PERIODIC
                 and until is not None and now_s < until):  # rule 10
             return Step(name, trigger, clear_staged=clear, backoff=book)
-        d = self._decide(state, fleet, held, now_s, trigger, book=book, staged=staged)  # rule 11
+        signal = self._twu_signal(state, fleet, now_s) if trigger is Trigger.PERIODIC and staged is None else None
+        ask = _ASKS.get(signal.direction) if signal is not None else None  # rule 11
+        if ask is not None:
+            trigger = Trigger.LOAD
+        d = self._decide(state, fleet, held, now_s, trigger, book=book, staged=staged, ask=ask)  # rule 12
+        if ask is not None and signal is not None:
+            d = replace(d, reasons=(f"TWU asks for {ask.value} capacity: {signal.reason}", *d.reasons))
         start_kind = kind if d.stage == 2 else Kind.AUTO
         start = self._start_of(d, start_kind)
         ends = state.staged is not None and (start is not None or d.stage == 2 or d.outcome is not Outcome.DEFERRED)
@@ -207,16 +226,25 @@ class ControlLoop:
         return Step(name, trigger, d, self._start_of(d, Kind.AUTO), backoff=book)
 
     # --- helpers ----------------------------------------------------------------------------
+    def _twu_signal(self, state: DeploymentState, fleet: FleetState, now_s: float) -> ScaleSignal:
+        """Rule 11: the TWU scale signal of a deployment with a gear."""
+        assert state.current is not None  # noqa: S101 - rule 9 came first
+        cfg = self.config
+        samples = state.twu if state.twu is not None else gear_twu_samples(
+            state.load, state.current, state.model, fleet.snapshot, now_s, cfg.gearbox)
+        return scale_signal(samples, now_s, state.deployment, config=cfg.scale, gearbox=cfg.gearbox)
+
     def _decide(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
                 trigger: Trigger, *, requested: Gear | None = None, book: Backoff | None = None,
-                staged: Gear | None = None) -> gearbox.Decision:
+                staged: Gear | None = None, ask: CapacityAsk | None = None) -> gearbox.Decision:
         name = state.deployment.id
         others = set().union(*[g for n, g in held.items() if n != name]) if held else set()
         self.calls += 1
         return gearbox.decide(state.deployment, state.current, decision_snapshot(fleet.snapshot, others), state.load,
                               now_s, trigger=trigger, requested_gear=requested, history=fleet.history,
                               staged_target=staged, backoff=book if book is not None else state.backoff,
-                              model=state.model, config=self.config.gearbox, planner_options=state.planner_options)
+                              model=state.model, config=self.config.gearbox, planner_options=state.planner_options,
+                              capacity_ask=ask)
 
     @staticmethod
     def _start_of(d: gearbox.Decision, kind: Kind) -> Start | None:

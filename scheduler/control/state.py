@@ -16,6 +16,7 @@ from scheduler.gearbox import DEFAULT_CONFIG, Decision, Deployment, GearboxConfi
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear
 from scheduler.planner import PlannerOptions
+from scheduler.pool.autoscale import DEFAULT_SCALE, ScaleConfig, TwuSample
 from scheduler.topology import FragmentHistory, Snapshot
 from scheduler.transition import Kind, TransitionRecord
 
@@ -47,6 +48,7 @@ class LoopConfig:
     # console keeps every "stay" (its page and audit show them: False); the simulator only
     # needs the switches and blocks (True: the replay calls the planner far less)
     skip_cooldown_stays: bool = False
+    scale: ScaleConfig = DEFAULT_SCALE  # rule 11: the TWU watermarks (its windows and cooldown are the gearbox's)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,9 @@ class DeploymentState:
     serving: bool = True  # every plan of its current gear serves (the simulator knows; the
     # console leaves it True and relies on lost GPUs): rule 10 needs it
     index: int = 0  # tie-break after priority (file order, or name order)
+    twu: tuple[TwuSample, ...] | None = None  # its TWU per report interval (scheduler.pool.twu), rule 11;
+    # None: the loop prices its load window over the current gear (autoscale.gear_twu_samples), as
+    # both drivers leave it - the same inputs, the same samples
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,7 @@ class Step:
     """What the loop decided for one deployment."""
 
     deployment_id: str
-    trigger: Trigger  # the trigger it decided under (after rules 2 and 8 promoted it)
+    trigger: Trigger  # the trigger it decided under (after rules 2, 8 and 11 promoted it)
     decision: Decision | None = None  # None: nothing decided (a transition runs, reports awaited)
     start: Start | None = None  # the transition to start
     abort: str | None = None  # ask the running transition to roll back, with this reason

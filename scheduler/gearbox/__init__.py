@@ -30,6 +30,9 @@ Rules, in the order they apply:
      emergency downshift - is being pushed, not flapping, and starts no cooldown;
    - otherwise switch to the best candidate only if gain > cost x hysteresis and the gain
      per second is at least `min_relative_gain` of the offered output tokens/s.
+   - a LOAD decision the control loop asks for more or less capacity (its TWU rule,
+     `capacity_ask`) leaves out the candidates that go the other way (no more modelled
+     capacity; no fewer GPUs) - not one that meets the SLOs the current gear misses.
    ADVISORY deployments get ADVISE where an AUTO one would SWITCH.
 0. (before 1-3) The second stage of a staged switch whose first stage is done (`staged_target`):
    on to it without hysteresis or cooldown when it fits; pinned deployments stop there.
@@ -61,7 +64,8 @@ long-window means (never plan below a dip), plus the backlog: requests waiting a
 of the newest sample count as arrivals spread over `backlog_drain_s`, so a gear that has
 fallen behind looks as loaded as it is. The LOAD trigger is reported only when both windows
 agree that the current gear is over its high watermark or under its low one, so one spike
-does not move the gear.
+does not move the gear - or when the caller passes it: the control loop does when both TWU
+windows agree (its rule 11, with a `capacity_ask`).
 
 Modules: `values` (modes, triggers, the deployment, the knobs, load windows, the Decision and
 its candidates), `measures` (offered load, cooldown, standing, the current gear, rankings), `weighing` (how one
@@ -84,6 +88,7 @@ from scheduler.gearbox.measures import (
 from scheduler.gearbox.values import (
     DEFAULT_CONFIG,
     CandidateEval,
+    CapacityAsk,
     Decision,
     Deployment,
     GearboxConfig,
@@ -96,7 +101,7 @@ from scheduler.gearbox.values import (
 from scheduler.gearbox.weighing import MAX_VIAS
 
 __all__ = [
-    "CandidateEval", "DEFAULT_CONFIG", "Decision", "Deployment", "GearboxConfig", "LoadSample", "LoadWindow",
-    "MAX_VIAS", "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "margin_load",
+    "CandidateEval", "CapacityAsk", "DEFAULT_CONFIG", "Decision", "Deployment", "GearboxConfig", "LoadSample",
+    "LoadWindow", "MAX_VIAS", "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "margin_load",
     "offered_load", "record_switch", "safe_rank", "standing",
 ]

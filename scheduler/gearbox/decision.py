@@ -30,6 +30,7 @@ from scheduler.gearbox.measures import _flapping, _gear_order, _value
 from scheduler.gearbox.values import (
     DEFAULT_CONFIG,
     CandidateEval,
+    CapacityAsk,
     Decision,
     Deployment,
     GearboxConfig,
@@ -64,6 +65,7 @@ def decide(
     planner_options: PlannerOptions | None = None,
     policy: BlockPolicy = DEFAULT_POLICY,
     eff: Efficiency = DEFAULT_EFFICIENCY,
+    capacity_ask: CapacityAsk | None = None,
 ) -> Decision:
     """Decide whether `deployment` should change gear now (package docstring: the rules).
 
@@ -72,12 +74,15 @@ def decide(
     gear a staged switch goes on to once its first stage is done (`Decision.staged_target` of the
     decision that started it; its drivers keep it). `backoff`: the deployment's back-off after
     refused PREPAREs (scheduler.backoff): automatic switches wait, and backed-off plans are not
-    proposed. Pure and deterministic: no I/O, no clock but `now_s`.
+    proposed. `capacity_ask` (the control loop's TWU rule, with a LOAD trigger): "more" makes the
+    candidates with no more modelled capacity than the current gear ineligible, "less" those that
+    hold no fewer GPUs - unless one meets the SLOs the current gear misses (never trade the SLO);
+    what is left is weighed as ever. Pure and deterministic: no I/O, no clock but `now_s`.
     """
     w = Weighing(deployment, current_gear, snapshot, load_window, now_s, trigger=trigger,
                   requested_gear=requested_gear, transition_running=transition_running, history=history,
                   staged_target=staged_target, backoff=backoff, model=model, config=config,
-                  planner_options=planner_options, policy=policy, eff=eff)
+                  planner_options=planner_options, policy=policy, eff=eff, capacity_ask=capacity_ask)
     done = _second_stage(w)
     if done is not None:
         return done
@@ -259,6 +264,8 @@ def _weigh_candidates(w: Weighing) -> tuple[list[CandidateEval], Candidates]:
     if w.backoff is not None and w.backoff.entries:
         book = w.backoff
         evals = [w.backed_off(e, book) for e in evals]
+    if w.capacity_ask is not None:
+        evals = [w.against_ask(e) for e in evals]
     if w.direct_only:
         evals = [e if e.path is None or not e.path.staged else replace(e, passes=False, note=(
             f"{e.note}; not now: the staged switch before it could not go on") if e.note else

@@ -29,6 +29,13 @@ class Trigger(enum.StrEnum):
     MANUAL = "manual"  # operator: go to this gear
 
 
+class CapacityAsk(enum.StrEnum):
+    """What a LOAD decision is asked for (the control loop's TWU rule, scheduler/pool/autoscale.py)."""
+
+    MORE = "more"  # scale out: only candidates with more modelled capacity than the current gear
+    LESS = "less"  # scale in: only candidates that hold fewer GPUs
+
+
 class Outcome(enum.StrEnum):
     SWITCH = "switch"  # start a transition to `target`
     STAY = "stay"  # keep the current gear

@@ -35,6 +35,7 @@ from scheduler.gearbox.measures import (
 )
 from scheduler.gearbox.values import (
     CandidateEval,
+    CapacityAsk,
     Decision,
     Deployment,
     GearboxConfig,
@@ -74,7 +75,8 @@ class Weighing:
                  load_window: LoadWindow, now_s: float, *, trigger: Trigger, requested_gear: Gear | None,
                  transition_running: bool, history: FragmentHistory | None, staged_target: Gear | None,
                  backoff: Backoff | None, model: ModelSpec | None, config: GearboxConfig,
-                 planner_options: PlannerOptions | None, policy: BlockPolicy, eff: Efficiency) -> None:
+                 planner_options: PlannerOptions | None, policy: BlockPolicy, eff: Efficiency,
+                 capacity_ask: CapacityAsk | None = None) -> None:
         self.deployment = deployment
         self.current_gear = current_gear
         self.snapshot = snapshot
@@ -120,6 +122,7 @@ class Weighing:
         self.output_p99 = workload.output_quantile(0.99)
         self.ignore_cooldown = False  # a staged switch could not go on: its first stage was never meant to stay
         self.direct_only = False  # ... and no new staged path from it (no loop of first stages)
+        self.capacity_ask = capacity_ask  # the TWU rule's ask (`against_ask`)
 
     # --- estimates and standing ----------------------------------------------------------------
     def at_load(self, gear: Gear, load: Workload, known: Mapping[Plan, PlanProfile]) -> Estimate:
@@ -244,6 +247,23 @@ class Weighing:
         note = f"backing off until t={until:.0f} s (a PREPARE of it was refused: {hit[0].reason[:120]})"
         return replace(e, passes=False, note=f"{e.note}; {note}" if e.note else note,
                        path=SwitchPath("blocked", conflicts=e.path.conflicts if e.path else (), note=note))
+
+    def against_ask(self, e: CandidateEval) -> CandidateEval:
+        """`e` made ineligible when it goes against the capacity ask: MORE, no more modelled capacity
+        than the current gear at the offered load; LESS, no fewer GPUs. A candidate that meets the
+        SLOs the current gear misses is kept (never trade the SLO); with no current estimate there
+        is nothing to compare against."""
+        ask, cur = self.capacity_ask, self.cur.estimate
+        if ask is None or cur is None or (e.standing and not self.cur_standing):
+            return e
+        if ask is CapacityAsk.MORE and e.estimate.capacity_rps <= cur.capacity_rps:
+            note = (f"not now: TWU asks for more capacity and it has {e.estimate.capacity_rps:.2f} req/s, the current"
+                    f" gear {cur.capacity_rps:.2f}")
+        elif ask is CapacityAsk.LESS and e.estimate.gpus >= cur.gpus:
+            note = f"not now: TWU asks for less capacity and it holds {e.estimate.gpus} GPUs, the current gear {cur.gpus}"
+        else:
+            return e
+        return replace(e, passes=False, note=f"{e.note}; {note}" if e.note else note)
 
     # --- the planner's gears -------------------------------------------------------------------
     def plan(self, options: PlannerOptions, *, keep: Sequence[Plan] = (),

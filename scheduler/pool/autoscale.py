@@ -4,7 +4,9 @@
 TWU (twu.py) of both the short and the long window of the deployment's load window is above the
 high watermark (default 0.85), IN when both are below the low one (default 0.4), HOLD otherwise.
 The samples are one deployment's TWU per report interval - recorded by the caller, or derived from
-its load window by `load_twu_samples`.
+its load window by `load_twu_samples` (`gear_twu_samples` prices the gear's plans first). The control
+loop reads it as its rule 11 (scheduler/control/loop.py): OUT or IN makes that step's gearbox
+decision a LOAD one asking for more or less capacity (`gearbox.decide(capacity_ask=...)`).
 The seed's text says the same - below 0.4 the GPUs have idle cycles, above 0.85 requests queue -
 while its example config names the threshold under 0.4 "scale up": that contradicts the text,
 and we follow the text.
@@ -44,10 +46,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from scheduler.costmodel import PlanProfile
 from scheduler.gearbox import DEFAULT_CONFIG, GearboxConfig, LoadWindow, Mode, cooldown_until
 from scheduler.gearbox import Deployment as GearboxDeployment
+from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear
 from scheduler.pool.twu import PlanTokens, PlanTwu, TokenCosts, deployment_twu, plan_twu
+from scheduler.topology import Snapshot
 
 SEED_004_WEIGHTS: Mapping[str, float] = {"Phi-3-mini": 1.0, "Llama-3-8B": 2.3, "Qwen2-72B": 8.7}
 """The seed's example soft-limit weights (seed 004 §3.2)."""
@@ -141,6 +146,24 @@ def load_twu_samples(window: LoadWindow, gear: Gear, costs: Mapping[str, TokenCo
     return tuple(out)
 
 
+def gear_twu_samples(window: LoadWindow, gear: Gear, model: ModelSpec, snapshot: Snapshot, now_s: float,
+                     gearbox: GearboxConfig = DEFAULT_CONFIG) -> tuple[TwuSample, ...]:
+    """`load_twu_samples` with each plan of `gear` priced on `snapshot` (PlanProfile.build, then
+    TokenCosts.of) under the long window's request shape: what the control loop's TWU rule reads
+    (scheduler/control/loop.py). No samples in the long window, or a plan the snapshot cannot price
+    (a GPU it no longer lists), give no samples: silence, which holds."""
+    shape = window.over(now_s, gearbox.long_window_s)
+    if shape is None:
+        return ()
+    costs: dict[str, TokenCosts] = {}
+    for plan in gear.plans:
+        try:
+            costs[plan.plan_id] = TokenCosts.of(PlanProfile.build(plan, model, snapshot), shape)
+        except (KeyError, ValueError):
+            return ()
+    return load_twu_samples(window, gear, costs)
+
+
 def window_mean(samples: Sequence[TwuSample], now_s: float, window_s: float) -> float | None:
     """Mean TWU of the samples in (now - window, now]; None if there are none."""
     chosen = [s.twu for s in samples if now_s - window_s < s.t_s <= now_s]
@@ -226,4 +249,4 @@ def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
 
 
 __all__ = ["AdmissionShares", "DEFAULT_SCALE", "Direction", "SEED_004_WEIGHTS", "ScaleConfig", "ScaleSignal",
-           "TwuSample", "admission_shares", "load_twu_samples", "scale_signal", "window_mean"]
+           "TwuSample", "admission_shares", "gear_twu_samples", "load_twu_samples", "scale_signal", "window_mean"]

@@ -5,7 +5,8 @@ agents' reports after them), a GPU another tenant takes - is fed to the console'
 (console/gearbox/ticks.py over the database, its transitions run by simulated agents) and to
 the simulator's driver (agents.sim.policies.FlexPipePolicy, the code bench.replay runs, over a
 stand-in for FleetSim and its TransitionDriver that shows it the console's snapshot). Both must
-decide the same sequence: trigger, outcome, target gear (its id is a hash of its plans).
+decide the same sequence: trigger, outcome, target gear (its id is a hash of its plans) and,
+where the TWU rule led the decision, its reason.
 
 The documented differences stay inputs of the loop, not code paths: the simulator's baseline is
 seeded (the console's first tick brings it up, before the trace), its reports are instant, and
@@ -154,8 +155,14 @@ def _samples(rate: float, t: float) -> list[LoadSample]:
     return [LoadSample(t - 45 + 15 * i, rate, 512, 200) for i in range(4)]
 
 
-def _row(d: Any) -> tuple[str, str, str | None]:
-    return (d.trigger.value, d.outcome.value, d.target_gear_id)
+def _twu_reason(reasons: Any) -> str:
+    """The TWU rule's reason where it led the decision, else "" (other reasons carry times the two
+    sides stamp apart, such as the end of a cooldown)."""
+    return reasons[0] if reasons and str(reasons[0]).startswith("TWU asks") else ""
+
+
+def _row(d: Any) -> tuple[str, str, str | None, str]:
+    return (d.trigger.value, d.outcome.value, d.target_gear_id, _twu_reason(d.reasons))
 
 
 def test_the_console_tick_and_the_simulator_policy_decide_the_same_on_one_trace() -> None:
@@ -169,7 +176,7 @@ def test_the_console_tick_and_the_simulator_policy_decide_the_same_on_one_trace(
     rep.report("b1")
     assert Deployment.objects.get(name="chat").current_gear == BASELINE.to_dict()
     policies = {skip: _sim_policy(skip) for skip in (False, True)}
-    console: list[tuple[str, str, str | None]] = []
+    console: list[tuple[str, str, str | None, str]] = []
     last_t = 0.0
     for what in TRACE:
         # (each state is stamped when it is applied: the agents' reports carry the wall clock,
@@ -201,7 +208,8 @@ def test_the_console_tick_and_the_simulator_policy_decide_the_same_on_one_trace(
             ticks.tick(trigger="topology" if verb == "lose" else "periodic", now=now)
             newest = Decision.objects.filter(deployment__name="chat").order_by("-id").first()
             if newest is not None and (Decision.objects.count() > before or newest.last_at == now):
-                console.append((newest.trigger, newest.outcome, newest.target_gear_id or None))
+                console.append((newest.trigger, newest.outcome, newest.target_gear_id or None,
+                                _twu_reason(newest.reasons)))
         for policy, sim, driver, _ in policies.values():
             sim.now = now
             if verb == "load":
@@ -215,8 +223,11 @@ def test_the_console_tick_and_the_simulator_policy_decide_the_same_on_one_trace(
                 assert sim.later == []  # a valid gear, DONE: nothing owed (nor does the console tick)
     full = [_row(d) for out in policies[False][3].outputs for d in out.decisions]
     assert full == console, (full, console)
-    assert any(o == "switch" for _, o, _ in console), console  # the trace moves the gear
+    assert any(r[1] == "switch" for r in console), console  # the trace moves the gear
     assert ("topology", "switch") in {r[:2] for r in console}, console  # the lost GPU moves the gear
+    # the TWU rule (loop rule 11) reads the same load window on both sides: the low load of the
+    # first state asks both for less capacity, and both give GPUs back on it
+    assert any(r[:2] == ("load", "switch") and r[3].startswith("TWU asks for less capacity") for r in console), console
     # the cooldown short-cut drops periodic stays, and only those
     short = [_row(d) for out in policies[True][3].outputs for d in out.decisions]
     assert all(r[:2] == ("periodic", "stay") for r in missing(full, short)), (full, short)
