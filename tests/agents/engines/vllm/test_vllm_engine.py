@@ -196,23 +196,41 @@ def test_a_hung_server_is_restarted(vllm_engine: VllmEngine) -> None:
     assert _complete(vllm_engine, GREEDY).token_ids == before.token_ids
 
 
-@pytest.mark.vllm
-@pytest.mark.timeout(300)
 def test_a_server_that_keeps_dying_is_reported_failed(tmp_path: Path, tiny_model: Path) -> None:
-    broken = tmp_path / "not-a-model"
-    broken.mkdir()
+    # The restart policy's count, on a server process that dies at start as vLLM does on a model it
+    # cannot load (status 1, its reason on stderr); vLLM's own refusal is the next test. Each real
+    # vLLM death costs a whole start (~30 s of CPU here), and the policy does not care who died.
+    dies = tmp_path / "python"
+    dies.write_text("#!/bin/sh\necho \"ValueError: no config.json in $4\" >&2\nexit 1\n")
+    dies.chmod(0o755)
     failures: list[EngineStatus] = []
-    engine = VllmEngine(cpu_spec(broken, "broken"), log_dir=tmp_path,
-                        policy=RestartPolicy(max_restarts=1, backoff_initial_s=0.1, startup_timeout_s=120),
+    engine = VllmEngine(cpu_spec(tiny_model, "dying"), python=str(dies), log_dir=tmp_path,
+                        policy=RestartPolicy(max_restarts=1, backoff_initial_s=0.1, startup_timeout_s=60),
                         on_failure=failures.append)
-    with pytest.raises(EngineError, match=r"plan broken: failed: vLLM server of plan broken exited with status 1"):
-        engine.start(timeout_s=280)
+    with pytest.raises(EngineError, match=r"plan dying: failed: vLLM server of plan dying exited with status 1"):
+        engine.start(timeout_s=60)
     status = engine.status()
     assert status.state is EngineState.FAILED and not status.admitting
     assert status.restarts == 1  # one restart allowed, the second death is final
     assert status.last_exit_status == 1
     assert status.failure is not None and "2 deaths within 600 s (restart policy allows 1)" in status.failure
-    assert str(broken) in status.failure  # the log lines say what vLLM refused
+    assert f"no config.json in {tiny_model}" in status.failure  # the server's last words are in the failure
     assert [f.state for f in failures] == [EngineState.FAILED]
+    engine.stop()
+    assert engine.leftovers() == set()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_vllm_refusing_its_model_is_reported_failed_in_its_own_words(tmp_path: Path) -> None:
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()
+    engine = VllmEngine(cpu_spec(broken, "broken"), log_dir=tmp_path,
+                        policy=RestartPolicy(max_restarts=0, startup_timeout_s=120))
+    with pytest.raises(EngineError, match=r"plan broken: failed: vLLM server of plan broken exited with status 1"):
+        engine.start(timeout_s=280)
+    status = engine.status()
+    assert status.state is EngineState.FAILED and status.restarts == 0 and status.last_exit_status == 1
+    assert status.failure is not None and str(broken) in status.failure  # the log lines say what vLLM refused
     engine.stop()
     assert engine.leftovers() == set()
