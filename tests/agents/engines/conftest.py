@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -45,9 +45,20 @@ class TinyModel:
     sha256: str
     cfg: ModelConfig
     weights: dict[str, torch.Tensor]
+    _references: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = field(default_factory=dict, repr=False)
 
     def reference(self, prompt: Sequence[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
-        return reference_generate(self.weights, self.cfg, prompt, n, sampling)
+        """What the reference forward pass generates. It recomputes the whole sequence per token
+        (seconds for a few hundred), and several tests ask for the same prompt, so each (prompt,
+        sampling) is generated once per session: generation is sequential - the generator is
+        drawn once per token - so the first k tokens of a longer run are the k-token run."""
+        params = sampling or SamplingParams()
+        key = (tuple(prompt), params)
+        have = self._references.get(key, [])
+        if len(have) < n and not (have and have[-1] in self.cfg.eos_token_ids and not params.ignore_eos):
+            have = reference_generate(self.weights, self.cfg, prompt, n, params)
+            self._references[key] = have
+        return list(have[:n])
 
 
 @pytest.fixture(scope="session")
