@@ -4,7 +4,8 @@
 
 For Llama-2-7B and Llama-3-70B, a plan on one H100 node hands sequences of several context
 lengths over to the same plan shape on another node, through the simulated agents
-(agents.sim.memory_fleet, the code the live fleet and the tests run) executing `move_sequences`
+(agents.sim.world over agents.sim.fleet.FleetSim: the one simulator the replays, the live fleet
+and the tests run) executing `move_sequences`
 with the cost model's durations: a migration pauses the sequence at the end of its decode
 iteration and moves its KV over the node link at the transition's bandwidth cap (half the
 link, TransitionConfig.migrate_bw_share); a replay hands its tokens over and re-prefills them
@@ -19,10 +20,9 @@ against replay, with the choice the transition's cost model makes for it (plan_m
 from __future__ import annotations
 
 import argparse
-import random
 from dataclasses import dataclass
 
-from agents.sim.memory_fleet import CostModelTiming, MemoryFleet
+from agents.sim.world import SimWorld
 from scheduler.invariants import EventLog, assert_clean
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Plan, Stage
@@ -73,17 +73,18 @@ def measure(case: Case, link_gbps: float, action: str, context: int) -> dict[str
     snap = cluster(link_gbps)
     log = EventLog()
     world = MemoryWorld(ManualClock(0.0), lambda: fleet.snapshot(), log)
-    fleet = MemoryFleet(snap, world.agents, world.routing.current, log, rng=random.Random(1), start_s=0.0)
-    timing = fleet.timing
-    assert isinstance(timing, CostModelTiming)
+    fleet = SimWorld(snap, world.agents, world.routing.current, log, seed=1)
     src, dst = plan_on(model, "a1", case.tp), plan_on(model, "b1", case.tp)
     for p in (src, dst):
         fleet.seed_plan(p, "bench")
     world.routing.seed("bench", [Route(src, 1.0, False, ("a1",)), Route(dst, 0.0, True, ("b1",))])
-    sid = fleet.submit("bench", context - 16, 4000)  # a long output: it is still decoding when it moves
+    prompt = context - 16
+    # as long an output as its context allows: it is still decoding when it moves
+    sid = fleet.submit("bench", prompt, min(4000, model.max_context_tokens - prompt))
     assert sid is not None
+    req = fleet.sim.in_system[int(sid)]
     t = 0.0
-    while fleet.instances(src.plan_id)[0].seqs[sid].state != "running":
+    while req.first_token_s is None:
         t += 0.05
         fleet.advance_to(t)
     t += 0.1  # mid-decode: the hand-over waits for the end of the current iteration
@@ -105,10 +106,12 @@ def measure(case: Case, link_gbps: float, action: str, context: int) -> dict[str
     fleet.advance_to(t + 0.5)
     assert_clean(log, complete=False)  # the hand-over kept invariants 1-2
     stall = next(x for x in fleet.stalls if x.seq_id == sid)
+    engine = fleet.engine("bench", src.plan_id)
+    assert engine is not None
     chosen = plan_moves([SeqInfo(sid, stall.context_tokens, 1, 1_000_000)], src, [(dst, 1.0)], model, snap,
                         drain_budget_s=0.0, bw_share=DEFAULT_TRANSITION_CONFIG.migrate_bw_share)[0]
     return {"context": stall.context_tokens, "stall_s": stall.stall_s, "kv_bytes": stall.kv_bytes,
-            "tpot_s": timing.decode_step_s(src, 1, stall.context_tokens), "chosen": chosen.action,
+            "tpot_s": engine.profile.pipeline("decode").decode_step_s(1, stall.context_tokens), "chosen": chosen.action,
             "est_s": chosen.est_stall_s}
 
 

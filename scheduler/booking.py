@@ -8,8 +8,8 @@ old gear keeps serving (and holding its weights and KV) until CLEANUP releases i
 
 Three users, one arithmetic:
 
-* Agents (the real daemon, `agents.sim.fleet.FleetSim`, `agents.sim.memory_fleet.MemoryFleet`)
-  call `refuse_booking` at PREPARE and refuse with its `Overbooking.message()` and
+* Agents (the real daemon, `agents.sim.fleet.FleetSim` - the simulated one of the replays, the
+  live fleet and the tests' worlds) call `refuse_booking` at PREPARE and refuse with its `Overbooking.message()` and
   `REFUSAL_REASON` - the same words whichever agent refuses.
 * The gearbox asks `beside_conflicts(current, target, ...)` whether a candidate fits beside the
   current gear; when it does not, `scheduler.staging` finds and prices what it would take.

@@ -7,8 +7,9 @@ checks its `Guard` against the store, the way the Django ports check it inside t
 transaction, and every write is logged for `scheduler.invariants.check`.
 
 Agents are whoever drains the mailbox: `take(node_id)` hands out the commands queued for a
-node (each once), `ack(key, status, ...)` records the answer. `agents.sim.memory_fleet` is a
-full simulated fleet that does so; a test may also answer by hand.
+node (each once), `ack(key, status, ...)` records the answer. `agents.sim.world.SimWorld` (the
+simulator, agents.sim.fleet.FleetSim, playing every agent) is a full simulated fleet that does
+so; a test may also answer by hand.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The cluster changing under the plans: at each scenario change (a GPU preempted or failed, a
-node gone or joined, a link degraded) every plan that lost a GPU stops - as a real engine
-crashes when one of its ranks disappears - and its requests go back to the router to be
-recomputed; plans across nodes get new profiles when a link changes. `break_gpus` does the
+node gone or joined, a link degraded) and each injected one (`set_gpu_owner`) every plan that
+lost a GPU stops - as a real engine crashes when one of its ranks disappears - and its requests
+go back to the router to be recomputed; plans across nodes get new profiles when a link changes. `break_gpus` does the
 same for an injected fault. A mixin of FleetSim (agents/sim/fleet.py)."""
 
 # mypy: disable-error-code="misc"
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from agents.sim.cluster import US
+from agents.sim.cluster import US, Change
 from agents.sim.engine import KIND_CLUSTER, Event, PlanEngine
 from scheduler.costmodel import PlanProfile
 
@@ -30,8 +30,22 @@ class Churn:
             self._push(nxt, KIND_CLUSTER, self._on_cluster, None)
 
     def _on_cluster(self: FleetSim, t: float, _: object) -> list[Event]:
-        self._account_availability(t)
-        changes = self.cluster.advance_to(t)
+        self._account_availability(t)  # (what was ours until now, before the change)
+        out = self._changed(t, self.cluster.advance_to(t))
+        self._push_cluster()
+        return out
+
+    def set_gpu_owner(self: FleetSim, uuids: Iterable[str], owner: str) -> None:
+        """An injected cluster change (a test's world, a fault): these GPUs change hands now -
+        another tenant takes them (`cluster.TENANT`), they fail (`FAILED`) or come back (`US`) -
+        with what a scenario change does: every plan on a GPU no longer ours stops."""
+        self._account_availability(self.now_s)
+        change = self.cluster.set_owner(uuids, owner, self.now_s)
+        if change is not None:
+            self._push_all(self._changed(self.now_s, [change]))
+
+    def _changed(self: FleetSim, t: float, changes: list[Change]) -> list[Event]:
+        """The plans after the cluster changed (availability accounted up to `t` already)."""
         self.change_log.extend(changes)
         self._snapshot = None
         self._links = None
@@ -62,7 +76,6 @@ class Churn:
             hit = sorted(broke_nodes.pop(c.node or "", set())) if c.kind in ("preempt", "fail", "leave") else []
             self.recorder.change(c.at_s, c.kind, c.node, c.text, hit)
         self.listener.on_cluster_change(self, t, changes, broke)
-        self._push_cluster()
         return out
 
     def _kill(self: FleetSim, engine: PlanEngine, t: float) -> list[Event]:

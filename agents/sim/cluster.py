@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import uuid as uuidlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from agents.sim.scenario import EventSpec, NodeSpec, Scenario
@@ -60,9 +61,11 @@ class Change:
 class SimCluster:
     """Nodes present now, their GPUs and owners; link bandwidths including degradations."""
 
-    def __init__(self, scenario: Scenario, rng: random.Random) -> None:
+    def __init__(self, scenario: Scenario, rng: random.Random,
+                 uuids: Mapping[tuple[str, int], str] | None = None) -> None:
         self.scenario = scenario
         self.rng = rng
+        self.uuids = dict(uuids or {})  # (node, index) -> a given GPU uuid (a cluster built from a Snapshot)
         self.nodes: dict[str, SimNode] = {}
         self.now_s = 0.0
         self._pending = list(scenario.events)  # sorted by (at_s, index)
@@ -72,6 +75,9 @@ class SimCluster:
 
     # -- queries ---------------------------------------------------------------------------
     def gpu_uuid(self, node_id: str, index: int) -> str:
+        given = self.uuids.get((node_id, index))
+        if given is not None:
+            return given
         return "GPU-" + str(uuidlib.uuid5(_GPU_NS, f"{self.scenario.name}/{node_id}/{index}"))
 
     def our_gpus(self, node_id: str) -> list[SimGpu]:
@@ -124,6 +130,25 @@ class SimCluster:
                 a, b = sorted(pair)
                 out.append(Change(t_s, "link_restored", a, (), f"link {a}-{b} restored"))
         return out
+
+    def set_owner(self, uuids: Iterable[str], owner: str, at_s: float) -> Change | None:
+        """These GPUs change hands now - another tenant takes them (`TENANT`), they fail (`FAILED`)
+        or come back to us (`US`) - as an injected change rather than a scenario event; the
+        change, or None when none of them is here or changed."""
+        if owner not in (US, TENANT, FAILED):
+            raise ValueError(f"owner: must be one of {US}, {TENANT}, {FAILED}, got {owner!r}")
+        wanted = set(uuids)
+        hit = [g for n in self.nodes.values() for g in n.gpus if g.uuid in wanted and g.owner != owner]
+        if not hit:
+            return None
+        for g in hit:
+            g.owner, g.back_at_s = owner, None
+            if owner == FAILED:
+                g.xid_errors += 1
+        nodes = sorted({g.node_id for g in hit})
+        kind = {US: "return", TENANT: "preempt", FAILED: "fail"}[owner]
+        return Change(at_s, kind, nodes[0], tuple(sorted(g.index for g in hit)),
+                      f"{kind}: {len(hit)} GPU(s) of {', '.join(nodes)} ({owner})")
 
     def apply(self, ev: EventSpec) -> Change:
         if ev.kind in ("preempt", "fail"):

@@ -10,7 +10,9 @@ feed - applies them:
 * hang: the command runs, and is never answered (the controller's step timeout must act);
 * lose_gpus: half way through the command (a prepare's load, or `COMMAND_S` for the others) the
   GPUs it names on its node - `uuids`, or the first `gpus` of the command's plan there, or all of
-  them - crash every plan on them; the command, if still open, fails "preempted".
+  them - crash every plan on them (with `taken`, another tenant takes them, until they are given
+  back); the command, which runs until then, fails "preempted" (a move_sequences answers as its
+  hand-overs went).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Fault:
     gpus: int = 0  # lose_gpus: how many (0: every GPU of the command's plan on that node)
     uuids: tuple[str, ...] = ()  # lose_gpus: exactly these GPUs instead
     reason: str = ""  # fail: the reason the ack carries (default: failed)
+    taken: bool = False  # lose_gpus: the GPUs stay another tenant's (else only the plans on them crash)
 
     def __post_init__(self) -> None:
         if self.action not in FAULT_ACTIONS:

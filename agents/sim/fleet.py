@@ -34,6 +34,9 @@ per-node engine metrics from `engine_reports(leader=node)`, and every request's 
 owned by a plan under a lease, paused, handed over, returned, finished, failed - goes to `events`
 (an EventLog) when it is set (agents/sim/seqlog.py: invariants 1-2).
 
+For a test's or a bench's world - a FleetSim over a cluster `Snapshot` (its GPU uuids), its
+agents fed by a command mailbox, routing as the committed table says: agents/sim/world.py.
+
 Losses: a plan that loses a GPU (preempted, failed, node gone) stops at once, as a real engine
 crashes when one of its ranks disappears; its memory is freed, and its requests go back to the
 deployment's router to be recomputed elsewhere (their KV was on those GPUs). Requests that no
@@ -173,11 +176,16 @@ class FleetSim(Gateway, Handover, Churn, Reports):
 
     def __init__(self, scenario: Scenario, *, options: SimOptions = DEFAULT_OPTIONS,
                  eff: Efficiency = DEFAULT_EFFICIENCY, listener: SimListener | None = None,
-                 router: RoutingPolicy | None = None) -> None:
+                 router: RoutingPolicy | None = None, gpu_uuids: Mapping[tuple[str, int], str] | None = None,
+                 gpu_mem_bytes: Mapping[str, int] | None = None) -> None:
         self.scenario = scenario
         self.options = options
         self.eff = eff
-        self.cluster = SimCluster(scenario, random.Random(scenario.seed))
+        # `gpu_uuids`: (node, index) -> uuid, and `gpu_mem_bytes`: uuid -> memory, for a cluster
+        # whose agents reported them already (a Snapshot's: agents/sim/world.py); the others
+        # derive their uuids from the scenario and their memory from the hardware catalog
+        self._gpu_mem = dict(gpu_mem_bytes or {})
+        self.cluster = SimCluster(scenario, random.Random(scenario.seed), gpu_uuids)
         # another tenant's memory on the GPUs it holds, fixed per GPU (as agents/sim/live.py draws it)
         tenant_rng = random.Random(scenario.seed ^ 0x5EED)
         self.tenant_fraction = {(n.id, i): tenant_rng.uniform(0.55, 0.95)
@@ -398,7 +406,7 @@ class FleetSim(Gateway, Handover, Churn, Reports):
         Refused (code out_of_memory) when the plan does not fit beside what its GPUs hold."""
         booked = self.booked_bytes()
         used = {u: booked.get(u, IDLE_MEM_BYTES) for u in want}
-        total = {u: gpu_spec(self._gpu_model(u)).mem_bytes for u in want}
+        total = {u: self.gpu_mem_bytes(u) for u in want}
         over = refuse_booking(want, used, total)
         if over is not None:
             self.refused_prepares += 1
@@ -410,13 +418,18 @@ class FleetSim(Gateway, Handover, Churn, Reports):
         booked = self.booked_bytes()
         gpus = []
         for u in sorted(fp):
-            total = gpu_spec(self._gpu_model(u)).mem_bytes
+            total = self.gpu_mem_bytes(u)
             self.peak_booked_fraction = max(self.peak_booked_fraction, booked[u] / total)
             gpus.append((u, booked[u], total))
         self.memory_log.add(LogEvent(t, "mem_booked", plan_id=plan.plan_id, gpus=tuple(gpus)))
 
     def _gpu_model(self, uuid: str) -> str:
         return self._gpu_models[uuid]
+
+    def gpu_mem_bytes(self, uuid: str) -> int:
+        """A GPU's memory: what its agent reported (`gpu_mem_bytes`), else its catalog model's."""
+        given = self._gpu_mem.get(uuid)
+        return given if given is not None else gpu_spec(self._gpu_model(uuid)).mem_bytes
 
     def _on_ready(self, t: float, arg: object) -> list[Event]:
         engine = arg

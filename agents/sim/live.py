@@ -67,6 +67,7 @@ from agents.sim.faults import FAULT_ACTIONS, Fault
 from agents.sim.fleet import DEFAULT_OPTIONS, IDLE_MEM_BYTES, FleetSim, SimOptions
 from agents.sim.scenario import Scenario
 from agents.sim.workload import build_workload
+from agents.sim.world import ADMIT_TIMEOUT_S  # a request waits this long with no plan to take it
 from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog
 from scheduler.topology import GpuState, LinkState, NodeState, Snapshot
@@ -82,7 +83,6 @@ from scheduler.transition import (
 log = logging.getLogger("agents.sim")
 
 AGENT_VERSION = "sim-3"
-ADMIT_TIMEOUT_S = 120.0  # sim seconds a request may wait with no plan to take it (MemoryFleet's gateway too)
 LOOKAHEAD_S = 60.0  # sim seconds of workload fed ahead of the clock once the scenario runs out
 LIVE_RUN_ROUNDS = 4  # with a data plane: the longest analytic run of identical rounds (tokens stream, not burst)
 

@@ -58,7 +58,7 @@ class Reports:
             node = self.cluster.nodes[node_id]
             nodes.append(NodeState(id=node_id, rack=node.spec.rack, schedulable=True, last_seen_s=now))
             for g in node.gpus:
-                total = gpu_spec(g.model).mem_bytes
+                total = self.gpu_mem_bytes(g.uuid)
                 if g.owner == TENANT:
                     mem = int(self.tenant_fraction[(node_id, g.index)] * total)
                 else:
@@ -171,7 +171,7 @@ class Reports:
                 g = by_uuid.get(u)
                 if g is None:
                     continue
-                total = gpu_spec(g.model).mem_bytes
+                total = self.gpu_mem_bytes(g.uuid)
                 out[(g.node_id, g.index)] = (min(1.0, (IDLE_MEM_BYTES + b) / total), round(util, 3))
         self._gpu_load_t = t
         return out
@@ -183,7 +183,7 @@ class Reports:
         span = min(t, self.scenario.duration_s) - self._avail_t
         if span > 0:
             ours = [g for n in self.cluster.nodes.values() for g in n.gpus if g.owner == US]
-            self._avail_mem_byte_s += span * sum(gpu_spec(g.model).mem_bytes for g in ours)
+            self._avail_mem_byte_s += span * sum(self.gpu_mem_bytes(g.uuid) for g in ours)
             self._avail_flop += span * sum(gpu_spec(g.model).bf16_flops for g in ours)
             self._avail_t = min(t, self.scenario.duration_s)
 

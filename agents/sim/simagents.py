@@ -46,7 +46,7 @@ from typing import Any
 
 from agents.protocol import prepare_shape
 from agents.shadow_check import tokenizer_problem
-from agents.sim.cluster import Change
+from agents.sim.cluster import TENANT, Change
 from agents.sim.engine import Pipe, PlanEngine, Request
 from agents.sim.faults import COMMAND_S, Fault, lost_gpus, take_fault, through_fault
 from agents.sim.fleet import FleetSim
@@ -116,6 +116,7 @@ class SimAgents:
         self._seen: set[str] = set()  # command keys taken: a command delivered again is not run twice
         self._answered: set[str] = set()  # command keys acked (or swallowed by a hang): answered once
         self._faulted: dict[str, Fault] = {}  # command key -> the fault it drew
+        self._striking: set[str] = set()  # command keys whose lose_gpus fault has not struck yet
         self._ending: set[int] = set()  # engine ids whose end these agents answer themselves (evict)
         self._aborts: dict[int, list[Callable[[list[str]], None]]] = {}  # engine id -> aborts draining it
         self._dead: set[str] = set()  # nodes whose agent died (lose_node): nothing runs or answers there
@@ -140,6 +141,8 @@ class SimAgents:
         fault = take_fault(self.faults, cmd) if self.faults else None
         if fault is not None:
             self._faulted[cmd.key] = fault
+            if fault.action == "lose_gpus" and cmd.kind is not CommandKind.MOVE_SEQUENCES:
+                self._striking.add(cmd.key)  # it is still running when the GPUs go: it fails then
         self._execute(cmd)
         if fault is not None and fault.action == "lose_gpus":
             engine = self._engine(cmd)
@@ -166,7 +169,11 @@ class SimAgents:
         engine = self._engine(cmd)
         plan = Plan.from_dict(raw) if isinstance(raw, Mapping) else engine.plan if engine is not None else None
         gpus = lost_gpus(fault, [u for u in (plan.gpu_uuids if plan is not None else ()) if u in mine], sorted(mine))
-        self.sim.break_gpus(gpus)
+        self._striking.discard(cmd.key)
+        if fault.taken:
+            self.sim.set_gpu_owner(gpus, TENANT)  # another tenant takes them (until they are given back)
+        else:
+            self.sim.break_gpus(gpus)
         if cmd.kind is not CommandKind.MOVE_SEQUENCES:
             self._ack(cmd, False, f"preempted: {len(gpus)} GPU(s) of {cmd.node_id} taken",
                       {"reason": "preempted", "gpus": gpus})
@@ -180,8 +187,8 @@ class SimAgents:
              ) -> None:
         """Answer once per command, through the command's fault, completed with what agent
         protocol v1 says the result holds; a node that left answers nothing."""
-        if cmd.key in self._answered:
-            return
+        if cmd.key in self._answered or cmd.key in self._striking:
+            return  # answered already, or it runs on until its lose_gpus fault strikes (`_lose_for`)
         self._answered.add(cmd.key)
         if cmd.node_id not in self.sim.cluster.nodes or cmd.node_id in self._dead:
             return  # the node left, or its agent died: nobody is there to answer
@@ -324,7 +331,7 @@ class SimAgents:
             return
         engine.accepting = False
         seqs = []
-        for req, running in _sequences(engine):
+        for req, running in engine_sequences(engine):
             tokens = req.tokens_now()
             seqs.append({"seq_id": str(req.rid), "context_tokens": req.prompt + tokens if req.has_kv or req.decoding
                          else 0, "generated_tokens": tokens, "max_tokens": req.output,
@@ -558,7 +565,7 @@ class _AgentsListener:
         self.agents.on_stopped(engine)
 
 
-def _sequences(engine: PlanEngine) -> list[tuple[Request, bool]]:
+def engine_sequences(engine: PlanEngine) -> list[tuple[Request, bool]]:
     """Every sequence an engine holds, with whether it is in the running batch."""
     out: list[tuple[Request, bool]] = []
     seen: set[int] = set()

@@ -11,8 +11,8 @@ topology-aware router).
     pick      pick               weighted sum (weights in settings), ties to the least loaded,
                                  the top-K to retry on a backend failure
 
-One router for the gateway (console/gateway/routing.py) and the simulators (agents/sim/fleet.py
-and memory_fleet.py). Every decision can explain itself (`Decision.explain`). Pure: no Django,
+One router for the gateway (console/gateway/routing.py) and the simulators (agents/sim/fleet.py:
+the replays, the live fleet and the tests' worlds). Every decision can explain itself (`Decision.explain`). Pure: no Django,
 no I/O, no clock; deterministic for a seed. `baselines` holds the policies bench.route compares.
 """
 

@@ -1,8 +1,8 @@
 """A whole in-memory world for transition tests: the ports, a simulated fleet, load, a clock.
 
 `World` is the executor's surroundings without a database: the store, routing table and
-agent mailbox of scheduler.transition_memory, and agents.sim.memory_fleet playing every agent,
-engine and the gateway. Tests say what happens (crash here, lose these GPUs) and check the
+agent mailbox of scheduler.transition_memory, and the one simulator (agents.sim.world.SimWorld:
+agents.sim.fleet.FleetSim with agents.sim.simagents) playing every agent, engine and the gateway. Tests say what happens (crash here, lose these GPUs) and check the
 event log with scheduler.invariants.
 """
 
@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agents.sim.memory_fleet import FixedTiming, MemoryFleet, Timing
+from agents.sim.world import SimWorld
 from scheduler.invariants import EventLog, assert_clean
 from scheduler.modelspec import model_spec
 from scheduler.plan import Gear, Plan, Stage
@@ -63,17 +63,20 @@ class Load:
 
 
 class World:
-    def __init__(self, snapshot: Snapshot | None = None, *, seed: int = 7, timing: Timing | None = None,
-                 config: TransitionConfig = FAST, dt_s: float = 0.05) -> None:
+    def __init__(self, snapshot: Snapshot | None = None, *, seed: int = 7,
+                 config: TransitionConfig = FAST, dt_s: float = 0.05,
+                 known: Callable[[Snapshot], Snapshot] | None = None) -> None:
+        """`known`: what the controller's snapshot makes of the cluster's (default: all of it)."""
         base = snapshot or two_nodes()
         self.clock = ManualClock(base.now_s)
         self.log = EventLog()
         self.rng = random.Random(seed)
         self.config = config
         self.dt_s = dt_s
-        self.mw = MemoryWorld(self.clock, lambda: self.fleet.snapshot(), self.log)
-        self.fleet = MemoryFleet(base, self.mw.agents, self.mw.routing.current, self.log, rng=random.Random(seed + 1),
-                                 timing=timing or FixedTiming(), start_s=self.clock.now_s)
+        seen = known or (lambda snap: snap)
+        self.mw = MemoryWorld(self.clock, lambda: seen(self.fleet.snapshot()), self.log)
+        self.fleet = SimWorld(base, self.mw.agents, self.mw.routing.current, self.log, seed=seed + 1,
+                              start_s=self.clock.now_s, config=config)
         self.load: dict[str, Load] = {}
         self._arrival_debt: dict[str, float] = {}
         self.crashes = 0
@@ -148,6 +151,7 @@ class World:
         assert_clean(self.log)
 
     def start(self, deployment: str, gear: Gear, kind: Kind = Kind.AUTO) -> TransitionRecord:
+        self.fleet.add_deployment(deployment, model_spec(gear.model))
         rec = self.executor().start(deployment, gear, kind=kind)
         assert rec is not None
         return rec

@@ -1,7 +1,7 @@
 """Django-side transition tests: a fleet in the database, and simulated agents acting on it.
 
 `enroll_fleet` registers nodes and reports their GPUs through console.fleet's actions, as
-agents would. `DbAgents` is agents.sim.memory_fleet's mailbox over the AgentCommand rows: it
+agents would. `DbAgents` is agents.sim.world's mailbox over the AgentCommand rows: it
 takes each node's open commands (as the long poll hands them out) and answers through
 do_ack_command - the same action the HTTP ack endpoint calls, which also sends command_acked.
 `django_log` rebuilds the invariant checker's event log from the audit chain and the command
@@ -11,15 +11,14 @@ rows, so a run through Django (or through a Celery worker) is checked like an in
 from __future__ import annotations
 
 import json
-import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 
 from django.utils import timezone
 
 from agents.protocol import GpuInfo, GpuReport, NodeCommandKind, RegisterRequest, Report
-from agents.sim.memory_fleet import FixedTiming, MemoryFleet
+from agents.sim.world import SimWorld
 from console.audit.models import AuditEntry
 from console.fleet.actions import (
     do_ack_command,
@@ -34,14 +33,13 @@ from console.gearbox.models import Deployment
 from console.gearbox.ports import DjangoRouting
 from console.gearbox.snapshot import fleet_snapshot
 from scheduler.invariants import EventLog, LogEvent
-from scheduler.modelspec import ModelSpec, model_spec
+from scheduler.modelspec import model_spec
 from scheduler.plan import Gear, Plan, Stage
 from scheduler.transition import CommandIntent, CommandKind, CommandStatus, Step
 from tests.builders import JOIN_TOKEN
 
 M8 = model_spec("Llama-3-8B")
 GIB = 2**30
-FAST_TIMING = FixedTiming(prepare=0.2, decode_step=0.005, prefill_per_token=2e-6, migrate_per_token=2e-6)
 
 
 def uuid(node: str, i: int) -> str:
@@ -90,7 +88,7 @@ def make_deployment(name: str = "chat", baseline: Gear | None = None, **kw: obje
 
 
 class DbAgents:
-    """The MemoryFleet's mailbox over AgentCommand rows (module docstring)."""
+    """The simulated agents' mailbox over AgentCommand rows (module docstring)."""
 
     def __init__(self) -> None:
         self.after: dict[str, int] = {}
@@ -124,22 +122,32 @@ class DbAgents:
 
 
 class SimAgents:
-    """Every enrolled node's agent and engines (MemoryFleet) on the wall clock, acting through the DB."""
+    """Every enrolled node's agent and engines (agents.sim.world.SimWorld: the one simulator) on the
+    wall clock, acting through the DB."""
 
-    def __init__(self, *, seed: int = 3, timing: FixedTiming = FAST_TIMING,
-                 models: Callable[[str], ModelSpec] = model_spec) -> None:
+    def __init__(self, *, seed: int = 3) -> None:
         self.log = EventLog()
         self.mailbox = DbAgents()
         self.routing = DjangoRouting()
         # the fleet's clock is the wall clock, so its events merge with the console's in time order
-        self.fleet = MemoryFleet(fleet_snapshot(timezone.now()), self.mailbox, self.routing.current, self.log,
-                                 rng=random.Random(seed), timing=timing, start_s=time.time(), models=models)
+        now = timezone.now()
+        self.fleet = SimWorld(fleet_snapshot(now), self.mailbox, self.routing.current, self.log, seed=seed,
+                              start_s=now.timestamp())
 
     def now_s(self) -> float:
         return time.time()
 
     def run(self, seconds: float = 0.0) -> None:
         self.fleet.advance_to(self.now_s() + seconds)
+
+    def run_out(self, max_s: float = 3600.0) -> None:
+        """Simulate ahead of the wall clock until every admitted request has ended (at most
+        `max_s` simulated seconds): for when nothing else acts any more."""
+        end = self.now_s() + max_s
+        t = self.now_s()
+        while self.fleet.open_sequences() and t < end:
+            t += 10.0
+            self.fleet.advance_to(t)
 
 
 def _t(at: datetime) -> float:

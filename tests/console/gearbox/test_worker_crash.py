@@ -37,7 +37,6 @@ from scheduler.plan import Gear, Plan, Stage
 from scheduler.transition import CRASH_WHERE, ROLLBACK_TABLE, TABLE
 from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL, purge_tasks
 from tests.console.gearbox.harness import (
-    FAST_TIMING,
     M8,
     SimAgents,
     django_log,
@@ -164,7 +163,8 @@ def busy_switch(agents: SimAgents, target: Gear | None = None) -> int:
         ex.advance("chat")
         agents.run()
         time.sleep(0.01)
-    # 40,000 tokens x 5 ms: the sequences stay in flight for ~200 s of the wall clock, so they are
+    # 40,000 tokens x ~9 ms (the cost model's decode round of 24 sequences on TP2): the sequences
+    # stay in flight for ~6 minutes of the wall clock, so they are
     # still there to be moved however long a loaded machine takes to boot each Celery worker; once
     # the transition has ended, finish_and_check simulates what is left of them at once
     for i in range(24):
@@ -222,7 +222,7 @@ def finish_and_check(workers: Workers, agents: SimAgents, seq: int) -> Transitio
     # Nothing else moves now (no worker, the transition ended): the rest of every sequence is
     # simulated at once instead of waited for on the wall clock - each still finishes exactly once,
     # on the plan that owns it, and the checker below sees every event in time order.
-    agents.run(SEQUENCE_TOKENS * FAST_TIMING.decode_step * 2)
+    agents.run_out()
     assert agents.fleet.open_sequences() == 0
     assert_clean(django_log("chat", agents.log))
     row = Transition.objects.get(deployment__name="chat", seq=seq)
