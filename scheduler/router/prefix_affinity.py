@@ -133,25 +133,35 @@ class PrefixIndex:
         return len(lru) if lru is not None else 0
 
     # --- matching ----------------------------------------------------------------------------
-    def match(self, blocks: Sequence[int], pool: Pool) -> tuple[Floats, Floats] | None:
-        """Per pool slot: (blocks matched on the GPU tier, blocks matched on GPU + host tiers);
-        None when no plan of the pool holds the request's first block."""
+    def hits(self, blocks: Sequence[int], pool: Pool) -> Hits | None:
+        """The plans of the pool that hold the request's first block - a few of the pool's, and
+        what a decision reads: (slot, blocks matched on the GPU tier, blocks matched on GPU +
+        host tiers) each; None when no plan holds the first block."""
         if not blocks:
             return None
         mask, slots = self._pool_bits(pool)
-        hits = _walk(self._gpu, None, blocks, mask)
-        both = _walk(self._gpu, self._host, blocks, mask) if self._host else hits
+        gpu = _walk(self._gpu, None, blocks, mask)
+        both = _walk(self._gpu, self._host, blocks, mask) if self._host else gpu
         if not both:
             return None
+        # (a plan holding the first block on the GPU holds it on GPU + host: `both` has every bit)
+        return [(slots[bit], gpu.get(bit, 0), length) for bit, length in both.items()]
+
+    def match(self, blocks: Sequence[int], pool: Pool) -> tuple[Floats, Floats] | None:
+        """`hits` as arrays over the pool's slots: (blocks matched on the GPU tier, blocks
+        matched on GPU + host tiers), the second the same array when no plan has a host tier."""
+        hits = self.hits(blocks, pool)
+        if hits is None:
+            return None
         gpu = np.zeros(pool.n)
-        for bit, length in hits.items():
-            gpu[slots[bit]] = length
-        if both is hits:
-            return gpu, gpu
-        total = np.zeros(pool.n)
-        for bit, length in both.items():
-            total[slots[bit]] = length
+        total = np.zeros(pool.n) if self._host else gpu
+        for slot, on_gpu, both in hits:
+            gpu[slot] = on_gpu
+            total[slot] = both
         return gpu, total
+
+
+Hits = list[tuple[int, int, int]]  # (slot, GPU-tier blocks, GPU + host blocks) of each plan that hits
 
 
 STRIDE = 8  # blocks the walk steps over before it looks again (then it bisects inside the step)
@@ -167,13 +177,12 @@ def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence
     and bisects for each plan inside the stride where it dropped out - O(blocks / STRIDE + plans
     x log STRIDE) lookups instead of one per block (a 100-block prompt: ~20 instead of 100)."""
     n = len(blocks)
+    get = first.get
+    get2 = second.get if second is not None else _NOTHING.get  # (one loop for one table or two)
 
     def held(i: int) -> int:
         h = blocks[i]
-        v = first.get(h, 0)
-        if second is not None:
-            v |= second.get(h, 0)
-        return v
+        return get(h, 0) | get2(h, 0)
 
     def end(bit: int, lo: int, hi: int) -> int:
         """The run's length for `bit`, which holds block lo and not block hi (or hi == n)."""
@@ -191,7 +200,8 @@ def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence
         return out
     prev = 0
     for i in range(STRIDE, n, STRIDE):
-        gone = alive & ~held(i)
+        h = blocks[i]
+        gone = alive & ~(get(h, 0) | get2(h, 0))  # (held(i), inline: this is the loop that runs)
         if gone:
             alive &= ~gone
             while gone:
@@ -208,20 +218,29 @@ def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence
     return out
 
 
-def score(req: RouteRequest, matched: tuple[Floats, Floats] | None, *, block_tokens: int,
-          host_tier_weight: float) -> tuple[Floats | None, Floats | None]:
-    """(score 0..100, cached tokens) per plan: the share of the prompt that hits, and the tokens
-    of it the plan would not recompute (a host hit counted at `host_tier_weight`); (None, None)
-    when nothing hits. At least one token is always computed: the last one's logits are needed."""
-    if matched is None:
-        return None, None
-    gpu_blocks, total_blocks = matched
+_NOTHING: dict[int, int] = {}
+
+
+def score(req: RouteRequest, hits: Hits | None, n: int, *, block_tokens: int,
+          host_tier_weight: float) -> tuple[Floats | None, Floats | None, list[tuple[int, float, float]]]:
+    """(score 0..100 per plan, cached tokens per plan, (slot, cached tokens, score) of the plans
+    that hit) over a pool of `n` plans: the share of the prompt that hits, and the tokens of it the
+    plan would not recompute (a host hit counted at `host_tier_weight`); (None, None, []) when
+    nothing hits. At least one token is always computed: the last one's logits are needed.
+    Only the few plans that hit are computed; the others' 0 is where the arrays start."""
+    if hits is None:
+        return None, None, []
     cap = float(req.prompt_tokens - 1)
-    gpu_tokens = gpu_blocks * float(block_tokens)  # (float scalars: numpy's fast path)
-    np.minimum(gpu_tokens, cap, out=gpu_tokens)
-    if total_blocks is gpu_blocks:
-        cached: Floats = gpu_tokens
-    else:
-        cached = gpu_tokens + host_tier_weight * (np.minimum(total_blocks * float(block_tokens), cap) - gpu_tokens)
-    out: Floats = cached * (100.0 / req.prompt_tokens)
-    return out, cached
+    per = 100.0 / req.prompt_tokens
+    b = float(block_tokens)
+    out = np.zeros(n)
+    cached = np.zeros(n)
+    at: list[tuple[int, float, float]] = []
+    for slot, gpu_blocks, total_blocks in hits:
+        gpu_tokens = min(gpu_blocks * b, cap)
+        c = gpu_tokens if total_blocks == gpu_blocks else (
+            gpu_tokens + host_tier_weight * (min(total_blocks * b, cap) - gpu_tokens))
+        cached[slot] = c
+        out[slot] = c * per
+        at.append((slot, c, c * per))
+    return out, cached, at
