@@ -18,7 +18,8 @@ shorter one on an idle fast plan.
 
 Index layout: a bit per plan; per block hash, the bits of the plans holding it (one dict per
 tier). Matching walks the request's blocks with a bit mask of the plans still matching, a stride
-at a time (`_walk`) - its cost does not grow with the number of plans.
+at a time (`_walk`) - its cost does not grow with the number of plans. What it returns is the few
+plans that hit (`hits`), and only those are scored: the other plans' score and cached tokens are 0.
 """
 
 from __future__ import annotations
