@@ -2,6 +2,7 @@
 process, and compare them.
 
     python -m bench.route --trace PATH --json OUT [--policies a,b,...] [--seed N]
+    python -m bench.route --trace PATH --decisions-only [--decision-samples N]   # decision_us alone
 
 The trace's format is read from the file (agents/sim/traces.py: Mooncake JSONL with prefix
 block ids, or an Azure LLM inference CSV). The pool: one deployment of Qwen2-72B (128K context,
@@ -387,10 +388,12 @@ def table(result: dict[str, Any]) -> str:
             ("TTFT p50 s", "ttft_p50_s"), ("TTFT p99 s", "ttft_p99_s"), ("TPOT p99 s", "tpot_p99_s"),
             ("tokens", "tokens"), ("lost", "lost"), ("prefix cache hit share", "cache_hit_share"),
             ("KV preemptions", "preemptions")]
-    out = [f"{'':26}" + "".join(f"{n:>15}" for n in names)]
-    for label, key in rows:
-        out.append(f"{label:26}" + "".join(f"{_fmt(pols[n][key]):>15}" for n in names))
-    out.append("")
+    out = []
+    if names:  # (none: --decisions-only)
+        out.append(f"{'':26}" + "".join(f"{n:>15}" for n in names))
+        for label, key in rows:
+            out.append(f"{label:26}" + "".join(f"{_fmt(pols[n][key]):>15}" for n in names))
+        out.append("")
     rounds = next(iter(result["decision_us"].values()), {}).get("rounds", DECISION_ROUNDS)
     out.append(f"router decision (flexpipe), microseconds, least of {rounds} replays: wall p50 / p99, thread CPU"
                " p50 / p99, bookkeeping p50, load update p50; raw (every replay) p50 / p99")
@@ -419,8 +422,10 @@ def _fmt(v: Any) -> str:
 
 
 def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0, log: Any = None,
-          decision_samples: int | None = None, drift: str | None = None) -> dict[str, Any]:
-    """`trace_path`, or with `drift` ("A,B") trace B after trace A."""
+          decision_samples: int | None = None, drift: str | None = None,
+          decisions_only: bool = False) -> dict[str, Any]:
+    """`trace_path`, or with `drift` ("A,B") trace B after trace A. `decisions_only`: only the
+    router's time per decision (no time scale, no policy runs: seconds instead of minutes)."""
     context = model_spec(MODEL).max_context_tokens
     shift_s = None
     if drift:
@@ -431,6 +436,10 @@ def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0,
     say = log or (lambda _: None)
     say(f"{trace.path}: {trace.format}, {len(trace.arrivals)} requests over {trace.span_s:.0f} s"
         f"{f', {trace.clipped} cut to the context' if trace.clipped else ''}")
+    if decisions_only:
+        decisions = decision_times(trace, seed=seed, samples=decision_samples or DECISION_SAMPLES)
+        return {"trace": trace.path, "format": trace.format, "requests": len(trace.arrivals), "model": MODEL,
+                "seed": seed, "policies": {}, "decision_us": decisions, "targets": targets(trace.format, {}, decisions)}
     say("finding the time scale at which least-loaded meets the SLO for 80% of requests")
     factor, probes = find_time_scale(trace, seed=seed, log=say)
     say(f"time scale {factor:.4f} (arrival times x {factor:.4f}; rate x {1 / factor:.3f})")
@@ -464,7 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--buckets", action="store_true", help=f"add {VARIANTS['buckets']} (agents/sim/buckets.py)")
     ap.add_argument("--kv-budget", action="store_true", help=f"add {VARIANTS['kv_budget']} (scheduler/router/spillover.py)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decisions-only", action="store_true",
+                    help="only the router's time per decision (decision_us), no policy runs")
+    ap.add_argument("--decision-samples", type=int, default=DECISION_SAMPLES, metavar="N",
+                    help=f"requests of the trace timed per pool size (default {DECISION_SAMPLES})")
     args = ap.parse_args(argv)
+    if args.decision_samples < 20:
+        ap.error(f"--decision-samples: at least 20, got {args.decision_samples}")
     names = [p for p in args.policies.split(",") if p]
     names += [VARIANTS[k] for k in ("kv_budget", "learned", "buckets") if getattr(args, k) and VARIANTS[k] not in names]
     unknown = [p for p in names if p not in known]
@@ -479,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--drift: two traces, TRACE_A,TRACE_B")
     try:
         result = bench(args.trace or "", policies=names, seed=args.seed, log=lambda s: print(s, flush=True),
-                       drift=args.drift)
+                       drift=args.drift, decisions_only=args.decisions_only, decision_samples=args.decision_samples)
     except ValueError as exc:
         print(f"bench.route: {exc}", file=sys.stderr)
         return 2

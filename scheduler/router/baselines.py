@@ -69,7 +69,7 @@ class RoundRobin(_Baseline):
         self._next = 0
 
     def route(self, req: RouteRequest, pool: Pool, now_s: float) -> Decision:
-        hard, now, _, _ = hard_filters(req, pool)
+        hard, now, *_ = hard_filters(req, pool)
         if not hard.any():
             return self._decide(req, pool, None, hard, now, hard, "")
         for k in range(pool.n):
@@ -84,7 +84,7 @@ class LeastLoaded(_Baseline):
     name = "least-loaded"
 
     def route(self, req: RouteRequest, pool: Pool, now_s: float) -> Decision:
-        hard, now, _, _ = hard_filters(req, pool)
+        hard, now, *_ = hard_filters(req, pool)
         if not hard.any():
             return self._decide(req, pool, None, hard, now, hard, "")
         return self._decide(req, pool, self._least_loaded(pool, hard), hard, now, hard, "fewest outstanding")
@@ -102,7 +102,7 @@ class PrefixOnly(_Baseline):
         self.balance_rel = balance_rel
 
     def route(self, req: RouteRequest, pool: Pool, now_s: float) -> Decision:
-        hard, now, _, _ = hard_filters(req, pool)
+        hard, now, *_ = hard_filters(req, pool)
         if not hard.any():
             return self._decide(req, pool, None, hard, now, hard, "")
         idx = np.flatnonzero(hard)

@@ -41,30 +41,37 @@ def pick(total: Floats, cand: Bools, demoted: Bools | None, deadline_ok: Bools |
         count = None
     if count is None:
         count = int(np.count_nonzero(primary))
-    if count == len(total):  # (every plan: no mask to apply)
-        neg = -total  # (sorted ascending: the best first)
-        if deadline_ok is not None:
-            neg += _LATE * ~deadline_ok
-        order = neg.argsort(kind="stable")  # (the method: half the call overhead of np.argsort)
-        key = None
+    neg = -total  # (sorted ascending: the best first)
+    if deadline_ok is not None:
+        neg += _LATE * ~deadline_ok
+    ranked = neg.argsort(kind="stable")  # (the method: half the call overhead of np.argsort)
+    every = count == len(total)
+    # the first `head` primaries in rank order: all the answer reads (a tied winner from further
+    # down goes first, then these); with some plans filtered out, the ranking skips them
+    head = max(top_k, 2)
+    order: list[int]
+    if every:
+        order = ranked[:head].tolist()
     else:
-        key = np.where(primary, total, -np.inf)
-        if deadline_ok is not None:
-            key -= _LATE * ~deadline_ok
-        neg = -key
-        order = neg.argsort(kind="stable")[:count]
-    first = int(order[0])
+        mask = primary.tolist()
+        order = []
+        for i in ranked.tolist():
+            if mask[i]:
+                order.append(i)
+                if len(order) == head:
+                    break
+    first = order[0]
     best = -float(neg[first])
     if count > 1 and _tie(-float(neg[order[1]]), best):
-        if key is None:
-            key = -neg
-        tied = np.flatnonzero(np.abs(key - best) <= _EPS * max(1.0, abs(best)))
+        key = -neg
+        near = np.abs(key - best) <= _EPS * max(1.0, abs(best))
+        tied = np.flatnonzero(near if every else near & primary)
         loads = load_rel[tied]
         tied = tied[loads == loads[loads.argmin()]]
         winner = int(tied[int(rng.random() * len(tied))]) if len(tied) > 1 else int(tied[0])
         if winner != first:
-            order = np.concatenate(([winner], order[order != winner]))
-    out = order[:max(1, top_k)].tolist()
+            order = [winner, *(i for i in order if i != winner)]
+    out = order[:max(1, top_k)]
     if retry is not None and np.count_nonzero(retry):
         ridx = np.flatnonzero(retry)
         out += ridx[np.argsort(-total[ridx], kind="stable")].tolist()

@@ -244,9 +244,15 @@ class Pool:
         self.queued_chunk_s: Floats = np.zeros(n)  # ... queued_tokens, chunk_room x pre_b_chunk (the TPOT's
         self.chunk_room_s: Floats = np.zeros(n)  # prefill chunks, in seconds)
         self.room_floor = math.inf  # memory bound: the least room of any plan (a request within it fits all)
+        self.room_sorted: list[float] = []  # ... every plan's room, ascending: how many a request fits, by bisection
         self.load_rel: Floats = 1.0 / self.weight  # pick: (outstanding + 1) / weight
         # static, per routing-table version: what a decision would otherwise rebuild every time
         self.pre_c_half: Floats = self.pre_c / 2
+        # ... as lists, for the few plans a prefix hits (predicted_latency.prefill_s), when every
+        # plan is priced (an infinite per-token time turns a 0-token hit into a NaN on the arrays)
+        self.pre_b_list: list[float] = self.pre_b.tolist()
+        self.pre_c_half_list: list[float] = self.pre_c_half.tolist()
+        self.pre_b_finite = bool(np.isfinite(self.pre_b).all() and np.isfinite(self.pre_c_half).all())
         self.dense_minus_cheap: Floats = self.dense - self.cheap  # topology: cheap + longness x this
         self.all_true: Bools = np.ones(n, dtype=np.bool_)
         self.cap_floor = float(self.cap_tokens.min()) if n else math.inf  # a request within it fits every plan ever
@@ -285,7 +291,8 @@ class Pool:
     def _derive(self) -> None:
         """The terms the plugins derive from the load alone, once per load update."""
         self.room = self.cap_tokens - self.kv_used
-        self.room_floor = float(self.room.min()) if self.n else math.inf
+        self.room_sorted = np.sort(self.room).tolist()
+        self.room_floor = self.room_sorted[0] if self.n else math.inf
         self.share, self.queue_s, self.queue_all_s, self.tpot_base = predicted_latency.load_terms(self)
         self.queue_sh = self.queue_s * self.share
         self.queue_all_sh = self.queue_all_s * self.share

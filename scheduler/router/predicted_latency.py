@@ -33,6 +33,7 @@ the plan's cost.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -58,17 +59,27 @@ def load_terms(pool: Pool) -> tuple[Floats, Floats, Floats, Floats]:
     return share, queue, queue_all, tpot
 
 
-def prefill_s(req: RouteRequest, pool: Pool, cached_tokens: Floats | None) -> Floats:
+def prefill_s(req: RouteRequest, pool: Pool, cached_tokens: Floats | None,
+              at: Sequence[tuple[int, float, float]] | None = None) -> Floats:
     """Per plan, the request's own prefill on an idle plan: its uncached tokens with the cached
-    prefix as their attention context (no queue, no decodes sharing the rounds)."""
+    prefix as their attention context (no queue, no decodes sharing the rounds). `at`: the
+    (slot, cached tokens, _) of every plan with a cached prefix (prefix_affinity.score), when
+    the caller has them - only those are corrected, the others' is the whole prompt's."""
     p = float(req.prompt_tokens)
     own: Floats = pool.pre_poly.dot(np.array((p * p, p, 1.0)))  # (.dot: a third of `@`'s call overhead)
-    if cached_tokens is not None:
-        # a + b (p - h) + c (p - h)(h + (p - h) / 2) = [the whole prompt's] - h (b + c h / 2)
-        saved = pool.pre_c_half * cached_tokens
-        saved += pool.pre_b
-        saved *= cached_tokens
-        own -= saved
+    if cached_tokens is None:
+        return own
+    # a + b (p - h) + c (p - h)(h + (p - h) / 2) = [the whole prompt's] - h (b + c h / 2)
+    if at is not None and pool.pre_b_finite:
+        b, c_half = pool.pre_b_list, pool.pre_c_half_list
+        for i, h, _ in at:
+            own[i] = float(own[i]) - (c_half[i] * h + b[i]) * h
+        return own
+    # (a plan the cost model cannot price: inf x 0 is NaN, as the arrays have it)
+    saved = pool.pre_c_half * cached_tokens
+    saved += pool.pre_b
+    saved *= cached_tokens
+    own -= saved
     return own
 
 
@@ -108,17 +119,14 @@ def score(req: RouteRequest, pool: Pool, ttft: Floats, tpot: Floats, cand: Bools
         every = len(cand) == int(np.count_nonzero(cand))  # (the usual case: no need to mask)
     ttft_ref = req.deadline_s
     if ttft_ref is None:
-        t = ttft if every else ttft[cand]
-        ttft_ref = float(t[t.argmin()])
+        ttft_ref = _least(ttft, cand, every)
     per_token = tpot if stall is None else tpot + stall
-    u = per_token if every else per_token[cand]
-    tpot_ref = float(u[u.argmin()])
+    tpot_ref = _least(per_token, cand, every)
     if not (math.isfinite(ttft_ref) and math.isfinite(tpot_ref)):
         return _unpriced(ttft, tpot, cand), None
     cost = ttft * (1.0 / max(ttft_ref, 1e-6))
     cost += per_token * (1.0 / max(tpot_ref, 1e-9))
-    c = cost if every else cost[cand]
-    best = float(c[c.argmin()])
+    best = _least(cost, cand, every)
     if not best > 1e-9:  # plans without step times (unpriced) cost "nothing": equal
         np.maximum(cost, 1e-9, out=cost)
         best = max(best, 1e-9)
@@ -127,6 +135,17 @@ def score(req: RouteRequest, pool: Pool, ttft: Floats, tpot: Floats, cand: Bools
     out: Floats = np.divide(100.0 * best, cost, out=cost)
     ok: Bools | None = ttft <= req.deadline_s if req.deadline_s is not None else None
     return out, ok
+
+
+def _least(values: Floats, cand: Bools, every: bool) -> float:
+    """The least of `values` over the candidates. The least of every plan is usually a candidate's
+    (a plan without room now has the most KV in use, so the slowest decode steps): then it is the
+    answer without masking the array (a masked copy costs as much as the rest of the score)."""
+    i = values.argmin()
+    if every or cand[i]:
+        return float(values[i])
+    c = values[cand]
+    return float(c[c.argmin()])
 
 
 def _unpriced(ttft: Floats, tpot: Floats, cand: Bools) -> Floats:

@@ -18,7 +18,8 @@ shorter one on an idle fast plan.
 
 Index layout: a bit per plan; per block hash, the bits of the plans holding it (one dict per
 tier). Matching walks the request's blocks with a bit mask of the plans still matching, a stride
-at a time (`_walk`) - its cost does not grow with the number of plans.
+at a time (`_walk`) - its cost does not grow with the number of plans. What it returns is the few
+plans that hit (`hits`), and only those are scored: the other plans' score and cached tokens are 0.
 """
 
 from __future__ import annotations
@@ -133,28 +134,38 @@ class PrefixIndex:
         return len(lru) if lru is not None else 0
 
     # --- matching ----------------------------------------------------------------------------
-    def match(self, blocks: Sequence[int], pool: Pool) -> tuple[Floats, Floats] | None:
-        """Per pool slot: (blocks matched on the GPU tier, blocks matched on GPU + host tiers);
-        None when no plan of the pool holds the request's first block."""
+    def hits(self, blocks: Sequence[int], pool: Pool) -> Hits | None:
+        """The plans of the pool that hold the request's first block - a few of the pool's, and
+        what a decision reads: (slot, blocks matched on the GPU tier, blocks matched on GPU +
+        host tiers) each; None when no plan holds the first block."""
         if not blocks:
             return None
         mask, slots = self._pool_bits(pool)
-        hits = _walk(self._gpu, None, blocks, mask)
-        both = _walk(self._gpu, self._host, blocks, mask) if self._host else hits
+        gpu = _walk(self._gpu, None, blocks, mask)
+        both = _walk(self._gpu, self._host, blocks, mask) if self._host else gpu
         if not both:
             return None
+        # (a plan holding the first block on the GPU holds it on GPU + host: `both` has every bit)
+        return [(slots[bit], gpu.get(bit, 0), length) for bit, length in both.items()]
+
+    def match(self, blocks: Sequence[int], pool: Pool) -> tuple[Floats, Floats] | None:
+        """`hits` as arrays over the pool's slots: (blocks matched on the GPU tier, blocks
+        matched on GPU + host tiers), the second the same array when no plan has a host tier."""
+        hits = self.hits(blocks, pool)
+        if hits is None:
+            return None
         gpu = np.zeros(pool.n)
-        for bit, length in hits.items():
-            gpu[slots[bit]] = length
-        if both is hits:
-            return gpu, gpu
-        total = np.zeros(pool.n)
-        for bit, length in both.items():
-            total[slots[bit]] = length
+        total = np.zeros(pool.n) if self._host else gpu
+        for slot, on_gpu, both in hits:
+            gpu[slot] = on_gpu
+            total[slot] = both
         return gpu, total
 
 
-STRIDE = 8  # blocks the walk steps over before it looks again (then it bisects inside the step)
+Hits = list[tuple[int, int, int]]  # (slot, GPU-tier blocks, GPU + host blocks) of each plan that hits
+
+
+STRIDE = 8  # the walk's first step; each step is twice the last (it bisects inside the step)
 
 
 def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence[int], mask: int) -> dict[int, int]:
@@ -163,17 +174,18 @@ def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence
 
     The index keeps a prompt's head at least as recent as its tail (record touches the blocks
     last to first, and evicts the least recent), so a plan that holds block i of a chain holds
-    every block before it: the held runs are prefixes. The walk looks at every STRIDE-th block
-    and bisects for each plan inside the stride where it dropped out - O(blocks / STRIDE + plans
-    x log STRIDE) lookups instead of one per block (a 100-block prompt: ~20 instead of 100)."""
+    every block before it: the held runs are prefixes. The walk looks at blocks STRIDE, 2 STRIDE,
+    4 STRIDE... (galloping) and bisects for each plan inside the step where it dropped out -
+    O(plans x log blocks) lookups instead of one per block (a 256-block prompt held by one plan:
+    ~13 instead of 256; Mooncake's prompts of 90 blocks or more: 8.5 on average, 12.8 with a
+    fixed stride of 8)."""
     n = len(blocks)
+    get = first.get
+    get2 = second.get if second is not None else _NOTHING.get  # (one loop for one table or two)
 
     def held(i: int) -> int:
         h = blocks[i]
-        v = first.get(h, 0)
-        if second is not None:
-            v |= second.get(h, 0)
-        return v
+        return get(h, 0) | get2(h, 0)
 
     def end(bit: int, lo: int, hi: int) -> int:
         """The run's length for `bit`, which holds block lo and not block hi (or hi == n)."""
@@ -190,8 +202,10 @@ def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence
     if not alive:
         return out
     prev = 0
-    for i in range(STRIDE, n, STRIDE):
-        gone = alive & ~held(i)
+    i = STRIDE
+    while i < n:
+        h = blocks[i]
+        gone = alive & ~(get(h, 0) | get2(h, 0))  # (held(i), inline: this is the loop that runs)
         if gone:
             alive &= ~gone
             while gone:
@@ -201,6 +215,7 @@ def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence
             if not alive:
                 return out
         prev = i
+        i *= 2
     while alive:
         low = alive & -alive
         out[low] = end(low, prev, n)
@@ -208,20 +223,29 @@ def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence
     return out
 
 
-def score(req: RouteRequest, matched: tuple[Floats, Floats] | None, *, block_tokens: int,
-          host_tier_weight: float) -> tuple[Floats | None, Floats | None]:
-    """(score 0..100, cached tokens) per plan: the share of the prompt that hits, and the tokens
-    of it the plan would not recompute (a host hit counted at `host_tier_weight`); (None, None)
-    when nothing hits. At least one token is always computed: the last one's logits are needed."""
-    if matched is None:
-        return None, None
-    gpu_blocks, total_blocks = matched
+_NOTHING: dict[int, int] = {}
+
+
+def score(req: RouteRequest, hits: Hits | None, n: int, *, block_tokens: int,
+          host_tier_weight: float) -> tuple[Floats | None, Floats | None, list[tuple[int, float, float]]]:
+    """(score 0..100 per plan, cached tokens per plan, (slot, cached tokens, score) of the plans
+    that hit) over a pool of `n` plans: the share of the prompt that hits, and the tokens of it the
+    plan would not recompute (a host hit counted at `host_tier_weight`); (None, None, []) when
+    nothing hits. At least one token is always computed: the last one's logits are needed.
+    Only the few plans that hit are computed; the others' 0 is where the arrays start."""
+    if hits is None:
+        return None, None, []
     cap = float(req.prompt_tokens - 1)
-    gpu_tokens = gpu_blocks * float(block_tokens)  # (float scalars: numpy's fast path)
-    np.minimum(gpu_tokens, cap, out=gpu_tokens)
-    if total_blocks is gpu_blocks:
-        cached: Floats = gpu_tokens
-    else:
-        cached = gpu_tokens + host_tier_weight * (np.minimum(total_blocks * float(block_tokens), cap) - gpu_tokens)
-    out: Floats = cached * (100.0 / req.prompt_tokens)
-    return out, cached
+    per = 100.0 / req.prompt_tokens
+    b = float(block_tokens)
+    out = np.zeros(n)
+    cached = np.zeros(n)
+    at: list[tuple[int, float, float]] = []
+    for slot, gpu_blocks, total_blocks in hits:
+        gpu_tokens = min(gpu_blocks * b, cap)
+        c = gpu_tokens if total_blocks == gpu_blocks else (
+            gpu_tokens + host_tier_weight * (min(total_blocks * b, cap) - gpu_tokens))
+        cached[slot] = c
+        out[slot] = c * per
+        at.append((slot, c, c * per))
+    return out, cached, at

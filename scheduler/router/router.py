@@ -17,6 +17,7 @@ injected `random.Random` (ties between equal plans).
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
@@ -160,21 +161,28 @@ class RoutingPolicy(Protocol):
         ...
 
 
-def hard_filters(req: RouteRequest, pool: Pool) -> tuple[Bools, Bools, Bools, bool]:
-    """(hard_ok, fits_now, candidates, relaxed): the prefilter and the memory bound, with the
-    bound's fits-now half relaxed when no plan has room now (memory_bound's docstring)."""
+def hard_filters(req: RouteRequest, pool: Pool) -> tuple[Bools, Bools, Bools, bool, int]:
+    """(hard_ok, fits_now, candidates, relaxed, how many candidates): the prefilter and the memory
+    bound, with the bound's fits-now half relaxed when no plan has room now (memory_bound's
+    docstring)."""
     if req.kv_tokens <= pool.room_floor and not pool.priority_limited:
-        # (the usual case: it fits every plan now - the filters are the pool's static half; the
-        # identity of the mask it returns tells the router so)
-        return pool.base_ok, pool.all_true, pool.base_ok, False
+        # (the usual case: it fits every plan now - the filters are the pool's static half)
+        return pool.base_ok, pool.all_true, pool.base_ok, False, pool.base_count
     ever, now = memory_bound(req, pool)
     hard: Bools = prefilter(req, pool)
     if ever is not pool.all_true:
         hard = hard & ever
-    cand: Bools = hard & now
-    if np.count_nonzero(cand):
-        return hard, now, cand, False
-    return hard, now, hard, True
+    if hard is pool.base_ok and pool.base_all:
+        # every plan passes the static filters: the candidates are the plans with room now, and
+        # the pool's sorted rooms count them without another pass over the mask
+        cand: Bools = now
+        count = pool.n - bisect_left(pool.room_sorted, float(req.kv_tokens))
+    else:
+        cand = hard & now
+        count = int(np.count_nonzero(cand))
+    if count:
+        return hard, now, cand, False, count
+    return hard, now, hard, True, int(np.count_nonzero(hard))
 
 
 class Router:
@@ -196,19 +204,15 @@ class Router:
             # one plan, and it can ever hold the request: nothing to score, whatever its load (the
             # common single-plan gear; it is the prefilter and the memory bound of one plan, inline)
             return Decision(self.name, req, pool, (0,), note="the only plan")
-        hard, now, cand, relaxed = hard_filters(req, pool)
-        if cand is pool.base_ok:
-            count, every = pool.base_count, pool.base_all
-        else:
-            count = int(np.count_nonzero(cand))
-            every = count == pool.n
+        hard, now, cand, relaxed, count = hard_filters(req, pool)
+        every = count == pool.n
         if not count:
             return Decision(self.name, req, pool, (), hard_ok=hard, fits_now=now)
-        matched = self.index.match(req.blocks, pool) if req.blocks else None
-        s_prefix, cached = prefix_affinity.score(req, matched, block_tokens=cfg.block_tokens,
-                                                 host_tier_weight=cfg.host_tier_weight)
+        hits = self.index.hits(req.blocks, pool) if req.blocks else None
+        s_prefix, cached, at = prefix_affinity.score(req, hits, pool.n, block_tokens=cfg.block_tokens,
+                                                     host_tier_weight=cfg.host_tier_weight)
         s_topo = topology_affinity.score(req, pool)
-        own = predicted_latency.prefill_s(req, pool, cached)
+        own = predicted_latency.prefill_s(req, pool, cached, at)
         ttft, tpot = predicted_latency.predict(req, pool, cached, own)
         stall = predicted_latency.stall_s(req, own, pool)
         demotion = self.jitter.demotion(pool, now_s)
@@ -220,8 +224,10 @@ class Router:
         w = cfg.weights
         total = s_lat * w.predicted_latency
         total += s_topo if w.topology_affinity == 1.0 else s_topo * w.topology_affinity
-        if s_prefix is not None:
-            total += s_prefix if w.prefix_affinity == 1.0 else s_prefix * w.prefix_affinity
+        # (+ the prefix score: 0 but at the few plans that hit)
+        w_prefix = w.prefix_affinity
+        for i, _, s in at:
+            total[i] = float(total[i]) + (s if w_prefix == 1.0 else s * w_prefix)
         order = pick(total, cand, demoted, deadline_ok, pool.load_rel, cfg.top_k, self.rng, count=count)
         note = ""
         if cfg.spill is not None and len(order) > 1:

@@ -103,6 +103,20 @@ def test_it_writes_the_json_it_prints(tmp_path: Path, capsys: pytest.CaptureFixt
     assert f"time scale {result['time_scale']:.4f}" in printed and "targets (issue 15" in printed
 
 
+def test_decisions_only_times_the_router_and_runs_no_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = mooncake_like(tmp_path / "t.jsonl", n=24)
+    out = tmp_path / "r.json"
+    assert bench.main(["--trace", str(trace), "--decisions-only", "--decision-samples", "20", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["policies"] == {} and "time_scale" not in result and "time scale" not in printed
+    assert [result["decision_us"][n]["samples"] for n in ("8", "64")] == [18, 18]  # (the first tenth warms up)
+    assert "decision_p99_us_at_64" in result["targets"] and "goodput_over_round_robin" not in result["targets"]
+    with pytest.raises(SystemExit) as few:
+        bench.main(["--trace", str(trace), "--decisions-only", "--decision-samples", "3"])
+    assert few.value.code == 2 and "--decision-samples" in capsys.readouterr().err
+
+
 def test_the_learned_and_bucket_variants_and_the_drift_case_report_their_fields(tmp_path: Path) -> None:
     a, b = mooncake_like(tmp_path / "a.jsonl", n=24), mooncake_like(tmp_path / "b.jsonl", n=24)
     result = bench.bench("", policies=["round-robin", "flexpipe+learned", "flexpipe+buckets"], decision_samples=20,

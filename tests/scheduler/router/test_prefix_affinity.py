@@ -58,9 +58,11 @@ def test_evicted_blocks_stay_on_the_host_tier_and_count_less() -> None:
     assert got is not None
     gpu, total = got
     assert gpu.tolist() == [0] and total.tolist() == [4]
-    s, cached = score(req(4 * 512 + 100), got, block_tokens=512, host_tier_weight=0.5)
+    assert idx.hits((1, 2, 3, 4), pool) == [(0, 0, 4)]  # (slot, GPU-tier blocks, GPU + host blocks)
+    s, cached, at = score(req(4 * 512 + 100), idx.hits((1, 2, 3, 4), pool), 1, block_tokens=512,
+                          host_tier_weight=0.5)
     assert s is not None and cached is not None
-    assert cached.tolist() == [0.5 * 4 * 512]
+    assert cached.tolist() == [0.5 * 4 * 512] and at == [(0, cached[0], s[0])]
     assert s[0] == pytest.approx(100 * 1024 / 2148)
     idx.record(pid, (1, 2), gpu_blocks=4, host_blocks=8)  # back on the GPU: off the host tier
     got = idx.match((1, 2, 3), pool)
@@ -71,7 +73,7 @@ def test_a_hit_never_covers_the_last_prompt_token() -> None:
     pool = pool_of(1)
     idx = PrefixIndex(512)
     idx.record(pool.ids[0], (1, 2), gpu_blocks=10)
-    s, cached = score(req(1024), idx.match((1, 2), pool), block_tokens=512, host_tier_weight=0.5)
+    s, cached, _ = score(req(1024), idx.hits((1, 2), pool), 1, block_tokens=512, host_tier_weight=0.5)
     assert cached is not None and cached.tolist() == [1023]
 
 
