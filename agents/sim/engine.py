@@ -29,6 +29,13 @@ Disaggregated plans have two pipes: the prefill pipe only runs prompt chunks; a 
 hands its KV to the decode pipe over the plan's KV route (`PlanProfile.kv_handoff_s`, one
 transfer at a time on that route), and its first token is counted when the hand-off lands, as
 the cost model counts it in TTFT.
+
+The local loop (scheduler/control/correction.py: the three time scales): each round's batch-token
+threshold is the engine's own (`MAX_BATCHED_TOKENS` per micro-batch) unless the global
+correction's `apply_hints` holds a live hint for the plan in its node's HintBook; the engine
+looks at the book every `host.local_loop_s` (default 100 ms), so a hint takes effect within one
+local period and a lapsed one (its ttl ran out: the global loop is down) returns the default
+without anything else running.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import TYPE_CHECKING, Literal
 
 from agents.sim.queues import PrefixCache, WaitQueue
 from agents.sim.request import Request
+from scheduler.control.correction import HintBook
 from scheduler.costmodel import MAX_BATCHED_TOKENS, MAX_RUNNING_SEQS, PipelineProfile, PlanProfile
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Plan
@@ -76,7 +84,7 @@ class Pipe:
         self.role = role
         self.prof = profile
         self.pp = profile.pp
-        self.budget = MAX_BATCHED_TOKENS * self.pp
+        self.budget = MAX_BATCHED_TOKENS * self.pp  # the engine's own threshold (a hint may set another)
         self.seq_cap = MAX_RUNNING_SEQS * self.pp
         self.kv_cap = kv_cap
         self.kv_bytes_per_token = kv_bytes_per_token  # over all GPUs of the pipe (for memory use)
@@ -306,7 +314,8 @@ class Pipe:
             out += self._preempt_last(t)
             preempted = True
         n_dec = self.n_dec
-        budget = self.budget - n_dec if role == "both" else (self.budget if role == "prefill" else 0)
+        full = self.engine.batch_tokens(t) * self.pp  # the local loop's threshold (module docstring)
+        budget = full - n_dec if role == "both" else (full if role == "prefill" else 0)
         chunks: list[tuple[Request, int]] = []
         pre_tokens = pre_ctx = 0
         # With length buckets (agents/sim/buckets.py) a round that mixes short and long prompts is
@@ -319,7 +328,7 @@ class Pipe:
             if self.waiting:
                 lengths.append(self.waiting[0].prompt)
             if buckets.split(min(lengths), max(lengths)):
-                room = [buckets.cap(b, self.budget) for b in range(len(buckets.shares))]
+                room = [buckets.cap(b, full) for b in range(len(buckets.shares))]
                 prefilling = sorted(prefilling, key=lambda r: buckets.of(r.prompt))
         # 2. prefill passes in progress, first come first served (by bucket when split)
         for req in prefilling:
@@ -531,6 +540,11 @@ class PlanEngine:
             self.prefill = self.decode = Pipe(self, "both", profile.pipeline("prefill"), kv_cap,
                                               _kv_bytes(plan.stages, model), _gpus(plan.stages))
             self.pipes = (self.prefill,)
+        # the local loop's view of the global correction (module docstring): the node's hint book
+        # once a hint named this plan, the threshold it read there and when it looks again
+        self.hints: HintBook | None = None
+        self.hinted_tokens = MAX_BATCHED_TOKENS
+        self.next_look_s = -math.inf
         self.handoff_free_s = 0.0  # disaggregated: the KV route is busy until then
         self.in_flight: dict[int, Request] = {}  # hand-offs and migrations on their way here
         self.weight_bytes = sum(-(-model.stage_weight_bytes(s.layer_start, s.layer_end) // s.tp) * s.tp
@@ -544,6 +558,15 @@ class PlanEngine:
         self.rep_prompt: list[int] = []
         self.rep_output: list[int] = []
         self.rep_since_s = 0.0
+
+    def batch_tokens(self, t: float) -> int:
+        """The batch-token threshold per micro-batch of a round starting at t (module docstring)."""
+        if self.hints is None:
+            return MAX_BATCHED_TOKENS
+        if t >= self.next_look_s:
+            self.hinted_tokens = self.hints.batch_tokens(self.deployment, self.plan.plan_id, t, MAX_BATCHED_TOKENS)
+            self.next_look_s = t + self.host.local_loop_s
+        return self.hinted_tokens
 
     @property
     def load(self) -> int:
