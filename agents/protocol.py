@@ -377,6 +377,10 @@ class EngineReport:
     arrivals: int = 0  # requests admitted during the report interval
     prompt_tokens_mean: float | None = None
     output_tokens_mean: float | None = None
+    # of `finished`, the requests that missed their deployment's SLO (TTFT or TPOT): what the global
+    # correction's violation rate counts (scheduler/control/correction.py). v1.2, no version bump:
+    # an older agent does not send it (0)
+    slo_violations: int = 0
 
 
 @dataclass(frozen=True)
@@ -630,8 +634,12 @@ def parse_report(body: Any) -> Report:
                 arrivals=e.int("arrivals", 0, min=0),
                 prompt_tokens_mean=e.num("prompt_tokens_mean", None, min=0.0),
                 output_tokens_mean=e.num("output_tokens_mean", None, min=0.0),
+                slo_violations=e.int("slo_violations", 0, min=0),
             )
             e.done()
+            if (isinstance(rep.slo_violations, int) and isinstance(rep.finished, int)
+                    and rep.slo_violations > rep.finished):
+                e.fail("slo_violations", f"must not exceed finished ({rep.finished}); got {rep.slo_violations}")
             engines.append(rep)
     r.done()
     problems.raise_if_any("report")

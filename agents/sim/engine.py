@@ -552,6 +552,7 @@ class PlanEngine:
         # report counters (reset by each report)
         self.rep_tokens = 0
         self.rep_finished = 0
+        self.rep_violations = 0  # of those, SLO misses (EngineReport.slo_violations)
         self.rep_arrivals = 0
         self.rep_ttft: list[float] = []
         self.rep_tpot: list[float] = []
