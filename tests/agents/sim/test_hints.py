@@ -122,3 +122,40 @@ def test_the_weight_multiplier_lives_as_long_as_the_hint() -> None:
     assert sim.hinted_weight("d", engine.plan.plan_id) == 0.5
     sim.advance_to(sim.now_s + 2.0)
     assert sim.hinted_weight("d", engine.plan.plan_id) == 1.0
+
+
+def test_the_live_fleet_routes_by_table_weight_times_the_live_multiplier() -> None:
+    from pathlib import Path
+
+    from agents.sim.live import LiveFleet
+    from agents.sim.scenario import load_scenario
+    from scheduler.transition import Route, RoutingState
+
+    root = Path(__file__).resolve().parents[3]
+    fleet = LiveFleet(load_scenario(root / "scenarios" / "demo.yaml"), "http://127.0.0.1:9", "unused",
+                      long_poll_s=None)  # nothing is sent: only its routing is stepped here
+    try:
+        sim = fleet.sim
+        first = Plan("Llama-3-8B", "colocated", (Stage(0, 32, (sim.cluster.gpu_uuid("h100-a", 6),)),),
+                     kv_reserve_tokens=100_000)
+        second = Plan("Llama-3-8B", "colocated", (Stage(0, 32, (sim.cluster.gpu_uuid("h100-a", 7),)),),
+                      kv_reserve_tokens=100_000)
+        a, b = (sim.add_plan("chat-8b", p, source="warm", route=False) for p in (first, second))
+        fleet.routes["chat-8b"] = RoutingState("chat-8b", 3, (Route(first, 0.5, nodes=("h100-a",)),
+                                                               Route(second, 0.5, nodes=("h100-a",))))
+        fleet._follow_routing()
+        assert (a.weight, b.weight) == (0.5, 0.5)
+        payload = {"deployment": "chat-8b", "hints_version": 1, "ttl_s": 2.0, "plans": [
+            {"plan_id": first.plan_id, "direction": "hold", "weight_multiplier": 0.5, "max_batched_tokens": 2048},
+            {"plan_id": second.plan_id, "direction": "hold", "weight_multiplier": 2.0, "max_batched_tokens": 2048}]}
+        fleet.mailbox.deliver("h100-a", [Command(1, "apply_hints", payload)])
+        [(_, _, ack)] = fleet.mailbox.acks()
+        assert ack.status == "ok" and check_result("apply_hints", ack.result)["plans"] == [first.plan_id,
+                                                                                            second.plan_id]
+        fleet._follow_routing()
+        assert (a.weight, b.weight) == (0.25, 1.0)  # the table's weights times the hints'
+        sim.advance_to(sim.now_s + 2.0 * fleet.time_scale)  # the hints lapse (ttl in sim time): the table's weights
+        fleet._follow_routing()
+        assert (a.weight, b.weight) == (0.5, 0.5)
+    finally:
+        fleet.close()
