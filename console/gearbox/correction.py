@@ -8,10 +8,12 @@ due (changed, or half their ttl old) to the leaders as `apply_hints` commands
 (console/fleet/hints.py). A report's finished and slo_violations are counted once, by the
 report's time, however many runs read it.
 
+The weight multipliers are applied where requests are routed: the gateway reads the newest live
+hint per plan from the queued commands (console/gateway/routing.py `_hinted`), the simulated
+fleet from its leaders' hint books (agents/sim/hints.py); the thresholds by the engines.
+
 What it does not do: its inputs are as fresh as the agents' reports (FLEXPIPE_REPORT_INTERVAL_S,
-or at once after a change), not 500 ms; the gateway's routing (console/gateway/routing.py) does
-not read the weight multipliers - the simulated fleet's routing does (agents/sim/hints.py). The
-loop's memory (multipliers, thresholds, windows) lives in the worker process that runs it: a
+or at once after a change), not 500 ms. The loop's memory (multipliers, thresholds, windows) lives in the worker process that runs it: a
 worker that restarts starts from the engines' defaults, with versions from its wall clock (ms) so
 that the agents take its hints as newer. With no worker or no beat nothing is sent, and every
 engine is back at its own defaults one ttl later: the local loops keep running on their own.
