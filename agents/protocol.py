@@ -158,8 +158,9 @@ validate both.
     it the engine returns to its own defaults, so a controller that stops sending leaves the
     engines' local loops at their defaults), plans (1 to 1024, each plan_id once): [{plan_id,
     direction (speed_up | slow_down | hold), weight_multiplier (0 < m <= 10: the router's weight
-    for the plan times this, while the hint lives), max_batched_tokens (1 to 1048576: the
-    engine's batch-token threshold per round while the hint lives)}].
+    for the plan times this, while the hint lives), batch_scale (0 < s <= 16: the engine's own
+    batch-token threshold per round times this, while the hint lives - a scale, so that one
+    hint means the same to engines with different defaults)}].
     Ack ok with {applied (false: an older version, ignored), hints_version (the newest this node
     holds for the deployment), plans: [the plan ids whose engine took the threshold], unknown:
     [plan ids this node leads no engine for]}. An engine that has no batch-token threshold says
@@ -228,7 +229,7 @@ _MAX_COUNTER = 2**31 - 1  # xid_errors, ecc_errors: the console stores them as 3
 _MAX_SEQUENCES_PER_PLAN = 10**7  # running / waiting: far above any engine's batch or queue
 _MAX_HINT_TTL_S = 3600.0  # apply_hints: a hint lives at most an hour
 _MAX_HINT_WEIGHT = 10.0  # apply_hints: a router weight multiplier (the controller keeps it in [0.5, 2])
-_MAX_HINT_BATCH_TOKENS = 1 << 20  # apply_hints: a batch-token threshold
+_MAX_HINT_BATCH_SCALE = 16.0  # apply_hints: of an engine's own batch-token threshold (the controller: [1/8, 8])
 _HINT_DIRECTIONS = ("speed_up", "slow_down", "hold")
 _MAX_LINK_GBPS = 100_000.0  # 100 Tb/s: beyond any node link (catches bytes-vs-bits and B/s-vs-Gb/s mistakes)
 
@@ -916,7 +917,7 @@ def _apply_hints(r: ObjectReader) -> None:
                 seen.add(pid)
             h.str("direction", choices=_HINT_DIRECTIONS)
             h.num("weight_multiplier", min=0.0, max=_MAX_HINT_WEIGHT, exclusive_min=True)
-            h.int("max_batched_tokens", min=1, max=_MAX_HINT_BATCH_TOKENS)
+            h.num("batch_scale", min=0.0, max=_MAX_HINT_BATCH_SCALE, exclusive_min=True)
             h.done()
 
 

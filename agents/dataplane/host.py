@@ -157,9 +157,9 @@ class PlanHost(DrainThenHandOver):
             self._thread = threading.Thread(target=self._loop, name=f"engine-{self.plan_id}", daemon=True)
             self._thread.start()
 
-    def set_batch_tokens(self, tokens: int | None) -> None:
-        """The global correction's batch-token threshold (apply_hints: agents/node/daemon.py): the
-        engine's tokens per step from its next step on; None: back to its own. Before the engine
+    def set_batch_scale(self, scale: float | None) -> None:
+        """The global correction's scale of the engine's tokens per step (apply_hints:
+        agents/node/daemon.py), from its next step on; None: back to its own. Before the engine
         started: nothing (its own threshold, until the next hint)."""
         with self._lock:
             engine = self.engine
@@ -167,7 +167,7 @@ class PlanHost(DrainThenHandOver):
                 return
             if self._own_tokens is None:
                 self._own_tokens = engine.max_tokens_per_step
-            engine.max_tokens_per_step = self._own_tokens if tokens is None else max(1, int(tokens))
+            engine.max_tokens_per_step = self._own_tokens if scale is None else max(1, int(self._own_tokens * scale))
 
     def stop(self) -> None:
         """Stop the engine thread and the workers; streams still open end with an error. Idempotent."""

@@ -525,13 +525,13 @@ class NodeAgent:
         took, unknown, why = [], [], []
         for h in hints:
             slot = slots[h.plan_id]
-            setter = getattr(slot.engine, "set_batch_tokens", None) if slot is not None else None
+            setter = getattr(slot.engine, "set_batch_scale", None) if slot is not None else None
             if slot is None or slot.role != "leader" or setter is None:
                 unknown.append(h.plan_id)
                 if slot is not None and slot.role == "leader":
                     why.append(f"{h.plan_id}: its engine sets its batch threshold when it starts")
                 continue
-            setter(h.max_batched_tokens)
+            setter(h.batch_scale)
             took.append(h.plan_id)
         detail = "; ".join([f"hints {version} of {deployment}: {len(took)} plan(s)", *why])
         return _Outcome("ok", detail, {"applied": True, "hints_version": version, "plans": took, "unknown": unknown})
@@ -545,7 +545,7 @@ class NodeAgent:
             self._hinted.difference_update(lapsed)
             slots = [self.plans.get(k) for k in lapsed]
         for slot in slots:
-            setter = getattr(slot.engine, "set_batch_tokens", None) if slot is not None else None
+            setter = getattr(slot.engine, "set_batch_scale", None) if slot is not None else None
             if setter is not None:
                 setter(None)
 

@@ -31,8 +31,8 @@ transfer at a time on that route), and its first token is counted when the hand-
 the cost model counts it in TTFT.
 
 The local loop (scheduler/control/correction.py: the three time scales): each round's batch-token
-threshold is the engine's own (`MAX_BATCHED_TOKENS` per micro-batch) unless the global
-correction's `apply_hints` holds a live hint for the plan in its node's HintBook; the engine
+threshold is the engine's own (`MAX_BATCHED_TOKENS` per micro-batch), times the scale of a live
+hint for the plan when the global correction's `apply_hints` put one in its node's HintBook; the engine
 looks at the book every `host.local_loop_s` (default 100 ms), so a hint takes effect within one
 local period and a lapsed one (its ttl ran out: the global loop is down) returns the default
 without anything else running.

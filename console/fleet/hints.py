@@ -31,7 +31,7 @@ def hints_payload(deployment: str, hints_version: int, ttl_s: float, plans: Sequ
 def do_send_hints(deployment: str, hints_version: int, ttl_s: float,
                   by_node: Mapping[str, Sequence[Mapping[str, object]]], *, now: datetime) -> list[AgentCommand]:
     """Queue the hints of one correction step, per leader node (module docstring). Raises
-    Rejected(400) naming every bad field ("payload.plans[0].max_batched_tokens"; with several
+    Rejected(400) naming every bad field ("payload.plans[0].batch_scale"; with several
     nodes, prefixed "nodes.<node id>.") and every node the console does not know ("nodes.<node
     id>"); then nothing is queued."""
     from console.fleet.actions import Rejected, do_issue_command

@@ -6,7 +6,8 @@ Three loops, each slower than the one below it (seed 003, "independent decisions
   batch-token threshold of every round, decided by the engine alone;
 * the **global correction** (FLEXPIPE_GLOBAL_LOOP_S, default 500 ms): `GlobalCorrection.step`
   reads every plan of a deployment and sends each a `Hint` - a router weight multiplier and a
-  batch-token threshold - over the agent protocol (`apply_hints`, agents/protocol.py);
+  scale of the engine's batch-token threshold - over the agent protocol (`apply_hints`,
+  agents/protocol.py);
 * the **gear loop** (FLEXPIPE_TICK_S, 15 s: scheduler/control/loop.py), which changes plans.
 
 Seed 003 corollary 4: the global loop runs at most 5x slower than the local one (100 ms / 500 ms);
@@ -29,13 +30,16 @@ The rules of `GlobalCorrection.step`, per deployment, in order:
     In between: held.
  3. Batching, per plan, from its SLA-violation rate over the last `window_s` (finished requests
     that missed TTFT or TPOT over finished requests; no verdict under `min_samples`):
-    above `violation_target`, the threshold is divided by `batch_step` (smaller rounds: each
+    above `violation_target`, the batch scale is divided by `batch_step` (smaller rounds: each
     token sooner, lower TTFT/TPOT, less throughput); at or under half the target with requests
     waiting and KV below `kv_high`, it is multiplied by `batch_step` (bigger rounds: more
     throughput for the queue, each round slower); at or under half the target with nothing
-    waiting, or with no verdict, it moves one step back towards the engine's default; otherwise
-    it is held. Always inside [batch_min, batch_max]. The hint's direction says where the
-    threshold stands against the default: **speed_up** below it, **slow_down** above, **hold** at it.
+    waiting, or with no verdict, it moves one step back towards 1; otherwise it is held. Always
+    inside [batch_scale_min, batch_scale_max]. The hint's direction says where the scale stands:
+    **speed_up** below 1, **slow_down** above, **hold** at 1.
+
+    A scale, not a token count: each engine multiplies its own threshold by it (vLLM's default
+    is 2048 tokens per step, the torch engine's 256), so one rule serves every engine.
  4. Every hint of a step carries the step's `hints_version` (strictly increasing: a loop that
     restarts starts from `start_version`, the console's wall clock in ms) and `ttl_s`. `due`
     says which hints to send: those that changed since last sent, and those last sent
@@ -55,8 +59,6 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-from scheduler.costmodel import MAX_BATCHED_TOKENS
 
 LOCAL_LOOP_S = 0.1  # seed 003: the per-engine batching loop, every 100 ms
 GLOBAL_LOOP_S = 0.5  # seed 003: the global correction signal, every 500 ms
@@ -81,9 +83,8 @@ class CorrectionConfig:
     min_samples: int = 20  # finished requests in the window before the rate says anything
     kv_high: float = 0.9  # KV usage above which no plan is asked for bigger batches
     batch_step: float = 1.5
-    batch_default: int = MAX_BATCHED_TOKENS  # an engine's own threshold (vLLM's default)
-    batch_min: int = 256
-    batch_max: int = 8 * MAX_BATCHED_TOKENS
+    batch_scale_min: float = 0.125  # of the engine's own batch-token threshold
+    batch_scale_max: float = 8.0
     ttl_s: float = 5.0  # a hint lasts this long unless refreshed (10 global periods)
 
     def __post_init__(self) -> None:
@@ -98,9 +99,9 @@ class CorrectionConfig:
                              f"{self.weight_max}")
         if not self.batch_step > 1:
             raise ValueError(f"batch_step: must be > 1; got {self.batch_step!r}")
-        if not 1 <= self.batch_min <= self.batch_default <= self.batch_max:
-            raise ValueError(f"batch_min, batch_default, batch_max: need 1 <= min <= default <= max; got "
-                             f"{self.batch_min}, {self.batch_default}, {self.batch_max}")
+        if not 0 < self.batch_scale_min <= 1 <= self.batch_scale_max <= 16:
+            raise ValueError(f"batch_scale_min, batch_scale_max: need 0 < min <= 1 <= max <= 16; got "
+                             f"{self.batch_scale_min}, {self.batch_scale_max}")
         if self.min_samples < 1:
             raise ValueError(f"min_samples: must be >= 1; got {self.min_samples!r}")
         if not 0 <= self.kv_high <= 1:
@@ -138,11 +139,11 @@ class Hint:
     plan_id: str
     direction: Direction
     weight_multiplier: float
-    max_batched_tokens: int
+    batch_scale: float  # times the engine's own batch-token threshold
 
     def to_dict(self) -> dict[str, object]:
         return {"plan_id": self.plan_id, "direction": self.direction.value,
-                "weight_multiplier": self.weight_multiplier, "max_batched_tokens": self.max_batched_tokens}
+                "weight_multiplier": self.weight_multiplier, "batch_scale": self.batch_scale}
 
 
 @dataclass(frozen=True)
@@ -197,13 +198,9 @@ def _clamp(value: float, lo: float, hi: float) -> float:
     return min(hi, max(lo, value))
 
 
-def _towards(value: int, target: int, step: float) -> int:
-    """One multiplicative step from value towards target, never past it."""
-    if value < target:
-        return min(target, int(value * step))
-    if value > target:
-        return max(target, int(value / step))
-    return value
+def _towards_one(value: float, step: float) -> float:
+    """One multiplicative step from value towards 1, never past it."""
+    return min(1.0, value * step) if value < 1 else max(1.0, value / step)
 
 
 class GlobalCorrection:
@@ -214,7 +211,7 @@ class GlobalCorrection:
         self.config = config
         self.version = start_version  # the last hints_version issued
         self.weights: dict[tuple[str, str], float] = {}
-        self.batch: dict[tuple[str, str], int] = {}
+        self.batch: dict[tuple[str, str], float] = {}
         self.windows: dict[tuple[str, str], SlidingWindow] = {}
         self.sent: dict[tuple[str, str], tuple[Hint, float]] = {}  # last sent hint and when
 
@@ -244,18 +241,17 @@ class GlobalCorrection:
             window.add(now_s, p.finished, p.violated)
             rate = window.rate(cfg.min_samples)
             rates[p.plan_id] = rate
-            batch = self.batch.get(key, cfg.batch_default)
+            batch = self.batch.get(key, 1.0)
             calm = rate is None or rate <= cfg.violation_target / 2
             if rate is not None and rate > cfg.violation_target:
-                batch = int(_clamp(batch / cfg.batch_step, cfg.batch_min, cfg.batch_max))
+                batch = _clamp(batch / cfg.batch_step, cfg.batch_scale_min, cfg.batch_scale_max)
             elif rate is not None and calm and p.waiting > 0 and p.kv_usage < cfg.kv_high:
-                batch = int(_clamp(batch * cfg.batch_step, cfg.batch_min, cfg.batch_max))
+                batch = _clamp(batch * cfg.batch_step, cfg.batch_scale_min, cfg.batch_scale_max)
             elif rate is None or (calm and p.waiting == 0):
-                batch = _towards(batch, cfg.batch_default, cfg.batch_step)
+                batch = _towards_one(batch, cfg.batch_step)
             self.batch[key] = batch
-            direction = (Direction.SPEED_UP if batch < cfg.batch_default else
-                         Direction.SLOW_DOWN if batch > cfg.batch_default else Direction.HOLD)
-            hints.append(Hint(p.plan_id, direction, round(self.weights.get(key, 1.0), 6), batch))
+            direction = Direction.SPEED_UP if batch < 1 else Direction.SLOW_DOWN if batch > 1 else Direction.HOLD
+            hints.append(Hint(p.plan_id, direction, round(self.weights.get(key, 1.0), 6), round(batch, 6)))
         return Hints(deployment, self.version, cfg.ttl_s, imb, tuple(hints), rates)
 
     def due(self, hints: Hints, now_s: float) -> list[Hint]:
@@ -264,8 +260,8 @@ class GlobalCorrection:
         for h in hints.hints:
             key = (hints.deployment, h.plan_id)
             last = self.sent.get(key)
-            changed = last is None or (last[0].weight_multiplier, last[0].max_batched_tokens) != (
-                h.weight_multiplier, h.max_batched_tokens)
+            changed = last is None or (last[0].weight_multiplier, last[0].batch_scale) != (
+                h.weight_multiplier, h.batch_scale)
             if changed or now_s - last[1] >= hints.ttl_s / 2:  # type: ignore[index]
                 self.sent[key] = (h, now_s)
                 out.append(h)
@@ -318,8 +314,9 @@ class HintBook:
         return got.hint
 
     def batch_tokens(self, deployment: str, plan_id: str, now_s: float, default: int) -> int:
+        """The engine's threshold: its own (`default`) times the live hint's scale, at least 1."""
         h = self.live(deployment, plan_id, now_s)
-        return default if h is None else h.max_batched_tokens
+        return default if h is None else max(1, int(default * h.batch_scale))
 
     def weight(self, deployment: str, plan_id: str, now_s: float) -> float:
         h = self.live(deployment, plan_id, now_s)
@@ -332,7 +329,7 @@ def hints_from_payload(payload: Mapping[str, object]) -> tuple[str, int, float, 
     plans = payload["plans"]
     assert isinstance(plans, list)  # noqa: S101 - checked by the protocol
     hints = [Hint(str(p["plan_id"]), Direction(p["direction"]), float(p["weight_multiplier"]),
-                  int(p["max_batched_tokens"])) for p in plans]
+                  float(p["batch_scale"])) for p in plans]
     return (str(payload["deployment"]), int(payload["hints_version"]),  # type: ignore[call-overload]
             float(payload["ttl_s"]), hints)  # type: ignore[arg-type]
 

@@ -185,7 +185,7 @@ def test_a_bad_probe_links_payload_names_the_field(payload: dict[str, object], f
     check_payload("probe_links", {"peers": {"b1": "10.0.0.2:7070"}, "bulk_bytes": 1 << 20})
 
 
-HINT = {"plan_id": "p-1", "direction": "speed_up", "weight_multiplier": 0.8, "max_batched_tokens": 1024}
+HINT = {"plan_id": "p-1", "direction": "speed_up", "weight_multiplier": 0.8, "batch_scale": 0.5}
 HINTS = {"deployment": "chat", "hints_version": 3, "ttl_s": 5.0, "plans": [HINT]}
 
 
@@ -199,8 +199,9 @@ HINTS = {"deployment": "chat", "hints_version": 3, "ttl_s": 5.0, "plans": [HINT]
     ({"plans": [{**HINT, "direction": "faster"}]}, "payload.plans[0].direction"),
     ({"plans": [{**HINT, "weight_multiplier": 0}]}, "payload.plans[0].weight_multiplier"),
     ({"plans": [{**HINT, "weight_multiplier": 11}]}, "payload.plans[0].weight_multiplier"),
-    ({"plans": [{**HINT, "max_batched_tokens": 0}]}, "payload.plans[0].max_batched_tokens"),
-    ({"plans": [{**HINT, "max_batched_tokens": 1.5}]}, "payload.plans[0].max_batched_tokens"),
+    ({"plans": [{**HINT, "batch_scale": 0}]}, "payload.plans[0].batch_scale"),
+    ({"plans": [{**HINT, "batch_scale": 17}]}, "payload.plans[0].batch_scale"),
+    ({"plans": [{**HINT, "batch_scale": "0.5"}]}, "payload.plans[0].batch_scale"),
     ({"plans": [HINT, HINT]}, "payload.plans[1].plan_id"),
     ({"plans": [{**HINT, "priority": 1}]}, "payload.plans[0].priority"),
 ])

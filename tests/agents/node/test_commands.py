@@ -217,10 +217,10 @@ class _Stepper(_Fixed):
 
     def __init__(self, plan_id: str) -> None:
         super().__init__(plan_id)
-        self.tokens: list[int | None] = []
+        self.tokens: list[float | None] = []  # the scales it was given (None: back to its own)
 
-    def set_batch_tokens(self, tokens: int | None) -> None:
-        self.tokens.append(tokens)
+    def set_batch_scale(self, scale: float | None) -> None:
+        self.tokens.append(scale)
 
 
 def test_apply_hints_sets_a_led_plan_s_threshold_ignores_stale_versions_and_lapses(make_agent: Any) -> None:
@@ -233,27 +233,27 @@ def test_apply_hints_sets_a_led_plan_s_threshold_ignores_stale_versions_and_laps
     agent.plans[("tiny", "p-vllm")] = PlanSlot("tiny", "p-vllm", "leader", {}, engine=vllm_like)  # type: ignore[arg-type]
     agent.plans[("tiny", "p-member")] = PlanSlot("tiny", "p-member", "member", {})
 
-    def hint(pid: str, tokens: int) -> dict[str, Any]:
-        return {"plan_id": pid, "direction": "speed_up", "weight_multiplier": 0.8, "max_batched_tokens": tokens}
+    def hint(pid: str, scale: float) -> dict[str, Any]:
+        return {"plan_id": pid, "direction": "speed_up", "weight_multiplier": 0.8, "batch_scale": scale}
 
     payload = {"deployment": "tiny", "hints_version": 4, "ttl_s": 5.0,
-               "plans": [hint("p-torch", 128), hint("p-vllm", 128), hint("p-member", 128)]}
+               "plans": [hint("p-torch", 0.5), hint("p-vllm", 0.5), hint("p-member", 0.5)]}
     ack = agent.handle(command("apply_hints", payload))
     result = ok("apply_hints", ack)
     assert result == {"applied": True, "hints_version": 4, "plans": ["p-torch"], "unknown": ["p-vllm", "p-member"]}
     assert "p-vllm: its engine sets its batch threshold when it starts" in ack.detail
-    assert torch_like.tokens == [128]
+    assert torch_like.tokens == [0.5]
     stale = ok("apply_hints", agent.handle(command("apply_hints", {**payload, "hints_version": 3,
-                                                                   "plans": [hint("p-torch", 4096)]})))
-    assert stale["applied"] is False and torch_like.tokens == [128]
+                                                                   "plans": [hint("p-torch", 2.0)]})))
+    assert stale["applied"] is False and torch_like.tokens == [0.5]
     now[0] = 104.9
     agent._lapse_hints()
-    assert torch_like.tokens == [128]  # still live
+    assert torch_like.tokens == [0.5]  # still live
     now[0] = 105.0  # the global loop said nothing more: the engine's own threshold again
     agent._lapse_hints()
-    assert torch_like.tokens == [128, None]
+    assert torch_like.tokens == [0.5, None]
     agent._lapse_hints()
-    assert torch_like.tokens == [128, None]  # once
+    assert torch_like.tokens == [0.5, None]  # once
 
 
 def test_a_bad_hint_is_refused_naming_the_field(make_agent: Any) -> None:

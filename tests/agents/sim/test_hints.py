@@ -25,10 +25,10 @@ def serving(sim: FleetSim, *gpus: int) -> tuple[PlanEngine, str]:
     return engine, sim.plan_nodes(plan)[0]
 
 
-def hints(plan_id: str, version: int, tokens: int, *, ttl_s: float = 5.0, weight: float = 1.0) -> dict[str, Any]:
+def hints(plan_id: str, version: int, scale: float, *, ttl_s: float = 5.0, weight: float = 1.0) -> dict[str, Any]:
     return {"deployment": "d", "hints_version": version, "ttl_s": ttl_s,
-            "plans": [{"plan_id": plan_id, "direction": "speed_up" if tokens < MAX_BATCHED_TOKENS else "slow_down",
-                       "weight_multiplier": weight, "max_batched_tokens": tokens}]}
+            "plans": [{"plan_id": plan_id, "direction": "speed_up" if scale < 1 else "slow_down",
+                       "weight_multiplier": weight, "batch_scale": scale}]}
 
 
 def send(box: HttpMailbox, node: str, cid: int, payload: dict[str, Any]) -> dict[str, Any]:
@@ -50,9 +50,9 @@ def test_a_hint_reaches_the_engine_over_the_protocol_and_sets_its_batch_threshol
     sim = FleetSim(one_deployment(rate_rps=0))
     engine, node = serving(sim, 0)
     box = HttpMailbox(hints_to=sim.apply_hints)
-    result = send(box, node, 1, hints(engine.plan.plan_id, 1, 512))
+    result = send(box, node, 1, hints(engine.plan.plan_id, 1, 0.25))
     assert result == {"applied": True, "hints_version": 1, "plans": [engine.plan.plan_id], "unknown": []}
-    assert first_chunk(sim, engine) == 512  # the engine's own would be MAX_BATCHED_TOKENS
+    assert first_chunk(sim, engine) == MAX_BATCHED_TOKENS // 4  # a quarter of the engine's own
 
 
 def test_without_a_hint_the_engine_batches_at_its_own_threshold() -> None:
@@ -65,22 +65,22 @@ def test_an_older_version_is_ignored_and_a_plan_not_led_here_is_named() -> None:
     sim = FleetSim(one_deployment(rate_rps=0))
     engine, node = serving(sim, 0)
     box = HttpMailbox(hints_to=sim.apply_hints)
-    send(box, node, 1, hints(engine.plan.plan_id, 5, 512))
-    stale = send(box, node, 2, hints(engine.plan.plan_id, 4, 4096))
+    send(box, node, 1, hints(engine.plan.plan_id, 5, 0.25))
+    stale = send(box, node, 2, hints(engine.plan.plan_id, 4, 2.0))
     assert stale == {"applied": False, "hints_version": 5, "plans": [], "unknown": []}
-    other = send(box, node, 3, hints("p-nobody", 6, 1024))
+    other = send(box, node, 3, hints("p-nobody", 6, 0.5))
     assert other["unknown"] == ["p-nobody"] and other["plans"] == []
-    assert first_chunk(sim, engine) == 512  # the stale hint changed nothing
+    assert first_chunk(sim, engine) == MAX_BATCHED_TOKENS // 4  # the stale hint changed nothing
 
 
 def test_a_bad_hint_is_refused_naming_the_field_and_changes_nothing() -> None:
     sim = FleetSim(one_deployment(rate_rps=0))
     engine, node = serving(sim, 0)
     box = HttpMailbox(hints_to=sim.apply_hints)
-    bad = hints(engine.plan.plan_id, 1, 0)
+    bad = hints(engine.plan.plan_id, 1, 0.0)
     box.deliver(node, [Command(1, "apply_hints", bad)])
     [(_, _, ack)] = box.acks()
-    assert ack.status == "failed" and "payload.plans[0].max_batched_tokens" in ack.detail
+    assert ack.status == "failed" and "payload.plans[0].batch_scale" in ack.detail
     assert engine.hints is None and first_chunk(sim, engine) == MAX_BATCHED_TOKENS
 
 
@@ -89,11 +89,11 @@ def test_with_the_global_loop_stopped_the_hint_lapses_and_the_local_loop_keeps_s
     sim = FleetSim(scenario)
     engine, node = serving(sim, 0)
     box = HttpMailbox(hints_to=sim.apply_hints)
-    send(box, node, 1, hints(engine.plan.plan_id, 1, 512, ttl_s=5.0))  # the global loop's last word
+    send(box, node, 1, hints(engine.plan.plan_id, 1, 0.25, ttl_s=5.0))  # the global loop's last word
     start = sim.now_s
     sim.feed(build_workload(scenario).arrivals)
     sim.advance_to(start + 2.0)
-    assert engine.batch_tokens(sim.now_s) == 512  # the hint is live
+    assert engine.batch_tokens(sim.now_s) == MAX_BATCHED_TOKENS // 4  # the hint is live
     sim.run_to_completion()  # nothing more comes from the global loop
     assert sim.now_s > start + 5.0
     assert engine.batch_tokens(sim.now_s) == MAX_BATCHED_TOKENS  # lapsed: the engine's own again
@@ -105,11 +105,11 @@ def test_the_hinted_threshold_is_read_on_the_local_loop() -> None:
     sim = FleetSim(one_deployment(rate_rps=0))
     engine, node = serving(sim, 0)
     box = HttpMailbox(hints_to=sim.apply_hints)
-    send(box, node, 1, hints(engine.plan.plan_id, 1, 512, ttl_s=1.0))
+    send(box, node, 1, hints(engine.plan.plan_id, 1, 0.25, ttl_s=1.0))
     t = sim.now_s
-    assert engine.batch_tokens(t) == 512
+    assert engine.batch_tokens(t) == MAX_BATCHED_TOKENS // 4
     # the hint lapses at t + 1; the engine notices at its next look, one local period at most later
-    assert engine.batch_tokens(t + 1.0 - 1e-6) == 512
+    assert engine.batch_tokens(t + 1.0 - 1e-6) == MAX_BATCHED_TOKENS // 4
     assert engine.batch_tokens(t + 1.0 + sim.local_loop_s) == MAX_BATCHED_TOKENS
 
 
@@ -118,7 +118,7 @@ def test_the_weight_multiplier_lives_as_long_as_the_hint() -> None:
     engine, node = serving(sim, 0)
     box = HttpMailbox(hints_to=sim.apply_hints)
     assert sim.hinted_weight("d", engine.plan.plan_id) == 1.0
-    send(box, node, 1, hints(engine.plan.plan_id, 1, 2048, ttl_s=2.0, weight=0.5))
+    send(box, node, 1, hints(engine.plan.plan_id, 1, 1.0, ttl_s=2.0, weight=0.5))
     assert sim.hinted_weight("d", engine.plan.plan_id) == 0.5
     sim.advance_to(sim.now_s + 2.0)
     assert sim.hinted_weight("d", engine.plan.plan_id) == 1.0
@@ -146,8 +146,8 @@ def test_the_live_fleet_routes_by_table_weight_times_the_live_multiplier() -> No
         fleet._follow_routing()
         assert (a.weight, b.weight) == (0.5, 0.5)
         payload = {"deployment": "chat-8b", "hints_version": 1, "ttl_s": 2.0, "plans": [
-            {"plan_id": first.plan_id, "direction": "hold", "weight_multiplier": 0.5, "max_batched_tokens": 2048},
-            {"plan_id": second.plan_id, "direction": "hold", "weight_multiplier": 2.0, "max_batched_tokens": 2048}]}
+            {"plan_id": first.plan_id, "direction": "hold", "weight_multiplier": 0.5, "batch_scale": 1.0},
+            {"plan_id": second.plan_id, "direction": "hold", "weight_multiplier": 2.0, "batch_scale": 1.0}]}
         fleet.mailbox.deliver("h100-a", [Command(1, "apply_hints", payload)])
         [(_, _, ack)] = fleet.mailbox.acks()
         assert ack.status == "ok" and check_result("apply_hints", ack.result)["plans"] == [first.plan_id,

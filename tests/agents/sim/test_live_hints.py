@@ -66,7 +66,7 @@ def test_a_global_hint_reaches_the_simulated_engine_over_the_protocol_and_lapses
     cmd = AgentCommand.objects.get(kind="apply_hints")
     [hint] = cmd.payload["plans"]
     assert hint["direction"] == "speed_up"  # late requests: smaller rounds
-    hinted = hint["max_batched_tokens"]
+    hinted = int(MAX_BATCHED_TOKENS * hint["batch_scale"])
     assert hinted < MAX_BATCHED_TOKENS and engine.batch_tokens(fleet.sim.now_s) == MAX_BATCHED_TOKENS
     fleet.step()  # the leader pulls it, its engine takes it, the ack goes back
     fleet.step()

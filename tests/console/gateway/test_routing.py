@@ -151,7 +151,7 @@ def test_the_global_correction_s_live_multiplier_scales_a_route_s_weight_until_i
     make_deployment("chat", [a, b])
 
     def hint(plan: dict[str, Any], mult: float) -> dict[str, Any]:
-        return {"plan_id": plan["plan_id"], "direction": "hold", "weight_multiplier": mult, "max_batched_tokens": 2048}
+        return {"plan_id": plan["plan_id"], "direction": "hold", "weight_multiplier": mult, "batch_scale": 1.0}
 
     busy = {a["plan_id"]: 2, b["plan_id"]: 2}  # the same load on both: the weights decide
     do_send_hints("chat", 1, 5.0, {"h1": [hint(a, 0.5)], "h2": [hint(b, 2.0)]}, now=timezone.now())

@@ -17,7 +17,6 @@ from console.fleet.models import AgentCommand
 from console.gearbox import correction
 from console.gearbox.checks import loop_periods
 from console.gearbox.models import Deployment
-from scheduler.costmodel import MAX_BATCHED_TOKENS
 from tests.builders import report_body
 from tests.console.conftest import AgentHTTP, enroll
 
@@ -71,7 +70,7 @@ def test_a_hot_plan_s_leader_is_told_over_the_protocol_and_its_answer_is_checked
     [hint] = payload["plans"]
     assert payload["deployment"] == "chat" and payload["ttl_s"] > 0
     assert hint["plan_id"] == "p-hot" and hint["weight_multiplier"] < 1  # weight moves away from it
-    assert hint["direction"] == "speed_up" and hint["max_batched_tokens"] < MAX_BATCHED_TOKENS
+    assert hint["direction"] == "speed_up" and hint["batch_scale"] < 1
     [cold] = pulled(b)
     assert [h["plan_id"] for h in cold["payload"]["plans"]] == ["p-cold"]  # a frozen route gets none
     assert cold["payload"]["plans"][0]["weight_multiplier"] > 1
@@ -106,12 +105,12 @@ def test_a_report_s_counts_go_in_once_and_unchanged_hints_are_not_sent_again(cli
 
 def test_a_bad_hint_is_refused_naming_the_field_and_nothing_is_queued(client: Client) -> None:
     enroll(client, "a1"), enroll(client, "b1")
-    good = {"plan_id": "p1", "direction": "hold", "weight_multiplier": 1.0, "max_batched_tokens": 2048}
+    good = {"plan_id": "p1", "direction": "hold", "weight_multiplier": 1.0, "batch_scale": 1.0}
     with pytest.raises(Rejected) as err:
-        do_send_hints("chat", 5, 5.0, {"a1": [good], "b1": [{**good, "max_batched_tokens": 0}], "zz": [good]},
+        do_send_hints("chat", 5, 5.0, {"a1": [good], "b1": [{**good, "batch_scale": 0}], "zz": [good]},
                       now=timezone.now())
     assert err.value.status == 400
-    assert set(err.value.errors) == {"nodes.b1.payload.plans[0].max_batched_tokens", "nodes.zz"}
+    assert set(err.value.errors) == {"nodes.b1.payload.plans[0].batch_scale", "nodes.zz"}
     with pytest.raises(Rejected) as err:
         do_send_hints("chat", 0, 5.0, {"a1": [good]}, now=timezone.now())
     assert set(err.value.errors) == {"payload.hints_version"}

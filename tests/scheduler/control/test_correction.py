@@ -15,7 +15,6 @@ from scheduler.control.correction import (
     hints_from_payload,
     imbalance,
 )
-from scheduler.costmodel import MAX_BATCHED_TOKENS
 
 
 def by_plan(hints: object) -> dict[str, Hint]:
@@ -27,7 +26,7 @@ def test_a_balanced_pool_holds_every_knob() -> None:
     out = loop.step(0.5, "chat", [PlanSignal("a", 10, 2), PlanSignal("b", 11, 1), PlanSignal("c", 9, 3)])
     assert out.imbalance < 0.1
     for h in out.hints:
-        assert (h.direction, h.weight_multiplier, h.max_batched_tokens) == (Direction.HOLD, 1.0, MAX_BATCHED_TOKENS)
+        assert (h.direction, h.weight_multiplier, h.batch_scale) == (Direction.HOLD, 1.0, 1.0)
 
 
 def test_a_plan_three_times_as_loaded_loses_weight_to_the_idlest() -> None:
@@ -63,32 +62,32 @@ def test_a_violation_rate_above_target_speeds_the_plan_up_with_a_smaller_batch_t
     out = by_plan(loop.step(0.5, "chat", [PlanSignal("late", 5, 5, finished=40, violated=8),
                                           PlanSignal("fine", 5, 0, finished=40, violated=0)]))
     assert out["late"].direction == Direction.SPEED_UP
-    assert out["late"].max_batched_tokens == int(MAX_BATCHED_TOKENS / 1.5)
-    assert out["fine"].direction == Direction.HOLD and out["fine"].max_batched_tokens == MAX_BATCHED_TOKENS
+    assert out["late"].batch_scale == round(1 / 1.5, 6)
+    assert out["fine"].direction == Direction.HOLD and out["fine"].batch_scale == 1.0
     for k in range(2, 30):
         last = by_plan(loop.step(0.5 * k, "chat", [PlanSignal("late", 5, 5, finished=40, violated=8)]))
-    assert last["late"].max_batched_tokens == CorrectionConfig().batch_min  # bounded
+    assert last["late"].batch_scale == CorrectionConfig().batch_scale_min  # bounded
 
 
 def test_a_queue_with_latency_to_spare_slows_down_for_throughput_unless_kv_is_full() -> None:
     loop = GlobalCorrection()
     out = by_plan(loop.step(0.5, "chat", [PlanSignal("q", 5, 20, kv_usage=0.5, finished=40, violated=0),
                                           PlanSignal("full", 5, 20, kv_usage=0.95, finished=40, violated=0)]))
-    assert out["q"].direction == Direction.SLOW_DOWN and out["q"].max_batched_tokens == int(MAX_BATCHED_TOKENS * 1.5)
+    assert out["q"].direction == Direction.SLOW_DOWN and out["q"].batch_scale == 1.5
     assert out["full"].direction == Direction.HOLD
 
 
 def test_too_few_samples_give_no_verdict_and_the_threshold_returns_to_the_default() -> None:
     loop = GlobalCorrection()
     loop.step(0.5, "chat", [PlanSignal("p", 5, 5, finished=40, violated=20)])
-    assert loop.batch[("chat", "p")] < MAX_BATCHED_TOKENS
+    assert loop.batch[("chat", "p")] < 1
     # nothing finishes: the window slides past the bad samples, and with no verdict (under
     # min_samples) the threshold walks back to the default - requests waiting or not
     for k in range(1, 40):
         last = by_plan(loop.step(0.5 + 0.5 * k, "chat", [PlanSignal("p", 5, 5, finished=0)]))
         if k == 19:
             assert loop.windows[("chat", "p")].rate(20) is not None  # still inside the window
-    assert last["p"].max_batched_tokens == MAX_BATCHED_TOKENS and last["p"].direction == Direction.HOLD
+    assert last["p"].batch_scale == 1.0 and last["p"].direction == Direction.HOLD
 
 
 def test_the_window_forgets_what_is_older_than_window_s() -> None:
@@ -128,10 +127,10 @@ def test_a_plan_gone_is_forgotten() -> None:
 
 def test_the_book_ignores_a_stale_version_and_lapses_to_defaults_after_the_ttl() -> None:
     book = HintBook()
-    fast = Hint("p", Direction.SPEED_UP, 0.5, 512)
+    fast = Hint("p", Direction.SPEED_UP, 0.5, 0.25)
     assert book.apply("chat", 7, 5.0, [fast], now_s=100.0)
     assert book.batch_tokens("chat", "p", 101.0, 2048) == 512 and book.weight("chat", "p", 101.0) == 0.5
-    late = Hint("p", Direction.SLOW_DOWN, 2.0, 4096)
+    late = Hint("p", Direction.SLOW_DOWN, 2.0, 2.0)
     assert not book.apply("chat", 6, 5.0, [late], now_s=102.0)  # older: changes nothing
     assert not book.apply("chat", 7, 5.0, [late], now_s=102.0)  # the same version again: nothing
     assert book.batch_tokens("chat", "p", 102.0, 2048) == 512
@@ -143,13 +142,13 @@ def test_the_book_ignores_a_stale_version_and_lapses_to_defaults_after_the_ttl()
 def test_a_payload_reads_back_into_hints() -> None:
     payload = {"deployment": "chat", "hints_version": 9, "ttl_s": 2.5,
                "plans": [{"plan_id": "p", "direction": "speed_up", "weight_multiplier": 0.8,
-                          "max_batched_tokens": 1024}]}
-    assert hints_from_payload(payload) == ("chat", 9, 2.5, [Hint("p", Direction.SPEED_UP, 0.8, 1024)])
-    assert Hint("p", Direction.SPEED_UP, 0.8, 1024).to_dict() == payload["plans"][0]  # type: ignore[index]
+                          "batch_scale": 0.5}]}
+    assert hints_from_payload(payload) == ("chat", 9, 2.5, [Hint("p", Direction.SPEED_UP, 0.8, 0.5)])
+    assert Hint("p", Direction.SPEED_UP, 0.8, 0.5).to_dict() == payload["plans"][0]  # type: ignore[index]
 
 
 @pytest.mark.parametrize("change,field", [
-    ({"weight_min": 0.0}, "weight_min"), ({"batch_min": 4096}, "batch_min"), ({"batch_step": 1.0}, "batch_step"),
+    ({"weight_min": 0.0}, "weight_min"), ({"batch_scale_min": 2.0}, "batch_scale_min"), ({"batch_step": 1.0}, "batch_step"),
     ({"imbalance_low": 0.5}, "imbalance_low"), ({"ttl_s": float("nan")}, "ttl_s"), ({"kv_high": 2.0}, "kv_high"),
 ])
 def test_a_bad_config_names_the_field(change: dict[str, float], field: str) -> None:
