@@ -227,7 +227,7 @@ _MAX_PLANS_PER_NODE = 1024
 _MAX_LINKS_PER_REPORT = 256  # one per peer node measured; each is an upsert under the report's write lock
 _MAX_COUNTER = 2**31 - 1  # xid_errors, ecc_errors: the console stores them as 32-bit counters
 _MAX_SEQUENCES_PER_PLAN = 10**7  # running / waiting: far above any engine's batch or queue
-_MAX_HINT_TTL_S = 3600.0  # apply_hints: a hint lives at most an hour
+MAX_HINT_TTL_S = 3600.0  # apply_hints: a hint lives at most an hour
 _MAX_HINT_WEIGHT = 10.0  # apply_hints: a router weight multiplier (the controller keeps it in [0.5, 2])
 _MAX_HINT_BATCH_SCALE = 16.0  # apply_hints: of an engine's own batch-token threshold (the controller: [1/8, 8])
 _HINT_DIRECTIONS = ("speed_up", "slow_down", "hold")
@@ -252,6 +252,7 @@ __all__ = [
     "NODE_KINDS",
     "TRANSITION_KINDS",
     "FAILURE_REASONS",
+    "MAX_HINT_TTL_S",
     "Ack",
     "check_payload",
     "prepare_shape",
@@ -905,7 +906,7 @@ def _probe_links(r: ObjectReader) -> None:
 def _apply_hints(r: ObjectReader) -> None:
     r.str("deployment", max_len=64)
     r.int("hints_version", min=1)
-    r.num("ttl_s", min=0.0, max=_MAX_HINT_TTL_S, exclusive_min=True)
+    r.num("ttl_s", min=0.0, max=MAX_HINT_TTL_S, exclusive_min=True)
     plans = r.list("plans", min_len=1, max_len=_MAX_PLANS_PER_NODE)
     if plans is not None:
         seen: set[str] = set()

@@ -6,16 +6,20 @@ nothing is queued, for any node. The command key carries the node's epoch and th
 so the same hints for the same registration queue nothing new. An agent's ok-ack of an apply_hints
 is checked too (console.fleet.actions.do_ack_command: check_result; 400 naming the field).
 What decides the hints is console/gearbox/correction.py.
+
+The table is bounded where it is written (as ServingSample is, console/fleet/retention.py):
+`prune_hint_commands` drops apply_hints commands older than the protocol's longest ttl (an hour),
+which nothing reads any more - the gateway reads the last hour's newest per plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import transaction
 
-from agents.protocol import NodeCommandKind, SchemaError, check_payload
+from agents.protocol import MAX_HINT_TTL_S, NodeCommandKind, SchemaError, check_payload
 from console.fleet.models import AgentCommand, Node
 
 APPLY = NodeCommandKind.APPLY_HINTS.value
@@ -58,4 +62,10 @@ def do_send_hints(deployment: str, hints_version: int, ttl_s: float,
     return out
 
 
-__all__ = ["APPLY", "do_send_hints", "hints_payload"]
+def prune_hint_commands(*, now: datetime) -> int:
+    """Delete the apply_hints commands older than any hint lives (module docstring); how many."""
+    old = AgentCommand.objects.filter(kind=APPLY, created_at__lt=now - timedelta(seconds=MAX_HINT_TTL_S))
+    return int(old.delete()[0])
+
+
+__all__ = ["APPLY", "do_send_hints", "hints_payload", "prune_hint_commands"]

@@ -203,6 +203,7 @@ def _hinted(name: str) -> dict[str, float]:
     """plan id -> the live weight multiplier of the global correction's newest hint naming it (module docstring)."""
     from datetime import timedelta
 
+    from agents.protocol import MAX_HINT_TTL_S
     from console.fleet.hints import APPLY
     from console.fleet.models import AgentCommand
 
@@ -210,7 +211,7 @@ def _hinted(name: str) -> dict[str, float]:
     out: dict[str, float] = {}
     seen: set[str] = set()
     recent = (AgentCommand.objects.filter(kind=APPLY, payload__deployment=name,
-                                          created_at__gte=now - timedelta(hours=1))  # the protocol's longest ttl
+                                          created_at__gte=now - timedelta(seconds=MAX_HINT_TTL_S))
               .order_by("-id").values_list("payload", "created_at")[:500])
     for payload, created in recent:  # queued through check_payload (console/fleet/hints.py): well formed
         until = created + timedelta(seconds=float(payload["ttl_s"]))

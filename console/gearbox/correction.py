@@ -30,7 +30,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from console.fleet.hints import do_send_hints
+from console.fleet.hints import do_send_hints, prune_hint_commands
 from console.fleet.models import Node
 from console.gearbox.models import Deployment
 from scheduler.control.correction import GlobalCorrection, PlanSignal
@@ -38,6 +38,8 @@ from scheduler.control.correction import GlobalCorrection, PlanSignal
 _lock = threading.Lock()
 _loop: GlobalCorrection | None = None
 _counted: dict[tuple[str, str], datetime | None] = {}  # (node, plan) -> the report time whose counts went in
+_pruned_s = [-float("inf")]  # when this process last pruned the old hint commands
+PRUNE_EVERY_S = 60.0
 
 
 def loop() -> GlobalCorrection:
@@ -53,6 +55,7 @@ def reset() -> None:
     with _lock:
         _loop = None
         _counted.clear()
+        _pruned_s[0] = -float("inf")
 
 
 def _signal(plan_id: str, node: Node, report: Mapping[str, Any]) -> PlanSignal | None:
@@ -71,6 +74,9 @@ def correct(now_s: float | None = None) -> dict[str, object]:
     """One run (module docstring); returns what was sent, per deployment: {hints_version, imbalance, nodes}."""
     now_s = time.time() if now_s is None else now_s
     with _lock:
+        if now_s - _pruned_s[0] >= PRUNE_EVERY_S:
+            _pruned_s[0] = now_s
+            prune_hint_commands(now=timezone.now())
         nodes = {n.node_id: n for n in Node.objects.all()}
         out: dict[str, object] = {}
         for dep in Deployment.objects.filter(deleting_since=None).order_by("name"):

@@ -141,3 +141,15 @@ def test_the_loops_periods_are_checked(settings: Any, local: float, glob: float,
     got = loop_periods()
     assert [m.id for m in got] == ids, [m.msg for m in got]
     assert all("FLEXPIPE_" in m.msg for m in got)
+
+
+def test_hint_commands_older_than_any_ttl_are_pruned_by_the_loop(client: Client) -> None:
+    from datetime import timedelta
+
+    enroll(client, "a1")
+    good = {"plan_id": "p1", "direction": "hold", "weight_multiplier": 1.0, "batch_scale": 1.0}
+    do_send_hints("chat", 1, 5.0, {"a1": [good]}, now=timezone.now())
+    do_send_hints("chat", 2, 5.0, {"a1": [good]}, now=timezone.now())
+    AgentCommand.objects.filter(payload__hints_version=1).update(created_at=timezone.now() - timedelta(hours=2))
+    correction.correct(now_s=1_000.0)  # (no deployment: it only prunes)
+    assert list(AgentCommand.objects.filter(kind="apply_hints").values_list("payload__hints_version", flat=True)) == [2]
