@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler.control.correction import HintBook, hints_from_payload
 
@@ -55,4 +55,61 @@ class Hinting:
         return engine.hints.weight(deployment, plan_id, self.now_s)
 
 
-__all__ = ["Hinting"]
+
+
+class SimGlobalLoop:
+    """The global correction run inside an offline FleetSim (a replay, a bench), as the console runs
+    it against live agents (console/gearbox/correction.py): every `period_s` of sim time it reads
+    the engine reports (FleetSim.engine_reports: the counters since the previous call), steps the
+    GlobalCorrection per deployment, and sends each due hint to the plan's leader through the
+    protocol's check and FleetSim.apply_hints; the weight multipliers scale the routing weights the
+    loop found when it started (what the routing table says). `stop_s`: it stops there (the global
+    loop down; the engines' hints lapse after their ttl). Not for the live fleet, whose agents'
+    reports read the same counters."""
+
+    def __init__(self, sim: FleetSim, *, period_s: float = 0.5, loop: Any = None, stop_s: float = math.inf) -> None:
+        from scheduler.control.correction import GlobalCorrection
+
+        self.sim = sim
+        self.period_s = period_s
+        self.loop = loop or GlobalCorrection()
+        self.stop_s = stop_s
+        self.sent = 0  # apply_hints carried out
+        self.base: dict[tuple[str, str], float] = {}
+        sim.call_at(sim.now_s + period_s, self._tick)
+
+    def _tick(self, t: float) -> None:
+        from agents.protocol import check_payload
+        from scheduler.control.correction import PlanSignal
+
+        sim = self.sim
+        if t >= self.stop_s:  # down: the routing table's own weights again (the hints lapse by themselves)
+            for dep in sorted({d for d, _ in self.base}):
+                sim.set_weights(dep, {p: w for (d, p), w in self.base.items()
+                                      if d == dep and sim.engine_of(d, p) is not None})
+            return
+        by_dep: dict[str, list[tuple[PlanSignal, str]]] = {}
+        for m in sim.engine_reports():
+            e = m.report
+            sig = PlanSignal(e.plan_id, e.running, e.waiting, kv_usage=e.kv_usage, finished=e.finished,
+                             violated=e.slo_violations)
+            by_dep.setdefault(m.deployment, []).append((sig, m.node_ids[0]))
+        for dep, rows in sorted(by_dep.items()):
+            engines = {e.plan.plan_id: e for e in sim.plans(dep) if e.accepting}
+            rows = [(s, n) for s, n in rows if s.plan_id in engines]
+            if not rows:
+                continue
+            for pid, e in engines.items():
+                self.base.setdefault((dep, pid), e.weight)
+            step = self.loop.step(t, dep, [s for s, _ in rows])
+            leader = {s.plan_id: n for s, n in rows}
+            for h in self.loop.due(step, t):
+                payload = check_payload("apply_hints", {"deployment": dep, "hints_version": step.hints_version,
+                                                        "ttl_s": step.ttl_s, "plans": [h.to_dict()]})
+                sim.apply_hints(leader[h.plan_id], payload)
+                self.sent += 1
+            sim.set_weights(dep, {pid: self.base[(dep, pid)] * sim.hinted_weight(dep, pid) for pid in engines})
+        sim.call_at(t + self.period_s, self._tick)
+
+
+__all__ = ["Hinting", "SimGlobalLoop"]

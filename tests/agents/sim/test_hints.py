@@ -159,3 +159,20 @@ def test_the_live_fleet_routes_by_table_weight_times_the_live_multiplier() -> No
         assert (a.weight, b.weight) == (0.5, 0.5)
     finally:
         fleet.close()
+
+
+def test_the_global_loop_in_the_simulator_sends_hints_and_when_it_stops_the_engines_serve_alone() -> None:
+    from agents.sim.hints import SimGlobalLoop
+
+    scenario = one_deployment(rate_rps=12.0, duration_s=60, prompt={"dist": "fixed", "value": 3000})
+    sim = FleetSim(scenario)
+    a, _ = serving(sim, 0)
+    b, _ = serving(sim, 1)
+    loop = SimGlobalLoop(sim, stop_s=sim.now_s + 30.0)
+    sim.feed(build_workload(scenario).arrivals)
+    sim.run_to_completion()
+    assert loop.sent > 0 and loop.loop.version > 10
+    assert all(e.batch_tokens(sim.now_s) == MAX_BATCHED_TOKENS for e in (a, b))  # lapsed after the stop
+    assert (a.weight, b.weight) == (1.0, 1.0)  # the table's own weights again
+    admitted = sum(sim.recorder.admitted)
+    assert admitted > 500 and len(sim.recorder.f_e2e) == admitted and not sim.recorder.failed

@@ -161,3 +161,12 @@ def test_a_bad_signal_names_the_plan() -> None:
         PlanSignal("p", 1, 1, capacity=0.0)
     with pytest.raises(ValueError, match="violated"):
         PlanSignal("p", 1, 1, finished=1, violated=2)
+
+
+def test_a_moved_threshold_is_held_until_the_window_can_see_the_move() -> None:
+    loop = GlobalCorrection(CorrectionConfig(batch_hold_s=5.0))
+    late = [PlanSignal("p", 5, 5, finished=40, violated=20)]
+    scales = [by_plan(loop.step(0.5 * k, "chat", late))["p"].batch_scale for k in range(1, 13)]
+    assert scales[0] == round(1 / 1.5, 6)
+    assert set(scales[1:10]) == {scales[0]}  # held for 5 s
+    assert scales[10] == 0.5  # then the next move (bounded by batch_scale_min)
