@@ -153,3 +153,18 @@ def test_hint_commands_older_than_any_ttl_are_pruned_by_the_loop(client: Client)
     AgentCommand.objects.filter(payload__hints_version=1).update(created_at=timezone.now() - timedelta(hours=2))
     correction.correct(now_s=1_000.0)  # (no deployment: it only prunes)
     assert list(AgentCommand.objects.filter(kind="apply_hints").values_list("payload__hints_version", flat=True)) == [2]
+
+
+def test_the_global_loop_is_on_beat_every_global_period_and_a_late_run_expires(settings: Any) -> None:
+    import os
+
+    from console.gearbox import tasks
+
+    beat = {e["task"]: e for e in settings.CELERY_BEAT_SCHEDULE.values()}
+    # seed 003's 100 ms and 500 ms by default
+    assert settings.FLEXPIPE_GLOBAL_LOOP_S == float(os.environ.get("FLEXPIPE_GLOBAL_LOOP_S", "0.5"))
+    assert settings.FLEXPIPE_LOCAL_LOOP_S == float(os.environ.get("FLEXPIPE_LOCAL_LOOP_S", "0.1"))
+    assert beat["gearbox.correct"]["schedule"] == settings.FLEXPIPE_GLOBAL_LOOP_S
+    assert beat["gearbox.correct"]["options"]["expires"] == 2 * settings.FLEXPIPE_GLOBAL_LOOP_S
+
+    assert tasks.correct.name == "gearbox.correct"
