@@ -69,12 +69,36 @@ def test_a_violation_rate_above_target_speeds_the_plan_up_with_a_smaller_batch_t
     assert last["late"].batch_scale == CorrectionConfig().batch_scale_min  # bounded
 
 
-def test_a_queue_with_latency_to_spare_slows_down_for_throughput_unless_kv_is_full() -> None:
+def test_a_calm_plan_with_a_queue_never_grows_above_the_default() -> None:
     loop = GlobalCorrection()
-    out = by_plan(loop.step(0.5, "chat", [PlanSignal("q", 5, 20, kv_usage=0.5, finished=40, violated=0),
-                                          PlanSignal("full", 5, 20, kv_usage=0.95, finished=40, violated=0)]))
-    assert out["q"].direction == Direction.SLOW_DOWN and out["q"].batch_scale == 1.5
-    assert out["full"].direction == Direction.HOLD
+    calm = [PlanSignal("q", 5, 20, kv_usage=0.5, finished=40, violated=0)]
+    for k in range(1, 60):  # 30 s calm with requests waiting: the threshold stays the engine's own
+        out = by_plan(loop.step(0.5 * k, "chat", calm))
+        assert out["q"].batch_scale == 1.0 and out["q"].direction == Direction.HOLD
+
+
+def test_the_threshold_grows_back_towards_the_default_once_violations_clear() -> None:
+    loop = GlobalCorrection()  # hold: one window (10 s)
+    late = [PlanSignal("p", 5, 5, finished=40, violated=8)]
+    clear = [PlanSignal("p", 5, 5, finished=40, violated=0)]
+    scales = [by_plan(loop.step(0.5 * k, "chat", late))["p"].batch_scale for k in range(1, 22)]
+    assert (scales[0], scales[-1]) == (round(1 / 1.5, 6), 0.5)  # two moves, a window apart
+    scales = [by_plan(loop.step(10.5 + 0.5 * k, "chat", clear))["p"].batch_scale for k in range(1, 60)]
+    assert scales[:19] == [0.5] * 19  # held a window after the last move
+    assert scales[19] == 0.75  # the window since the move is clean: one step up
+    assert scales[39] == 1.0 and max(scales) == 1.0  # then to the default, never past it
+
+
+def test_wind_up_hold_judges_only_what_finished_under_the_new_setting() -> None:
+    loop = GlobalCorrection(CorrectionConfig(batch_hold_s=5.0))  # shorter than the window (10 s)
+    assert by_plan(loop.step(0.5, "chat", [PlanSignal("p", 5, 5, finished=100, violated=50)]))["p"].batch_scale < 1
+    clear = [PlanSignal("p", 5, 5, finished=10, violated=0)]
+    scales = [by_plan(loop.step(0.5 + 0.5 * k, "chat", clear))["p"].batch_scale for k in range(1, 11)]
+    # the window still holds the 50 misses that caused the move (50 of 200 at 5.5 s), but they
+    # were served under the old threshold: the verdict counts the clean ones since, and the plan
+    # steps back to the default instead of down again
+    assert loop.windows[("chat", "p")].rate() > CorrectionConfig().violation_target
+    assert scales[:9] == [round(1 / 1.5, 6)] * 9 and scales[9] == 1.0
 
 
 def test_too_few_samples_give_no_verdict_and_the_threshold_returns_to_the_default() -> None:
@@ -149,7 +173,7 @@ def test_a_payload_reads_back_into_hints() -> None:
 
 @pytest.mark.parametrize("change,field", [
     ({"weight_min": 0.0}, "weight_min"), ({"batch_scale_min": 2.0}, "batch_scale_min"), ({"batch_step": 1.0}, "batch_step"),
-    ({"imbalance_low": 0.5}, "imbalance_low"), ({"ttl_s": float("nan")}, "ttl_s"), ({"kv_high": 2.0}, "kv_high"),
+    ({"imbalance_low": 0.5}, "imbalance_low"), ({"ttl_s": float("nan")}, "ttl_s"), ({"batch_hold_s": -1.0}, "batch_hold_s"),
 ])
 def test_a_bad_config_names_the_field(change: dict[str, float], field: str) -> None:
     with pytest.raises(ValueError, match=field):
