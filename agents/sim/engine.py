@@ -30,12 +30,8 @@ hands its KV to the decode pipe over the plan's KV route (`PlanProfile.kv_handof
 transfer at a time on that route), and its first token is counted when the hand-off lands, as
 the cost model counts it in TTFT.
 
-The local loop (scheduler/control/correction.py: the three time scales): each round's batch-token
-threshold is the engine's own (`MAX_BATCHED_TOKENS` per micro-batch), times the scale of a live
-hint for the plan when the global correction's `apply_hints` put one in its node's HintBook; the engine
-looks at the book every `host.local_loop_s` (default 100 ms), so a hint takes effect within one
-local period and a lapsed one (its ttl ran out: the global loop is down) returns the default
-without anything else running.
+Each round's batch-token threshold is the local loop's (agents/sim/hints.py: LocalHints), the
+engine's own `MAX_BATCHED_TOKENS` per micro-batch unless a global correction hint scales it.
 """
 
 from __future__ import annotations
@@ -45,9 +41,9 @@ import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
+from agents.sim.hints import LocalHints
 from agents.sim.queues import PrefixCache, WaitQueue
 from agents.sim.request import Request
-from scheduler.control.correction import HintBook
 from scheduler.costmodel import MAX_BATCHED_TOKENS, MAX_RUNNING_SEQS, PipelineProfile, PlanProfile
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Plan
@@ -540,11 +536,7 @@ class PlanEngine:
             self.prefill = self.decode = Pipe(self, "both", profile.pipeline("prefill"), kv_cap,
                                               _kv_bytes(plan.stages, model), _gpus(plan.stages))
             self.pipes = (self.prefill,)
-        # the local loop's view of the global correction (module docstring): the node's hint book
-        # once a hint named this plan, the threshold it read there and when it looks again
-        self.hints: HintBook | None = None
-        self.hinted_tokens = MAX_BATCHED_TOKENS
-        self.next_look_s = -math.inf
+        self.local = LocalHints(MAX_BATCHED_TOKENS)  # the local loop's view of the global correction
         self.handoff_free_s = 0.0  # disaggregated: the KV route is busy until then
         self.in_flight: dict[int, Request] = {}  # hand-offs and migrations on their way here
         self.weight_bytes = sum(-(-model.stage_weight_bytes(s.layer_start, s.layer_end) // s.tp) * s.tp
@@ -562,12 +554,7 @@ class PlanEngine:
 
     def batch_tokens(self, t: float) -> int:
         """The batch-token threshold per micro-batch of a round starting at t (module docstring)."""
-        if self.hints is None:
-            return MAX_BATCHED_TOKENS
-        if t >= self.next_look_s:
-            self.hinted_tokens = self.hints.batch_tokens(self.deployment, self.plan.plan_id, t, MAX_BATCHED_TOKENS)
-            self.next_look_s = t + self.host.local_loop_s
-        return self.hinted_tokens
+        return self.local.batch_tokens(self.deployment, self.plan.plan_id, t, self.host.local_loop_s)
 
     @property
     def load(self) -> int:

@@ -1,8 +1,15 @@
 """The global correction's hints on the simulated fleet (agents/protocol.py: `apply_hints`;
 scheduler/control/correction.py: the rules). A node keeps its hints in its own HintBook; each plan
-it leads reads the batch-token threshold there on its local loop (agents/sim/engine.py), and the
-fleet's routing (the live fleet's gateway side: agents/sim/live.py) multiplies the plan's table
-weight by the hint's weight multiplier while the hint lives. A mixin of FleetSim (agents/sim/fleet.py)."""
+it leads reads the batch-token threshold there on its local loop (LocalHints, asked by
+agents/sim/engine.py every round), and the fleet's routing (the live fleet's gateway side:
+agents/sim/live.py) multiplies the plan's table weight by the hint's weight multiplier while the
+hint lives. Hinting is a mixin of FleetSim (agents/sim/fleet.py).
+
+The local loop (the three time scales: scheduler/control/correction.py): each round's batch-token
+threshold is the engine's own, times the scale of a live hint for the plan once `apply_hints` put
+one in its node's HintBook; the engine looks at the book every `local_loop_s` (SimOptions, default
+100 ms), so a hint takes effect within one local period and a lapsed one (its ttl ran out: the
+global loop is down) returns the default without anything else running."""
 
 # mypy: disable-error-code="misc"
 # (its methods take `self: FleetSim`, the class that mixes it in: see agents/sim/churn.py)
@@ -17,6 +24,30 @@ from scheduler.control.correction import HintBook, hints_from_payload
 
 if TYPE_CHECKING:
     from agents.sim.fleet import FleetSim
+
+
+class LocalHints:
+    """One engine's local loop over its node's hint book (module docstring): the book once a hint
+    named the plan, the threshold last read there and when it looks again."""
+
+    def __init__(self, default_tokens: int) -> None:
+        self.default_tokens = default_tokens
+        self.book: HintBook | None = None
+        self.tokens = default_tokens
+        self.next_look_s = -math.inf
+
+    def attach(self, book: HintBook) -> None:
+        """A hint for the plan arrived in `book`: the next round reads it."""
+        self.book = book
+        self.next_look_s = -math.inf
+
+    def batch_tokens(self, deployment: str, plan_id: str, t: float, period_s: float) -> int:
+        if self.book is None:
+            return self.default_tokens
+        if t >= self.next_look_s:
+            self.tokens = self.book.batch_tokens(deployment, plan_id, t, self.default_tokens)
+            self.next_look_s = t + period_s
+        return self.tokens
 
 
 class Hinting:
@@ -40,8 +71,7 @@ class Hinting:
             if engine is None or self._plan_nodes(engine.plan)[0] != node_id:
                 unknown.append(h.plan_id)  # not a plan this node leads
                 continue
-            engine.hints = book
-            engine.next_look_s = -math.inf  # its next round reads the new threshold
+            engine.local.attach(book)
             took.append(h.plan_id)
         detail = f"hints {version} of {deployment}: {len(took)} plan(s)" + (
             f"; not led here: {', '.join(unknown)}" if unknown else "")
@@ -50,11 +80,9 @@ class Hinting:
     def hinted_weight(self: FleetSim, deployment: str, plan_id: str) -> float:
         """The live weight multiplier of a plan (1 without a live hint), from its leader's book."""
         engine = self.engine_of(deployment, plan_id) if deployment in self.deployments else None
-        if engine is None or engine.hints is None:
+        if engine is None or engine.local.book is None:
             return 1.0
-        return engine.hints.weight(deployment, plan_id, self.now_s)
-
-
+        return engine.local.book.weight(deployment, plan_id, self.now_s)
 
 
 class SimGlobalLoop:
@@ -112,4 +140,4 @@ class SimGlobalLoop:
         sim.call_at(t + self.period_s, self._tick)
 
 
-__all__ = ["Hinting", "SimGlobalLoop"]
+__all__ = ["Hinting", "LocalHints", "SimGlobalLoop"]

@@ -81,7 +81,7 @@ def test_a_bad_hint_is_refused_naming_the_field_and_changes_nothing() -> None:
     box.deliver(node, [Command(1, "apply_hints", bad)])
     [(_, _, ack)] = box.acks()
     assert ack.status == "failed" and "payload.plans[0].batch_scale" in ack.detail
-    assert engine.hints is None and first_chunk(sim, engine) == MAX_BATCHED_TOKENS
+    assert engine.local.book is None and first_chunk(sim, engine) == MAX_BATCHED_TOKENS
 
 
 def test_with_the_global_loop_stopped_the_hint_lapses_and_the_local_loop_keeps_serving() -> None:

@@ -73,7 +73,7 @@ def test_a_global_hint_reaches_the_simulated_engine_over_the_protocol_and_lapses
     cmd.refresh_from_db()
     assert cmd.state == "ok", cmd.detail
     assert check_result("apply_hints", cmd.result)["plans"] == [plan.plan_id]
-    assert engine.hints is not None
+    assert engine.local.book is not None
     assert engine.batch_tokens(fleet.sim.now_s) == hinted
     # the global loop stops here: one ttl later (in sim time: the fleet's time scale) the engine is
     # back at its own threshold, and it goes on serving
