@@ -150,6 +150,22 @@ validate both.
     Ack ok with {links: [{peer, bw_gbps, latency_us, measured_at, method}]} (what it could
     measure); the same figures go out with every report from then on (`Report.links`).
 
+`apply_hints` - the global correction's hints to the plans this node leads
+    (scheduler/control/correction.py: the rules, the three time scales). Added to v1 without a
+    version bump: an older agent answers it failed, naming `kind`.
+    payload: deployment, hints_version (an integer >= 1, strictly increasing per deployment: the
+    node ignores a version not newer than the last it applied), ttl_s (> 0, at most 3600: past
+    it the engine returns to its own defaults, so a controller that stops sending leaves the
+    engines' local loops at their defaults), plans (1 to 1024, each plan_id once): [{plan_id,
+    direction (speed_up | slow_down | hold), weight_multiplier (0 < m <= 10: the router's weight
+    for the plan times this, while the hint lives), batch_scale (0 < s <= 16: the engine's own
+    batch-token threshold per round times this, while the hint lives - a scale, so that one
+    hint means the same to engines with different defaults)}].
+    Ack ok with {applied (false: an older version, ignored), hints_version (the newest this node
+    holds for the deployment), plans: [the plan ids whose engine took the threshold], unknown:
+    [plan ids this node leads no engine for]}. An engine that has no batch-token threshold says
+    so in the ack's detail and lists the plan under unknown.
+
 Links and collectives in reports
 --------------------------------
 
@@ -190,6 +206,7 @@ class NodeCommandKind(enum.StrEnum):
 
     VERIFY_WEIGHTS = "verify_weights"
     PROBE_LINKS = "probe_links"
+    APPLY_HINTS = "apply_hints"
 
 
 TRANSITION_KINDS = tuple(k.value for k in CommandKind)  # sent by scheduler.transition, keyed by deployment and plan
@@ -210,6 +227,10 @@ _MAX_PLANS_PER_NODE = 1024
 _MAX_LINKS_PER_REPORT = 256  # one per peer node measured; each is an upsert under the report's write lock
 _MAX_COUNTER = 2**31 - 1  # xid_errors, ecc_errors: the console stores them as 32-bit counters
 _MAX_SEQUENCES_PER_PLAN = 10**7  # running / waiting: far above any engine's batch or queue
+MAX_HINT_TTL_S = 3600.0  # apply_hints: a hint lives at most an hour
+_MAX_HINT_WEIGHT = 10.0  # apply_hints: a router weight multiplier (the controller keeps it in [0.5, 2])
+_MAX_HINT_BATCH_SCALE = 16.0  # apply_hints: of an engine's own batch-token threshold (the controller: [1/8, 8])
+_HINT_DIRECTIONS = ("speed_up", "slow_down", "hold")
 _MAX_LINK_GBPS = 100_000.0  # 100 Tb/s: beyond any node link (catches bytes-vs-bits and B/s-vs-Gb/s mistakes)
 
 
@@ -231,6 +252,7 @@ __all__ = [
     "NODE_KINDS",
     "TRANSITION_KINDS",
     "FAILURE_REASONS",
+    "MAX_HINT_TTL_S",
     "Ack",
     "check_payload",
     "prepare_shape",
@@ -357,6 +379,10 @@ class EngineReport:
     arrivals: int = 0  # requests admitted during the report interval
     prompt_tokens_mean: float | None = None
     output_tokens_mean: float | None = None
+    # of `finished`, the requests that missed their deployment's SLO (TTFT or TPOT): what the global
+    # correction's violation rate counts (scheduler/control/correction.py). v1.2, no version bump:
+    # an older agent does not send it (0)
+    slo_violations: int = 0
 
 
 @dataclass(frozen=True)
@@ -610,8 +636,12 @@ def parse_report(body: Any) -> Report:
                 arrivals=e.int("arrivals", 0, min=0),
                 prompt_tokens_mean=e.num("prompt_tokens_mean", None, min=0.0),
                 output_tokens_mean=e.num("output_tokens_mean", None, min=0.0),
+                slo_violations=e.int("slo_violations", 0, min=0),
             )
             e.done()
+            if (isinstance(rep.slo_violations, int) and isinstance(rep.finished, int)
+                    and rep.slo_violations > rep.finished):
+                e.fail("slo_violations", f"must not exceed finished ({rep.finished}); got {rep.slo_violations}")
             engines.append(rep)
     r.done()
     problems.raise_if_any("report")
@@ -873,6 +903,25 @@ def _probe_links(r: ObjectReader) -> None:
     r.int("bulk_bytes", None, min=1, max=1 << 30)
 
 
+def _apply_hints(r: ObjectReader) -> None:
+    r.str("deployment", max_len=64)
+    r.int("hints_version", min=1)
+    r.num("ttl_s", min=0.0, max=MAX_HINT_TTL_S, exclusive_min=True)
+    plans = r.list("plans", min_len=1, max_len=_MAX_PLANS_PER_NODE)
+    if plans is not None:
+        seen: set[str] = set()
+        for h in plans.objects():
+            pid = h.str("plan_id", max_len=64)
+            if pid is not None:
+                if pid in seen:
+                    h.fail("plan_id", f"names plan {pid!r} twice")
+                seen.add(pid)
+            h.str("direction", choices=_HINT_DIRECTIONS)
+            h.num("weight_multiplier", min=0.0, max=_MAX_HINT_WEIGHT, exclusive_min=True)
+            h.num("batch_scale", min=0.0, max=_MAX_HINT_BATCH_SCALE, exclusive_min=True)
+            h.done()
+
+
 def _sha256(r: ObjectReader, key: str) -> None:
     sha = r.str(key, max_len=64)
     if sha is not None and (len(sha) != 64 or not set(sha) <= _HEX):
@@ -898,6 +947,7 @@ _PAYLOADS = {
     CommandKind.RELEASE_PLAN.value: _release,
     NodeCommandKind.VERIFY_WEIGHTS.value: _verify,
     NodeCommandKind.PROBE_LINKS.value: _probe_links,
+    NodeCommandKind.APPLY_HINTS.value: _apply_hints,
 }
 
 
@@ -959,6 +1009,11 @@ def check_result(kind: str, result: Any) -> dict[str, Any]:
         r.int("weights_bytes", 0, min=0)
     elif kind == NodeCommandKind.VERIFY_WEIGHTS.value:
         _sha256(r, "sha256")
+    elif kind == NodeCommandKind.APPLY_HINTS.value:
+        r.bool("applied")
+        r.int("hints_version", min=0)
+        _strings(r, "plans")
+        _strings(r, "unknown")
     elif kind == NodeCommandKind.PROBE_LINKS.value:
         links = r.list("links", [])
         if links is not None:

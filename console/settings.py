@@ -14,6 +14,10 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_REPORT_INTERVAL_S     how often agents report when nothing changes (15)
     FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
     FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
+    FLEXPIPE_LOCAL_LOOP_S          period of each engine's local loop: admission, batch threshold (0.1)
+    FLEXPIPE_GLOBAL_LOOP_S         period of the global correction on Celery beat: hints to the engines
+                                   (0.5; 0: off). Warned about above 5x the local loop, refused at or
+                                   above FLEXPIPE_TICK_S (console/gearbox/checks.py)
     FLEXPIPE_GATEWAY_TOKENIZERS    name=path,... tokenizers for deployments without a registry version (* for any)
     FLEXPIPE_PROCESS               what this web process serves (all): all - the console and the OpenAI API in one
                                    process (tests, one-process setups); console - the console without /v1, which
@@ -245,6 +249,9 @@ FLEXPIPE_ENROLL_TOKEN = os.environ.get("FLEXPIPE_ENROLL_TOKEN", "")
 FLEXPIPE_REPORT_INTERVAL_S = float(os.environ.get("FLEXPIPE_REPORT_INTERVAL_S", "15"))
 FLEXPIPE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("FLEXPIPE_HEARTBEAT_TIMEOUT_S", "45"))
 FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
+# The two time scales under the gears (scheduler/control/correction.py; seed 003: 100 ms and 500 ms)
+FLEXPIPE_LOCAL_LOOP_S = float(os.environ.get("FLEXPIPE_LOCAL_LOOP_S", "0.1"))
+FLEXPIPE_GLOBAL_LOOP_S = float(os.environ.get("FLEXPIPE_GLOBAL_LOOP_S", "0.5"))
 # Topology events within this window share one tick (console/gearbox/coalesce.py); a pending mark
 # whose task was lost expires after FLEXPIPE_TICK_PENDING_TTL_S (default: the beat period).
 FLEXPIPE_TICK_COALESCE_S = float(os.environ.get("FLEXPIPE_TICK_COALESCE_S", "0.5"))
@@ -333,6 +340,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "transitions.sweep",
         "schedule": max(0.5, FLEXPIPE_SWEEP_S),
     },
+    # the global correction: hints to the engines (console/gearbox/correction.py); 0: off
+    **({"gearbox-correct": {"task": "gearbox.correct", "schedule": FLEXPIPE_GLOBAL_LOOP_S,
+                            "options": {"expires": 2 * FLEXPIPE_GLOBAL_LOOP_S}}}
+       if FLEXPIPE_GLOBAL_LOOP_S > 0 else {}),
     # the alert rules over the console's metrics: their "since" counts from here (console/metrics/alerts.py)
     "alerts-evaluate": {
         "task": "metrics.evaluate_alerts",

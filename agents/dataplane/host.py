@@ -119,6 +119,7 @@ class PlanHost(DrainThenHandOver):
         self.frozen = False
         self.frozen_version = 0  # the routing version that froze it
         self.engine: TorchEngine | None = None
+        self._own_tokens: int | None = None  # the engine's tokens per step before any hint
         self._lock = threading.RLock()
         self._ops: Queue[tuple[Callable[[], Any], Future[Any]]] = Queue()
         self._thread: threading.Thread | None = None
@@ -155,6 +156,18 @@ class PlanHost(DrainThenHandOver):
             self.state = "ready"
             self._thread = threading.Thread(target=self._loop, name=f"engine-{self.plan_id}", daemon=True)
             self._thread.start()
+
+    def set_batch_scale(self, scale: float | None) -> None:
+        """The global correction's scale of the engine's tokens per step (apply_hints:
+        agents/node/daemon.py), from its next step on; None: back to its own. Before the engine
+        started: nothing (its own threshold, until the next hint)."""
+        with self._lock:
+            engine = self.engine
+            if engine is None:
+                return
+            if self._own_tokens is None:
+                self._own_tokens = engine.max_tokens_per_step
+            engine.max_tokens_per_step = self._own_tokens if scale is None else max(1, int(self._own_tokens * scale))
 
     def stop(self) -> None:
         """Stop the engine thread and the workers; streams still open end with an error. Idempotent."""

@@ -11,8 +11,12 @@ Invariants:
 - Each transition command is idempotent on the plan's state too (a retry is a new command id):
   prepare of a prepared plan acks ok at once; abort, thaw and release of a plan this node does not
   hold ack ok with `noop: true`; freeze of one acks no sequences; move names each sequence "gone".
-- Node commands (verify_weights, probe_links) run outside every plan lock: they name no deployment
-  or plan. Links to the peers `probe_links` named are probed again every FLEXPIPE_LINK_PROBE_S
+- Node commands (verify_weights, probe_links, apply_hints) run outside every plan lock: they name
+  no plan lock's key. apply_hints (scheduler/control/correction.py) keeps the hints in the node's
+  HintBook and sets the batch-token threshold of each plan it leads whose engine has one (the
+  torch engine: tokens per step; a vLLM server fixes max_num_batched_tokens when it starts, so its
+  plans are listed `unknown`); each main-loop pass (`step`) returns an engine whose hint lapsed
+  to its own threshold. The weight multiplier is the router's, not the node's: nothing here. Links to the peers `probe_links` named are probed again every FLEXPIPE_LINK_PROBE_S
   (agents/node/links.py) and every report carries the latest figure per peer.
 - Every ok-ack's result passes agents.protocol.check_result before it leaves; a result that would
   break the protocol is sent as a failed ack instead (reason "failed"), never half right.
@@ -60,6 +64,7 @@ from agents.protocol import (
 )
 from scheduler.booking import REFUSAL_REASON, refuse_booking
 from scheduler.capabilities import DEFAULT_CAPS, EngineCaps, engine_refusals
+from scheduler.control.correction import HintBook, hints_from_payload
 from scheduler.plan import Plan
 from scheduler.refusal import Refused
 
@@ -136,6 +141,8 @@ class NodeAgent:
         self.state = NodeState()
         self.client = AgentClient(controller, join_token, token_file=token_file)
         self.plans: dict[tuple[str, str], PlanSlot] = {}
+        self.hints = HintBook()  # the global correction's hints (apply_hints)
+        self._hinted: set[tuple[str, str]] = set()  # plans whose engine runs a hinted threshold now
         self.acks: dict[int, Ack] = {}  # command id -> the ack sent (or to send)
         self.executed: Counter[str] = Counter()  # command kinds actually run (not answered from `acks`)
         self.timings: dict[int, float] = {}  # command id -> seconds it took
@@ -237,6 +244,7 @@ class NodeAgent:
                 self.register()
                 self._start_poller()
             self._flush_acks()
+            self._lapse_hints()
             if self.links.due():
                 self._reprobe()
             due = self.clock() - self.state.last_report_s >= self.state.report_interval_s
@@ -398,7 +406,8 @@ class NodeAgent:
             # About the node, not a plan: no plan lock (the payload names no deployment or plan_id).
             self.executed[cmd.kind] += 1
             return {NodeCommandKind.VERIFY_WEIGHTS: self._verify_weights,
-                    NodeCommandKind.PROBE_LINKS: self._probe_links}[NodeCommandKind(cmd.kind)](payload)
+                    NodeCommandKind.PROBE_LINKS: self._probe_links,
+                    NodeCommandKind.APPLY_HINTS: self._apply_hints}[NodeCommandKind(cmd.kind)](payload)
         kind = CommandKind(cmd.kind)
         key = (str(payload["deployment"]), str(payload["plan_id"]))
         with self._lock:
@@ -502,6 +511,43 @@ class NodeAgent:
         detail = ", ".join(f"{r.peer} {r.bw_gbps:.2f} Gb/s" for r in measured) or "no peer answered"
         return _Outcome("ok", f"links measured: {detail}",
                         {"links": [{k: v for k, v in r.__dict__.items() if v is not None} for r in measured]})
+
+    def _apply_hints(self, p: dict[str, Any]) -> _Outcome:
+        """apply_hints: hold the hints; set each led plan's threshold where its engine has one."""
+        deployment, version, ttl_s, hints = hints_from_payload(p)
+        with self._lock:
+            if not self.hints.apply(deployment, version, ttl_s, hints, self.clock()):
+                held = self.hints.versions[deployment]
+                return _Outcome("ok", f"hints {version} of {deployment} ignored: {held} is newer",
+                                {"applied": False, "hints_version": held, "plans": [], "unknown": []})
+            slots = {h.plan_id: self.plans.get((deployment, h.plan_id)) for h in hints}
+            self._hinted.update((deployment, h.plan_id) for h in hints if slots[h.plan_id] is not None)
+        took, unknown, why = [], [], []
+        for h in hints:
+            slot = slots[h.plan_id]
+            setter = getattr(slot.engine, "set_batch_scale", None) if slot is not None else None
+            if slot is None or slot.role != "leader" or setter is None:
+                unknown.append(h.plan_id)
+                if slot is not None and slot.role == "leader":
+                    why.append(f"{h.plan_id}: its engine sets its batch threshold when it starts")
+                continue
+            setter(h.batch_scale)
+            took.append(h.plan_id)
+        detail = "; ".join([f"hints {version} of {deployment}: {len(took)} plan(s)", *why])
+        return _Outcome("ok", detail, {"applied": True, "hints_version": version, "plans": took, "unknown": unknown})
+
+    def _lapse_hints(self) -> None:
+        """The local side of a global loop that went quiet: an engine whose hint lapsed goes back
+        to its own threshold."""
+        now = self.clock()
+        with self._lock:
+            lapsed = [k for k in self._hinted if self.hints.live(k[0], k[1], now) is None]
+            self._hinted.difference_update(lapsed)
+            slots = [self.plans.get(k) for k in lapsed]
+        for slot in slots:
+            setter = getattr(slot.engine, "set_batch_scale", None) if slot is not None else None
+            if setter is not None:
+                setter(None)
 
     def _reprobe(self) -> None:
         """The periodic link probe (FLEXPIPE_LINK_PROBE_S), on the command pool: never in the way of

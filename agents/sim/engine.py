@@ -29,6 +29,9 @@ Disaggregated plans have two pipes: the prefill pipe only runs prompt chunks; a 
 hands its KV to the decode pipe over the plan's KV route (`PlanProfile.kv_handoff_s`, one
 transfer at a time on that route), and its first token is counted when the hand-off lands, as
 the cost model counts it in TTFT.
+
+Each round's batch-token threshold is the local loop's (agents/sim/hints.py: LocalHints), the
+engine's own `MAX_BATCHED_TOKENS` per micro-batch unless a global correction hint scales it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
+from agents.sim.hints import LocalHints
 from agents.sim.queues import PrefixCache, WaitQueue
 from agents.sim.request import Request
 from scheduler.costmodel import MAX_BATCHED_TOKENS, MAX_RUNNING_SEQS, PipelineProfile, PlanProfile
@@ -76,7 +80,7 @@ class Pipe:
         self.role = role
         self.prof = profile
         self.pp = profile.pp
-        self.budget = MAX_BATCHED_TOKENS * self.pp
+        self.budget = MAX_BATCHED_TOKENS * self.pp  # the engine's own threshold (a hint may set another)
         self.seq_cap = MAX_RUNNING_SEQS * self.pp
         self.kv_cap = kv_cap
         self.kv_bytes_per_token = kv_bytes_per_token  # over all GPUs of the pipe (for memory use)
@@ -306,7 +310,8 @@ class Pipe:
             out += self._preempt_last(t)
             preempted = True
         n_dec = self.n_dec
-        budget = self.budget - n_dec if role == "both" else (self.budget if role == "prefill" else 0)
+        full = self.engine.batch_tokens(t) * self.pp  # the local loop's threshold (module docstring)
+        budget = full - n_dec if role == "both" else (full if role == "prefill" else 0)
         chunks: list[tuple[Request, int]] = []
         pre_tokens = pre_ctx = 0
         # With length buckets (agents/sim/buckets.py) a round that mixes short and long prompts is
@@ -319,7 +324,7 @@ class Pipe:
             if self.waiting:
                 lengths.append(self.waiting[0].prompt)
             if buckets.split(min(lengths), max(lengths)):
-                room = [buckets.cap(b, self.budget) for b in range(len(buckets.shares))]
+                room = [buckets.cap(b, full) for b in range(len(buckets.shares))]
                 prefilling = sorted(prefilling, key=lambda r: buckets.of(r.prompt))
         # 2. prefill passes in progress, first come first served (by bucket when split)
         for req in prefilling:
@@ -531,6 +536,7 @@ class PlanEngine:
             self.prefill = self.decode = Pipe(self, "both", profile.pipeline("prefill"), kv_cap,
                                               _kv_bytes(plan.stages, model), _gpus(plan.stages))
             self.pipes = (self.prefill,)
+        self.local = LocalHints(MAX_BATCHED_TOKENS)  # the local loop's view of the global correction
         self.handoff_free_s = 0.0  # disaggregated: the KV route is busy until then
         self.in_flight: dict[int, Request] = {}  # hand-offs and migrations on their way here
         self.weight_bytes = sum(-(-model.stage_weight_bytes(s.layer_start, s.layer_end) // s.tp) * s.tp
@@ -538,12 +544,17 @@ class PlanEngine:
         # report counters (reset by each report)
         self.rep_tokens = 0
         self.rep_finished = 0
+        self.rep_violations = 0  # of those, SLO misses (EngineReport.slo_violations)
         self.rep_arrivals = 0
         self.rep_ttft: list[float] = []
         self.rep_tpot: list[float] = []
         self.rep_prompt: list[int] = []
         self.rep_output: list[int] = []
         self.rep_since_s = 0.0
+
+    def batch_tokens(self, t: float) -> int:
+        """The batch-token threshold per micro-batch of a round starting at t (module docstring)."""
+        return self.local.batch_tokens(self.deployment, self.plan.plan_id, t, self.host.local_loop_s)
 
     @property
     def load(self) -> int:

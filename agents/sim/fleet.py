@@ -71,11 +71,13 @@ from agents.sim.engine import (
 )
 from agents.sim.gateway import DeploymentRuntime, Gateway
 from agents.sim.handover import Handover, RetireMode
+from agents.sim.hints import Hinting
 from agents.sim.metrics import Recorder, check_conservation
 from agents.sim.reports import IDLE_MEM_BYTES, Reports
 from agents.sim.scenario import BaselineSpec, ModelDeploymentSpec, Scenario, baseline_stage_nodes
 from agents.sim.workload import Arrival
 from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
+from scheduler.control.correction import LOCAL_LOOP_S, HintBook
 from scheduler.costmodel import (
     COLD_START_S,
     DEFAULT_EFFICIENCY,
@@ -115,6 +117,7 @@ class SimOptions:
     max_run_rounds: int = MAX_RUN_ROUNDS  # longest analytic run of identical rounds (1: simulate each round)
     prefix_block_tokens: int = BLOCK_TOKENS  # the engines' prefix cache block (a trace's hash block); 0: none
     length_buckets: LengthBuckets | None = None  # batching split by prompt length (agents/sim/buckets.py); None: FCFS
+    local_loop_s: float = LOCAL_LOOP_S  # how often an engine's local loop reads its hints (agents/sim/hints.py)
 
 
 DEFAULT_OPTIONS = SimOptions()
@@ -151,6 +154,7 @@ class EngineHost(Protocol):
     max_run_rounds: int  # longest analytic run of identical rounds
     prefix_block_tokens: int  # the prefix cache's block size (0: engines keep no prefix cache)
     length_buckets: LengthBuckets | None  # batching split by prompt length; None: one FCFS queue
+    local_loop_s: float  # the engines' local loop period (sim seconds)
 
     def tokens(self, engine: PlanEngine, t0: float, t1: float, n: int) -> None: ...
 
@@ -170,7 +174,7 @@ class EngineHost(Protocol):
     def decoded(self, req: Request, engine: PlanEngine, t: float) -> None: ...
 
 
-class FleetSim(Gateway, Handover, Churn, Reports):
+class FleetSim(Gateway, Handover, Churn, Reports, Hinting):
     """The simulator (module docstring). Deterministic: the scenario seed drives the cluster's
     draws; nothing reads a wall clock or a global random state."""
 
@@ -194,6 +198,8 @@ class FleetSim(Gateway, Handover, Churn, Reports):
         self.max_run_rounds = options.max_run_rounds
         self.prefix_block_tokens = options.prefix_block_tokens
         self.length_buckets = options.length_buckets
+        self.local_loop_s = options.local_loop_s
+        self.hint_books: dict[str, HintBook] = {}  # node id -> the global correction's hints it holds
         # the one request router (scheduler.router), as the gateway runs it; a baseline in bench.route
         self.router: RoutingPolicy = router or make_router("flexpipe", seed=scenario.seed)
         self._facts: dict[tuple[int, int, float], PlanFacts] = {}  # (engine id, profile, weight) -> facts

@@ -252,8 +252,10 @@ class Gateway:
         if engine is not None:
             engine.rep_finished += 1
             engine.rep_ttft.append(first - req.arrival_s)
-            if req.output > 1:
-                engine.rep_tpot.append((t - first) / (req.output - 1))
+            tpot = (t - first) / (req.output - 1) if req.output > 1 else None
+            if tpot is not None:
+                engine.rep_tpot.append(tpot)
+            engine.rep_violations += dep.slo.missed(first - req.arrival_s, tpot)
             engine.rep_output.append(req.output)
         req.engine_id = 0
         return []

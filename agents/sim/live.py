@@ -14,7 +14,9 @@ durations (weights over the host link, KV over the node link at the capped bandw
 a prefill on the target) and answers each when it is done; the answer goes back over HTTP with
 the result the controller's executor reads (scheduler/transition/). FleetSim routes each
 deployment's requests as the controller's routing tables say (GET /agent/v1/routing: weight > 0
-and not frozen). Nothing is served before the first transition brings a plan up: requests wait
+and not frozen), each weight times the global correction's live multiplier for the plan
+(`apply_hints`: agents/sim/hints.py, which also sets the plan's batch-token threshold).
+Nothing is served before the first transition brings a plan up: requests wait
 in their deployment's queue and end with an explicit error after `admit_timeout_s` there.
 
 Reports: a GPU holds the memory its plans reserved (weights plus the KV reserve an engine
@@ -108,8 +110,11 @@ def sim_snapshot(cluster: SimCluster, now_s: float, used_extra: Mapping[str, int
 class HttpMailbox:
     """Agent protocol v1 on the fleet's side: commands the agents pulled, acks to send."""
 
-    def __init__(self, links_of: Callable[[str], list[tuple[str, float]]] | None = None) -> None:
+    def __init__(self, links_of: Callable[[str], list[tuple[str, float]]] | None = None,
+                 hints_to: Callable[[str, Mapping[str, object]], tuple[str, dict[str, object]]] | None = None
+                 ) -> None:
         self.links_of = links_of  # node -> (peer, Gb/s): what a simulated link probe measures
+        self.hints_to = hints_to  # (node, apply_hints payload) -> ack (detail, result): FleetSim.apply_hints
         self.inbox: dict[str, list[CommandIntent]] = {}
         self.outbox: list[tuple[str, int, Ack]] = []  # (node, command id, ack)
         self.ids: dict[str, tuple[str, int]] = {}  # key -> (node, command id)
@@ -134,6 +139,10 @@ class HttpMailbox:
                 got = [{"peer": p, "bw_gbps": bw, "measured_at": round(time.time(), 3), "method": "simulated"}
                        for p, bw in self.links_of(node_id) if p in wanted]
                 self.ack(key, "ok", f"links measured: {len(got)} peer(s)", {"links": got})
+                continue
+            if c.kind == NodeCommandKind.APPLY_HINTS.value and self.hints_to is not None:
+                detail, result = self.hints_to(node_id, c.payload)
+                self.ack(key, "ok", detail, result)
                 continue
             if c.kind in NODE_KINDS:
                 # A simulated node holds no weights: nothing to hash (the registry records the failed check).
@@ -230,7 +239,9 @@ class LiveFleet:
         # admissions, finishes and failures (FleetSim) and plans prepared or released (SimAgents):
         # what scheduler.invariants.check reads for invariant 1
         self.log = EventLog(record_decodes=False)
-        self.mailbox = HttpMailbox(links_of=lambda node: self.cluster.links_of(node))
+        self.mailbox = HttpMailbox(links_of=lambda node: self.cluster.links_of(node),
+                                   hints_to=lambda node, payload: self.sim.apply_hints(
+                                       node, payload, ttl_scale=self.time_scale))
         self.routes: dict[str, RoutingState] = {}
         self._routes_wall = -math.inf
         # the simulator: no plan runs and nothing is routed until the controller commands it. With a
@@ -454,7 +465,9 @@ class LiveFleet:
             for route in table.routes:
                 engine = self.sim.engine_of(name, route.plan_id)
                 if engine is not None and route.weight > 0 and not route.frozen:
-                    want[engine.engine_id] = max(float(route.weight), 1e-9)
+                    # times the global correction's live multiplier for the plan (agents/sim/hints.py)
+                    want[engine.engine_id] = max(float(route.weight) * self.sim.hinted_weight(name, route.plan_id),
+                                                 1e-9)
             now = {e.engine_id: e.weight for e in self.sim.plans(name) if e.accepting}
             if now != want or self.sim.deployments[name].routing_version != table.version:
                 self.sim.set_routing(name, want, table.version)  # the version: what new leases carry

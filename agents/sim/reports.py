@@ -145,11 +145,11 @@ class Reports:
                 kv_usage=round(min(1.0, kv), 4),
                 ttft_p50_ms=_ms(engine.rep_ttft, 50), ttft_p95_ms=_ms(engine.rep_ttft, 95),
                 tpot_p50_ms=_ms(engine.rep_tpot, 50), tpot_p95_ms=_ms(engine.rep_tpot, 95),
-                finished=engine.rep_finished, arrivals=engine.rep_arrivals,
+                finished=engine.rep_finished, arrivals=engine.rep_arrivals, slo_violations=engine.rep_violations,
                 prompt_tokens_mean=_mean(engine.rep_prompt), output_tokens_mean=_mean(engine.rep_output))
             nodes = tuple(dict.fromkeys(self._plan_nodes(engine.plan)))
             out.append(PlanMetrics(engine.deployment, nodes, report))
-            engine.rep_tokens = engine.rep_finished = engine.rep_arrivals = 0
+            engine.rep_tokens = engine.rep_finished = engine.rep_arrivals = engine.rep_violations = 0
             engine.rep_ttft, engine.rep_tpot, engine.rep_prompt, engine.rep_output = [], [], [], []
             engine.rep_since_s = t
         return out

@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 
-from agents.protocol import RegisterRequest, Report
+from agents.protocol import NodeCommandKind, RegisterRequest, Report, SchemaError, check_result
 from console.audit.chain import actor_of, record
 from console.fleet import doorbell, links, live
 from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
@@ -325,6 +325,11 @@ def do_ack_command(node: Node, command_id: int, *, status: str, detail: str, res
             raise Rejected(403, {"id": f"command {command_id} is another node's; this agent token is {node.node_id}'s"})
         raise Rejected(404, {"id": f"no command {command_id} for node {node.node_id}"})
     final = {"ok": AgentCommand.OK, "failed": AgentCommand.FAILED, "running": AgentCommand.RUNNING}[status]
+    if status == "ok" and cmd.kind == NodeCommandKind.APPLY_HINTS.value:
+        try:  # what the console keeps of a hint's answer is what the protocol says (console/fleet/hints.py)
+            check_result(cmd.kind, result)
+        except SchemaError as exc:
+            raise Rejected(400, exc.errors) from exc
     if cmd.state in (AgentCommand.OK, AgentCommand.FAILED):
         if cmd.state != final:
             raise Rejected(409, {"status": f"command {command_id} was already acknowledged as {cmd.state}"})

@@ -19,6 +19,10 @@ beyond its KV reserve, no step times - the router then balances it by load alone
 what the engines last reported (running, waiting, KV in use: `Node.engines`, cached
 FLEXPIPE_ROUTER_REPORT_TTL_S) with this process's own book (requests it has open on the plan,
 prompt tokens still waiting for their first token), which is fresher than any report.
+A route's weight is the table's times the global correction's live multiplier for the plan
+(`_hinted`: the newest `apply_hints` the console queued naming it, until its ttl_s runs out;
+console/gearbox/correction.py), read when the pool is made - so at most
+FLEXPIPE_ROUTER_FLEET_TTL_S late.
 
 Settings: FLEXPIPE_ROUTER (scheduler.router.RouterConfig.from_dict: weights, top_k, block_tokens,
 host_tier_weight, jitter, prices), FLEXPIPE_ROUTER_SEED (ties between equal plans; default: from
@@ -195,13 +199,38 @@ def _unpriced(plan: Plan, *, weight: float, frozen: bool, routable: bool) -> Pla
                      routable=routable)
 
 
-def _facts(route: Mapping[str, Any], snap: Snapshot | None) -> tuple[PlanFacts, Candidate | None] | None:
+def _hinted(name: str) -> dict[str, float]:
+    """plan id -> the live weight multiplier of the global correction's newest hint naming it (module docstring)."""
+    from datetime import timedelta
+
+    from agents.protocol import MAX_HINT_TTL_S
+    from console.fleet.hints import APPLY
+    from console.fleet.models import AgentCommand
+
+    now = datetime.now(UTC)
+    out: dict[str, float] = {}
+    seen: set[str] = set()
+    recent = (AgentCommand.objects.filter(kind=APPLY, payload__deployment=name,
+                                          created_at__gte=now - timedelta(seconds=MAX_HINT_TTL_S))
+              .order_by("-id").values_list("payload", "created_at")[:500])
+    for payload, created in recent:  # queued through check_payload (console/fleet/hints.py): well formed
+        until = created + timedelta(seconds=float(payload["ttl_s"]))
+        for h in payload["plans"]:
+            if h["plan_id"] not in seen:
+                seen.add(h["plan_id"])  # the newest hint for the plan decides, live or lapsed
+                if until > now:
+                    out[h["plan_id"]] = float(h["weight_multiplier"])
+    return out
+
+
+def _facts(route: Mapping[str, Any], snap: Snapshot | None, hinted: Mapping[str, float] | None = None
+           ) -> tuple[PlanFacts, Candidate | None] | None:
     try:
         plan = Plan.from_dict(route.get("plan"), "route.plan")
     except ValueError:
         return None  # a route without a valid plan is no route
     plan_id = str(route.get("plan_id") or plan.plan_id)  # the table's name for it is what the data plane knows
-    weight = float(route.get("weight") or 0.0)
+    weight = float(route.get("weight") or 0.0) * (hinted or {}).get(plan_id, 1.0)
     leader = leader_of(route)
     frozen = bool(route.get("frozen"))
     routable = leader is not None
@@ -222,10 +251,11 @@ def _pool(name: str, model_name: str, version: int, routes: Sequence[Mapping[str
     if hit is not None and now - hit.made < _ttl("FLEXPIPE_ROUTER_FLEET_TTL_S", 10.0):
         return hit
     snap = _snapshot()
+    hinted = _hinted(name)
     facts: list[PlanFacts] = []
     cands: list[Candidate | None] = []
     for r in routes:
-        made = _facts(r, snap)
+        made = _facts(r, snap, hinted)
         if made is not None:
             facts.append(made[0])
             cands.append(made[1])

@@ -7,4 +7,4 @@ class GearboxConfig(AppConfig):
     verbose_name = "Gearbox: deployments, decisions and transitions"
 
     def ready(self) -> None:
-        from console.gearbox import receivers  # noqa: F401 - connects the fleet's signals
+        from console.gearbox import checks, receivers  # noqa: F401 - the loops' checks; the fleet's signals

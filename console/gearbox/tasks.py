@@ -7,6 +7,9 @@
     transitions.advance   on every ack of a transition's command (console.fleet.signals.
                           command_acked), when a transition starts, and when the sweep finds it
                           due: take every step that can be taken now (executor.advance)
+    gearbox.correct       beat every FLEXPIPE_GLOBAL_LOOP_S: the global correction's hints to the
+                          engines (correction.correct); not acks_late, and expiring after two
+                          periods: a run lost or late is replaced by the next one
     transitions.sweep     beat every FLEXPIPE_SWEEP_S: advance every active transition, so a
                           step's timeout, a canary's dwell or a retry's back-off is noticed, and a
                           transition whose worker died (SIGKILL) resumes on another
@@ -24,12 +27,12 @@ from typing import Any
 from celery import shared_task
 
 from console.celery import enqueue
-from console.gearbox import coalesce, executor, ticks
+from console.gearbox import coalesce, correction, executor, ticks
 from console.gearbox.models import ACTIVE_PHASES, Transition
 
 log = logging.getLogger(__name__)
 SHORT_WAIT_S = 10.0  # a dwell or back-off shorter than this is woken by a countdown, not the sweep
-__all__ = ["advance", "enqueue", "sweep", "tick"]
+__all__ = ["advance", "correct", "enqueue", "sweep", "tick"]
 
 
 RETICK_S = 1.0  # a deployment waiting for its agents' reports is decided again this soon
@@ -45,6 +48,11 @@ def tick(trigger: str = "periodic", deployment: str | None = None, **kwargs: Any
     for name in waiting if isinstance(waiting, list) else []:  # one pending re-tick per deployment
         coalesce.request_tick(tick, trigger=trigger, deployment=name, countdown_s=RETICK_S)
     return out
+
+
+@shared_task(name="gearbox.correct")
+def correct(**kwargs: Any) -> dict[str, object]:
+    return correction.correct()
 
 
 @shared_task(name="transitions.advance", acks_late=True)

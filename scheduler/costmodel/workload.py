@@ -92,6 +92,10 @@ class Slo:
         if not (self.ttft_ms > 0 and self.tpot_ms > 0):
             raise ValueError(f"slo: ttft_ms and tpot_ms must be > 0, got {self.ttft_ms}, {self.tpot_ms}")
 
+    def missed(self, ttft_s: float, tpot_s: float | None) -> bool:
+        """Whether one finished request missed these objectives (TTFT, or TPOT when it made more than one token)."""
+        return ttft_s * 1e3 > self.ttft_ms or (tpot_s is not None and tpot_s * 1e3 > self.tpot_ms)
+
 
 @dataclass(frozen=True)
 class Estimate:

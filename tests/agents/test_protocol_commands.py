@@ -37,7 +37,8 @@ def test_every_kind_is_documented_and_has_a_schema() -> None:
     import agents.protocol as protocol
 
     assert set(TRANSITION_KINDS) == {k.value for k in CommandKind}  # the scheduler's, and only those
-    assert set(NODE_KINDS) == {"verify_weights", "probe_links"} and not set(NODE_KINDS) & set(TRANSITION_KINDS)
+    assert set(NODE_KINDS) == {"verify_weights", "probe_links", "apply_hints"}
+    assert not set(NODE_KINDS) & set(TRANSITION_KINDS)
     assert COMMAND_KINDS == TRANSITION_KINDS + NODE_KINDS
     for kind in COMMAND_KINDS:
         assert f"`{kind}`" in (protocol.__doc__ or "")
@@ -182,6 +183,40 @@ def test_a_bad_probe_links_payload_names_the_field(payload: dict[str, object], f
         check_payload("probe_links", payload)
     assert field in err.value.errors, err.value.errors
     check_payload("probe_links", {"peers": {"b1": "10.0.0.2:7070"}, "bulk_bytes": 1 << 20})
+
+
+HINT = {"plan_id": "p-1", "direction": "speed_up", "weight_multiplier": 0.8, "batch_scale": 0.5}
+HINTS = {"deployment": "chat", "hints_version": 3, "ttl_s": 5.0, "plans": [HINT]}
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"hints_version": 0}, "payload.hints_version"),
+    ({"hints_version": "3"}, "payload.hints_version"),
+    ({"ttl_s": 0}, "payload.ttl_s"),
+    ({"ttl_s": 7200}, "payload.ttl_s"),
+    ({"deployment": ""}, "payload.deployment"),
+    ({"plans": []}, "payload.plans"),
+    ({"plans": [{**HINT, "direction": "faster"}]}, "payload.plans[0].direction"),
+    ({"plans": [{**HINT, "weight_multiplier": 0}]}, "payload.plans[0].weight_multiplier"),
+    ({"plans": [{**HINT, "weight_multiplier": 11}]}, "payload.plans[0].weight_multiplier"),
+    ({"plans": [{**HINT, "batch_scale": 0}]}, "payload.plans[0].batch_scale"),
+    ({"plans": [{**HINT, "batch_scale": 17}]}, "payload.plans[0].batch_scale"),
+    ({"plans": [{**HINT, "batch_scale": "0.5"}]}, "payload.plans[0].batch_scale"),
+    ({"plans": [HINT, HINT]}, "payload.plans[1].plan_id"),
+    ({"plans": [{**HINT, "priority": 1}]}, "payload.plans[0].priority"),
+])
+def test_a_bad_apply_hints_payload_names_the_field(change: dict[str, object], field: str) -> None:
+    with pytest.raises(SchemaError) as err:
+        check_payload("apply_hints", {**HINTS, **change})
+    assert field in err.value.errors, err.value.errors
+    check_payload("apply_hints", HINTS)
+
+
+def test_an_apply_hints_ack_result_is_checked() -> None:
+    check_result("apply_hints", {"applied": True, "hints_version": 3, "plans": ["p-1"], "unknown": []})
+    with pytest.raises(SchemaError) as err:
+        check_result("apply_hints", {"applied": "yes", "hints_version": 3, "plans": [1]})
+    assert {"result.applied", "result.plans[0]"} <= set(err.value.errors), err.value.errors
 
 
 def test_a_prepare_carries_the_model_spec_it_was_sized_with_and_a_payload_without_it_still_validates() -> None:

@@ -307,3 +307,19 @@ def test_a_reader_that_goes_away_cancels_its_sequence(tiny_model: TinyModel, mak
 
     assert ends == [{"error": "cancelled: the client went away"}]
     assert host.engine is not None and sid not in host.engine.sequence_ids()
+
+
+def test_a_hinted_batch_scale_sets_the_torch_engine_s_tokens_per_step_and_none_restores_its_own(
+        tiny_model: TinyModel, make_node: Callable[[], Node]) -> None:
+    node = make_node()
+    host = node.run(tiny_model, PLAN_TP1)
+    assert host.engine is not None
+    own = host.engine.max_tokens_per_step
+    host.set_batch_scale(0.5)  # apply_hints (agents/node/daemon.py)
+    assert host.engine.max_tokens_per_step == own // 2
+    host.set_batch_scale(2.0)  # a newer hint scales the engine's own threshold, not the last hinted one
+    assert host.engine.max_tokens_per_step == own * 2
+    seen = follow(node.addr, gen_body(host, new_seq_id(), 4))  # it serves at the hinted threshold
+    assert seen.ends == [{"done": True, "finish_reason": "length"}] and len(seen.tokens) == 4
+    host.set_batch_scale(None)  # the hint lapsed
+    assert host.engine.max_tokens_per_step == own

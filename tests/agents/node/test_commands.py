@@ -200,3 +200,64 @@ def test_a_plan_its_engine_cannot_run_is_refused_in_the_planners_words(make_agen
     assert ack.status == "failed" and ack.result["reason"] == "unsupported"
     assert ack.detail == "; ".join(engine_refusals(pd, ["n1"], {"n1": agent.capabilities}))
     assert agent.booked() == {}
+
+
+class _Fixed:
+    """A leader's engine as far as apply_hints sees it, with a threshold fixed at start (vLLM's)."""
+
+    def __init__(self, plan_id: str) -> None:
+        self.plan_id = plan_id
+
+    def stop(self) -> None:
+        pass
+
+
+class _Stepper(_Fixed):
+    """... and one with a batch-token threshold per step (the torch host's)."""
+
+    def __init__(self, plan_id: str) -> None:
+        super().__init__(plan_id)
+        self.tokens: list[float | None] = []  # the scales it was given (None: back to its own)
+
+    def set_batch_scale(self, scale: float | None) -> None:
+        self.tokens.append(scale)
+
+
+def test_apply_hints_sets_a_led_plan_s_threshold_ignores_stale_versions_and_lapses(make_agent: Any) -> None:
+    from agents.node.daemon import PlanSlot
+
+    now = [100.0]
+    agent = make_agent(backend=False, clock=lambda: now[0])
+    torch_like, vllm_like = _Stepper("p-torch"), _Fixed("p-vllm")
+    agent.plans[("tiny", "p-torch")] = PlanSlot("tiny", "p-torch", "leader", {}, engine=torch_like)  # type: ignore[arg-type]
+    agent.plans[("tiny", "p-vllm")] = PlanSlot("tiny", "p-vllm", "leader", {}, engine=vllm_like)  # type: ignore[arg-type]
+    agent.plans[("tiny", "p-member")] = PlanSlot("tiny", "p-member", "member", {})
+
+    def hint(pid: str, scale: float) -> dict[str, Any]:
+        return {"plan_id": pid, "direction": "speed_up", "weight_multiplier": 0.8, "batch_scale": scale}
+
+    payload = {"deployment": "tiny", "hints_version": 4, "ttl_s": 5.0,
+               "plans": [hint("p-torch", 0.5), hint("p-vllm", 0.5), hint("p-member", 0.5)]}
+    ack = agent.handle(command("apply_hints", payload))
+    result = ok("apply_hints", ack)
+    assert result == {"applied": True, "hints_version": 4, "plans": ["p-torch"], "unknown": ["p-vllm", "p-member"]}
+    assert "p-vllm: its engine sets its batch threshold when it starts" in ack.detail
+    assert torch_like.tokens == [0.5]
+    stale = ok("apply_hints", agent.handle(command("apply_hints", {**payload, "hints_version": 3,
+                                                                   "plans": [hint("p-torch", 2.0)]})))
+    assert stale["applied"] is False and torch_like.tokens == [0.5]
+    now[0] = 104.9
+    agent._lapse_hints()
+    assert torch_like.tokens == [0.5]  # still live
+    now[0] = 105.0  # the global loop said nothing more: the engine's own threshold again
+    agent._lapse_hints()
+    assert torch_like.tokens == [0.5, None]
+    agent._lapse_hints()
+    assert torch_like.tokens == [0.5, None]  # once
+
+
+def test_a_bad_hint_is_refused_naming_the_field(make_agent: Any) -> None:
+    agent = make_agent(backend=False)
+    ack = agent.handle(command("apply_hints", {"deployment": "tiny", "hints_version": 1, "ttl_s": -1, "plans": []}))
+    assert ack.status == "failed" and "payload.ttl_s" in ack.detail and "payload.plans" in ack.detail
+    assert agent.hints.versions == {}

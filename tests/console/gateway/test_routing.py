@@ -137,3 +137,28 @@ def test_a_priority_and_a_deadline_reach_the_router_and_a_sample_reaches_the_dep
     decisions.record("chat", {**routed.decision.explain(), "taken_by": a["plan_id"]})  # (as the sampler's thread)
     kept = decisions.recent("chat")
     assert kept and kept[0]["taken_by"] == a["plan_id"] and kept[0]["request"]["priority"] == 7
+
+
+def test_the_global_correction_s_live_multiplier_scales_a_route_s_weight_until_its_ttl() -> None:
+    from datetime import timedelta
+
+    from console.fleet.hints import do_send_hints
+    from console.fleet.models import AgentCommand
+
+    gpu_node("h1", "H100-SXM")
+    gpu_node("h2", "H100-SXM")
+    a, b = route(tp4("h1"), "h1"), route(tp4("h2"), "h2")
+    make_deployment("chat", [a, b])
+
+    def hint(plan: dict[str, Any], mult: float) -> dict[str, Any]:
+        return {"plan_id": plan["plan_id"], "direction": "hold", "weight_multiplier": mult, "batch_scale": 1.0}
+
+    busy = {a["plan_id"]: 2, b["plan_id"]: 2}  # the same load on both: the weights decide
+    do_send_hints("chat", 1, 5.0, {"h1": [hint(a, 0.5)], "h2": [hint(b, 2.0)]}, now=timezone.now())
+    assert [c.plan_id for c in order([a, b], 500, outstanding=busy).candidates][0] == b["plan_id"]
+    do_send_hints("chat", 2, 5.0, {"h1": [hint(a, 2.0)], "h2": [hint(b, 0.5)]}, now=timezone.now())
+    assert [c.plan_id for c in order([a, b], 500, outstanding=busy).candidates][0] == a["plan_id"]
+    assert routing._hinted("chat") == {a["plan_id"]: 2.0, b["plan_id"]: 0.5}
+    AgentCommand.objects.update(created_at=timezone.now() - timedelta(seconds=6))  # past the ttl: lapsed
+    assert routing._hinted("chat") == {}
+    assert routing._hinted("other") == {}
