@@ -18,6 +18,10 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_GLOBAL_LOOP_S         period of the global correction on Celery beat: hints to the engines
                                    (0.5; 0: off). Warned about above 5x the local loop, refused at or
                                    above FLEXPIPE_TICK_S (console/gearbox/checks.py)
+    FLEXPIPE_ROUTER_POLICY         flexpipe (the router's configured weights) or flexpipe+learned: per deployment,
+                                   weights learnt by Hedge and rolled out against round-robin (console/gateway/learned.py)
+    FLEXPIPE_ROUTER_ROLLOUT        JSON object of the rollout's fields (scheduler.router.learning.RolloutConfig:
+                                   cold_start_s, window_s, shares, rollback_ratio, ...); checked at start-up
     FLEXPIPE_GATEWAY_TOKENIZERS    name=path,... tokenizers for deployments without a registry version (* for any)
     FLEXPIPE_PROCESS               what this web process serves (all): all - the console and the OpenAI API in one
                                    process (tests, one-process setups); console - the console without /v1, which
@@ -273,6 +277,9 @@ FLEXPIPE_ALERTS_EVAL_S = float(os.environ.get("FLEXPIPE_ALERTS_EVAL_S", "15"))
 # before a 429 (a process that takes bursts of a hundred arrivals needs a longer queue than 16).
 FLEXPIPE_GATEWAY_CPU_THREADS = int(os.environ.get("FLEXPIPE_GATEWAY_CPU_THREADS", "2"))
 FLEXPIPE_GATEWAY_CPU_QUEUE = int(os.environ.get("FLEXPIPE_GATEWAY_CPU_QUEUE", "16"))
+# Learned routing (console/gateway/learned.py): the policy's name and the rollout's fields (JSON), checked at start-up.
+FLEXPIPE_ROUTER_POLICY = os.environ.get("FLEXPIPE_ROUTER_POLICY", "flexpipe").strip() or "flexpipe"
+FLEXPIPE_ROUTER_ROLLOUT = os.environ.get("FLEXPIPE_ROUTER_ROLLOUT", "").strip() or None
 # How long an admission waits for the table that ends a switch's freeze before a 429 (console/gateway/views.py).
 FLEXPIPE_GATEWAY_FROZEN_WAIT_S = float(os.environ.get("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", "3"))
 # The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment

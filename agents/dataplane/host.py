@@ -85,13 +85,20 @@ class PlanHost(DrainThenHandOver):
         warmup_tokens: int = 1,
         verified_sha256: str | None = None,
         host_kv_bytes: int = 0,
+        slo_ms: tuple[float, float] | None = None,
     ) -> None:
         """`placement`: for a plan whose stages span nodes, which ranks of each worker group run
         here and which member nodes start the others (TorchEngine's argument); None: all here.
         `warmup_tokens`: generated at start, before the plan is served (the registry's warm-up).
         `verified_sha256`: the digest the node's model store computed for these weights (the
         engine does not hash them again). `host_kv_bytes`: the engine's host KV tier (finished
-        sequences' KV kept for the next turn of their conversation; 0: none)."""
+        sequences' KV kept for the next turn of their conversation; 0: none). `slo_ms`: the
+        deployment's (TTFT, TPOT) objectives prepare_plan carried, against which each report counts
+        its finished sequences' misses (EngineReport.slo_violations, what the global correction
+        reads); None: none counted."""
+        if slo_ms is not None and not (len(slo_ms) == 2 and all(v > 0 for v in slo_ms)):
+            raise ValueError(f"slo_ms: must be (ttft_ms, tpot_ms), both > 0; got {slo_ms!r}")
+        self.slo_ms = slo_ms
         self.verified_sha256 = verified_sha256
         self.host_kv_bytes = host_kv_bytes
         if not isinstance(warmup_tokens, int) or isinstance(warmup_tokens, bool) or warmup_tokens < 0:
@@ -487,10 +494,17 @@ class PlanHost(DrainThenHandOver):
             live = self._live()
         ttft = [1000.0 * (s.token_s[0] - s.admitted_s) for s in finished if s.first_local == 0 and s.token_s]
         tpot = []
+        violations = 0
         for s in finished:
             local = s.token_s[s.first_local:]
-            if len(local) > 1:
-                tpot.append(1000.0 * (local[-1] - local[0]) / (len(local) - 1))
+            s_tpot = 1000.0 * (local[-1] - local[0]) / (len(local) - 1) if len(local) > 1 else None
+            if s_tpot is not None:
+                tpot.append(s_tpot)
+            if self.slo_ms is not None:
+                # TTFT only where the first token was made here (a handed-over sequence's came elsewhere)
+                s_ttft = 1000.0 * (s.token_s[0] - s.admitted_s) if s.first_local == 0 and s.token_s else None
+                violations += int((s_ttft is not None and s_ttft > self.slo_ms[0])
+                                  or (s_tpot is not None and s_tpot > self.slo_ms[1]))
         kv_usage = 0.0
         if self.engine is not None and self.state == "ready":
             free = self.engine.num_free_blocks()
@@ -506,6 +520,7 @@ class PlanHost(DrainThenHandOver):
             tpot_p50_ms=_percentile(tpot, 0.5),
             tpot_p95_ms=_percentile(tpot, 0.95),
             finished=len(finished),
+            slo_violations=violations,
             arrivals=arrivals,
             prompt_tokens_mean=statistics.fmean(prompts) if prompts else None,
             output_tokens_mean=statistics.fmean([s.generated for s in finished]) if finished else None,

@@ -106,6 +106,12 @@ class _Outcome:
     result: dict[str, Any] = field(default_factory=dict)
 
 
+def _slo_ms(payload: dict[str, Any]) -> tuple[float, float] | None:
+    """A prepare's optional slo (check_payload validated it: ttft_ms, tpot_ms > 0) as the host takes it."""
+    slo = payload.get("slo")
+    return (float(slo["ttft_ms"]), float(slo["tpot_ms"])) if isinstance(slo, dict) else None
+
+
 def default_node_id() -> str:
     name = socket.gethostname().split(".")[0] or "node"
     return "".join(c if c.isalnum() or c in "._-" else "-" for c in name)[:64]
@@ -447,7 +453,8 @@ class NodeAgent:
                     raise Refused(f"this node runs no engine backend ({self.backend_name})")
                 engine = self.backend.make(deployment, p["plan"], plan_id, str(p["model"]), p.get("weights_sha256"),
                                            stages=list(p.get("stages") or []), peers=dict(p.get("peers") or {}),
-                                           warmup_tokens=int((p.get("model_version") or {}).get("warmup_tokens", 1)))
+                                           warmup_tokens=int((p.get("model_version") or {}).get("warmup_tokens", 1)),
+                                           slo_ms=_slo_ms(p))
                 slot.engine = engine
                 engine.start()
             elif self.backend is not None:

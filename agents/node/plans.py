@@ -204,7 +204,8 @@ class TorchBackend:
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
-             peers: dict[str, str] | None = None, warmup_tokens: int = 1) -> PlanEngine:
+             peers: dict[str, str] | None = None, warmup_tokens: int = 1,
+             slo_ms: tuple[float, float] | None = None) -> PlanEngine:
         """The leader's engine. `stages` (this node's part, prepare_plan's) and `peers` place the
         ranks of other nodes there; without peers every rank runs here (a one-node plan, or a
         controller that names no peers)."""
@@ -219,7 +220,8 @@ class TorchBackend:
                             weights_sha256=co.digest, max_waiting=self.max_waiting,
                             num_kv_blocks=self.num_kv_blocks, device=self.device,
                             gpus=self.cuda_indexes(plan) if self.device == "cuda" else None, placement=placement,
-                            warmup_tokens=warmup_tokens, verified_sha256=co.digest, host_kv_bytes=self.host_kv_bytes)
+                            warmup_tokens=warmup_tokens, verified_sha256=co.digest, host_kv_bytes=self.host_kv_bytes,
+                            slo_ms=slo_ms)
             if host.plan_id != plan_id:
                 raise Refused(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})", field="plan_id")
         except BaseException:
@@ -406,8 +408,10 @@ class VllmBackend:
 
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
-             peers: dict[str, str] | None = None, warmup_tokens: int = 1) -> PlanEngine:
-        """(`stages`, `peers`: unused - a vLLM plan runs on its leader's machine)"""
+             peers: dict[str, str] | None = None, warmup_tokens: int = 1,
+             slo_ms: tuple[float, float] | None = None) -> PlanEngine:
+        """(`stages`, `peers`: unused - a vLLM plan runs on its leader's machine; `slo_ms`: unused -
+        its reports are vLLM's own histograms, which count no per-request misses)"""
         co = self.models.checkout(model, weights_sha256)
         try:
             return self._make(deployment, plan, plan_id, model, co, warmup_tokens)
@@ -457,7 +461,8 @@ class VllmBackend:
 class Backend(Protocol):
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
-             peers: dict[str, str] | None = None, warmup_tokens: int = 1) -> PlanEngine: ...
+             peers: dict[str, str] | None = None, warmup_tokens: int = 1,
+             slo_ms: tuple[float, float] | None = None) -> PlanEngine: ...
 
     def join(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, weights_sha256: str | None,
              *, stages: list[dict[str, Any]], node_id: str) -> Any: ...

@@ -27,15 +27,20 @@ def _client() -> redis.Redis:
 
 def record(deployment: str, explained: dict[str, Any]) -> None:
     """Keep one explained decision (sync; errors are logged, never raised: a lost sample is fine)."""
+    push_capped(PREFIX + deployment, [explained], KEEP)
+
+
+def push_capped(key: str, rows: list[dict[str, Any]], keep: int) -> None:
+    """Prepend `rows` (the last one newest) to a Redis list of JSON objects cut to its newest `keep`;
+    errors are logged, never raised (what these lists hold is diagnostic)."""
     try:
-        client = _client()
-        key = PREFIX + deployment
-        pipe = client.pipeline()
-        pipe.lpush(key, json.dumps(explained, separators=(",", ":"), allow_nan=False))
-        pipe.ltrim(key, 0, KEEP - 1)
+        pipe = _client().pipeline()
+        for row in rows:
+            pipe.lpush(key, json.dumps(row, separators=(",", ":"), allow_nan=False))
+        pipe.ltrim(key, 0, keep - 1)
         pipe.execute()
     except (OSError, ValueError, redis.RedisError) as exc:
-        log.warning("router decisions: cannot keep a sample for %s: %s", deployment, exc)
+        log.warning("gateway: cannot keep %s: %s", key, exc)
 
 
 def record_soon(deployment: str, explained: dict[str, Any]) -> None:
@@ -45,10 +50,15 @@ def record_soon(deployment: str, explained: dict[str, Any]) -> None:
 
 def recent(deployment: str, n: int = 8) -> list[dict[str, Any]]:
     """The newest `n` sampled decisions of `deployment`, newest first ([] when Redis is away)."""
+    return newest_of(PREFIX + deployment, n)
+
+
+def newest_of(key: str, n: int) -> list[dict[str, Any]]:
+    """The newest `n` JSON objects of a list `push_capped` keeps, newest first ([] when Redis is away)."""
     try:
-        raw = _client().lrange(PREFIX + deployment, 0, max(0, n - 1))
+        raw = _client().lrange(key, 0, max(0, n - 1))
     except (OSError, redis.RedisError) as exc:
-        log.warning("router decisions: cannot read %s's samples: %s", deployment, exc)
+        log.warning("gateway: cannot read %s: %s", key, exc)
         return []
     out = []
     for item in raw:

@@ -45,7 +45,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from console.gateway import decisions
+from console.gateway import decisions, learned
 from console.registry.specs import spec_for
 from scheduler.plan import Plan
 from scheduler.router import (
@@ -60,6 +60,7 @@ from scheduler.router import (
     make_router,
     plan_facts,
 )
+from scheduler.router.learned import LearnedRouter
 from scheduler.router.pool import StepModel
 from scheduler.topology import Snapshot
 
@@ -93,6 +94,7 @@ class Routed:
     deployment: str
     prompt_tokens: int
     low_priority: bool
+    policy: RoutingPolicy  # the one that decided: the process's router, or the deployment's learned one
 
 
 # -- the router and this process's book -------------------------------------------------------------
@@ -102,15 +104,28 @@ _router: RoutingPolicy | None = None
 _config = RouterConfig()
 
 
+_seed = 0
+
+
 def router() -> RoutingPolicy:
     """The process's router (settings read once)."""
-    global _router, _config
+    global _router, _config, _seed
     with _lock:
         if _router is None:
             _config = RouterConfig.from_dict(getattr(settings, "FLEXPIPE_ROUTER", None))
             seed = getattr(settings, "FLEXPIPE_ROUTER_SEED", None)
-            _router = make_router("flexpipe", _config, seed=int.from_bytes(os.urandom(8)) if seed is None else int(seed))
+            _seed = int.from_bytes(os.urandom(8)) if seed is None else int(seed)
+            _router = make_router("flexpipe", _config, seed=_seed)
         return _router
+
+
+def policy_for(name: str, slo_s: tuple[float, float] | None) -> RoutingPolicy:
+    """Who routes the deployment's requests: the process's router, or with FLEXPIPE_ROUTER_POLICY
+    "flexpipe+learned" the deployment's own learned one (console/gateway/learned.py)."""
+    shared = router()
+    if slo_s is None or not learned.enabled():
+        return shared
+    return learned.policy_for(name, slo_s, _config, _seed)
 
 
 def reset() -> None:
@@ -118,6 +133,7 @@ def reset() -> None:
     global _router
     with _lock:
         _router = None
+        learned.reset()
         _pools.clear()
         _snapshot_cache.clear()
         _reports_cache.clear()
@@ -134,6 +150,9 @@ class _Open:
     low: bool
     predicted_ttft_s: float | None
     started: float
+    policy: RoutingPolicy
+    request: RouteRequest  # the router's own object: a learned policy knows its requests by it
+    deployment: str
     first_seen: bool = False
 
 
@@ -293,7 +312,7 @@ def _reports() -> dict[str, dict[str, float]]:
 
 
 def _decide(name: str, model_name: str, version: int, routes: Sequence[Mapping[str, Any]], req: RouteRequest,
-            outstanding: Mapping[str, int]) -> tuple[Decision, list[Candidate]]:
+            outstanding: Mapping[str, int], policy: RoutingPolicy) -> tuple[Decision, list[Candidate]]:
     """Sync (database reads, cached): the pool with its loads, and the router's decision. The
     reads happen outside the lock, which the event loop's hooks (admitted, first_token) take too:
     it is held only for in-memory work of microseconds."""
@@ -310,20 +329,28 @@ def _decide(name: str, model_name: str, version: int, routes: Sequence[Mapping[s
             waiting = max(int(rep.get("waiting", 0)), count[pid])
             loads.append(PlanLoad(running, waiting, tokens[pid], low[pid], int(rep.get("kv_usage", 0.0) * reserve)))
         pool.set_loads(loads)
-        decision = router().route(req, pool, time.monotonic())
+        if isinstance(policy, LearnedRouter):
+            now = learned.clock()
+            policy.controller.plans_seen(frozenset(pool.ids), now)
+            decision = policy.route(req, pool, now)
+        else:
+            decision = policy.route(req, pool, time.monotonic())
         cands = [entry.candidates[s] for s in decision.order]
-        return decision, [c for c in cands if c is not None]
+    if isinstance(policy, LearnedRouter):
+        learned.publish(name, policy)  # a window that ended with this request may have moved the stage
+    return decision, [c for c in cands if c is not None]
 
 
 async def order(name: str, model_name: str, version: int, routes: Sequence[Mapping[str, Any]],
                 prompt_ids: Sequence[int], max_tokens: int, *, priority: int = 0, deadline_ms: float | None = None,
-                outstanding: Mapping[str, int]) -> Routed:
-    """The routes to try for one request, best first (module docstring)."""
-    router()
+                outstanding: Mapping[str, int], slo_s: tuple[float, float] | None = None) -> Routed:
+    """The routes to try for one request, best first (module docstring). `slo_s`: the deployment's
+    (TTFT, TPOT) objectives in seconds, what a learned policy holds its requests to."""
+    policy = policy_for(name, slo_s)
     req = RouteRequest(len(prompt_ids), max_tokens, priority, None if deadline_ms is None else deadline_ms / 1e3,
                        block_hashes(prompt_ids, _config.block_tokens))
-    decision, cands = await sync_to_async(_decide)(name, model_name, version, routes, req, outstanding)
-    return Routed(decision, cands, name, len(prompt_ids), req.low_priority)
+    decision, cands = await sync_to_async(_decide)(name, model_name, version, routes, req, outstanding, policy)
+    return Routed(decision, cands, name, len(prompt_ids), req.low_priority, policy)
 
 
 def admitted(routed: Routed, cand: Candidate, seq_id: str) -> None:
@@ -334,9 +361,9 @@ def admitted(routed: Routed, cand: Candidate, seq_id: str) -> None:
         return
     sample = None
     with _lock:
-        router().admitted(d, slot)
+        routed.policy.admitted(d, slot)
         o = _open[seq_id] = _Open(cand.plan_id, routed.prompt_tokens, routed.low_priority, d.predicted_ttft_s(slot),
-                                  time.monotonic())
+                                  time.monotonic(), routed.policy, d.request, routed.deployment)
         _pend_count[o.plan_id] += 1
         _pend_tokens[o.plan_id] += o.prompt_tokens
         if o.low:
@@ -361,15 +388,24 @@ def first_token(seq_id: str) -> None:
         o.first_seen = True
         _unpend(o)
         now = time.monotonic()
-        router().first_token(o.plan_id, now, now - o.started, o.predicted_ttft_s)
+        o.policy.first_token(o.plan_id, now, now - o.started, o.predicted_ttft_s)
 
 
-def done(seq_id: str) -> None:
+def done(seq_id: str, *, ttft_s: float | None = None, tpot_s: float | None = None) -> None:
+    """The request ended, however. `ttft_s` (and `tpot_s` past one token): what the gateway
+    measured, for a learning policy - inf for one that failed without a token; None when nothing
+    was observed (the client left first, or it moved on to another plan: the new one reports)."""
     with _lock:
         o = _open.pop(seq_id, None)
-        if o is not None and not o.first_seen:
+        if o is None:
+            return
+        if not o.first_seen:
             _unpend(o)
+        if ttft_s is None or not isinstance(o.policy, LearnedRouter):
+            return
+        o.policy.finished(o.request, ttft_s, tpot_s, learned.clock())
+    learned.publish(o.deployment, o.policy)
 
 
 __all__ = ["Candidate", "Routed", "admitted", "any_frozen", "done", "first_token",
-           "leader_of", "order", "reset", "router"]
+           "leader_of", "order", "policy_for", "reset", "router"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -102,6 +103,7 @@ class _Deployment:
     # the tokenizer's own limit (registry field enforced at the gateway, issue 17)
     max_context: int | None = None
     version_label: str = ""
+    slo_s: tuple[float, float] | None = None  # (TTFT, TPOT) objectives: what learned routing holds it to
 
 
 def _deployment(model: str) -> _Deployment | None:
@@ -109,12 +111,13 @@ def _deployment(model: str) -> _Deployment | None:
 
     row = (Deployment.objects.filter(Q(name=model) | Q(model_name=model)).order_by("-priority", "name")
            .values("name", "model_name", "routing_version", "routing", "model_version__max_context",
-                   "model_version__version").first())
+                   "model_version__version", "ttft_ms", "tpot_ms").first())
     if row is None:
         return None
     routes = row["routing"] if isinstance(row["routing"], list) else []
     return _Deployment(row["name"], row["model_name"], row["routing_version"], routes,
-                       row["model_version__max_context"], row["model_version__version"] or "")
+                       row["model_version__max_context"], row["model_version__version"] or "",
+                       (row["ttft_ms"] / 1e3, row["tpot_ms"] / 1e3))
 
 
 def _data_addr(node_id: str) -> str:
@@ -198,7 +201,8 @@ async def _admit(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], 
         retry_after: float | None = None
         frozen = any_frozen(dep.routes)
         routed = await routing.order(dep.name, dep.model_name, dep.version, dep.routes, prompt_ids, max_tokens,
-                                     priority=req.priority, deadline_ms=req.deadline_ms, outstanding=OUTSTANDING)
+                                     priority=req.priority, deadline_ms=req.deadline_ms, outstanding=OUTSTANDING,
+                                     slo_s=dep.slo_s)
         for cand in routed.candidates:
             addr = await sync_to_async(_data_addr)(cand.leader)
             if not addr:
@@ -453,6 +457,17 @@ async def _run(request: HttpRequest, endpoint: str) -> HttpResponse:
     return await _whole(job, adm, info, stats)
 
 
+def _latencies(stats: dict[str, Any], status: int) -> dict[str, float | None]:
+    """What the gateway measured of a finished request, for a learning router (routing.done)."""
+    if status >= 500:
+        return {"ttft_s": math.inf, "tpot_s": None}  # it failed: whatever came, it missed its objectives
+    if "ttft_s" not in stats:
+        return {"ttft_s": None, "tpot_s": None}
+    n_out = int(stats.get("n_out", 0))
+    tpot = (stats["last_s"] - stats["first_token_s"]) / (n_out - 1) if n_out > 1 else None
+    return {"ttft_s": float(stats["ttft_s"]), "tpot_s": tpot}
+
+
 def _release(plan_id: str) -> None:
     OUTSTANDING[plan_id] -= 1
     if OUTSTANDING[plan_id] <= 0:
@@ -461,7 +476,7 @@ def _release(plan_id: str) -> None:
 
 async def _finish(job: _Job, adm: Admitted, info: upstream.Followed, stats: dict[str, Any], status: int) -> None:
     _release(adm.route.plan_id)
-    routing.done(adm.seq_id)
+    routing.done(adm.seq_id, **_latencies(stats, status))
     _observe(job, info, stats, status)
     await sync_to_async(metrics.record_load)(job.dep.name)
 

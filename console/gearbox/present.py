@@ -644,7 +644,7 @@ def deployment_state(dep: Deployment) -> dict[str, Any]:
     ctx = DeploymentContext.load([dep])
     return {"deployment": deployment_payload(dep, ctx), "transitions": recent_switches(PAGE_ROWS, dep),
             "decisions": recent_decisions(dep), "load": load_history(dep), "serving_history": serving_history(dep),
-            "route_samples": route_samples(dep),
+            "route_samples": route_samples(dep), "router_rollout": router_rollout(dep),
             **gears_state(dep, ctx.fleet, ctx.active.get(dep.pk))}
 
 
@@ -652,7 +652,7 @@ def deployment_update(dep: Deployment, fleet: FleetView | None = None) -> dict[s
     """What changes with an event: the deployment, the gears it draws, its load window."""
     ctx = DeploymentContext.load([dep], fleet)
     return {"deployment": deployment_payload(dep, ctx), "load": load_history(dep), "route_samples": route_samples(dep),
-            **gears_state(dep, ctx.fleet, ctx.active.get(dep.pk))}
+            "router_rollout": router_rollout(dep), **gears_state(dep, ctx.fleet, ctx.active.get(dep.pk))}
 
 
 ROUTE_SAMPLES = 5  # routing decisions the page shows
@@ -663,6 +663,13 @@ def route_samples(dep: Deployment) -> list[dict[str, Any]]:
     from console.gateway import decisions
 
     return decisions.recent(dep.name, ROUTE_SAMPLES)
+
+
+def router_rollout(dep: Deployment) -> list[dict[str, Any]]:
+    """The newest stage changes of the deployment's learned routing weights (console/gateway/learned.py)."""
+    from console.gateway import learned
+
+    return learned.recent(dep.name, ROUTE_SAMPLES)
 
 
 def transition_detail(deployment: str, seq: int, fleet: FleetView | None = None) -> dict[str, Any] | None:

@@ -114,10 +114,24 @@ class GearboxCollector(Collector):
                 shadow.add_metric([d.name, s], 1.0 if s == status else 0.0)
         yield from (info, gear, pinned, routing, phase, queue, shadow)
         yield from self._alert_inputs(deps, active)
+        yield from self._rollout(deps)
         yield from self._twu(deps, active)
         yield self._durations()
         yield from self._decisions(deps)
         yield from self._moved()
+
+    def _rollout(self, deps: list[Any]) -> Iterator[Metric]:
+        """The learned routing's stage per deployment that has one (console/gateway/learned.py)."""
+        from console.gateway import learned
+
+        share = GaugeMetricFamily("flexpipe_router_rollout_share", "Share of the deployment's requests its learned "
+                                  "routing weights route (newest stage change)", labels=["deployment"])
+        back = GaugeMetricFamily("flexpipe_router_rollback_active", "1 while the deployment's learned routing is "
+                                 "rolled back to round-robin", labels=["deployment"])
+        for name, row in learned.newest([d.name for d in deps]).items():
+            share.add_metric([name], float(row.get("share") or 0.0))
+            back.add_metric([name], 1.0 if row.get("after") == "rolled_back" else 0.0)
+        yield from (share, back)
 
     def _alert_inputs(self, deps: list[Any], active: dict[int, Any]) -> Iterator[Metric]:
         from django.utils import timezone

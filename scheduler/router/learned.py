@@ -33,11 +33,11 @@ class LearnedRouter:
 
     def __init__(self, config: RouterConfig | None = None, *, rng: random.Random | None = None,
                  rollout: RolloutConfig | None = None, hedge: HedgeConfig | None = None,
-                 slo: SloFn | None = None) -> None:
+                 slo: SloFn | None = None, start_s: float = 0.0) -> None:
         rng = rng or random.Random(0)
         self.router = Router(config, rng=random.Random(rng.random()))
         self.rr = RoundRobin(random.Random(rng.random()))
-        self.controller = RolloutController(rollout or RolloutConfig())
+        self.controller = RolloutController(rollout or RolloutConfig(), start_s=start_s)  # the caller's clock
         self.hedge = hedge or HedgeConfig()
         self.slo: SloFn = slo or (lambda prompt, output: (float("inf"), float("inf")))
         self._n = 0

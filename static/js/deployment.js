@@ -455,6 +455,24 @@
     });
   }
 
+  function rate(v) { return v === null || v === undefined ? "—" : (100 * v).toFixed(1) + "%"; }
+
+  function renderRollout(changes) {
+    const tbody = document.querySelector("#router-rollout tbody");
+    if (!changes || !changes.length) return;
+    tbody.innerHTML = "";
+    changes.forEach(function (c) {
+      const tr = gb.el("tr", { "data-stage": c.after });
+      gb.cell(tr, gb.when(c.at));
+      gb.cell(tr, c.before + " → " + c.after);
+      gb.cell(tr, (100 * c.share).toFixed(0) + "%");
+      gb.cell(tr, rate(c.learned_violation_rate) + " / " + rate(c.rr_violation_rate));
+      gb.cell(tr, c.reason, "small");
+      gb.cell(tr, c.process, "mono small");
+      tbody.appendChild(tr);
+    });
+  }
+
   // --- state -----------------------------------------------------------------------------------------
   function apply(msg) {
     if (msg.type === "snapshot") {
@@ -475,6 +493,7 @@
       renderGears();
       renderCharts();
       renderRouteSamples(msg.route_samples);
+      renderRollout(msg.router_rollout);
     } else if (msg.type === "transition") {
       state.transitions[msg.transition.seq] = msg.transition;
       renderTimeline();

@@ -292,6 +292,26 @@ def test_report_counts_the_interval(tiny_model: TinyModel, make_node: Callable[[
     assert host.report().finished == 0
 
 
+@pytest.mark.parametrize(("slo_ms", "missed"), [((1e-6, 1e9), 3), ((1e9, 1e-6), 3), ((1e9, 1e9), 0), (None, 0)])
+def test_report_counts_the_finished_sequences_that_missed_the_deployment_s_slo(
+        tiny_model: TinyModel, make_node: Callable[[], Node], slo_ms: tuple[float, float] | None, missed: int) -> None:
+    # a nanosecond objective every real sequence misses, a 10^6 s one none does: what the global
+    # correction reads (EngineReport.slo_violations) is counted per sequence, TTFT or TPOT
+    a = make_node()
+    host = a.run(tiny_model, PLAN_TP1, slo_ms=slo_ms)
+    host.report()
+    for _ in range(3):
+        follow(a.addr, gen_body(host, new_seq_id(), 6))
+    rep = host.report()
+    assert (rep.finished, rep.slo_violations) == (3, missed)
+
+
+def test_a_host_refuses_an_slo_that_is_not_two_positive_objectives(tiny_model: TinyModel) -> None:
+    with pytest.raises(ValueError, match="slo_ms: must be"):
+        PlanHost(deployment="tiny", plan=PLAN_TP1, model_dir=str(tiny_model.path), layout=None,
+                 weights_sha256=tiny_model.sha256, slo_ms=(100.0, 0.0))
+
+
 def test_a_reader_that_goes_away_cancels_its_sequence(tiny_model: TinyModel, make_node: Callable[[], Node]) -> None:
     a = make_node()
     host = a.run(tiny_model, PLAN_TP1)

@@ -107,10 +107,13 @@ def test_prepare_plan_loads_from_the_cache_the_second_time_and_its_ack_says_so(
                       backend=backend, backend_name="torch", node_id="n1", data_addr=addr)
     try:
         sources = []
-        for gpu in gpus("n1", 2):  # two plans of the model, one after the other
+        slos = [None, {"ttft_ms": 250, "tpot_ms": 40}]  # the second carries its deployment's objectives
+        for gpu, slo in zip(gpus("n1", 2), slos, strict=True):  # two plans of the model, one after the other
             plan = tiny_plan([[gpu]])
             payload = {**prepare_payload(plan, "n1"), "model_version": {"id": 1, "version": "1", "tokenizer": "t",
                                                                         "warmup_tokens": 3}}
+            if slo is not None:
+                payload["slo"] = slo
             ack = agent.handle(command("prepare_plan", payload))
             assert ack.status == "ok", ack.detail
             result = check_result("prepare_plan", ack.result)
@@ -119,6 +122,7 @@ def test_prepare_plan_loads_from_the_cache_the_second_time_and_its_ack_says_so(
             host = agent.plans[("tiny", plan.plan_id)].engine.host  # type: ignore[union-attr]
             assert Path(host.model_dir).parent == tmp_path / "cache", "the engine loaded the cache's copy"
             assert host.engine.stats.tokens_generated == 3, "the warm-up ran its tokens before serving"
+            assert host.slo_ms == (None if slo is None else (250.0, 40.0)), "its reports count misses against it"
         assert sources == ["disk", "host_cache"]
         assert cache.holds(backend.models.resolve(MODEL, None)[1])
         for key in list(agent.plans):

@@ -95,6 +95,22 @@ def test_the_deployment_page_shows_the_newest_routing_decisions_the_gateways_sam
     decisions._client().delete(redis_key)
 
 
+def test_the_deployment_page_shows_the_learned_routing_s_newest_stage_changes(chat: Any, viewer: Person) -> None:
+    from console.gateway import decisions, learned
+    from tests.console.gearbox.test_pages_browser import ROLLED_BACK
+
+    key = learned.PREFIX + "chat"
+    decisions._client().delete(key)
+    html = viewer.browser().get("/deployments/chat/").content.decode()
+    assert 'data-testid="router-rollout"' in html
+    assert page_data(html, "deployment-data")["router_rollout"] == []  # type: ignore[index]
+    canary = {**ROLLED_BACK, "before": "cold", "after": "canary", "share": 0.1}
+    learned.keep("chat", [canary, ROLLED_BACK])
+    shown: Any = page_data(viewer.browser().get("/deployments/chat/").content.decode(), "deployment-data")
+    assert [c["after"] for c in shown["router_rollout"]] == ["rolled_back", "canary"]  # newest first
+    decisions._client().delete(key)
+
+
 def test_the_review_pages_replay_the_decision_and_its_transition(chat: Any, viewer: Person) -> None:
     t = Transition.objects.get(seq=2)
     browser = viewer.browser()

@@ -18,6 +18,7 @@ from celery.contrib.testing.worker import start_worker
 
 from console.audit.models import AuditEntry
 from console.celery import app
+from console.gateway import learned
 from console.gearbox import ticks
 from console.gearbox.models import Decision, Deployment, Transition
 from tests.browser import screenshot
@@ -38,6 +39,11 @@ def celery_worker() -> Iterator[None]:
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
                       queues=[app.conf.task_default_queue]):
         yield
+
+
+ROLLED_BACK = {"at": "2026-12-01T10:00:00+00:00", "before": "canary", "after": "rolled_back", "share": 0.0,
+               "reason": "SLA violations 12.0% against round-robin's 4.0% (x1.05 allowed): rolled back",
+               "learned_violation_rate": 0.12, "rr_violation_rate": 0.04, "process": "gw-1:42"}
 
 
 class GearboxPagesInTheBrowser(LivePageTestCase):
@@ -106,6 +112,7 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
 
         sample = sampled_decision()
         decisions.record("chat", sample)  # what a gateway keeps of its routing (the page shows it too)
+        learned.keep("chat", [ROLLED_BACK])  # and of its learned weights' rollout
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "vera", "/deployments/chat/")
             page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
@@ -113,6 +120,8 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             row = page.locator(f"#route-samples tr[data-chosen='{sample['taken_by']}']")
             assert row.count() >= 1 and "priority 2" in row.first.inner_text()
             assert "memory_bound" in row.first.inner_text() or "4x L40S" in row.first.inner_text()
+            stage = page.locator("#router-rollout tr[data-stage=rolled_back]").first.inner_text()
+            assert "canary → rolled_back" in stage and "12.0% / 4.0%" in stage and "gw-1:42" in stage
             for selector in ("#controls", "#emergency-button", "#pin-button", "#unpin-button", "#emergency-dialog",
                              "#decisions button"):
                 assert page.locator(selector).count() == 0, selector
@@ -123,6 +132,7 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
                 body: JSON.stringify({reason: 'I am only a viewer'})}).then(r => r.status)""")
             assert status == 403
             assert Deployment.objects.get(name="chat").emergency_requested_at is None
+        decisions._client().delete(learned.PREFIX + "chat")
 
     def test_a_repeated_stay_is_one_row_whose_count_grows_live(self) -> None:
         deadline = time.monotonic() + 30
