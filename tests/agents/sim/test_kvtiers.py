@@ -13,7 +13,7 @@ from agents.sim.kvtiers import GIB, KvTierOptions, NodeTiers, TierView
 from agents.sim.scenario import parse_scenario
 from agents.sim.workload import Arrival
 from scheduler.invariants import EventLog, check, summary
-from scheduler.plan import Plan
+from scheduler.plan import Plan, Stage
 from tests.agents.sim.worlds import one_deployment
 
 BT = 512
@@ -149,3 +149,30 @@ def test_a_node_sets_its_own_tier_sizes_and_bad_sizes_name_the_field() -> None:
         parse_scenario(doc)
     with pytest.raises(ValueError, match="ssd_read_bytes_per_s"):
         KvTierOptions(ssd_read_bytes_per_s=0)
+
+
+def test_another_models_request_on_the_same_node_never_restores_its_blocks() -> None:
+    doc = {"name": "two", "seed": 1, "duration_s": 600,
+           "nodes": [{"id": "a1", "gpu": "H100-SXM", "gpus": 8, "nvlink": True}],
+           "network": {"intra_rack_gbps": 400, "inter_rack_gbps": 100},
+           "models": [{"deployment": d, "model": m, "slo": {"ttft_ms": 2000, "tpot_ms": 100},
+                       "baseline": {"tp": 1, "nodes": ["a1"]}} for d, m in (("a", "Llama-3-8B"), ("b", "Llama-2-7B"))],
+           "workload": [{"deployment": "a", "arrival": "poisson", "rate_rps": 0,
+                         "prompt_tokens": {"dist": "fixed", "value": 1}, "output_tokens": {"dist": "fixed", "value": 1}}]}
+    sim = FleetSim(parse_scenario(doc), options=SimOptions(kv_tiers=KvTierOptions()))
+    engines = {}
+    for gpu, (dep, model) in enumerate((("a", "Llama-3-8B"), ("b", "Llama-2-7B"))):  # a GPU each
+        stages = (Stage(0, 32, (sim.cluster.gpu_uuid("a1", gpu),)),)
+        engines[dep] = sim.launch(dep, Plan(model, "colocated", stages, kv_reserve_tokens=8 * BT + 64),
+                                  source="warm", accepting=True)
+    assert {e.pipes[0].tiers.tiers.node for e in engines.values()} == {"a1"}  # one node's tiers, shared
+    for dep, blocks in (("a", TURN1), ("a", OTHER), ("b", TURN2)):  # b's prompt starts with a's blocks
+        sim.submit(dep, len(blocks) * BT, 4, blocks=blocks)
+        sim.advance_to(sim.now_s + 30)
+    node = engines["a"].pipes[0].tiers.tiers
+    assert node.offloaded_blocks == 6 and node.restored_host_tokens == 0  # held for a, not given to b
+    prof = engines["b"].profile.pipeline("prefill")
+    assert sim.recorder.f_ttft[2] == pytest.approx(prof.prefill_time_s(8 * BT), rel=1e-9)  # recomputed
+    sim.submit("a", len(TURN2) * BT, 4, blocks=TURN2)  # a's own next turn does restore them
+    sim.advance_to(sim.now_s + 30)
+    assert node.restored_host_tokens == 6 * BT
