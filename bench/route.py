@@ -3,6 +3,7 @@ process, and compare them.
 
     python -m bench.route --trace PATH --json OUT [--policies a,b,...] [--seed N]
     python -m bench.route --trace PATH --decisions-only [--decision-samples N]   # decision_us alone
+    python -m bench.route --trace PATH --kv-tiers --policies flexpipe   # KV tiers off vs on
 
 The trace's format is read from the file (agents/sim/traces.py: Mooncake JSONL with prefix
 block ids, or an Azure LLM inference CSV). The pool: one deployment of Qwen2-72B (128K context,
@@ -32,6 +33,11 @@ until the next report) over pools of 8 and 64 plans made of this pool's plans, l
 seeded generator, requests from the trace; each decision timed as the least of five identical replays
 (decision_times), raw_* without that;
 `targets`: the issue's targets as measured (reported, never asserted).
+
+--kv-tiers: every policy also runs as `<policy>+tiers` at the same time scale, its engines' prefix
+caches spilling to per-node host memory and SSD and restoring from them (agents/sim/kvtiers.py,
+default sizes); `policies.<policy>+tiers.kv_tiers` says what went through the tiers, and
+`kv_tiers.<policy>` puts TTFT p50 / p99 and SLO attainment off and on side by side.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import numpy as np
 
 from agents.sim.buckets import LengthBuckets
 from agents.sim.fleet import FleetSim, SimOptions
+from agents.sim.kvtiers import KvTierOptions
 from agents.sim.scenario import Scenario, parse_scenario
 from agents.sim.traces import Trace, read_trace
 from scheduler.costmodel import PlanProfile, max_kv_tokens
@@ -81,6 +88,7 @@ SLO_SCALE = 5.0
 TARGET_ATTAINMENT = 0.8  # least-loaded meets the SLO for this share at the chosen time scale
 POLICIES = ("round-robin", "least-loaded", "prefix-only", "flexpipe")
 VARIANTS = {"learned": "flexpipe+learned", "buckets": "flexpipe+buckets", "kv_budget": "flexpipe+budget"}
+TIERS = "+tiers"  # --kv-tiers: a policy's run over engines with KV tiers
 SHORT_PROMPT_TOKENS = 2048  # the short bucket (agents/sim/buckets.py): ttft_p99_short_s
 DECISION_SIZES = (8, 64)
 DECISION_SAMPLES = 4000
@@ -146,7 +154,8 @@ def learned_rollout(duration_s: float) -> RolloutConfig:
     return RolloutConfig(cold_start_s=duration_s / 10, window_s=window, hold_s=3 * window, min_requests=20)
 
 
-def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: float | None = None) -> Run:
+def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: float | None = None,
+               kv_tiers: KvTierOptions | None = None) -> Run:
     """One policy over the whole trace at time scale `factor`, drained to the end. `flexpipe+buckets`
     is flexpipe's router over engines that split batches by prompt length (agents/sim/buckets.py);
     `shift_s` (a drift case: where the second trace begins, unscaled) splits the attainment in two."""
@@ -155,7 +164,8 @@ def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: 
     buckets = LengthBuckets() if policy == "flexpipe+buckets" else None
     router = make_router("flexpipe" if buckets else policy, seed=seed)
     sim = FleetSim(pool_scenario(duration, seed), router=router,
-                   options=SimOptions(prefix_block_tokens=trace.block_tokens or BLOCK_TOKENS, length_buckets=buckets))
+                   options=SimOptions(prefix_block_tokens=trace.block_tokens or BLOCK_TOKENS, length_buckets=buckets,
+                                      kv_tiers=kv_tiers))
     plans = pool_plans(sim)
     for plan in plans:
         sim.launch(DEPLOYMENT, plan, source="warm", accepting=True)
@@ -174,7 +184,7 @@ def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: 
         ok += t <= lim_t and (o <= 1 or u <= lim_u)
     hit = sum(p.cache.hit_tokens for e in sim.engines.values() for p in e.pipes if p.cache is not None)
     prompt_total = sum(a.prompt_tokens for a in arrivals)
-    summary = {
+    summary: dict[str, Any] = {
         "goodput_rps": round(ok / duration, 4),
         "slo_attainment": round(ok / len(arrivals), 4),
         "ttft_mean_s": _r(float(ttft.mean()) if ttft.size else None),
@@ -188,6 +198,12 @@ def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: 
         "preemptions": sim.preemptions,
         "sla_violation_rate": round(1 - ok / len(arrivals), 4),
     }
+    if sim.kv_tiers is not None:
+        tiers = sim.kv_tiers.totals()
+        summary["kv_tiers"] = {"host_hit_share": round(tiers["restored_host_tokens"] / prompt_total, 4),
+                               "ssd_hit_share": round(tiers["restored_ssd_tokens"] / prompt_total, 4),
+                               "restore_s": round(tiers["restore_s"], 3),
+                               **{k: int(tiers[k]) for k in ("offloaded_blocks", "demoted_blocks", "dropped_blocks")}}
     short = [t for t, p in zip(rec.f_ttft, rec.f_prompt, strict=True) if p < SHORT_PROMPT_TOKENS]
     summary["ttft_p99_short_s"] = _r(_pct(np.array(short), 99)) if short else None
     if shift_s is not None:
@@ -388,11 +404,15 @@ def table(result: dict[str, Any]) -> str:
             ("TTFT p50 s", "ttft_p50_s"), ("TTFT p99 s", "ttft_p99_s"), ("TPOT p99 s", "tpot_p99_s"),
             ("tokens", "tokens"), ("lost", "lost"), ("prefix cache hit share", "cache_hit_share"),
             ("KV preemptions", "preemptions")]
+    if any(TIERS in n for n in names):
+        rows += [("host tier hit share", "host_hit_share"), ("SSD tier hit share", "ssd_hit_share")]
     out = []
     if names:  # (none: --decisions-only)
-        out.append(f"{'':26}" + "".join(f"{n:>15}" for n in names))
+        w = max(15, *(len(n) + 2 for n in names))
+        out.append(f"{'':26}" + "".join(f"{n:>{w}}" for n in names))
         for label, key in rows:
-            out.append(f"{label:26}" + "".join(f"{_fmt(pols[n][key]):>15}" for n in names))
+            out.append(f"{label:26}" + "".join(f"{_fmt(pols[n].get(key, pols[n].get('kv_tiers', {}).get(key))):>{w}}"
+                                               for n in names))
         out.append("")
     rounds = next(iter(result["decision_us"].values()), {}).get("rounds", DECISION_ROUNDS)
     out.append(f"router decision (flexpipe), microseconds, least of {rounds} replays: wall p50 / p99, thread CPU"
@@ -423,9 +443,10 @@ def _fmt(v: Any) -> str:
 
 def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0, log: Any = None,
           decision_samples: int | None = None, drift: str | None = None,
-          decisions_only: bool = False) -> dict[str, Any]:
+          decisions_only: bool = False, kv_tiers: bool = False) -> dict[str, Any]:
     """`trace_path`, or with `drift` ("A,B") trace B after trace A. `decisions_only`: only the
-    router's time per decision (no time scale, no policy runs: seconds instead of minutes)."""
+    router's time per decision (no time scale, no policy runs: seconds instead of minutes).
+    `kv_tiers`: every policy also runs as `<policy>+tiers`, its engines with KV tiers."""
     context = model_spec(MODEL).max_context_tokens
     shift_s = None
     if drift:
@@ -449,6 +470,12 @@ def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0,
         results[name] = run_policy(trace, name, factor, seed=seed, shift_s=shift_s).summary
         say(f"  {name:14} goodput {results[name]['goodput_rps']:.3f} req/s, attainment "
             f"{results[name]['slo_attainment']:.1%} ({time.process_time() - t0:.1f} s CPU)")
+        if kv_tiers:  # the same policy, time scale and seed over engines with host and SSD KV tiers
+            t0 = time.process_time()
+            on = results[f"{name}{TIERS}"] = run_policy(trace, name, factor, seed=seed, shift_s=shift_s,
+                                                        kv_tiers=KvTierOptions()).summary
+            say(f"  {name + TIERS:14} goodput {on['goodput_rps']:.3f} req/s, attainment "
+                f"{on['slo_attainment']:.1%} ({time.process_time() - t0:.1f} s CPU)")
     decisions = decision_times(trace, seed=seed, samples=decision_samples or DECISION_SAMPLES)
     return {
         "trace": trace.path, "format": trace.format, "requests": len(trace.arrivals), "span_s": round(trace.span_s, 3),
@@ -459,7 +486,15 @@ def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0,
         "time_scale": round(factor, 6), "bisection": probes, "policies": results, "decision_us": decisions,
         "drift_shift_s": None if shift_s is None else round(shift_s * factor, 3),
         "targets": targets(trace.format, results, decisions),
+        "kv_tiers": tier_comparison(results) if kv_tiers else None,
     }
+
+
+def tier_comparison(results: dict[str, Any]) -> dict[str, Any]:
+    """Per policy run with and without KV tiers: TTFT p50 / p99 and SLO attainment, off -> on."""
+    keys = ("ttft_p50_s", "ttft_p99_s", "slo_attainment", "goodput_rps", "cache_hit_share", "lost")
+    return {name: {k: {"off": r[k], "on": results[name + TIERS][k]} for k in keys}
+            for name, r in results.items() if name + TIERS in results}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -472,6 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--learned", action="store_true", help=f"add {VARIANTS['learned']} (scheduler/router/learned.py)")
     ap.add_argument("--buckets", action="store_true", help=f"add {VARIANTS['buckets']} (agents/sim/buckets.py)")
     ap.add_argument("--kv-budget", action="store_true", help=f"add {VARIANTS['kv_budget']} (scheduler/router/spillover.py)")
+    ap.add_argument("--kv-tiers", action="store_true",
+                    help=f"each policy also as <policy>{TIERS}: GPU -> host -> SSD KV tiers (agents/sim/kvtiers.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decisions-only", action="store_true",
                     help="only the router's time per decision (decision_us), no policy runs")
@@ -494,7 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--drift: two traces, TRACE_A,TRACE_B")
     try:
         result = bench(args.trace or "", policies=names, seed=args.seed, log=lambda s: print(s, flush=True),
-                       drift=args.drift, decisions_only=args.decisions_only, decision_samples=args.decision_samples)
+                       drift=args.drift, decisions_only=args.decisions_only, decision_samples=args.decision_samples,
+                       kv_tiers=args.kv_tiers)
     except ValueError as exc:
         print(f"bench.route: {exc}", file=sys.stderr)
         return 2

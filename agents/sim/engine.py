@@ -14,6 +14,8 @@ KV: a pipe holds `plan.kv_reserve_tokens` tokens (what the plan reserved from GP
 Admission reserves a sequence's whole prefill; each decode token adds one. When the next round's
 tokens do not fit, the most recently admitted sequence is preempted: its KV is dropped and it
 goes back to the head of the queue to be recomputed (prompt + generated so far), as vLLM does.
+With KV tiers (agents/sim/kvtiers.py) the prefix cache's evicted blocks go to host memory and SSD,
+and an admission restores the ones its prompt continues with; its round waits for the copy.
 
 The analytic shortcut (why a replay of eight hours is fast): between two things that change a
 batch - an arrival, a finish, a sequence that would overflow the KV, a hand-over - the rounds
@@ -42,6 +44,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
 from agents.sim.hints import LocalHints
+from agents.sim.kvtiers import TierView, admit_prefix
 from agents.sim.queues import PrefixCache, WaitQueue
 from agents.sim.request import Request
 from scheduler.costmodel import MAX_BATCHED_TOKENS, MAX_RUNNING_SEQS, PipelineProfile, PlanProfile
@@ -92,6 +95,10 @@ class Pipe:
         self.mixed_priorities = False
         block_tokens = engine.host.prefix_block_tokens
         self.cache = PrefixCache(kv_cap // block_tokens, block_tokens) if role != "decode" and block_tokens else None
+        # KV tiers (agents/sim/kvtiers.py): what the cache evicts goes to the node's host tier
+        self.tiers: TierView | None = engine.host.tier_view(self) if self.cache is not None else None
+        if self.tiers is not None:
+            self.cache.spill = self.tiers.offload  # type: ignore[union-attr]
         self.prefilling: list[Request] = []  # prefill passes in progress, first come first served
         self.n_dec = 0  # decoding sequences
         self.ctx_base = 0  # sum over decoding of (ctx0 - d0): their context is ctx_base + n_dec x clock
@@ -345,6 +352,7 @@ class Pipe:
         # check counts this round's decode tokens. Not after a preemption (vLLM does the same):
         # the sequence just preempted would be readmitted at once and thrash.
         waiting, running = self.waiting, self.running
+        restore_s = 0.0  # KV tiers: this round first waits for the blocks its admissions restore
         if waiting and not preempted:
             # KV this round needs so far: what is held plus one token per decoding sequence
             need_kv = self.ctx_base + n_dec * (self.clock + 1) + self.kv_pre
@@ -379,11 +387,7 @@ class Pipe:
                 if req.priority:
                     self.mixed_priorities = True
                 if self.cache is not None and req.blocks and not req.done:
-                    hit = self.cache.match(req.blocks, req.prompt)
-                    req.blocks_in = hit
-                    if hit:
-                        req.done = min(hit * self.cache.block_tokens, need - 1)
-                        self.cache.hit_tokens += req.done
+                    restore_s += admit_prefix(self.cache, self.tiers, req, t)  # GPU hit, then the tiers'
                 c = min(need - req.done, budget)
                 if room is not None:
                     b = buckets.of(req.prompt)  # type: ignore[union-attr]
@@ -401,7 +405,7 @@ class Pipe:
         ctx = self.ctx_base + n * self.clock
         if chunks:
             k = 1
-            step = self._round_s(pre_tokens, len(chunks), pre_ctx, n, ctx)
+            step = self._round_s(pre_tokens, len(chunks), pre_ctx, n, ctx) + restore_s
         else:
             k_fin = self._next_finish() - self.clock
             k_kv = (cap - ctx - self.kv_pre) // n

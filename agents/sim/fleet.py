@@ -66,12 +66,14 @@ from agents.sim.engine import (
     KIND_TIMER,
     MAX_RUN_ROUNDS,
     Event,
+    Pipe,
     PlanEngine,
     Request,
 )
 from agents.sim.gateway import DeploymentRuntime, Gateway
 from agents.sim.handover import Handover, RetireMode
 from agents.sim.hints import Hinting
+from agents.sim.kvtiers import KvTierOptions, KvTiers, TierView
 from agents.sim.metrics import Recorder, check_conservation
 from agents.sim.reports import IDLE_MEM_BYTES, Reports
 from agents.sim.scenario import BaselineSpec, ModelDeploymentSpec, Scenario, baseline_stage_nodes
@@ -118,6 +120,7 @@ class SimOptions:
     prefix_block_tokens: int = BLOCK_TOKENS  # the engines' prefix cache block (a trace's hash block); 0: none
     length_buckets: LengthBuckets | None = None  # batching split by prompt length (agents/sim/buckets.py); None: FCFS
     local_loop_s: float = LOCAL_LOOP_S  # how often an engine's local loop reads its hints (agents/sim/hints.py)
+    kv_tiers: KvTierOptions | None = None  # GPU -> host -> SSD KV tiers (agents/sim/kvtiers.py); None: off
 
 
 DEFAULT_OPTIONS = SimOptions()
@@ -173,6 +176,10 @@ class EngineHost(Protocol):
 
     def decoded(self, req: Request, engine: PlanEngine, t: float) -> None: ...
 
+    def tier_view(self, pipe: Pipe) -> TierView | None:
+        """The pipe's view of its node's KV tiers (agents/sim/kvtiers.py); None: tiers off."""
+        ...
+
 
 class FleetSim(Gateway, Handover, Churn, Reports, Hinting):
     """The simulator (module docstring). Deterministic: the scenario seed drives the cluster's
@@ -199,6 +206,8 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting):
         self.prefix_block_tokens = options.prefix_block_tokens
         self.length_buckets = options.length_buckets
         self.local_loop_s = options.local_loop_s
+        self.kv_tiers = None if options.kv_tiers is None else KvTiers(
+            options.kv_tiers, {n.id: (n.host_kv_gib, n.ssd_kv_gib) for n in scenario.all_nodes()})
         self.hint_books: dict[str, HintBook] = {}  # node id -> the global correction's hints it holds
         # the one request router (scheduler.router), as the gateway runs it; a baseline in bench.route
         self.router: RoutingPolicy = router or make_router("flexpipe", seed=scenario.seed)

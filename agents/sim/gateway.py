@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agents.sim import seqlog
-from agents.sim.engine import KIND_ARRIVAL, Event, PlanEngine, Request
+from agents.sim.engine import KIND_ARRIVAL, Event, Pipe, PlanEngine, Request
+from agents.sim.kvtiers import TierView
 from agents.sim.scenario import ModelDeploymentSpec
 from agents.sim.workload import Arrival
 from scheduler.costmodel import Slo
+from scheduler.hardware import gpu_spec
 from scheduler.invariants import LogEvent
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Plan
@@ -183,11 +185,24 @@ class Gateway:
             for e, k in zip(engines, key, strict=True):
                 f = self._facts.get(k)
                 if f is None:
-                    f = self._facts[k] = plan_facts(e.plan, e.model, snap, weight=e.weight, profile=e.profile)
+                    host_tokens, restore_s = self._tier_facts(e)
+                    f = self._facts[k] = plan_facts(e.plan, e.model, snap, weight=e.weight, profile=e.profile,
+                                                    host_kv_tokens=host_tokens, host_restore_s_per_token=restore_s)
                 facts.append(f)
             dep.pool = Pool(facts, model=dep.model.name)
             dep.pool_key = key
         return dep.pool
+
+    def _tier_facts(self: FleetSim, engine: PlanEngine) -> tuple[int, float | None]:
+        """With KV tiers, what the router knows of the plan's host tier: its share of its node's
+        host memory (by GPUs) in tokens and the restore time per token (the router's index keeps a
+        host tier per plan; the node's is shared by its plans). (0, None): no host tier."""
+        view = engine.pipes[0].tiers
+        if view is None or not view.use_host:
+            return 0, None
+        node = view.tiers.node
+        share = sum(self._gpu_home[u][0] == node for u in engine.plan.gpu_uuids) / self.scenario.node(node).gpus
+        return int(view.tiers.host.capacity_bytes * share / engine.model.kv_bytes_per_token), view.host_s_per_token
 
     def dispatch(self: FleetSim, deployment: str, req: Request, t: float) -> list[Event]:
         """Route a request that left its plan (the router's choice, or the deployment's queue)."""
@@ -221,6 +236,20 @@ class Gateway:
     # ======================================================================================
     # EngineHost
     # ======================================================================================
+    def tier_view(self: FleetSim, pipe: Pipe) -> TierView | None:
+        """The pipe's view of its first GPU's node's KV tiers (agents/sim/kvtiers.py): host -> GPU
+        over each of its GPUs' PCIe links, its recompute price per block from its cost model."""
+        tiers, cache = self.kv_tiers, pipe.cache
+        if tiers is None or cache is None:
+            return None
+        plan, model = pipe.engine.plan, pipe.engine.model
+        uuids = [u for st in (plan.decode_stages if pipe.role == "decode" else plan.stages) for u in st.gpu_uuids]
+        link = min(gpu_spec(self._gpu_model(u)).host_link_bytes_per_s for u in uuids)
+        bt = cache.block_tokens
+        recompute_s = pipe.prof.prefill_time_s(2 * bt) - pipe.prof.prefill_time_s(bt)  # one more block
+        return TierView(tiers.node(self._gpu_home[uuids[0]][0]), model.name, bt, bt * model.kv_bytes_per_token,
+                        pipe.kv_bytes_per_token, len(uuids) * link, recompute_s)
+
     def tokens(self: FleetSim, engine: PlanEngine, t0: float, t1: float, n: int) -> None:
         self.recorder.tokens(t0, t1, n)
         engine.rep_tokens += n

@@ -17,7 +17,8 @@ is always recomputed, for its logits). The cache is honest on compute and conser
 memory: a hit saves the prefill, but the sequence still reserves KV for its whole prompt (no
 block sharing is credited to admission). Blocks are touched last-to-first, so a prompt's shared
 head outlives its tail (vLLM frees a finished sequence's blocks in that order). A plan that
-stops loses its cache; a new plan starts cold.
+stops loses its cache; a new plan starts cold. With KV tiers (agents/sim/kvtiers.py) what the
+cache evicts goes to `spill`, oldest first: the node's host tier.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -103,13 +104,14 @@ class WaitQueue:
 class PrefixCache:
     """KV blocks a plan computed, by hash, least recently used first (module docstring)."""
 
-    __slots__ = ("_lru", "capacity_blocks", "block_tokens", "hit_tokens")
+    __slots__ = ("_lru", "capacity_blocks", "block_tokens", "hit_tokens", "spill")
 
     def __init__(self, capacity_blocks: int, block_tokens: int) -> None:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.capacity_blocks = capacity_blocks
         self.block_tokens = block_tokens
         self.hit_tokens = 0  # prompt tokens whose prefill hits skipped (accounting)
+        self.spill: Callable[[list[int]], None] | None = None  # gets evicted blocks (KV tiers); None: dropped
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -139,5 +141,8 @@ class PrefixCache:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
-        while len(lru) > self.capacity_blocks:
-            lru.popitem(last=False)
+        over = len(lru) - self.capacity_blocks
+        if over > 0:
+            gone = [lru.popitem(last=False)[0] for _ in range(over)]
+            if self.spill is not None:
+                self.spill(gone)

@@ -31,6 +31,8 @@ class NodeSpec:
     nvlink: bool  # True: one NVLink/NVSwitch domain; False: PCIe only
     rack: str  # default: a rack of its own, named after the node
     free: int  # GPUs free for us at t=0
+    host_kv_gib: float | None = None  # host memory for KV tiers (agents/sim/kvtiers.py); None: the default
+    ssd_kv_gib: float | None = None  # SSD for KV tiers; None: the default
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,8 @@ def _read_node(nr: ObjectReader, gpu_names: set[str]) -> NodeSpec | None:
     nvlink = nr.bool("nvlink")
     rack = nr.str("rack", None, max_len=64)
     free = nr.int("free", None, min=0)
+    host_kv = nr.num("host_kv_gib", None, min=0.0)
+    ssd_kv = nr.num("ssd_kv_gib", None, min=0.0)
     nr.done()
     if gpu is not None and gpu not in gpu_names:
         nr.fail("gpu", f"unknown GPU {gpu!r}; known: {', '.join(sorted(gpu_names))}")
@@ -251,7 +255,7 @@ def _read_node(nr: ObjectReader, gpu_names: set[str]) -> NodeSpec | None:
         free = None
     if None in (node_id, gpu, gpus, nvlink):
         return None
-    return NodeSpec(node_id, gpu, gpus, nvlink, rack or node_id, gpus if free is None else free)
+    return NodeSpec(node_id, gpu, gpus, nvlink, rack or node_id, gpus if free is None else free, host_kv, ssd_kv)
 
 
 def _read_network(nr: ObjectReader | None, known: dict[str, NodeSpec], problems: Problems) -> NetworkSpec | None:

@@ -130,6 +130,9 @@ class PlanFacts:
     routable: bool = True  # serving, and its leader can be reached
     priority_max: int | None = None  # the least urgent priority class it takes; None: every class
     host_kv_tokens: int = 0  # KV it can keep in host memory after GPU eviction (0: no host tier)
+    # seconds to copy one token's KV back from its host tier (None: not known - a host hit counts
+    # RouterConfig.host_tier_weight of a GPU hit; prefix_affinity.score)
+    host_restore_s_per_token: float | None = None
 
 
 def stage_act_bytes_per_token(stage: Stage, model: ModelSpec) -> float:
@@ -151,7 +154,8 @@ def _link_bytes_per_s(stage: Stage, spec: GpuSpec, profile_path_bytes_per_s: flo
 
 def plan_facts(plan: Plan, model: ModelSpec, snapshot: Snapshot, *, weight: float = 1.0, frozen: bool = False,
                routable: bool = True, priority_max: int | None = None, host_kv_tokens: int = 0,
-               profile: PlanProfile | None = None, eff: Efficiency = DEFAULT_EFFICIENCY) -> PlanFacts:
+               host_restore_s_per_token: float | None = None, profile: PlanProfile | None = None,
+               eff: Efficiency = DEFAULT_EFFICIENCY) -> PlanFacts:
     """`PlanFacts` of a plan on `snapshot`. What other plans hold on its GPUs is the snapshot's
     used memory less this plan's own weights and KV reserve (the snapshot counts both)."""
     prof = profile or PlanProfile.build(plan, model, snapshot, eff)
@@ -173,7 +177,8 @@ def plan_facts(plan: Plan, model: ModelSpec, snapshot: Snapshot, *, weight: floa
         plan_id=plan.plan_id, model=plan.model, gpu_model=first.spec.name, gpus=len(plan.gpu_uuids),
         kv_capacity_tokens=plan.kv_reserve_tokens, flops_per_gpu=first.spec.bf16_flops,
         link_bytes_per_s=link, budgets=tuple(budgets), steps=fit_step_model(prof), weight=weight, frozen=frozen,
-        routable=routable, priority_max=priority_max, host_kv_tokens=host_kv_tokens)
+        routable=routable, priority_max=priority_max, host_kv_tokens=host_kv_tokens,
+        host_restore_s_per_token=host_restore_s_per_token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +257,7 @@ class Pool:
         # plan is priced (an infinite per-token time turns a 0-token hit into a NaN on the arrays)
         self.pre_b_list: list[float] = self.pre_b.tolist()
         self.pre_c_half_list: list[float] = self.pre_c_half.tolist()
+        self.host_restore_list: list[float | None] = [x.host_restore_s_per_token for x in f]  # prefix_affinity
         self.pre_b_finite = bool(np.isfinite(self.pre_b).all() and np.isfinite(self.pre_c_half).all())
         self.dense_minus_cheap: Floats = self.dense - self.cheap  # topology: cheap + longness x this
         self.all_true: Bools = np.ones(n, dtype=np.bool_)

@@ -10,8 +10,14 @@ order vLLM's allocator frees a finished sequence's blocks in, so the head is wha
 
 A plan's hit is the longest run of the request's blocks, from the first, that the plan holds:
 `gpu` blocks all on the GPU tier, then up to `total` with the host tier's too. The score is the
-share of the prompt that hits, a host block counting `host_tier_weight` of a GPU block (it is
-copied back over PCIe rather than recomputed, but not free). Unlike the tree-per-worker routers
+share of the prompt that hits, a host block counting less than a GPU block: it is copied back
+over PCIe rather than recomputed, but not free. Where the plan's facts say what a copy costs
+(`host_restore_s_per_token`), the host part of a hit counts as the share of its prefill the copy
+saves: with h(x) = (b + c x / 2) x the prefill time a cached prefix of x tokens saves on that
+plan (its StepModel, as predicted_latency prices a hit), g GPU-tier and t GPU + host tokens,
+    weight = 1 - restore_s_per_token x (t - g) / (h(t) - h(g)), clipped to [0, 1],
+so predicted_latency's prefill of the rest plus the copy is what the plan will spend; without
+that figure a host block counts `host_tier_weight` (a fixed share). Unlike the tree-per-worker routers
 we do not compare plans by match alone: the predicted-latency plugin turns the same hit into
 prefill time saved on that plan's hardware, so a long hit on a slow or busy plan can lose to a
 shorter one on an idle fast plan.
@@ -226,11 +232,12 @@ def _walk(first: dict[int, int], second: dict[int, int] | None, blocks: Sequence
 _NOTHING: dict[int, int] = {}
 
 
-def score(req: RouteRequest, hits: Hits | None, n: int, *, block_tokens: int,
-          host_tier_weight: float) -> tuple[Floats | None, Floats | None, list[tuple[int, float, float]]]:
+def score(req: RouteRequest, hits: Hits | None, n: int, *, block_tokens: int, host_tier_weight: float,
+          pool: Pool | None = None) -> tuple[Floats | None, Floats | None, list[tuple[int, float, float]]]:
     """(score 0..100 per plan, cached tokens per plan, (slot, cached tokens, score) of the plans
     that hit) over a pool of `n` plans: the share of the prompt that hits, and the tokens of it the
-    plan would not recompute (a host hit counted at `host_tier_weight`); (None, None, []) when
+    plan would not recompute (a host hit priced by `pool`'s restore figures, module docstring, else
+    counted at `host_tier_weight`); (None, None, []) when
     nothing hits. At least one token is always computed: the last one's logits are needed.
     Only the few plans that hit are computed; the others' 0 is where the arrays start."""
     if hits is None:
@@ -243,9 +250,24 @@ def score(req: RouteRequest, hits: Hits | None, n: int, *, block_tokens: int,
     at: list[tuple[int, float, float]] = []
     for slot, gpu_blocks, total_blocks in hits:
         gpu_tokens = min(gpu_blocks * b, cap)
-        c = gpu_tokens if total_blocks == gpu_blocks else (
-            gpu_tokens + host_tier_weight * (min(total_blocks * b, cap) - gpu_tokens))
+        if total_blocks == gpu_blocks:
+            c = gpu_tokens
+        else:
+            total = min(total_blocks * b, cap)
+            c = gpu_tokens + _host_weight(pool, slot, gpu_tokens, total, host_tier_weight) * (total - gpu_tokens)
         cached[slot] = c
         out[slot] = c * per
         at.append((slot, c, c * per))
     return out, cached, at
+
+
+def _host_weight(pool: Pool | None, slot: int, gpu_tokens: float, total_tokens: float, fixed: float) -> float:
+    """What a host-tier token of this hit is worth against a GPU-tier one (module docstring)."""
+    restore = pool.host_restore_list[slot] if pool is not None else None
+    if restore is None or not pool.pre_b_finite:  # type: ignore[union-attr]
+        return fixed
+    b, c_half = pool.pre_b_list[slot], pool.pre_c_half_list[slot]  # type: ignore[union-attr]
+    saved = (b + c_half * total_tokens) * total_tokens - (b + c_half * gpu_tokens) * gpu_tokens
+    if saved <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - restore * (total_tokens - gpu_tokens) / saved))

@@ -58,7 +58,8 @@ class RouterConfig:
     weights: RouterWeights = field(default_factory=RouterWeights)
     top_k: int = 3  # on a backend failure, the next of the best K is tried (then the retry pool)
     block_tokens: int = BLOCK_TOKENS  # prompt hash block size
-    host_tier_weight: float = 0.5  # a host-memory KV hit is worth this share of a GPU hit
+    host_tier_weight: float = 0.5  # a host-memory KV hit is worth this share of a GPU hit, where a
+    # plan's facts do not price its restore (prefix_affinity's docstring)
     jitter: JitterConfig = field(default_factory=JitterConfig)
     prices: Mapping[str, float] | None = None  # GPU model -> price per GPU-hour (topology_affinity)
     spill: SpillConfig | None = None  # KV spillover bands (spillover.py); None: not applied
@@ -210,7 +211,7 @@ class Router:
             return Decision(self.name, req, pool, (), hard_ok=hard, fits_now=now)
         hits = self.index.hits(req.blocks, pool) if req.blocks else None
         s_prefix, cached, at = prefix_affinity.score(req, hits, pool.n, block_tokens=cfg.block_tokens,
-                                                     host_tier_weight=cfg.host_tier_weight)
+                                                     host_tier_weight=cfg.host_tier_weight, pool=pool)
         s_topo = topology_affinity.score(req, pool)
         own = predicted_latency.prefill_s(req, pool, cached, at)
         ttft, tpot = predicted_latency.predict(req, pool, cached, own)

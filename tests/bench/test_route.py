@@ -133,3 +133,17 @@ def test_the_learned_and_bucket_variants_and_the_drift_case_report_their_fields(
     assert learned["stages"] and learned["stages"][0]["to"] == "canary"  # out of the cold start on round-robin
     assert sum(learned["weights"].values()) == pytest.approx(4.0, abs=1e-3)  # Hedge keeps the weights' total
 
+
+
+def test_kv_tiers_run_each_policy_again_with_tiers_and_compare_them(tmp_path: Path) -> None:
+    trace = mooncake_like(tmp_path / "t.jsonl")
+    result = bench.bench(str(trace), policies=("flexpipe",), decision_samples=40, kv_tiers=True)
+    pols = result["policies"]
+    assert list(pols) == ["flexpipe", "flexpipe+tiers"]
+    on = pols["flexpipe+tiers"]
+    assert FIELDS <= set(on) and on["lost"] == 0 and "kv_tiers" not in pols["flexpipe"]
+    assert set(on["kv_tiers"]) >= {"host_hit_share", "ssd_hit_share", "offloaded_blocks", "dropped_blocks"}
+    cmp = result["kv_tiers"]["flexpipe"]
+    assert cmp["ttft_p99_s"] == {"off": pols["flexpipe"]["ttft_p99_s"], "on": on["ttft_p99_s"]}
+    assert cmp["slo_attainment"]["on"] == on["slo_attainment"]
+    assert "host tier hit share" in bench.table(result)

@@ -7,7 +7,7 @@ import pytest
 
 from scheduler.router import Pool, block_hashes
 from scheduler.router.prefix_affinity import PrefixIndex, score
-from tests.scheduler.router.builders import copies, facts, idle, mixed_snapshot, req, router
+from tests.scheduler.router.builders import MODEL, copies, facts, idle, mixed_snapshot, req, router
 
 
 def pool_of(n: int) -> Pool:
@@ -113,3 +113,49 @@ def test_the_router_sends_a_conversations_next_turn_where_its_prefix_is() -> Non
     assert second.chosen == first.chosen
     assert second.scores["prefix_affinity"][first.chosen] == pytest.approx(100 * 15 * 512 / 9000)
     assert second.ttft_s is not None and second.ttft_s[first.chosen] < second.ttft_s.max() / 3
+
+
+RESTORE_S_PER_TOKEN = MODEL.kv_bytes_per_token / (4 * 64e9)  # Qwen2-72B's KV over four Gen5 x16 links
+
+
+def priced_pool(n: int, restore_s_per_token: float = RESTORE_S_PER_TOKEN) -> Pool:
+    f = facts("h100", host_kv_tokens=100 * 512, host_restore_s_per_token=restore_s_per_token)
+    return idle(Pool(copies(f, n), model="Qwen2-72B"))
+
+
+def test_a_priced_host_hit_counts_the_prefill_it_saves_less_the_copy() -> None:
+    pool = priced_pool(1)
+    idx = PrefixIndex(512)
+    pid = pool.ids[0]
+    idx.record(pid, (1, 2, 3, 4), gpu_blocks=4, host_blocks=8)
+    idx.record(pid, (1, 5, 6, 7), gpu_blocks=4, host_blocks=8)  # (2, 3, 4) to the host tier
+    hits = idx.hits((1, 2, 3, 4), pool)
+    assert hits == [(0, 1, 4)]
+    _, cached, _ = score(req(4 * 512 + 100), hits, 1, block_tokens=512, host_tier_weight=0.5, pool=pool)
+    assert cached is not None
+    b, c_half = pool.pre_b_list[0], pool.pre_c_half_list[0]
+    g, t = 512.0, 2048.0
+    saved = (b + c_half * t) * t - (b + c_half * g) * g
+    weight = 1 - RESTORE_S_PER_TOKEN * (t - g) / saved
+    assert 0.9 < weight < 1.0  # a PCIe copy is far cheaper than an H100 group's prefill, not free
+    assert cached[0] == pytest.approx(g + weight * (t - g))
+    # a copy dearer than the prefill it replaces is worth nothing
+    dear = priced_pool(1, restore_s_per_token=1.0)
+    _, cached, _ = score(req(4 * 512 + 100), idx.hits((1, 2, 3, 4), dear), 1, block_tokens=512,
+                         host_tier_weight=0.5, pool=dear)
+    assert cached is not None and cached[0] == pytest.approx(g)
+
+
+def test_the_router_prefers_a_host_tier_hit_over_a_miss_and_a_gpu_hit_over_both() -> None:
+    pool = priced_pool(3)
+    r = router()
+    blocks = tuple(range(10, 26))  # sixteen blocks
+    r.index.record(pool.ids[0], blocks, gpu_blocks=16, host_blocks=100)
+    r.index.record(pool.ids[0], tuple(range(100, 116)), gpu_blocks=16, host_blocks=100)  # -> its host tier
+    ask = req(16 * 512 + 100, 50, blocks=blocks)
+    d = r.route(ask, pool, 0.0)
+    assert d.chosen == 0  # its host copy beats recomputing on an idle twin
+    assert d.cached_tokens is not None and 0 < d.cached_tokens[0] < 16 * 512
+    r.index.record(pool.ids[2], blocks, gpu_blocks=16, host_blocks=100)
+    d = r.route(ask, pool, 0.0)
+    assert d.chosen == 2  # on the GPU already: no copy at all
