@@ -291,6 +291,7 @@ async def _watch(port: int, path: str, cookie: str, stats: Stats, gearbox: bool)
                 before = ws.bytes_received
                 msg = await ws.recv_json()
                 now = time.monotonic()
+                await ws.ack()
                 if gearbox:
                     stats.gearbox_messages += 1
                     stats.gearbox_bytes += ws.bytes_received - before

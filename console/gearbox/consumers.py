@@ -61,12 +61,12 @@ class _GearboxLive(LiveConsumer):
                 await self.channel_layer.group_add(group, self.channel_name)
             self._joined = True
 
-    async def disconnect(self, code: int) -> None:
+    async def leave_groups(self) -> None:
         if self._joined:
             self._joined = False
             for group in self.also:
                 await self.channel_layer.group_discard(group, self.channel_name)
-        await super().disconnect(code)
+        await super().leave_groups()
 
 
 class GearboxConsumer(_GearboxLive):
