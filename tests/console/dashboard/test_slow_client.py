@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import redis
 from asgiref.sync import sync_to_async
-from channels.db import database_sync_to_async
 from channels import DEFAULT_CHANNEL_LAYER
+from channels.db import database_sync_to_async
 from channels.layers import channel_layers, get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.test import Client, override_settings
