@@ -231,6 +231,9 @@ FLEXPIPE_PUSH_MIN_INTERVAL_S = float(os.environ.get("FLEXPIPE_PUSH_MIN_INTERVAL_
 # the page re-syncs from a fresh snapshot (console/dashboard/consumers.py): a slow client never makes
 # the server buffer without end. Larger than a whole first snapshot (1,000 nodes: ~3 MB).
 FLEXPIPE_WS_MAX_UNACKED_BYTES = int(os.environ.get("FLEXPIPE_WS_MAX_UNACKED_BYTES", str(16 * 2**20)))
+# The decision snapshot re-reads only the nodes whose rows changed (console/gearbox/snapshot.py), and
+# everything at least this often (writes that bypass the actions); 0: every row each time.
+FLEXPIPE_SNAPSHOT_CACHE_MAX_AGE_S = float(os.environ.get("FLEXPIPE_SNAPSHOT_CACHE_MAX_AGE_S", "60"))
 FLEXPIPE_SNAPSHOT_PAGE_NODES = int(os.environ.get("FLEXPIPE_SNAPSHOT_PAGE_NODES", "100"))
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
