@@ -33,6 +33,7 @@ class Websocket:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader, self._writer = reader, writer
         self.bytes_received = 0
+        self.messages_received = 0  # text messages, pings of the console included (what an ack counts)
 
     @classmethod
     async def connect(cls, host: str, port: int, path: str, *, cookie: str = "") -> Websocket:
@@ -101,7 +102,13 @@ class Websocket:
             if opcode in (_TEXT, _BINARY, _CONT):
                 parts.append(data)
                 if fin:
+                    self.messages_received += 1
                     return json.loads(b"".join(parts))
+
+    async def ack(self) -> None:
+        """Tell the console every message so far was handled, as live.js does (a socket that never
+        acks is closed with 4409 once FLEXPIPE_WS_MAX_UNACKED_BYTES are outstanding)."""
+        await self.send_json({"type": "ack", "count": self.messages_received})
 
     async def close(self) -> None:
         try:

@@ -5,7 +5,8 @@
 
 It starts the console the way `make run` does - daphne (console.asgi), a Celery worker (threads)
 and beat, on PostgreSQL when one answers at 127.0.0.1:5432 (a fresh database,
-flexpipe_bench_cp, dropped first; SQLite otherwise) and Redis (scripts/services.py) - and drives
+flexpipe_bench_cp or $FLEXPIPE_BENCH_DB, dropped first; SQLite otherwise) and Redis
+(scripts/services.py; FLEXPIPE_CHANNEL_PREFIX and FLEXPIPE_QUEUE keep two benches apart) - and drives
 simulated agents against it over HTTP from this process, as agent protocol v1 says
 (agents/protocol.py): each agent enrolls with the join token, holds one long poll
 (GET /agent/v1/commands?wait=...) at all times, and sends a full report of its GPUs every
@@ -59,7 +60,7 @@ from bench._ws import Websocket, WebsocketClosed
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-DB_NAME = "flexpipe_bench_cp"
+DB_NAME = os.environ.get("FLEXPIPE_BENCH_DB", "flexpipe_bench_cp")  # another name: two benches on one server
 GIB = 1024**3
 MEM_TOTAL = 80 * GIB  # an H100 SXM's 80 GB (scheduler/hardware.py cites the datasheet)
 POLL_WAIT_S = 25.0
@@ -106,7 +107,7 @@ class Console:
         cmds = {
             "web": [str(bin_ / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "console.asgi:application"],
             "worker": [str(bin_ / "celery"), "-A", "console", "--quiet", "worker", "-P", "threads", "-c", "4",
-                       "-Q", "flexpipe", "-l", "warning"],
+                       "-Q", self.env.get("FLEXPIPE_QUEUE", "flexpipe"), "-l", "warning"],
             "beat": [str(bin_ / "celery"), "-A", "console", "--quiet", "beat", "-l", "warning",
                      "-s", str(logdir / "celerybeat-schedule")],
         }
@@ -291,6 +292,7 @@ async def _watch(port: int, path: str, cookie: str, stats: Stats, gearbox: bool)
                 before = ws.bytes_received
                 msg = await ws.recv_json()
                 now = time.monotonic()
+                await ws.ack()
                 if gearbox:
                     stats.gearbox_messages += 1
                     stats.gearbox_bytes += ws.bytes_received - before

@@ -72,6 +72,12 @@ def _keep_or_close() -> None:
             conn.close_at = None  # Django's close_old_connections (request_finished) keeps it too
 
 
+def call(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Run a database read from a thread of the process's own (the fleet pusher's) on the pool, and
+    wait for it: its connection is one of the pool's, not one more held by that thread."""
+    return pool().submit(_closing, fn, *args, **kwargs).result()
+
+
 class Borrowed(Executor):
     """One request's thread-sensitive calls on the shared pool (for ThreadSensitiveContext(executor=)).
 

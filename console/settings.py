@@ -231,6 +231,13 @@ FLEXPIPE_WS_PING_S = float(os.environ.get("FLEXPIPE_WS_PING_S", "20"))
 # A live socket sends a page's state at most once per this many seconds (console/dashboard/coalesce.py).
 FLEXPIPE_PUSH_MIN_INTERVAL_S = float(os.environ.get("FLEXPIPE_PUSH_MIN_INTERVAL_S", "0.5"))
 # The heatmap's first state goes in pages of this many nodes (8 GPUs each: ~300 KB, under daphne's 1 MiB).
+# A live socket whose browser has not acknowledged this many bytes of messages is closed (4409) and
+# the page re-syncs from a fresh snapshot (console/dashboard/consumers.py): a slow client never makes
+# the server buffer without end. Larger than a whole first snapshot (1,000 nodes: ~3 MB).
+FLEXPIPE_WS_MAX_UNACKED_BYTES = int(os.environ.get("FLEXPIPE_WS_MAX_UNACKED_BYTES", str(16 * 2**20)))
+# The decision snapshot re-reads only the nodes whose rows changed (console/gearbox/snapshot.py), and
+# everything at least this often (writes that bypass the actions); 0: every row each time.
+FLEXPIPE_SNAPSHOT_CACHE_MAX_AGE_S = float(os.environ.get("FLEXPIPE_SNAPSHOT_CACHE_MAX_AGE_S", "60"))
 FLEXPIPE_SNAPSHOT_PAGE_NODES = int(os.environ.get("FLEXPIPE_SNAPSHOT_PAGE_NODES", "100"))
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)

@@ -10,6 +10,8 @@ import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
+from console.dashboard import groups
+
 log = logging.getLogger(__name__)
 AUDIT_GROUP = "audit"
 
@@ -28,7 +30,15 @@ def push_entry(entry: Any) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
+    payload = entry_payload(entry)
+    message = {"type": "audit.entry", "entry": payload}
     try:
-        async_to_sync(layer.group_send)(AUDIT_GROUP, {"type": "audit.entry", "entry": entry_payload(entry)})
+        # the audit page's group, and the pages an entry concerns (console.dashboard.groups)
+        async_to_sync(_send_all)(layer, [AUDIT_GROUP, *groups.extra_groups("audit.entry", payload)], message)
     except (OSError, redis.RedisError) as exc:
         log.warning("audit push failed: %s", exc)
+
+
+async def _send_all(layer: Any, names: list[str], message: dict[str, Any]) -> None:
+    for name in names:
+        await layer.group_send(name, message)

@@ -18,6 +18,18 @@ tell a dead connection from a quiet one (it reconnects after three silent period
 gauge counts a connection from its accept to the end of the consumer, however it ends: a
 disconnect, the consumer failing under it (an exception skips disconnect()), or the channel
 layer failing (degraded).
+
+Slow clients (issue 19): a browser that stops reading (a frozen tab, a saturated link) must not
+make the server buffer its pushes without end, nor back up the channel layer. daphne hands every
+send to Twisted at once (there is no backpressure through ASGI), so the server cannot see a
+socket's buffer: the browser tells it instead. live.js acks every message with the count it has
+handled ({"type": "ack", "count": n}); the consumer keeps the sizes of the messages not acked yet,
+and when they pass FLEXPIPE_WS_MAX_UNACKED_BYTES it leaves its groups (the layer stops delivering to
+it at once) and closes with 4409 (RESYNC_CLOSE). live.js reconnects and the page starts over from
+the snapshot it gets on connect. The same happens when the consumer's own receive buffer in the
+layer (channels_redis keeps `capacity` messages per channel, then drops the oldest without a word)
+is half full: its handlers are slower than its events, and a page that silently lost one would
+stay wrong; a resync makes it right.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from typing import Any
 
 import redis
@@ -40,6 +53,7 @@ from console.metrics import websockets as ws_metrics
 
 log = logging.getLogger(__name__)
 DEGRADED_CLOSE = 1013  # "try again later": the channel layer (Redis) does not answer
+RESYNC_CLOSE = 4409  # the client fell behind: it reconnects and starts over from a snapshot (live.js)
 LAYER_ERRORS = (redis.RedisError, OSError)
 
 
@@ -64,6 +78,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     _counted = False
     _pinger: asyncio.Task[None] | None = None
     _coalescers: list[Coalescer] | None = None
+    _in_groups = False
+    _dropped = False  # closed for falling behind: nothing more is sent
+    _sent_count = 0  # messages sent on this socket
+    _unacked: deque[int] | None = None  # sizes of the messages sent and not acked yet, oldest first
+    _unacked_bytes = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Run the consumer; when the channel layer (Redis) fails under it, tell the browser the page is
@@ -107,6 +126,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             return
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.channel_layer.group_add(account_live.user_group(user.pk), self.channel_name)
+        self._in_groups = True
         await self.accept()
         self._counted = True
         ws_metrics.connected(self.page)
@@ -145,8 +165,13 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     async def disconnect(self, code: int) -> None:
         self._stop_pinging()
         self._stop_coalescing()
-        if self._counted:
-            self._uncount()
+        self._uncount()
+        await self.leave_groups()
+
+    async def leave_groups(self) -> None:
+        """Leave the groups joined on connect (a subclass that joins more extends this); idempotent."""
+        if self._in_groups:
+            self._in_groups = False
             await self.channel_layer.group_discard(self.group, self.channel_name)
             await self.channel_layer.group_discard(account_live.user_group(self.scope["user"].pk), self.channel_name)
 
@@ -157,5 +182,57 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         # Live pages are read-only; writes go through the REST API (CSRF, roles, audit).
-        if isinstance(content, dict) and content.get("type") == "resync":
+        if not isinstance(content, dict):
+            return
+        if content.get("type") == "ack":
+            self._acked(content.get("count"))
+        elif content.get("type") == "resync":
             await self.on_accepted()
+
+    async def send_json(self, content: Any, close: bool = False) -> None:
+        """Send one message, counted as not acked until the browser says it handled it; past
+        FLEXPIPE_WS_MAX_UNACKED_BYTES of those the socket is dropped for a resync (module docstring)."""
+        if self._dropped:
+            return
+        text = await self.encode_json(content)  # json.dumps escapes to ASCII: its length is its size
+        if self._unacked is None:
+            self._unacked = deque()
+        self._unacked.append(len(text))
+        self._unacked_bytes += len(text)
+        self._sent_count += 1
+        if self._unacked_bytes > int(settings.FLEXPIPE_WS_MAX_UNACKED_BYTES):
+            await self.drop_for_resync(f"{self._unacked_bytes} bytes sent and not acknowledged")
+            return
+        await self.send(text_data=text, close=close)
+
+    def _acked(self, count: Any) -> None:
+        """The browser handled `count` messages of this socket: those are off its backlog."""
+        if not isinstance(count, int) or isinstance(count, bool) or self._unacked is None:
+            return
+        # the oldest unacked message is number sent - len(unacked) + 1; an ack never goes past the last sent
+        while self._unacked and self._sent_count - len(self._unacked) < min(count, self._sent_count):
+            self._unacked_bytes -= self._unacked.popleft()
+
+    async def drop_for_resync(self, why: str) -> None:
+        """Leave every group (the layer stops queueing for this socket), stop the pushes and close
+        with RESYNC_CLOSE: the browser reconnects and gets a fresh snapshot."""
+        if self._dropped:
+            return
+        self._dropped = True
+        log.warning("%s websocket fell behind (%s); closed for a resync", self.page, why)
+        ws_metrics.resynced(self.page)
+        self._stop_pinging()
+        self._stop_coalescing()
+        await self.leave_groups()
+        await self.close(code=RESYNC_CLOSE)
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        if self._dropped and message.get("type") != "websocket.disconnect":
+            return
+        buffer = getattr(self.channel_layer, "receive_buffer", {}).get(self.channel_name)
+        capacity = int(getattr(self.channel_layer, "capacity", 0) or 0)
+        if buffer is not None and capacity and buffer.qsize() * 2 >= capacity:
+            # channels_redis drops a channel's oldest messages past `capacity`, silently
+            await self.drop_for_resync(f"{buffer.qsize()} events waiting in the channel layer")
+            return
+        await super().dispatch(message)

@@ -76,11 +76,13 @@ def push_nodes(node_pks: list[int], *, topology_changed: bool = False) -> None:
     """Send the new state of these nodes to every dashboard, and tell the gearbox if GPUs moved."""
     if not node_pks:
         return
+    from console.fleet import pusher
+
     delta = cluster_state(node_pks)
     layer = get_channel_layer()
     if layer is not None:
         try:
-            async_to_sync(layer.group_send)(CLUSTER_GROUP, {"type": "cluster.delta", "delta": delta})
+            async_to_sync(pusher.send_delta)(layer, delta, pusher.extra_groups(delta))
         except (OSError, redis.RedisError) as exc:
             # The push is best effort: the state is committed and the next push carries it.
             log.warning("live push failed: %s", exc)

@@ -5,7 +5,8 @@ group_send (several Redis round trips through async_to_sync) before it answered 
 loaded 2-core machine that was ~45 ms of a ~130 ms report (issue 19). Now the report hands the
 delta it already holds in memory to `enqueue` (on commit: only committed state is pushed) and
 answers; a daemon thread running its own event loop merges what came in over FLUSH_S (the newest
-state of each node and GPU: console.dashboard.coalesce.Merged) and sends it as one group_send.
+state of each node and GPU: console.dashboard.coalesce.Merged) and sends it as one group_send to
+the fleet's pages, and one to each deployment page it concerns (console.dashboard.groups).
 The browsers' sockets coalesce again for their pages (console/dashboard/coalesce.py).
 
 Best effort, as every push is: the state is committed, a push lost with its process is carried by
@@ -60,8 +61,6 @@ class _Pusher:
     def _run(self) -> None:
         from channels.layers import get_channel_layer
 
-        from console.fleet.live import CLUSTER_GROUP
-
         layer = get_channel_layer()
         loop = asyncio.new_event_loop()  # this thread's own: the layer's Redis connections stay open on it
         while True:
@@ -72,10 +71,30 @@ class _Pusher:
             if delta is None or layer is None:
                 continue
             try:
-                loop.run_until_complete(layer.group_send(CLUSTER_GROUP, {"type": "cluster.delta", "delta": delta}))
+                loop.run_until_complete(send_delta(layer, delta, extra_groups(delta, pooled=True)))
                 self.sent += 1
             except (OSError, redis.RedisError) as exc:
                 log.warning("live push failed: %s", exc)
+
+
+def extra_groups(delta: dict[str, Any], *, pooled: bool = False) -> list[str]:
+    """The pages' groups a delta concerns besides the fleet's (console.dashboard.groups: the
+    deployments whose GPUs or plans it touches), read on the database pool when `pooled`."""
+    from console import db_pool
+    from console.dashboard import groups
+
+    if pooled:
+        return db_pool.call(groups.extra_groups, "cluster.delta", delta)  # type: ignore[no-any-return]
+    return groups.extra_groups("cluster.delta", delta)
+
+
+async def send_delta(layer: Any, delta: dict[str, Any], extra: list[str]) -> None:
+    """One delta to the fleet's pages (the heatmap, the Overview) and to the groups in `extra`."""
+    from console.fleet.live import CLUSTER_GROUP
+
+    message = {"type": "cluster.delta", "delta": delta}
+    for group in (CLUSTER_GROUP, *extra):
+        await layer.group_send(group, message)
 
 
 _pusher = _Pusher()

@@ -3,10 +3,12 @@
     /ws/gearbox/                the Overview's gearbox part and the Deployments list (viewers)
     /ws/deployments/<name>/     one deployment: its page and its decision / transition reviews (viewers)
 
-Both listen to three groups, each fed from `transaction.on_commit` only (what they read is stored):
-"gearbox" (console.gearbox.live: transition steps and phases, routing commits, decisions), "cluster"
-(console.fleet.live: agents' reports - GPUs, blocks, engine metrics) and "audit" (the operator verbs
-that push nothing of their own: mode, pin, unpin, emergency request, approval). Each event makes the
+The Overview's socket listens to three groups, each fed from `transaction.on_commit` only (what
+they read is stored): "gearbox" (console.gearbox.live: transition steps and phases, routing
+commits, decisions), "cluster" (console.fleet.live: agents' reports - GPUs, blocks, engine
+metrics) and "audit" (the operator verbs that push nothing of their own: mode, pin, unpin,
+emergency request, approval). A deployment's socket listens to its deployment's group only, where
+the same pushes arrive when they concern it (console.dashboard.groups: per-page subscriptions). Each event makes the
 consumer read the current state and send it, so a page never applies a change out of order. Fleet
 reports come in far faster than a page needs them: they are coalesced per socket, at most one push
 every FLEXPIPE_PUSH_MIN_INTERVAL_S, the last state always sent (console/dashboard/coalesce.py).
@@ -30,28 +32,21 @@ from typing import Any
 from channels.db import database_sync_to_async
 
 from console.audit.live import AUDIT_GROUP
-from console.dashboard.coalesce import Coalescer, Merged
+from console.dashboard.coalesce import Coalescer
 from console.dashboard.consumers import LiveConsumer
+from console.dashboard.groups import deployment_group
 from console.fleet.live import CLUSTER_GROUP
 from console.gearbox import present
-from console.gearbox.live import GEARBOX_GROUP
-from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
+from console.gearbox.live import GEARBOX_GROUP, OPERATOR_EVENTS
+from console.gearbox.models import Deployment
 
 FLEET_PUSH_BUSY_SHARE = 0.25  # the Overview's fleet view takes at most this share of the process per socket
-
-# audit events of changes that push nothing themselves (the transitions and decisions push their own)
-OPERATOR_EVENTS = frozenset({
-    "gearbox.mode_set", "gearbox.gear_pinned", "gearbox.gear_unpinned", "gearbox.emergency_requested",
-    "gearbox.decision_approved", "gearbox.deployment_created", "gearbox.deployment_updated",
-    "gearbox.transition_abort_requested",
-})
-
 
 class _GearboxLive(LiveConsumer):
     """A live page that also hears fleet reports and operator verbs (module docstring)."""
 
     group = GEARBOX_GROUP
-    also = (CLUSTER_GROUP, AUDIT_GROUP)
+    also: tuple[str, ...] = (CLUSTER_GROUP, AUDIT_GROUP)
     _joined = False
 
     async def join_all(self) -> None:
@@ -61,12 +56,12 @@ class _GearboxLive(LiveConsumer):
                 await self.channel_layer.group_add(group, self.channel_name)
             self._joined = True
 
-    async def disconnect(self, code: int) -> None:
+    async def leave_groups(self) -> None:
         if self._joined:
             self._joined = False
             for group in self.also:
                 await self.channel_layer.group_discard(group, self.channel_name)
-        await super().disconnect(code)
+        await super().leave_groups()
 
 
 class GearboxConsumer(_GearboxLive):
@@ -109,11 +104,20 @@ def _switch(deployment: str, seq: int) -> dict[str, Any] | None:
 
 
 class DeploymentConsumer(_GearboxLive):
+    """One deployment's page: it joins its deployment's group only, which hears that deployment's
+    gearbox events, the fleet deltas that touch its GPUs or plans and its operator verbs (the
+    pushers route them: console.dashboard.groups) - never another deployment's."""
+
     page = "deployment"
+    also = ()
 
     @property
     def name(self) -> str:
         return str(self.scope["url_route"]["kwargs"]["name"])
+
+    @property
+    def group(self) -> str:  # type: ignore[override]  # read-only: named after the deployment in the URL
+        return deployment_group(self.name)
 
     async def on_accepted(self) -> None:
         await self.join_all()
@@ -138,16 +142,14 @@ class DeploymentConsumer(_GearboxLive):
     _push: Coalescer | None = None
 
     async def cluster_delta(self, event: dict[str, Any]) -> None:
-        # Reports gathered and checked together, at most every FLEXPIPE_PUSH_MIN_INTERVAL_S.
+        # Only deltas that touch this deployment come here (console.gearbox.live.fleet_delta_groups);
+        # they are sent at most every FLEXPIPE_PUSH_MIN_INTERVAL_S.
         if self._push is None:
-            self._merged = Merged()
-            self._push = self.coalesced(self._send_if_touched)
-        self._merged.add(event["delta"])
+            self._push = self.coalesced(self._send_updates)
         self._push.poke()
 
-    async def _send_if_touched(self) -> None:
-        if await database_sync_to_async(_touches)(self.name, self._merged.take()):
-            await self.send_all(await database_sync_to_async(_updates)(self.name))
+    async def _send_updates(self) -> None:
+        await self.send_all(await database_sync_to_async(_updates)(self.name))
 
     async def audit_entry(self, event: dict[str, Any]) -> None:
         entry = event["entry"]
@@ -179,21 +181,3 @@ def _updates(name: str, *, seq: int | None = None, decision: int | None = None) 
             out.append({"type": "decision", "decision": found})
     out.append({"type": "deployment", **present.deployment_update(dep, fleet)})
     return out
-
-
-def _touches(name: str, delta: dict[str, Any]) -> bool:
-    """Whether a fleet delta concerns the deployment: engine reports of its routed plans, or GPUs
-    of its gears (current, baseline, the running transition's target)."""
-    dep = Deployment.objects.filter(name=name).first()
-    if dep is None:
-        return False
-    plans = set(present.routed_plan_ids(dep))
-    if any(e.get("plan_id") in plans for n in delta.get("nodes", []) for e in n.get("engines") or []
-           if isinstance(e, dict)):
-        return True
-    gpus: set[str] = set()
-    active = Transition.objects.filter(deployment=dep, phase__in=ACTIVE_PHASES).first()
-    for raw in (dep.current_gear, dep.baseline_gear, active.to_gear if active is not None else None):
-        gear = present.parse_gear(raw)
-        gpus.update(gear.gpu_uuids if gear is not None else ())
-    return any(g.get("uuid") in gpus for g in delta.get("gpus", []))

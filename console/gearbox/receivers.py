@@ -1,6 +1,8 @@
 """The gearbox listens to the fleet: acks drive transitions, topology events trigger a tick.
 
-Both signals are sent on commit (console.fleet.actions), so what the tasks read is stored.
+Both signals are sent on commit (console.fleet.actions), so what the tasks read is stored. And the
+fleet's live deltas and the audit's entries also go to the pages of the deployments they concern
+(console.dashboard.groups; console.gearbox.live names the groups).
 """
 
 from __future__ import annotations
@@ -9,7 +11,12 @@ from typing import Any
 
 from django.dispatch import receiver
 
+from console.dashboard import groups
 from console.fleet.signals import command_acked, topology_changed
+from console.gearbox import live
+
+groups.add_router("cluster.delta", live.fleet_delta_groups)
+groups.add_router("audit.entry", live.audit_entry_groups)
 
 
 @receiver(command_acked)

@@ -14,6 +14,9 @@ CONNECTS = Counter("flexpipe_websocket_connects", "Websocket connections accepte
 DISCONNECTS = Counter("flexpipe_websocket_disconnects", "Accepted websocket connections that ended, per page",
                       ["page"], registry=REGISTRY)
 
+RESYNCS = Counter("flexpipe_websocket_resyncs", "Websockets closed for falling behind (4409: the page reconnects "
+                  "and starts over from a snapshot), per page", ["page"], registry=REGISTRY)
+
 
 def connected(page: str) -> None:
     CLIENTS.labels(page=page).inc()
@@ -23,3 +26,7 @@ def connected(page: str) -> None:
 def disconnected(page: str) -> None:
     CLIENTS.labels(page=page).dec()
     DISCONNECTS.labels(page=page).inc()
+
+
+def resynced(page: str) -> None:
+    RESYNCS.labels(page=page).inc()

@@ -3,9 +3,16 @@
 // TP group; scheduler.topology.partition, sent by /ws/gearbox/ through overview.js), then per node
 // the GPUs that are in no block, with why; until the blocks are known (or for a user who may not
 // read the gearbox) rows are nodes and columns GPU indexes.
+// A delta that only changes GPUs and nodes already drawn patches their cells (Plotly.restyle of the
+// trace's z, text and hover data, edited in place at the cells' indices) and their node rows; a
+// snapshot, a new GPU or node, or new blocks and holders redraw everything (Plotly.react).
+// `FlexPipe.cluster.draws` counts both (the browser test reads it).
 (function () {
   "use strict";
-  const state = { nodes: {}, gpus: {}, blocks: null, holders: {}, twu: {} };
+  const state = { nodes: {}, gpus: {}, blocks: null, holders: {}, twu: {},
+                  draws: { full: 0, patches: 0, cells: 0 } };
+  // from the last full draw: each GPU's cell ({r, c, where}) and each node's GPUs
+  let cells = null, nodeGpus = {};
   const heartbeatTimeout = JSON.parse(document.getElementById("heartbeat-timeout").textContent);
   window.FlexPipe = window.FlexPipe || {};
   window.FlexPipe.cluster = state;
@@ -21,10 +28,49 @@
   }
 
   function apply(msg) {
-    if (msg.type === "snapshot") { state.nodes = {}; state.gpus = {}; }
-    (msg.nodes || []).forEach(function (n) { state.nodes[n.node_id] = n; });
-    (msg.gpus || []).forEach(function (g) { state.gpus[g.uuid] = g; });
-    render();
+    if (msg.type === "snapshot") { state.nodes = {}; state.gpus = {}; cells = null; }
+    const nodes = msg.nodes || [], gpus = msg.gpus || [];
+    // a cell can be patched when its GPU is drawn already, where it will stay
+    const patchable = msg.type === "delta" && cells !== null &&
+      nodes.every(function (n) { return state.nodes[n.node_id]; }) &&
+      gpus.every(function (g) {
+        const old = state.gpus[g.uuid];
+        return old && cells[g.uuid] && old.node_id === g.node_id && old.index === g.index;
+      });
+    nodes.forEach(function (n) { state.nodes[n.node_id] = n; });
+    gpus.forEach(function (g) { state.gpus[g.uuid] = g; });
+    if (patchable) patch(nodes, gpus); else render();
+  }
+
+  function patch(nodes, gpus) {
+    const touched = {}, rows = {};
+    gpus.forEach(function (g) { touched[g.uuid] = true; rows[g.node_id] = true; });
+    // a node's state shows in its GPUs' cells (unschedulable: "?")
+    nodes.forEach(function (n) { rows[n.node_id] = true; (nodeGpus[n.node_id] || []).forEach(function (u) { touched[u] = true; }); });
+    patchCells(Object.keys(touched), Object.keys(rows));
+  }
+
+  // redraw the cells of these GPUs and the table rows of these nodes, nothing else
+  function patchCells(uuids, nodeIds) {
+    const el = document.getElementById("heatmap");
+    const trace = el.data && el.data[0];
+    if (!trace) { render(); return; }
+    let n = 0;
+    uuids.forEach(function (u) {
+      const at = cells[u], g = state.gpus[u];
+      if (!at || !g) return;
+      const c = cellFor(g, at.where(g));
+      trace.z[at.r][at.c] = c.z; trace.text[at.r][at.c] = c.text; trace.customdata[at.r][at.c] = c.custom;
+      n += 1;
+    });
+    if (n) Plotly.restyle(el, { z: [trace.z], text: [trace.text], customdata: [trace.customdata] }, [0]);
+    state.draws.patches += 1;
+    state.draws.cells += n;
+    nodeIds.forEach(function (id) {
+      const tr = document.querySelector('#nodes tbody tr[data-node="' + CSS.escape(id) + '"]');
+      if (tr && state.nodes[id]) tr.replaceWith(nodeRow(id));
+    });
+    updateAges();
   }
 
   // token-weighted utilisation (scheduler/pool/twu.py): "—" where no plan on the GPU reported
@@ -81,12 +127,16 @@
     // one column per GPU index: a block's GPUs (all on one node) sit under their own index
     const width = Math.max(1, ...gpus.map(function (g) { return g.index + 1; }));
     const z = [], text = [], custom = [];
-    rows.forEach(function (r) {
+    cells = {};
+    nodeGpus = {};
+    rows.forEach(function (r, ri) {
       const rowZ = new Array(width).fill(null), rowT = new Array(width).fill(""), rowC = new Array(width).fill(null);
       r.gpus.forEach(function (g) {
         if (!g) return;
         const c = cellFor(g, r.where(g));
         rowZ[g.index] = c.z; rowT[g.index] = c.text; rowC[g.index] = c.custom;
+        cells[g.uuid] = { r: ri, c: g.index, where: r.where };
+        (nodeGpus[g.node_id] = nodeGpus[g.node_id] || []).push(g.uuid);
       });
       z.push(rowZ); text.push(rowT); custom.push(rowC);
     });
@@ -106,41 +156,59 @@
       yaxis: { autorange: "reversed", type: "category", automargin: true },  // labels never clipped
       xaxis: { side: "top", type: "category" },
     }, { displaylogo: false, responsive: true });
+    state.draws.full += 1;
     el.dataset.gpuCount = String(gpus.length);
     el.dataset.grouping = byBlock ? "block" : "node";
     el.dataset.rows = String(rows.length);
     renderNodes(Object.keys(state.nodes).sort());
   }
 
-  // overview.js hands over the blocks, what runs where and each GPU's TWU, from /ws/gearbox/
+  // the uuids whose value differs between two {uuid: value} maps, added to `into`
+  function changedKeys(a, b, into) {
+    Object.keys(a).concat(Object.keys(b)).forEach(function (k) {
+      if (JSON.stringify(a[k]) !== JSON.stringify(b[k])) into[k] = true;
+    });
+  }
+
+  // overview.js hands over the blocks, what runs where and each GPU's TWU, from /ws/gearbox/ (after
+  // every fleet push): new blocks redraw the heatmap, new holders or TWU patch the cells they change
   state.setGearbox = function (blocks, holders, twu) {
-    if (blocks !== undefined) state.blocks = blocks;
-    if (holders !== undefined) state.holders = holders || {};
-    if (twu !== undefined) state.twu = twu || {};
-    render();
+    let full = cells === null;
+    const changed = {};
+    if (blocks !== undefined) {
+      full = full || JSON.stringify(blocks) !== JSON.stringify(state.blocks);
+      state.blocks = blocks;
+    }
+    if (holders !== undefined) { changedKeys(state.holders, holders || {}, changed); state.holders = holders || {}; }
+    if (twu !== undefined) { changedKeys(state.twu, twu || {}, changed); state.twu = twu || {}; }
+    if (full) { render(); return; }
+    const uuids = Object.keys(changed).filter(function (u) { return cells[u]; });
+    if (uuids.length) patchCells(uuids, []);
   };
+
+  function nodeRow(id) {
+    const n = state.nodes[id];
+    const gs = (nodeGpus[id] || []).map(function (u) { return state.gpus[u]; });
+    const tr = document.createElement("tr");
+    tr.dataset.node = id;
+    const tds = [id, n.rack || "—", gs.length,
+                 gs.filter(function (g) { return g.allocatable && g.healthy; }).length,
+                 gs.filter(function (g) { return g.healthy; }).length,
+                 n.schedulable ? "schedulable" : ("unschedulable: " + n.unschedulable_reason), ""];
+    tds.forEach(function (c, i) {
+      const td = document.createElement("td");
+      td.textContent = c;
+      if (i === 5) td.className = n.schedulable ? "ok" : "bad";
+      if (i === 6) { td.className = "age"; td.dataset.since = n.last_seen_at || ""; }
+      tr.appendChild(td);
+    });
+    return tr;
+  }
 
   function renderNodes(nodeIds) {
     const tbody = document.querySelector("#nodes tbody");
     tbody.innerHTML = "";
-    nodeIds.forEach(function (id) {
-      const n = state.nodes[id];
-      const gs = Object.values(state.gpus).filter(function (g) { return g.node_id === id; });
-      const tr = document.createElement("tr");
-      tr.dataset.node = id;
-      const cells = [id, n.rack || "—", gs.length,
-                     gs.filter(function (g) { return g.allocatable && g.healthy; }).length,
-                     gs.filter(function (g) { return g.healthy; }).length,
-                     n.schedulable ? "schedulable" : ("unschedulable: " + n.unschedulable_reason), ""];
-      cells.forEach(function (c, i) {
-        const td = document.createElement("td");
-        td.textContent = c;
-        if (i === 5) td.className = n.schedulable ? "ok" : "bad";
-        if (i === 6) { td.className = "age"; td.dataset.since = n.last_seen_at || ""; }
-        tr.appendChild(td);
-      });
-      tbody.appendChild(tr);
-    });
+    nodeIds.forEach(function (id) { tbody.appendChild(nodeRow(id)); });
     updateAges();
   }
 

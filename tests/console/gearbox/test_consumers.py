@@ -15,8 +15,11 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 
 from console.asgi import application
-from console.gearbox import ticks
-from tests.console.gearbox.harness import enroll_fleet
+from console.dashboard.groups import deployment_group
+from console.gearbox import live, ticks
+from console.gearbox.actions import do_set_mode
+from tests.conftest import TEST_REDIS_URL
+from tests.console.gearbox.harness import enroll_fleet, gear, make_deployment
 from tests.console.gearbox.ops import MOVED, World, engine_report, running_deployment
 from tests.console.people import Person, make_person
 
@@ -153,3 +156,48 @@ async def test_the_deployment_socket_follows_its_deployment_and_ignores_others()
         assert msg["deployment"]["active_transition"]["seq"] == 3
     finally:
         await comm.disconnect()
+
+
+def _members(group: str) -> int:
+    """Sockets in a channel-layer group, as Redis holds it (channels_redis: "<prefix>:group:<name>")."""
+    import redis
+    from channels.layers import get_channel_layer
+
+    return int(redis.Redis.from_url(TEST_REDIS_URL).zcard(f"{get_channel_layer().prefix}:group:{group}"))
+
+
+async def test_a_deployment_page_hears_nothing_of_another_deployments_changes() -> None:
+    """Per-page subscriptions (issue 19): a deployment's socket joins its deployment's group only, and
+    the pushers route a change there only when it concerns that deployment."""
+    world: World = await database_sync_to_async(running_deployment)()
+    fleet_c = await database_sync_to_async(enroll_fleet)({"c1": "C"})
+    await database_sync_to_async(make_deployment)("other", baseline=gear("c1", [0, 1]))
+    vera = await database_sync_to_async(make_person)("vera", "viewer")
+    chat, other = communicator("/ws/deployments/chat/", vera.user), communicator("/ws/deployments/other/", vera.user)
+    try:
+        for comm, name in ((chat, "chat"), (other, "other")):
+            assert (await comm.connect())[0]
+            snap = await comm.receive_json_from(timeout=5)
+            assert snap["type"] == "snapshot" and snap["deployment"]["name"] == name
+        # each socket is in its deployment's group, none in the fleet's
+        assert [await database_sync_to_async(_members)(g) for g in
+                (deployment_group("chat"), deployment_group("other"), "cluster", "gearbox", "audit")] == [1, 1, 0, 0, 0]
+
+        # other's changes: a report of its GPUs, an operator verb, a routing commit - other hears each
+        fleet_c.extra["GPU-c1-0"] = 4 * 2**30  # its first GPU's memory moves
+        await database_sync_to_async(fleet_c.report)("c1")
+        assert (await other.receive_json_from(timeout=10))["deployment"]["name"] == "other"
+        await database_sync_to_async(do_set_mode)("other", "advisory", actor="system:test")
+        msg = await until(other, lambda m: m["type"] == "deployment" and m["deployment"]["mode"] == "advisory", 10)
+        await database_sync_to_async(live.push_routing)("other")
+        assert (await other.receive_json_from(timeout=10))["type"] == "deployment"
+
+        # chat's own change comes next on chat's socket: nothing of other's came before it
+        plan_id = MOVED.plans[0].plan_id
+        await database_sync_to_async(world.report_engines)("b1", engine_report(plan_id, tokens_per_s=777.0))
+        msg = await chat.receive_json_from(timeout=10)
+        assert msg["type"] == "deployment" and msg["deployment"]["name"] == "chat"
+        assert msg["deployment"]["serving"]["tokens_per_s"] == 777.0
+    finally:
+        for comm in (chat, other):
+            await comm.disconnect()
