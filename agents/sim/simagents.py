@@ -120,6 +120,7 @@ class SimAgents:
         self._ending: set[int] = set()  # engine ids whose end these agents answer themselves (evict)
         self._aborts: dict[int, list[Callable[[list[str]], None]]] = {}  # engine id -> aborts draining it
         self._dead: set[str] = set()  # nodes whose agent died (lose_node): nothing runs or answers there
+        self._deferred: dict[str, CommandIntent] = {}  # command key -> a PREPARE waiting for jobs to yield
         self.stalls: list[StallSample] = []  # every hand-over done (move_sequences, a release's fallback)
 
     def inject(self, fault: Fault) -> None:
@@ -274,6 +275,8 @@ class SimAgents:
             if problem is not None:  # the shadow plan would not serve this version (agents/shadow_check.py)
                 self._ack(cmd, False, problem, {"reason": "tokenizer"})
                 return
+            if self._wait_for_jobs(cmd, plan):
+                return
             try:
                 engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
             except Refused as exc:
@@ -285,6 +288,35 @@ class SimAgents:
         self._prepares.setdefault(engine.engine_id, []).append(cmd)
         if engine.state == "serving":
             self.on_ready(engine)
+
+    def _wait_for_jobs(self, cmd: CommandIntent, plan: Plan) -> bool:
+        """A PREPARE on GPUs that fine-tune or batch jobs hold, for a deployment of higher priority:
+        the jobs are asked to yield and the PREPARE runs again once the last has released
+        (agents/sim/jobs.py) - never beside a job's booking. False: no job holds them, or one of
+        them is not below the deployment's priority (the launch refuses it for memory)."""
+        held = self.sim.job_of_gpu().keys() & set(plan.gpu_uuids) if self.sim.jobs else set()
+        if not held:
+            return False
+        at = self.sim.reclaim_from_jobs(held, cmd.deployment_id)
+        if at is None:
+            return False
+        self._deferred[cmd.key] = cmd
+
+        def again(now: float) -> None:
+            if self._deferred.pop(cmd.key, None) is not None:
+                self._prepare(cmd)
+
+        self.sim.call_at(at, again)
+        return True
+
+    def _drop_deferred(self, cmd: CommandIntent) -> None:
+        """An abort or release of a plan whose PREPARE still waits for jobs: it never runs."""
+        pid = cmd.payload.get("plan_id")
+        for key, c in list(self._deferred.items()):
+            if c.deployment_id == cmd.deployment_id and c.payload.get("plan_id") == pid:
+                del self._deferred[key]
+                self._ack(c, False, f"plan {pid} was called off before its GPUs came back from jobs",
+                          {"reason": "failed"})
 
     def _new_deployment(self, cmd: CommandIntent, plan: Plan) -> str | None:
         """A PREPARE for a deployment the simulator was not configured with (one created in the
@@ -463,6 +495,7 @@ class SimAgents:
             self._ack(job.cmd, True, result=result)
 
     def _release(self, cmd: CommandIntent) -> None:
+        self._drop_deferred(cmd)
         engine = self._engine(cmd)
         if engine is None or engine.state != "serving":
             self.log.add(LogEvent(self.sim.now_s, "plan_released", node=cmd.node_id,
@@ -523,6 +556,7 @@ class SimAgents:
         return handed, failed
 
     def _abort(self, cmd: CommandIntent) -> None:
+        self._drop_deferred(cmd)
         engine = self._engine(cmd)
         reason = str(cmd.payload.get("reason", "aborted"))
         drain_s = _num_or(cmd.payload.get("drain_timeout_s"), 0.0)

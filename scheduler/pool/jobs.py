@@ -148,14 +148,17 @@ def pick_gpus(job: Job, free: Sequence[tuple[str, str, str]]) -> tuple[str, ...]
     return tuple(out)
 
 
-def start(state: JobState, gpu_uuids: Sequence[str], total_bytes: Mapping[str, int], now_s: float) -> JobState:
-    """Rule 1 (or 4: a resume from its checkpoint): it runs on `gpu_uuids`, booking each whole."""
+def start(state: JobState, gpu_uuids: Sequence[str], total_bytes: Mapping[str, int], now_s: float,
+          used_bytes: Mapping[str, int] | None = None) -> JobState:
+    """Rule 1 (or 4: a resume from its checkpoint): it runs on `gpu_uuids`, booking each whole - up
+    to MEM_FRACTION beside what the GPU holds already (`used_bytes`: an idle CUDA context)."""
+    used = used_bytes or {}
     if state.phase not in (JobPhase.QUEUED, JobPhase.CHECKPOINTED):
         raise ValueError(f"phase: job {state.name} is {state.phase.value}; only a queued or checkpointed job starts")
     if len(gpu_uuids) != state.job.gpus:
         raise ValueError(f"gpus: job {state.name} wants {state.job.gpus} GPUs; got {len(gpu_uuids)}")
     return replace(state, phase=JobPhase.RUNNING, gpu_uuids=tuple(gpu_uuids), since_s=now_s,
-                   booked_bytes={u: booking_bytes(total_bytes[u]) for u in gpu_uuids})
+                   booked_bytes={u: max(0, booking_bytes(total_bytes[u]) - used.get(u, 0)) for u in gpu_uuids})
 
 
 def finish(state: JobState, now_s: float) -> JobState:
