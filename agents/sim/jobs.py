@@ -34,6 +34,9 @@ from scheduler.pool import jobs as J
 
 if TYPE_CHECKING:
     from agents.sim.fleet import FleetSim
+    from agents.sim.simagents import SimAgents
+    from scheduler.plan import Plan
+    from scheduler.transition import CommandIntent
 
 
 class Jobs:
@@ -169,3 +172,37 @@ class Jobs:
             for name, s in self.jobs.items()}
         return {"gpus_reclaimed_from_jobs": self.gpus_reclaimed_from_jobs, "job_gpu_hours": round(gpu_s / 3600, 3),
                 "jobs": per_job}
+
+
+# --- the simulated agents' side (agents/sim/simagents.py) -----------------------------------------
+def defer_for_jobs(agents: SimAgents, cmd: CommandIntent, plan: Plan) -> bool:
+    """A PREPARE on GPUs that jobs hold, for a deployment of higher priority: the jobs are asked to
+    yield and the PREPARE runs again once the last has released - never beside a job's booking.
+    False: no job holds them, or one is not below the deployment's priority (the launch then
+    refuses it for memory, as any overbooking)."""
+    sim = agents.sim
+    held = sim.job_of_gpu().keys() & set(plan.gpu_uuids) if sim.jobs else set()
+    if not held:
+        return False
+    at = sim.reclaim_from_jobs(held, cmd.deployment_id)
+    if at is None:
+        return False
+    agents._deferred[cmd.key] = cmd
+
+    def again(now: float) -> None:
+        if agents._deferred.pop(cmd.key, None) is not None:
+            agents._prepare(cmd)
+
+    sim.call_at(at, again)
+    return True
+
+
+def drop_deferred(agents: SimAgents, cmd: CommandIntent) -> None:
+    """An abort or release of a plan whose PREPARE still waits for jobs: that PREPARE never runs (it
+    is answered failed)."""
+    pid = cmd.payload.get("plan_id")
+    for key, c in list(agents._deferred.items()):
+        if c.deployment_id == cmd.deployment_id and c.payload.get("plan_id") == pid:
+            del agents._deferred[key]
+            agents._ack(c, False, f"plan {pid} was called off before its GPUs came back from jobs",
+                          {"reason": "failed"})

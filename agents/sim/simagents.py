@@ -50,6 +50,7 @@ from agents.sim.cluster import TENANT, Change
 from agents.sim.engine import Pipe, PlanEngine, Request
 from agents.sim.faults import COMMAND_S, Fault, lost_gpus, take_fault, through_fault
 from agents.sim.fleet import FleetSim
+from agents.sim.jobs import defer_for_jobs, drop_deferred
 from scheduler.booking import plan_memory
 from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import kv_route
@@ -275,7 +276,7 @@ class SimAgents:
             if problem is not None:  # the shadow plan would not serve this version (agents/shadow_check.py)
                 self._ack(cmd, False, problem, {"reason": "tokenizer"})
                 return
-            if self._wait_for_jobs(cmd, plan):
+            if defer_for_jobs(self, cmd, plan):  # on GPUs jobs hold: they yield first (agents/sim/jobs.py)
                 return
             try:
                 engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
@@ -288,35 +289,6 @@ class SimAgents:
         self._prepares.setdefault(engine.engine_id, []).append(cmd)
         if engine.state == "serving":
             self.on_ready(engine)
-
-    def _wait_for_jobs(self, cmd: CommandIntent, plan: Plan) -> bool:
-        """A PREPARE on GPUs that fine-tune or batch jobs hold, for a deployment of higher priority:
-        the jobs are asked to yield and the PREPARE runs again once the last has released
-        (agents/sim/jobs.py) - never beside a job's booking. False: no job holds them, or one of
-        them is not below the deployment's priority (the launch refuses it for memory)."""
-        held = self.sim.job_of_gpu().keys() & set(plan.gpu_uuids) if self.sim.jobs else set()
-        if not held:
-            return False
-        at = self.sim.reclaim_from_jobs(held, cmd.deployment_id)
-        if at is None:
-            return False
-        self._deferred[cmd.key] = cmd
-
-        def again(now: float) -> None:
-            if self._deferred.pop(cmd.key, None) is not None:
-                self._prepare(cmd)
-
-        self.sim.call_at(at, again)
-        return True
-
-    def _drop_deferred(self, cmd: CommandIntent) -> None:
-        """An abort or release of a plan whose PREPARE still waits for jobs: it never runs."""
-        pid = cmd.payload.get("plan_id")
-        for key, c in list(self._deferred.items()):
-            if c.deployment_id == cmd.deployment_id and c.payload.get("plan_id") == pid:
-                del self._deferred[key]
-                self._ack(c, False, f"plan {pid} was called off before its GPUs came back from jobs",
-                          {"reason": "failed"})
 
     def _new_deployment(self, cmd: CommandIntent, plan: Plan) -> str | None:
         """A PREPARE for a deployment the simulator was not configured with (one created in the
@@ -495,7 +467,7 @@ class SimAgents:
             self._ack(job.cmd, True, result=result)
 
     def _release(self, cmd: CommandIntent) -> None:
-        self._drop_deferred(cmd)
+        drop_deferred(self, cmd)
         engine = self._engine(cmd)
         if engine is None or engine.state != "serving":
             self.log.add(LogEvent(self.sim.now_s, "plan_released", node=cmd.node_id,
@@ -556,7 +528,7 @@ class SimAgents:
         return handed, failed
 
     def _abort(self, cmd: CommandIntent) -> None:
-        self._drop_deferred(cmd)
+        drop_deferred(self, cmd)
         engine = self._engine(cmd)
         reason = str(cmd.payload.get("reason", "aborted"))
         drain_s = _num_or(cmd.payload.get("drain_timeout_s"), 0.0)

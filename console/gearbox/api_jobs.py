@@ -7,13 +7,13 @@ from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema
-from rest_framework import status, viewsets
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import serializers, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from console.accounts.auth import IsOperator, IsViewer
-from console.api.serializers import refused_response
+from console.api.serializers import StrictSerializer, refused_response
 from console.fleet.actions import Rejected
 from console.gearbox.api_lifecycle import request_data
 from console.gearbox.jobs import do_create_job, do_delete_job, job_payload
@@ -22,7 +22,25 @@ from console.gearbox.models import Job
 FIELDS = ("name", "gpus", "gpu_model", "priority", "grace_s", "checkpoint_s", "work_gpu_s")
 
 
+class JobCreateSerializer(StrictSerializer):
+    """The body of POST /api/v1/jobs (the schema's; console/gearbox/jobs.check_job checks it)."""
+
+    name = serializers.CharField(max_length=64, help_text="its name: letters, digits, '.', '_', '-'")
+    gpus = serializers.IntegerField(min_value=1, max_value=512, help_text="the GPUs it wants, all at once")
+    work_gpu_s = serializers.FloatField(min_value=0, help_text="its work in GPU-seconds (> 0)")
+    gpu_model = serializers.CharField(max_length=64, required=False, allow_blank=True, default="",
+                                      help_text='a GPU model of the catalog; "" (the default): any')
+    priority = serializers.IntegerField(min_value=-1000, max_value=1000, required=False, default=1,
+                                        help_text="1 (the default); a deployment of higher priority may take its GPUs")
+    grace_s = serializers.FloatField(min_value=0, max_value=300, required=False, default=30.0,
+                                     help_text="how long it may take to release its GPUs once asked")
+    checkpoint_s = serializers.FloatField(min_value=0, max_value=1e6, required=False, default=20.0,
+                                          help_text="how long its checkpoint takes (above grace_s a yield loses "
+                                                    "the work since its last checkpoint)")
+
+
 class JobViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
+    serializer_class = JobCreateSerializer
     lookup_field = "name"
     lookup_value_regex = r"[A-Za-z0-9._-]{1,64}"
 
@@ -43,8 +61,10 @@ class JobViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     def retrieve(self, request: Request, name: str) -> Response:
         return Response(job_payload(self.get_object()))
 
-    @extend_schema(summary="Submit a fine-tune or batch job (operator)", request=OpenApiTypes.OBJECT,
-                   responses={201: OpenApiTypes.OBJECT}, description=(
+    @extend_schema(summary="Submit a fine-tune or batch job (operator)", request=JobCreateSerializer,
+                   responses={201: OpenApiTypes.OBJECT,
+                              409: OpenApiResponse(description="a job of that name exists: the body names the field")},
+                   description=(
                        "name, gpus, work_gpu_s (its work in GPU-seconds), and optionally gpu_model (\"\": any), "
                        "priority (1; inference deployments run at 10 and may take its GPUs), grace_s (30, at most "
                        "300) and checkpoint_s (20). Every field is checked first: a bad or unknown one is a 400 "
