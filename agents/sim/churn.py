@@ -49,6 +49,8 @@ class Churn:
         self.change_log.extend(changes)
         self._snapshot = None
         self._links = None
+        if self.jobs:
+            self._jobs_lost(t)  # a job on a GPU no longer ours crashes to its checkpoint; GPUs back: jobs start
         gpus = self._gpus_by_uuid()
         out: list[Event] = []
         broke: dict[str, list[PlanEngine]] = {}

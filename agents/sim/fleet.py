@@ -45,8 +45,9 @@ serving plan can take wait in the deployment's queue: nothing admitted is ever d
 One class, FleetSim, over five modules, one concept each: this one (the event loop, plans and
 their memory, baselines), agents/sim/gateway.py (arrivals, routing, the deployments' queues, the
 engines' call-backs), handover.py (taking a plan out of service, its sequences' hand-over),
-churn.py (cluster changes and the plans they break) and reports.py (what the agents report, the
-accounting); each of the others is a mixin whose methods run on FleetSim's state.
+churn.py (cluster changes and the plans they break), reports.py (what the agents report, the
+accounting), hints.py (the engines' local hint loop) and jobs.py (fine-tune and batch jobs on the
+same GPUs); each of the others is a mixin whose methods run on FleetSim's state.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from agents.sim.engine import (
 from agents.sim.gateway import DeploymentRuntime, Gateway
 from agents.sim.handover import Handover, RetireMode
 from agents.sim.hints import Hinting
+from agents.sim.jobs import Jobs
 from agents.sim.kvtiers import KvTierOptions, KvTiers, TierView
 from agents.sim.metrics import Recorder, check_conservation
 from agents.sim.reports import IDLE_MEM_BYTES, Reports
@@ -181,7 +183,7 @@ class EngineHost(Protocol):
         ...
 
 
-class FleetSim(Gateway, Handover, Churn, Reports, Hinting):
+class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
     """The simulator (module docstring). Deterministic: the scenario seed drives the cluster's
     draws; nothing reads a wall clock or a global random state."""
 
@@ -262,6 +264,7 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting):
         self._gpu_models = {self.cluster.gpu_uuid(n.id, i): n.gpu for n in scenario.all_nodes() for i in range(n.gpus)}
         self._push_cluster()
         self._push(scenario.duration_s, KIND_TIMER, self._mark_duration, None)
+        self._init_jobs()  # the scenario's fine-tune and batch jobs (agents/sim/jobs.py)
 
     # ======================================================================================
     # the loop
@@ -518,6 +521,7 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting):
         self.router.forget(engine.plan.plan_id)  # its prefix cache and its latency history went with it
         self._reshare()
         self._snapshot = None
+        self._jobs_kick(t)  # a waiting job may start on what it freed
         self.listener.on_released(self, t, engine)
 
     # -- the driver API in plan ids (what the console's commands name) ----------------------

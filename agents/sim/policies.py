@@ -475,7 +475,7 @@ class FlexPipePolicy(Policy):
                 running=Running(running.seq, running.kind, running.phase.value, bool(running.abort_reason))
                 if running is not None else None,
                 serving=self._valid(sim, name), index=dep.index))
-        return states, FleetState(snapshot=snap, history=self.history, held=_held(driver))
+        return states, FleetState(snapshot=snap, history=self.history, held=_held(driver), jobs=sim.job_states())
 
     def _step(self, sim: FleetSim, t: float, trigger: Trigger, only: str | None = None) -> None:
         assert self.driver is not None  # noqa: S101

@@ -60,6 +60,7 @@ def run_policy(scenario: Scenario, name: str, *, workload: Workload | None = Non
     # invariants 1-2: every admitted request ended once, owned by one plan at a time, handed over
     # only from a safe boundary under a newer lease (what the checker finds; empty: none)
     out["sequence_violations"] = [str(v) for v in seqs.checker.violations()[:20]]
+    out.update(sim.jobs_summary())  # fine-tune and batch jobs: GPU-hours, GPUs reclaimed, progress (agents/sim/jobs.py)
     out.update(policy.extra())
     out["changes"] = [{"t_s": round(c.t_s, 3), "kind": c.kind, "node": c.node, "text": c.text,
                        "broke": sorted(c.broke)} for c in sim.recorder.changes]

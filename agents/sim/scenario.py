@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from agents.schema import ObjectReader, Problems, SchemaError, read_document
+from scheduler.pool.jobs import JOB_PRIORITY, Job
 
 EVENT_KINDS = ("preempt", "fail", "restore", "join", "leave", "degrade_link")
 DISTS = ("lognormal", "fixed", "uniform")
@@ -147,6 +148,7 @@ class Scenario:
     models: tuple[ModelDeploymentSpec, ...]
     workload: tuple[WorkloadSpec, ...]
     events: tuple[EventSpec, ...] = ()
+    jobs: tuple[Job, ...] = ()  # fine-tune and batch jobs on the same GPUs (scheduler/pool/jobs.py)
     source: str = ""  # the file it came from, if any
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -221,6 +223,7 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, source: str = "",
     deployments = {m.deployment for m in models}
     workload = _read_workload(r, deployments, base_dir, problems)
     events = _read_events(r, dict(known), gpu_names, duration_s, problems)
+    jobs = _read_jobs(r, gpu_names, duration_s)
     r.done()
     problems.raise_if_any("scenario")
     return Scenario(
@@ -233,6 +236,7 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, source: str = "",
         models=tuple(models),
         workload=tuple(workload),
         events=tuple(events),
+        jobs=tuple(jobs),
         source=source,
     )
 
@@ -527,6 +531,43 @@ def _read_events(r: ObjectReader, known: dict[str, NodeSpec], gpu_names: set[str
         if ev is not None:
             out.append(ev)
     out.sort(key=lambda e: (e.at_s, e.index))
+    return out
+
+
+MAX_GRACE_S = 300.0  # a yield plus the plan's load must end inside the PREPARE timeout (600 s, transition config)
+
+
+def _read_jobs(r: ObjectReader, gpu_names: set[str], duration_s: float | None) -> list[Job]:
+    """`jobs:` - fine-tune and batch jobs: name, at_s, gpus, gpu (a model, or any), work_gpu_s,
+    priority (1), grace_s (30), checkpoint_s (20)."""
+    out: list[Job] = []
+    jlist = r.list("jobs", [])
+    if jlist is None:
+        return out
+    seen: set[str] = set()
+    for jr in jlist.objects():
+        name = jr.str("name", max_len=64)
+        at_s = jr.num("at_s", 0.0, min=0.0)
+        gpus = jr.int("gpus", min=1, max=512)
+        gpu = jr.str("gpu", None, max_len=64)
+        work = jr.num("work_gpu_s", min=0.0, exclusive_min=True)
+        priority = jr.int("priority", JOB_PRIORITY)
+        grace = jr.num("grace_s", 30.0, min=0.0, max=MAX_GRACE_S)
+        checkpoint = jr.num("checkpoint_s", 20.0, min=0.0)
+        jr.done()
+        if name is not None and name in seen:
+            jr.fail("name", f"duplicate job {name!r}")
+            name = None
+        elif name is not None:
+            seen.add(name)
+        if gpu is not None and gpu not in gpu_names:
+            jr.fail("gpu", f"unknown GPU {gpu!r}; known: {', '.join(sorted(gpu_names))}")
+            continue
+        if at_s is not None and duration_s is not None and at_s > duration_s:
+            jr.fail("at_s", f"must be within duration_s ({duration_s}); got {at_s}")
+            continue
+        if None not in (name, at_s, gpus, work, priority, grace, checkpoint):
+            out.append(Job(name, gpus, work, gpu, priority, grace, checkpoint, at_s))
     return out
 
 

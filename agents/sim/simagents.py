@@ -50,6 +50,7 @@ from agents.sim.cluster import TENANT, Change
 from agents.sim.engine import Pipe, PlanEngine, Request
 from agents.sim.faults import COMMAND_S, Fault, lost_gpus, take_fault, through_fault
 from agents.sim.fleet import FleetSim
+from agents.sim.jobs import defer_for_jobs, drop_deferred
 from scheduler.booking import plan_memory
 from scheduler.capabilities import plan_refusals
 from scheduler.costmodel import kv_route
@@ -120,6 +121,7 @@ class SimAgents:
         self._ending: set[int] = set()  # engine ids whose end these agents answer themselves (evict)
         self._aborts: dict[int, list[Callable[[list[str]], None]]] = {}  # engine id -> aborts draining it
         self._dead: set[str] = set()  # nodes whose agent died (lose_node): nothing runs or answers there
+        self._deferred: dict[str, CommandIntent] = {}  # command key -> a PREPARE waiting for jobs to yield
         self.stalls: list[StallSample] = []  # every hand-over done (move_sequences, a release's fallback)
 
     def inject(self, fault: Fault) -> None:
@@ -273,6 +275,8 @@ class SimAgents:
             problem = tokenizer_problem(cmd.payload.get("model_version"), vocab)
             if problem is not None:  # the shadow plan would not serve this version (agents/shadow_check.py)
                 self._ack(cmd, False, problem, {"reason": "tokenizer"})
+                return
+            if defer_for_jobs(self, cmd, plan):  # on GPUs jobs hold: they yield first (agents/sim/jobs.py)
                 return
             try:
                 engine = self.sim.launch(cmd.deployment_id, plan, source="host", accepting=False)
@@ -463,6 +467,7 @@ class SimAgents:
             self._ack(job.cmd, True, result=result)
 
     def _release(self, cmd: CommandIntent) -> None:
+        drop_deferred(self, cmd)
         engine = self._engine(cmd)
         if engine is None or engine.state != "serving":
             self.log.add(LogEvent(self.sim.now_s, "plan_released", node=cmd.node_id,
@@ -523,6 +528,7 @@ class SimAgents:
         return handed, failed
 
     def _abort(self, cmd: CommandIntent) -> None:
+        drop_deferred(self, cmd)
         engine = self._engine(cmd)
         reason = str(cmd.payload.get("reason", "aborted"))
         drain_s = _num_or(cmd.payload.get("drain_timeout_s"), 0.0)

@@ -20,6 +20,7 @@ from console.gearbox.api import (
     PlanViewSet,
     TransitionViewSet,
 )
+from console.gearbox.api_jobs import JobViewSet
 from console.metrics.api import alerts_view
 from console.registry.api import ModelVersionViewSet
 
@@ -33,6 +34,7 @@ router.register("gears", GearViewSet, basename="gear")
 router.register("plans", PlanViewSet, basename="plan")
 router.register("transitions", TransitionViewSet, basename="transition")
 router.register("decisions", DecisionViewSet, basename="decision")
+router.register("jobs", JobViewSet, basename="job")
 router.register("users", accounts_api.UserViewSet, basename="user")
 
 urlpatterns = [

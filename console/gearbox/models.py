@@ -22,6 +22,8 @@ and in ports.py (the Django implementations of the transition ports). What each 
   the database enforces it (a partial unique index), whatever the code does.
 * `TransitionStep` - one attempt of one step, with its timing, outcome, error and result.
 * `GpuReservation` - the ledger PREPARE books: memory a deployment's plan holds on a GPU.
+* `Job` - a fine-tune or batch job on the same GPUs (priority 1): what it wants, its state, the
+  GPUs it holds, its progress (scheduler/pool/jobs.py).
 * `ServingSample` - what the engines of a deployment's routed plans reported, summed, once per report
   (the tick stores it): the serving charts' history (the last hour is kept).
 """
@@ -228,3 +230,41 @@ class ServingSample(models.Model):
     class Meta:
         ordering = ["at"]
         indexes = [models.Index(fields=["deployment", "at"], name="gearbox_serving_at")]
+
+
+class Job(models.Model):
+    """A fine-tune or batch job on the inference pool (scheduler/pool/jobs.py: the rules; seed 004
+    sections 2.1 and 5.2): it holds whole GPUs at a low priority and yields them, after a
+    checkpoint within `grace_s`, to a deployment of higher priority; it resumes when GPUs are free.
+    Created and deleted through /api/v1/jobs (console/gearbox/jobs.py); whoever runs it (the
+    simulated fleet, an agent) writes its state, GPUs and progress."""
+
+    QUEUED, RUNNING, YIELDING, CHECKPOINTED, DONE = "queued", "running", "yielding", "checkpointed", "done"
+    STATES = [(s, s) for s in (QUEUED, RUNNING, YIELDING, CHECKPOINTED, DONE)]
+    HOLDING = (RUNNING, YIELDING)
+
+    name = models.CharField(max_length=64, unique=True)
+    gpus = models.PositiveIntegerField()  # GPUs it wants, all of them or none
+    gpu_model = models.CharField(max_length=64, blank=True, default="")  # a catalog GPU model; "": any
+    priority = models.IntegerField(default=1)  # below the deployments that may take its GPUs (inference: 10)
+    grace_s = models.FloatField(default=30.0)  # how long it may take to release its GPUs once asked
+    checkpoint_s = models.FloatField(default=20.0)  # how long writing its checkpoint takes
+    work_gpu_s = models.FloatField()  # its total work, GPU-seconds
+    progress_gpu_s = models.FloatField(default=0.0)  # done so far (its last checkpoint while it waits)
+    state = models.CharField(max_length=16, choices=STATES, default=QUEUED)
+    gpu_uuids = models.JSONField(default=list)  # what it holds (running, yielding)
+    yields = models.PositiveIntegerField(default=0)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["created_at", "name"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(gpus__gte=1), name="gearbox_job_gpus_positive"),
+            models.CheckConstraint(condition=models.Q(work_gpu_s__gt=0), name="gearbox_job_work_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name

@@ -31,7 +31,7 @@ from typing import Any
 from django.db.models import Prefetch
 from django.utils import timezone
 
-from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Transition, TransitionStep
+from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Job, Transition, TransitionStep
 from console.gearbox.names import GpuNames, distinct, gear_name, load_names, names_from, plan_name, readable
 from scheduler.plan import Gear, Plan
 from scheduler.topology import Snapshot
@@ -302,7 +302,8 @@ def serving(plan_ids: Iterable[str], fleet: FleetView) -> dict[str, Any] | None:
 
 
 def gpu_holders(deployments: Iterable[Deployment], active: Mapping[int, Transition]) -> dict[str, list[dict[str, Any]]]:
-    """uuid -> what runs there: [{deployment, plan shape, stage, role: serving | preparing}]."""
+    """uuid -> what runs there: [{deployment, plan shape, stage, role: serving | preparing}], and the
+    jobs holding GPUs: [{job, role: job | yielding}]."""
     out: dict[str, list[dict[str, Any]]] = {}
 
     def mark(gear: Gear | None, name: str, role: str) -> None:
@@ -322,6 +323,11 @@ def gpu_holders(deployments: Iterable[Deployment], active: Mapping[int, Transiti
             mark(Gear(target.model, tuple(p for p in target.plans if p not in kept),
                       tuple(w for p, w in zip(target.plans, target.weights, strict=True) if p not in kept))
                  if kept else target, d.name, "preparing")
+    # fine-tune and batch jobs hold whole GPUs (scheduler/pool/jobs.py): the heatmap says whose
+    for job in Job.objects.filter(state__in=Job.HOLDING).only("name", "state", "gpu_uuids"):
+        for u in job.gpu_uuids:
+            out.setdefault(str(u), []).append({"job": job.name, "role": "yielding" if job.state == Job.YIELDING
+                                               else "job"})
     return out
 
 

@@ -51,7 +51,10 @@ The rules, in order, for each deployment, highest priority first (then `index`):
 
 Across deployments: the GPUs another deployment holds are unschedulable in each decision's
 snapshot, and the GPUs a transition started in this step are held for the deployments decided
-after it, so two deployments never plan on one GPU.
+after it, so two deployments never plan on one GPU. The GPUs fine-tune and batch jobs hold
+(`FleetState.jobs`) are unschedulable too, except that a deployment of higher priority may take
+a running job's when no switch without them is worth it (scheduler/pool/jobs.py rule 5); the
+driver makes the job yield before the PREPARE runs there.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from scheduler.control.state import (
 from scheduler.gearbox import CapacityAsk, Mode, Outcome, Trigger, cooldown_until
 from scheduler.plan import Gear
 from scheduler.pool.autoscale import Direction, ScaleSignal, gear_twu_samples, scale_signal
+from scheduler.pool.jobs import decide_around_jobs
 from scheduler.topology import Snapshot
 from scheduler.transition import Kind, Phase, lost_gpus
 
@@ -239,12 +243,18 @@ class ControlLoop:
                 staged: Gear | None = None, ask: CapacityAsk | None = None) -> gearbox.Decision:
         name = state.deployment.id
         others = set().union(*[g for n, g in held.items() if n != name]) if held else set()
-        self.calls += 1
-        return gearbox.decide(state.deployment, state.current, decision_snapshot(fleet.snapshot, others), state.load,
-                              now_s, trigger=trigger, requested_gear=requested, history=fleet.history,
-                              staged_target=staged, backoff=book if book is not None else state.backoff,
-                              model=state.model, config=self.config.gearbox, planner_options=state.planner_options,
-                              capacity_ask=ask)
+
+        def decide(snapshot: Snapshot) -> gearbox.Decision:
+            self.calls += 1
+            return gearbox.decide(state.deployment, state.current, snapshot, state.load, now_s, trigger=trigger,
+                                  requested_gear=requested, history=fleet.history, staged_target=staged,
+                                  backoff=book if book is not None else state.backoff, model=state.model,
+                                  config=self.config.gearbox, planner_options=state.planner_options,
+                                  capacity_ask=ask)
+
+        # job GPUs: taken only when nothing else will do (scheduler/pool/jobs.py rule 5)
+        return decide_around_jobs(decide, decision_snapshot(fleet.snapshot, others), fleet.jobs,
+                                  state.deployment.priority)
 
     @staticmethod
     def _start_of(d: gearbox.Decision, kind: Kind) -> Start | None:

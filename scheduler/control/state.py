@@ -17,6 +17,7 @@ from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear
 from scheduler.planner import PlannerOptions
 from scheduler.pool.autoscale import DEFAULT_SCALE, ScaleConfig, TwuSample
+from scheduler.pool.jobs import JobState
 from scheduler.topology import FragmentHistory, Snapshot
 from scheduler.transition import Kind, TransitionRecord
 
@@ -114,6 +115,7 @@ class FleetState:
     history: FragmentHistory = field(default_factory=FragmentHistory)  # the blocks' trajectories
     held: Mapping[str, frozenset[str]] = field(default_factory=dict)  # deployment -> GPUs it holds
     node_epochs: Mapping[str, object] | None = None  # node -> agent epoch (back-off fingerprints)
+    jobs: tuple[JobState, ...] = ()  # fine-tune and batch jobs and the GPUs they hold (scheduler/pool/jobs.py)
 
 
 @dataclass(frozen=True)

@@ -3,4 +3,6 @@
     twu.py        token-weighted utilisation from engine reports: per plan, per GPU, per deployment
     autoscale.py  the scale rule on TWU windows (`scale_signal`) and per-model soft limits
                   (`admission_shares`)
+    jobs.py       fine-tune and batch jobs on the pool (priority 1): booking, yield with a
+                  checkpoint inside a grace time, resume; which job GPUs a deployment may take
 """

@@ -78,7 +78,10 @@
 
   function holderText(g) {
     const held = state.holders[g.uuid] || [];
-    return held.length ? held.map(function (h) { return h.deployment + " " + h.plan + " stage " + h.stage + (h.role === "preparing" ? " (preparing)" : ""); }).join("; ") : "—";
+    return held.length ? held.map(function (h) {
+      if (h.job) return "job " + h.job + (h.role === "yielding" ? " (yielding: checkpointing)" : "");  // scheduler/pool/jobs.py
+      return h.deployment + " " + h.plan + " stage " + h.stage + (h.role === "preparing" ? " (preparing)" : "");
+    }).join("; ") : "—";
   }
 
   function cellFor(g, where) {
@@ -86,7 +89,8 @@
     const used = g.mem_used_bytes == null ? null : g.mem_used_bytes / g.mem_total_bytes;
     const flag = !g.healthy ? "✕" : (node && !node.schedulable ? "?" : (!g.allocatable ? "T" : ""));
     const held = state.holders[g.uuid] || [];
-    const mark = held.some(function (h) { return h.role === "serving"; }) ? "●" : (held.length ? "◐" : "");
+    const mark = held.some(function (h) { return h.role === "serving"; }) ? "●"
+      : (held.some(function (h) { return h.job; }) ? "J" : (held.length ? "◐" : ""));
     return { z: used, text: flag || mark,
              custom: [g.uuid, g.model, gib(g.mem_used_bytes) + " / " + gib(g.mem_total_bytes), pct(g.sm_util),
                       gpuStatus(g, node), g.temperature_c == null ? "?" : g.temperature_c + " °C", where,
