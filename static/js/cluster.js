@@ -167,6 +167,14 @@
     renderNodes(Object.keys(state.nodes).sort());
   }
 
+  // what the layout draws of the blocks (rows, labels, the GPUs out and why): a block's free memory
+  // moves with every report and is drawn by the cells themselves, so it is no reason to redraw
+  function blockShape(b) {
+    if (!b) return "null";
+    return JSON.stringify([(b.blocks || []).map(function (x) { return [x.id, x.gpu_model, x.link, x.gpus]; }),
+                           b.excluded || {}, b.fleet_error || null]);
+  }
+
   // the uuids whose value differs between two {uuid: value} maps, added to `into`
   function changedKeys(a, b, into) {
     Object.keys(a).concat(Object.keys(b)).forEach(function (k) {
@@ -180,7 +188,7 @@
     let full = cells === null;
     const changed = {};
     if (blocks !== undefined) {
-      full = full || JSON.stringify(blocks) !== JSON.stringify(state.blocks);
+      full = full || blockShape(blocks) !== blockShape(state.blocks);
       state.blocks = blocks;
     }
     if (holders !== undefined) { changedKeys(state.holders, holders || {}, changed); state.holders = holders || {}; }
