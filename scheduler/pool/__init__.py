@@ -3,4 +3,5 @@
     twu.py        token-weighted utilisation from engine reports: per plan, per GPU, per deployment
     autoscale.py  the scale rule on TWU windows (`scale_signal`) and per-model soft limits
                   (`admission_shares`)
+    zero.py       scale to zero after the idle time (`idle_signal`), and the wake-up's reason
 """
