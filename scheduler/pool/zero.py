@@ -55,7 +55,7 @@ def idle_signal(window: LoadWindow, now_s: float, *, idle_to_zero_s: float | Non
     quiet = now_s - since
     if quiet < idle_to_zero_s:
         return IdleSignal(False, f"no arrivals for {quiet:.0f} s of the {idle_to_zero_s:g} s idle time", quiet)
-    return IdleSignal(True, f"no arrivals for {quiet:.0f} s, longer than its idle time ({idle_to_zero_s:g} s): "
+    return IdleSignal(True, f"no arrivals for {quiet:.0f} s, its idle time ({idle_to_zero_s:g} s) is up: "
                             "scale to zero", quiet)
 
 

@@ -30,7 +30,7 @@ def one(st: DeploymentState, now: float = NOW, config: LoopConfig | None = None)
 
 def test_rule_9b_a_deployment_quiet_past_its_idle_time_releases_its_gear_without_a_decision() -> None:
     s = one(idle())
-    assert s.release is not None and "no arrivals for 750 s" in s.release and "600 s" in s.release
+    assert s.release is not None and "no arrivals for 750 s" in s.release and "(600 s) is up" in s.release
     assert s.decision is None and s.start is None
 
 
