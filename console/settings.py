@@ -275,6 +275,9 @@ FLEXPIPE_GATEWAY_CPU_THREADS = int(os.environ.get("FLEXPIPE_GATEWAY_CPU_THREADS"
 FLEXPIPE_GATEWAY_CPU_QUEUE = int(os.environ.get("FLEXPIPE_GATEWAY_CPU_QUEUE", "16"))
 # How long an admission waits for the table that ends a switch's freeze before a 429 (console/gateway/views.py).
 FLEXPIPE_GATEWAY_FROZEN_WAIT_S = float(os.environ.get("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", "3"))
+# How long the gateway holds a request of a deployment scaled to zero while its gear comes back up (a cold
+# start: the weights load, from the host cache or from disk) before a 503 (console/gateway/views.py).
+FLEXPIPE_GATEWAY_COLD_START_WAIT_S = float(os.environ.get("FLEXPIPE_GATEWAY_COLD_START_WAIT_S", "120"))
 # The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
 # or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
 FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get("FLEXPIPE_GATEWAY_TOKENIZERS", "")

@@ -32,8 +32,9 @@ The rules, in order, for each deployment, highest priority first (then `index`):
     the best feasible gear. With `BringUp.SEEDED` (the simulator starts every baseline at t=0)
     a deployment with no gear is a driver error - unless rule 9b released it (`at_zero`). A
     deployment at zero stays there, deciding nothing, while no request is held for it; with
-    `waiting` > 0 it comes up the same way, whichever the driver (the step's `wake`: a cold
-    start; the reason says how many requests wait).
+    `waiting` > 0 - or once it may not rest at zero any more (an operator changed its bounds) -
+    it comes up the same way, whichever the driver (the step's `wake`: a cold start; the reason
+    says how many requests wait).
 9b. Idle to zero (scheduler/pool/zero.py). On a periodic step with no staged second stage owed,
     a deployment whose `idle_to_zero_s` is set, with `min_replicas` 0 and mode auto (pinned,
     emergency and advisory ones hold: operators win), whose load window is fresh and shows no
@@ -83,7 +84,7 @@ from scheduler.control.state import (
 from scheduler.gearbox import CapacityAsk, Mode, Outcome, Trigger, cooldown_until
 from scheduler.plan import Gear
 from scheduler.pool.autoscale import Direction, ScaleSignal, gear_twu_samples, scale_signal
-from scheduler.pool.zero import idle_signal, quiet_since_s, wake_reason
+from scheduler.pool.zero import idle_signal, never_to_zero, quiet_since_s, wake_reason
 from scheduler.topology import Snapshot
 from scheduler.transition import Kind, Phase, lost_gpus
 
@@ -181,7 +182,8 @@ class ControlLoop:
         if trigger is Trigger.PERIODIC and has_lost_gpus(state.current, fleet.snapshot):  # rule 8
             trigger = Trigger.TOPOLOGY
         if state.current is None:  # rule 9
-            if state.at_zero and state.waiting <= 0:
+            if state.at_zero and state.waiting <= 0 and never_to_zero(state.idle_to_zero_s, state.min_replicas,
+                                                                       state.deployment.mode) is None:
                 return Step(name, trigger, clear_staged=clear, backoff=book)
             return self._bring_up(state, fleet, held, now_s, trigger, book)
         cfg = self.config

@@ -40,15 +40,24 @@ def quiet_since_s(window: LoadWindow, up_since_s: float | None = None) -> float 
     return max(since, up_since_s) if up_since_s is not None else since
 
 
+def never_to_zero(idle_to_zero_s: float | None, min_replicas: int, mode: Mode) -> str | None:
+    """Why this deployment may not rest at zero (None: it may). A deployment at zero that may not
+    any more - an operator set min_replicas 1, or cleared its idle time - comes back up."""
+    if idle_to_zero_s is None:
+        return "idle_to_zero_s is not set: never scaled to zero"
+    if min_replicas != 0:
+        return f"min_replicas is {min_replicas}: never scaled to zero"
+    if mode is not Mode.AUTO:
+        return f"{mode.value}: never scaled to zero automatically"
+    return None
+
+
 def idle_signal(window: LoadWindow, now_s: float, *, idle_to_zero_s: float | None, min_replicas: int, mode: Mode,
                 up_since_s: float | None = None, fresh_s: float = 60.0) -> IdleSignal:
     """Whether the deployment should scale to zero now (module docstring)."""
-    if idle_to_zero_s is None:
-        return IdleSignal(False, "idle_to_zero_s is not set: never scaled to zero")
-    if min_replicas != 0:
-        return IdleSignal(False, f"min_replicas is {min_replicas}: never scaled to zero")
-    if mode is not Mode.AUTO:
-        return IdleSignal(False, f"{mode.value}: never scaled to zero automatically")
+    why_not = never_to_zero(idle_to_zero_s, min_replicas, mode)
+    if why_not is not None or idle_to_zero_s is None:
+        return IdleSignal(False, why_not or "")
     since = quiet_since_s(window, up_since_s)
     if since is None or window.samples[-1].t_s < now_s - fresh_s:
         return IdleSignal(False, f"no load sample in the last {fresh_s:g} s: silence is not idleness")
@@ -60,7 +69,9 @@ def idle_signal(window: LoadWindow, now_s: float, *, idle_to_zero_s: float | Non
 
 
 def wake_reason(waiting: int) -> str:
+    if waiting <= 0:
+        return "scaled to zero, but it may not rest there any more: bring the baseline gear up"
     return f"scaled to zero with {waiting} request(s) held: wake up, bring the baseline gear up"
 
 
-__all__ = ["IdleSignal", "idle_signal", "quiet_since_s", "wake_reason"]
+__all__ = ["IdleSignal", "idle_signal", "never_to_zero", "quiet_since_s", "wake_reason"]

@@ -70,6 +70,9 @@ def test_rule_9_at_zero_it_stays_until_a_request_is_held_then_wakes_the_baseline
         assert s.wake and s.start is not None and s.start.target == tp8("a2")
         assert s.decision is not None and s.decision.outcome is Outcome.SWITCH
         assert "2 request(s) held: wake up" in s.decision.reasons[0]
+    # an operator who sets min_replicas 1 on a deployment at zero brings it back with nothing held
+    back = one(replace(zero, min_replicas=1))
+    assert back.wake and back.start is not None and "may not rest there" in back.decision.reasons[0]  # type: ignore[union-attr]
 
 
 def test_a_deployment_scales_to_zero_and_its_next_request_is_held_and_served() -> None:
