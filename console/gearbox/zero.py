@@ -121,8 +121,9 @@ def do_record_wake(dep: Deployment, started: Any, *, now: datetime, actor: str) 
     held_s = (now - dep.wake_requested_at).total_seconds() if dep.wake_requested_at is not None else None
     zero_s = (now - dep.zero_since).total_seconds() if dep.zero_since is not None else None
     record("gearbox.waking_from_zero", actor=actor, at=now, deployment=dep.name, transition_seq=started.seq,
-           summary=f"{dep.name} wakes from zero: a request is held"
-                   + (f" for {held_s:.1f} s" if held_s is not None else "") + f"; transition #{started.seq} "
+           summary=f"{dep.name} wakes from zero: "
+                   + (f"a request is held for {held_s:.1f} s" if held_s is not None
+                      else "its bounds no longer let it rest at zero") + f"; transition #{started.seq} "
                    "brings its gear up",
            data={"held_s": held_s, "at_zero_s": zero_s, "seq": started.seq})
 
