@@ -289,6 +289,9 @@ FLEXPIPE_ROUTER_POLICY = os.environ.get("FLEXPIPE_ROUTER_POLICY", "flexpipe").st
 FLEXPIPE_ROUTER_ROLLOUT = os.environ.get("FLEXPIPE_ROUTER_ROLLOUT", "").strip() or None
 # How long an admission waits for the table that ends a switch's freeze before a 429 (console/gateway/views.py).
 FLEXPIPE_GATEWAY_FROZEN_WAIT_S = float(os.environ.get("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", "3"))
+# How long the gateway holds a request of a deployment scaled to zero while its gear comes back up (a cold
+# start: the weights load, from the host cache or from disk) before a 503 (console/gateway/views.py).
+FLEXPIPE_GATEWAY_COLD_START_WAIT_S = float(os.environ.get("FLEXPIPE_GATEWAY_COLD_START_WAIT_S", "120"))
 # The gateway's tokenizer for a deployment that serves no registry version: "name=path,..." by deployment
 # or model name, "*" for any (make run's simulated fleet: its locally made demo tokenizer).
 FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get("FLEXPIPE_GATEWAY_TOKENIZERS", "")

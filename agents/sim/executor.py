@@ -101,6 +101,18 @@ class TransitionDriver:
                                                      for p, w in zip(gear.plans, gear.weights, strict=True)])
         self._versions[deployment] = table.version
 
+    def release(self, deployment: str) -> None:
+        """Scale to zero (the control loop's rule 9b), with no transition - there is no gear to switch
+        to: the routing table is emptied (its arrivals wait in the deployment's queue), the stable
+        gear is forgotten, and each plan drains - what it holds finishes there - then frees its GPUs.
+        The next gear comes up through the loop's wake-up, a transition from no gear."""
+        self.world.store.gears[deployment] = None
+        table = self.world.routing.seed(deployment, [])
+        self._versions[deployment] = table.version
+        self.sim.set_routing(deployment, {}, table.version)
+        for engine in self.sim.plans(deployment):
+            self.sim.retire(engine, "drain")
+
     # --- starting and advancing -----------------------------------------------------------------
     def start(self, deployment: str, target: Gear, trigger: str, decision_ref: str | None = None
               ) -> TransitionRecord | None:

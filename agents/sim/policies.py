@@ -84,6 +84,8 @@ class PolicyOptions:
     replan_s: float = 300.0  # the oracle's look-ahead window and replanning period
     gearbox: GearboxConfig = DEFAULT_CONFIG  # flexpipe's hysteresis, cooldowns, windows
     transition: TransitionConfig = DEFAULT_TRANSITION_CONFIG  # flexpipe's canary, drain budget, retries
+    zero_poll_s: float = 1.0  # how often flexpipe looks for requests held by a deployment at zero (the
+    # console's gateway signals at once; the simulator's queue is looked at this often)
 
 
 DEFAULT_POLICY_OPTIONS = PolicyOptions()
@@ -364,6 +366,11 @@ class FlexPipePolicy(Policy):
         self.finished: dict[str, list[Finished]] = {}  # deployment -> transitions ended since its last step
         self._topology_at: float | None = None
         self._sim: FleetSim | None = None
+        self.at_zero: set[str] = set()  # deployments whose gear rule 9b released (waiting for a request)
+        self.waking: set[str] = set()  # ... whose wake-up transition runs
+        self.up_since: dict[str, float] = {}  # deployment -> when its last wake-up finished
+        self.cold_starts = 0  # wake-ups started (a deployment at zero brought back for a held request)
+        self.scaled_to_zero = 0  # releases carried out (rule 9b)
 
     @property
     def calls(self) -> int:
@@ -425,6 +432,13 @@ class FlexPipePolicy(Policy):
         # the loop folds it into the back-off at the deployment's next step (rule 5), on the
         # fleet as it is now (what the refusal's fingerprint must compare against)
         self.finished.setdefault(name, []).append(Finished(rec, t, sim.snapshot()))
+        if name in self.waking:
+            self.waking.discard(name)
+            if rec.phase is TransitionPhase.DONE:  # back from zero: the idle time counts from now
+                self.at_zero.discard(name)
+                self.up_since[name] = t
+            else:  # rolled back: still at zero, its requests still held; the watch goes on
+                self._watch_zero(sim, name, t + self.options.zero_poll_s)
         staged = self.staged.get(name)
         if staged is not None:
             done = rec.phase is TransitionPhase.DONE
@@ -474,7 +488,12 @@ class FlexPipePolicy(Policy):
                 staged=self.staged.get(name),
                 running=Running(running.seq, running.kind, running.phase.value, bool(running.abort_reason))
                 if running is not None else None,
-                serving=self._valid(sim, name), index=dep.index))
+                serving=self._valid(sim, name), index=dep.index,
+                idle_to_zero_s=dep.spec.idle_to_zero_s, min_replicas=dep.spec.min_replicas,
+                up_since_s=self.up_since.get(name), at_zero=name in self.at_zero,
+                waiting=len(dep.pending) if name in self.at_zero else 0,
+                # mirror first: a wake-up waits until the released plans freed their GPUs
+                reports_mirror_last=not (name in self.at_zero and dep.engines)))
         return states, FleetState(snapshot=snap, history=self.history, held=_held(driver), jobs=sim.job_states())
 
     def _step(self, sim: FleetSim, t: float, trigger: Trigger, only: str | None = None) -> None:
@@ -494,6 +513,14 @@ class FlexPipePolicy(Policy):
             self.finished.pop(name, None)
         if step.clear_staged:
             self.staged.pop(name, None)
+        if step.release is not None:  # rule 9b: drain and free the gear; its requests wait for a wake-up
+            self.driver.release(name)
+            self.at_zero.add(name)
+            self.scaled_to_zero += 1
+            self.decisions.append({"t_s": round(t, 3), "deployment": name, "trigger": step.trigger.value,
+                                   "outcome": "scale_to_zero", "target": None, "stage": 0, "reason": step.release})
+            self._watch_zero(sim, name, t + self.options.zero_poll_s)
+            return
         decision = step.decision
         if decision is None:
             return
@@ -503,9 +530,13 @@ class FlexPipePolicy(Policy):
                 return
             if step.start.staged_target is not None:
                 self.staged[name] = Staged(step.start.staged_target, step.start.kind, FirstStage.RUNNING)
-            # only a switch the gearbox chose starts a cooldown (gearbox.record_switch)
-            self.deployments[name] = record_switch(self.deployments[name], t, forced=decision.forced)
-            self.switches += 1
+            if step.wake:  # a cold start: no cooldown (a bring-up is no switch the gearbox chose)
+                self.waking.add(name)
+                self.cold_starts += 1
+            else:
+                # only a switch the gearbox chose starts a cooldown (gearbox.record_switch)
+                self.deployments[name] = record_switch(self.deployments[name], t, forced=decision.forced)
+                self.switches += 1
         if decision.outcome in (Outcome.SWITCH, Outcome.BLOCKED):
             self.decisions.append({
                 "t_s": round(t, 3), "deployment": name, "trigger": decision.trigger.value,
@@ -515,11 +546,23 @@ class FlexPipePolicy(Policy):
                 "reason": decision.reasons[-1] if decision.reasons else "",
             })
 
+    def _watch_zero(self, sim: FleetSim, name: str, t: float) -> None:
+        """While a deployment is at zero, look for held requests every `zero_poll_s`: one wakes it."""
+        if name not in self.at_zero or name in self.waking:
+            return
+        if sim.deployments[name].pending:
+            self._step(sim, t, Trigger.PERIODIC, only=name)
+        if t + self.options.zero_poll_s <= sim.scenario.duration_s or sim.deployments[name].pending:
+            sim.call_at(t + self.options.zero_poll_s, lambda now: self._watch_zero(sim, name, now))
+
     def extra(self) -> dict[str, Any]:
         assert self.driver is not None  # noqa: S101
         violations = check_invariants(self.driver.log.events, complete=True)
-        return {"decide_calls": self.calls, "decisions": self.decisions[:200],
-                "transition_invariant_violations": [str(v) for v in violations[:20]]}
+        out: dict[str, Any] = {"decide_calls": self.calls, "decisions": self.decisions[:200],
+                               "transition_invariant_violations": [str(v) for v in violations[:20]]}
+        if any(d.spec.idle_to_zero_s is not None for d in self._sim.deployments.values()) if self._sim else False:
+            out.update(scaled_to_zero=self.scaled_to_zero, cold_starts=self.cold_starts)
+        return out
 
 
 def _held(driver: TransitionDriver) -> dict[str, frozenset[str]]:

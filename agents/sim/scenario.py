@@ -72,6 +72,8 @@ class ModelDeploymentSpec:
     tpot_ms: float
     priority: int
     baseline: BaselineSpec
+    idle_to_zero_s: float | None = None  # scale to zero after this long without arrivals (None: never)
+    min_replicas: int = 1  # 0 lets it scale to zero (needed with idle_to_zero_s)
 
 
 @dataclass(frozen=True)
@@ -305,6 +307,11 @@ def _read_models(r: ObjectReader, known: dict[str, NodeSpec], model_names: set[s
             tpot = slo.num("tpot_ms", min=0.0, exclusive_min=True)
             slo.done()
         priority = mr.int("priority", 0)
+        idle = mr.num("idle_to_zero_s", None, min=0.0, exclusive_min=True)
+        low = mr.int("min_replicas", 1, min=0)
+        if idle is not None and low is not None and low != 0:
+            mr.fail("idle_to_zero_s", f"scaling to zero needs min_replicas 0 (it is {low})")
+            idle = None
         baseline = None
         br = mr.obj("baseline")
         if br is not None:
@@ -320,7 +327,8 @@ def _read_models(r: ObjectReader, known: dict[str, NodeSpec], model_names: set[s
             mr.fail("model", f"unknown model {model!r}; known: {', '.join(sorted(model_names))}")
             model = None
         if None not in (dep, model, ttft, tpot, baseline):
-            out.append(ModelDeploymentSpec(dep, model, ttft, tpot, priority, baseline))  # type: ignore[arg-type]
+            out.append(ModelDeploymentSpec(dep, model, ttft, tpot, priority, baseline,  # type: ignore[arg-type]
+                                           idle, low if low is not None else 1))
     return out
 
 

@@ -5,6 +5,10 @@ Prometheus (process-local events, summed over web processes by Prometheus):
     flexpipe_gateway_ttft_seconds, flexpipe_gateway_tpot_seconds   histograms per deployment
     flexpipe_gateway_prompt_tokens_total, flexpipe_gateway_completion_tokens_total
     flexpipe_gateway_handovers_total, flexpipe_gateway_handover_stall_seconds
+    flexpipe_gateway_cold_starts_total{deployment}      deployments at zero this process woke up
+    flexpipe_gateway_cold_start_wait_seconds{deployment, outcome}   how long held requests waited
+                                                        (outcome: served | timeout | refused)
+    flexpipe_gateway_cold_start_held{deployment}        requests held right now
 
 Load window: each gateway process sums what it admitted over FLEXPIPE_GATEWAY_LOAD_INTERVAL_S
 (arrivals/s, mean prompt and output tokens) and appends one gearbox LoadSample per interval with
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.utils import timezone
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from console.metrics import REGISTRY
 from scheduler.gearbox import LoadSample
@@ -42,6 +46,15 @@ FAILOVERS = Counter("flexpipe_gateway_failovers",
 HANDOVER_STALL = Histogram("flexpipe_gateway_handover_stall_seconds",
                            "From a stream's `moved` end to the continued stream being open", ["deployment"],
                            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5), registry=REGISTRY)
+
+COLD_STARTS = Counter("flexpipe_gateway_cold_starts", "Deployments at zero woken up by a request this gateway held",
+                      ["deployment"], registry=REGISTRY)
+COLD_START_WAIT = Histogram("flexpipe_gateway_cold_start_wait_seconds",
+                            "How long a request of a deployment at zero was held before it was admitted (or not)",
+                            ["deployment", "outcome"], buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                            registry=REGISTRY)
+COLD_START_HELD = Gauge("flexpipe_gateway_cold_start_held", "Requests held now for a deployment at zero",
+                        ["deployment"], registry=REGISTRY)
 
 
 @dataclass

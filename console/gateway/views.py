@@ -20,6 +20,13 @@ once without a thread each. A request:
    for the gearbox to put a plan up, at most MAX_FAILOVERS times. Greedy decoding continues with
    exactly the tokens it would have made; a seeded sample continues validly but with fresh
    draws. Only then does the client get an error (nothing admitted is dropped silently).
+
+A request of a deployment scaled to zero (its gear released after its idle time; console/gearbox/
+zero.py) is held before step 2 - not refused, not lost: the gateway marks the deployment as having
+a request waiting and asks for a tick (the control loop's rule 9 brings the baseline up), then
+polls its routing table until a plan takes the request, for up to FLEXPIPE_GATEWAY_COLD_START_WAIT_S.
+Nothing is streamed meanwhile (not even the headers): the first bytes are the first token's. After
+the wait, 503 `cold_start_timeout` naming the deployment and the wait.
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ class _Deployment:
     max_context: int | None = None
     version_label: str = ""
     slo_s: tuple[float, float] | None = None  # (TTFT, TPOT) objectives: what learned routing holds it to
+    at_zero: bool = False  # scaled to zero: its gear was released (its next request is held)
 
 
 def _deployment(model: str) -> _Deployment | None:
@@ -111,13 +119,19 @@ def _deployment(model: str) -> _Deployment | None:
 
     row = (Deployment.objects.filter(Q(name=model) | Q(model_name=model)).order_by("-priority", "name")
            .values("name", "model_name", "routing_version", "routing", "model_version__max_context",
-                   "model_version__version", "ttft_ms", "tpot_ms").first())
+                   "model_version__version", "ttft_ms", "tpot_ms", "zero_since").first())
     if row is None:
         return None
     routes = row["routing"] if isinstance(row["routing"], list) else []
     return _Deployment(row["name"], row["model_name"], row["routing_version"], routes,
                        row["model_version__max_context"], row["model_version__version"] or "",
-                       (row["ttft_ms"] / 1e3, row["tpot_ms"] / 1e3))
+                       (row["ttft_ms"] / 1e3, row["tpot_ms"] / 1e3), row["zero_since"] is not None)
+
+
+def _wake(name: str) -> bool:
+    from console.gearbox.zero import do_request_wake
+
+    return do_request_wake(name)
 
 
 def _data_addr(node_id: str) -> str:
@@ -237,6 +251,45 @@ async def _admit(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], 
         raise ApiError(429, f"no plan of {dep.name} can take a request now (none routable"
                             f"{', a switch is in progress' if frozen else ''})",
                        type_="rate_limit_error", code="no_route", retry_after_s=1.0)
+
+
+async def _admit_cold(job: _Job) -> Admitted:
+    """Hold the request of a deployment at zero until its gear takes it (module docstring)."""
+    name = job.dep.name
+    wait_s = _setting("FLEXPIPE_GATEWAY_COLD_START_WAIT_S", 120.0)
+    t0 = time.monotonic()
+    outcome, signalled = "timeout", -1.0
+    metrics.COLD_START_HELD.labels(name).inc()
+    try:
+        while True:
+            now = time.monotonic()
+            if now - signalled >= 1.0:  # the mark stays until the gear is back: renewing it is cheap
+                signalled = now
+                if await sync_to_async(_wake)(name):
+                    metrics.COLD_STARTS.labels(name).inc()
+            dep = await sync_to_async(_deployment)(name)
+            if dep is None:
+                outcome = "refused"
+                raise ApiError(404, f"model: {name} was deleted while its request waited for it to scale up",
+                               param="model", code="model_not_found")
+            if any(isinstance(r, dict) and float(r.get("weight") or 0) > 0 for r in dep.routes):
+                try:
+                    adm = await _admit(job.req, dep, job.prompt_ids, job.max_tokens, job.id)
+                except ApiError as exc:
+                    if exc.status != 429 or time.monotonic() - t0 > wait_s:
+                        outcome = "refused"
+                        raise
+                else:
+                    job.dep, outcome = dep, "served"
+                    return adm
+            if time.monotonic() - t0 > wait_s:
+                raise ApiError(503, f"model: {name} is scaled to zero and its gear did not come up within "
+                                    f"{wait_s:g} s (FLEXPIPE_GATEWAY_COLD_START_WAIT_S); retry later",
+                               type_="server_error", code="cold_start_timeout", retry_after_s=5.0)
+            await asyncio.sleep(0.1)
+    finally:
+        metrics.COLD_START_HELD.labels(name).dec()
+        metrics.COLD_START_WAIT.labels(name, outcome).observe(time.monotonic() - t0)
 
 
 # -- the endpoints -------------------------------------------------------------------------------------
@@ -441,7 +494,10 @@ async def _run(request: HttpRequest, endpoint: str) -> HttpResponse:
     job: _Job | None = None
     try:
         job = await _prepare(request, endpoint)
-        adm = await _admit(job.req, job.dep, job.prompt_ids, job.max_tokens, job.id)
+        if job.dep.at_zero and not job.dep.routes:
+            adm = await _admit_cold(job)
+        else:
+            adm = await _admit(job.req, job.dep, job.prompt_ids, job.max_tokens, job.id)
     except ApiError as exc:
         name = job.dep.name if job is not None else "-"
         metrics.REQUESTS.labels(name, endpoint, str(exc.status)).inc()

@@ -10,7 +10,8 @@
 * step: scheduler.control.ControlLoop (the rules, in order, are in its docstring);
 * persist: each step through the existing actions (`persist`): the folded back-off, the end of a
   staged path, the decision (actions.do_record_decision), its transition (actions._start), the
-  stage it remembers, and for an emergency the abort it asks for and the request it clears.
+  stage it remembers, and for an emergency the abort it asks for and the request it clears; a
+  release to zero (rule 9b) and the wake-up's audit entry through console/gearbox/zero.py.
 
 Two ticks may race: both decide, one claims the seq (ports.DjangoStore.create), the other's
 decision is noted as not started.
@@ -27,7 +28,7 @@ from django.db import transaction
 
 from console.fleet import fragments
 from console.fleet.models import AgentCommand, Node
-from console.gearbox import actions  # (called through the module: tests patch its actions)
+from console.gearbox import actions, zero  # (called through the module: tests patch its actions)
 from console.gearbox.actions import GEARBOX, Decided
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
@@ -122,12 +123,18 @@ def observe(name: str, base: Snapshot, now: datetime, index: int = 0) -> Observe
         lost = actions.drop_lost_plans(dep, now=now)
         if lost:
             dep = Deployment.objects.get(name=name)
+    zero.observe_zero(dep)  # a gear back up is no longer at zero
     emergency = None
     if dep.emergency_requested_at is not None:
         from console.gearbox.emergency import emergency_target
 
         emergency = emergency_target(dep)
     finished, seen = _finished(dep, now)
+    resting = zero.at_zero(dep)
+    mirrored = (zero.released(dep) if resting else reports_mirror_last_transition(dep, base, now)) \
+        if active is None else True
+    up = (Transition.objects.filter(deployment=dep, phase="done", finished_at__isnull=False).order_by("-seq")
+          .values_list("finished_at", flat=True).first())
     state = DeploymentState(
         deployment=actions.scheduler_deployment(dep), current=actions._gear(dep, "current_gear"),
         load=load_window(dep.load_window),
@@ -136,8 +143,11 @@ def observe(name: str, base: Snapshot, now: datetime, index: int = 0) -> Observe
         staged=_staged(dep),
         running=Running(active.seq, Kind(active.kind), active.phase, bool(active.abort_reason))
         if active is not None else None,
-        reports_mirror_last=reports_mirror_last_transition(dep, base, now) if active is None else True,
-        emergency_target=emergency, deleting=dep.deleting_since is not None, lost_plans=tuple(lost), index=index)
+        reports_mirror_last=mirrored,
+        emergency_target=emergency, deleting=dep.deleting_since is not None, lost_plans=tuple(lost), index=index,
+        idle_to_zero_s=dep.idle_to_zero_s, min_replicas=dep.min_replicas,
+        up_since_s=up.timestamp() if up is not None else None, at_zero=resting,
+        waiting=1 if resting and dep.wake_requested_at is not None else 0)
     return Observed(dep, state, seen)
 
 
@@ -173,6 +183,9 @@ def persist(obs: Observed, step: Step, now: datetime, actor: str) -> Decided:
             dep.backoff = updated
     if step.clear_staged and step.start is None:
         _clear_stage(dep)
+    if step.release is not None:  # rule 9b: drain and release the gear (console/gearbox/zero.py)
+        zero.do_scale_to_zero(dep, step.release, now=now, actor=actor)
+        return Decided(None, None)
     d = step.decision
     if d is None:
         return Decided(None, None, waiting_for_reports=step.waiting_for_reports)
@@ -185,6 +198,8 @@ def persist(obs: Observed, step: Step, now: datetime, actor: str) -> Decided:
             if started is None:
                 row.note = "not started: another transition claimed the deployment first"
                 row.save(update_fields=["note"])
+            elif step.wake:
+                zero.do_record_wake(dep, started, now=now, actor=actor)
             if step.start.staged_target is not None and started is not None:
                 # a first stage that started is remembered: its second follows when it is done
                 Deployment.objects.filter(pk=dep.pk).update(staged_gear=step.start.staged_target.to_dict(),

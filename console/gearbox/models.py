@@ -70,6 +70,10 @@ class Deployment(models.Model):
     min_replicas = models.PositiveIntegerField(default=1)
     max_replicas = models.PositiveIntegerField(default=8)
     idle_to_zero_s = models.FloatField(null=True, blank=True)
+    # scaled to zero (console/gearbox/zero.py): since when its gear is released (null: not at zero), and
+    # since when the gateway holds a request for it (null: none held - nothing wakes it)
+    zero_since = models.DateTimeField(null=True, blank=True)
+    wake_requested_at = models.DateTimeField(null=True, blank=True)
     # who created it through the API or the console (null: a scenario file, or the user was removed)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")

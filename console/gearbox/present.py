@@ -38,7 +38,7 @@ from scheduler.topology import Snapshot
 from scheduler.transition import STEP_DEFS, Step
 
 SHADOW_STATUSES = ("none", "preparing", "ready", "canary", "promoted", "rolling_back")
-HEALTH_STATES = ("idle", "ok", "switching", "degraded")
+HEALTH_STATES = ("idle", "scaled to zero", "ok", "switching", "degraded")
 MIGRATE_STEPS = ("move", "rb_move")
 
 
@@ -386,6 +386,13 @@ def health(dep: Deployment, active: Transition | None, fleet: FleetView,
         state = "degraded"
     elif active is not None:
         state = "switching"
+    elif current is None and dep.zero_since is not None:
+        state = "scaled to zero"
+        reasons.append(f"scaled to zero at {iso(dep.zero_since)} after {dep.idle_to_zero_s or 0:g} s without "
+                       "requests: its GPUs are back in the pool; the gateway holds its next request while the "
+                       "baseline gear comes up")
+        if dep.wake_requested_at is not None:
+            reasons.append(f"a request is held since {iso(dep.wake_requested_at)}: waking up")
     elif current is None:
         state = "idle"
         reasons.append("nothing runs yet: the gearbox brings the baseline gear up")
@@ -454,7 +461,7 @@ def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any
             "model_version_id": active.model_version_id},
         "emergency": emergency_payload(dep, active, names),
         "pending_decision": ctx.pending.get(dep.pk), "last_transition_seq": dep.last_transition_seq,
-        "deleting_since": iso(dep.deleting_since),
+        "deleting_since": iso(dep.deleting_since), "zero_since": iso(dep.zero_since),
         "health": health(dep, active, ctx.fleet, served), "serving": served, "twu": ctx.twu.payload(dep),
         "created_at": iso(dep.created_at), "updated_at": iso(dep.updated_at),
     }

@@ -164,6 +164,8 @@ class DeploymentSerializer(PayloadSerializer):
         "actor": serializers.CharField()}, allow_null=True, help_text="a downshift waiting to start")
     pending_decision = serializers.IntegerField(allow_null=True, help_text="advisory: the decision to approve")
     deleting_since = serializers.DateTimeField(allow_null=True, help_text="draining before it is deleted")
+    zero_since = serializers.DateTimeField(allow_null=True, help_text=(
+        "scaled to zero since (its gear released after idle_to_zero_s; its next request wakes it); null: not"))
     last_transition_seq = serializers.IntegerField()
     health = inline_serializer("Health", {"state": serializers.ChoiceField(choices=present.HEALTH_STATES),
                                           "reasons": serializers.ListField(child=serializers.CharField())})

@@ -30,7 +30,17 @@ The rules, in order, for each deployment, highest priority first (then `index`):
     MANUAL decision relabelled with the step's trigger ("bring the baseline gear up"; ADVISE in
     advisory mode), waiting while any of its GPUs was never reported; when it does not fit,
     the best feasible gear. With `BringUp.SEEDED` (the simulator starts every baseline at t=0)
-    a deployment with no gear is a driver error.
+    a deployment with no gear is a driver error - unless rule 9b released it (`at_zero`). A
+    deployment at zero stays there, deciding nothing, while no request is held for it; with
+    `waiting` > 0 - or once it may not rest at zero any more (an operator changed its bounds) -
+    it comes up the same way, whichever the driver (the step's `wake`: a cold start; the reason
+    says how many requests wait).
+9b. Idle to zero (scheduler/pool/zero.py). On a periodic step with no staged second stage owed,
+    a deployment whose `idle_to_zero_s` is set, with `min_replicas` 0 and mode auto (pinned,
+    emergency and advisory ones hold: operators win), whose load window is fresh and shows no
+    arrivals nor backlog for longer than its idle time (counted from `up_since_s` at the
+    earliest), releases its gear: the step's `release`, no decision. The driver drains the gear
+    (nothing admitted is lost: held requests wait for rule 9's wake-up) and frees its GPUs.
 10. With `skip_cooldown_stays` (the simulator), a valid, serving gear inside its cooldown on a
     periodic step, with no staged second stage owed, stays without a call (gearbox rule 3 makes
     that call a STAY whatever the candidates are); nothing is recorded.
@@ -78,6 +88,7 @@ from scheduler.gearbox import CapacityAsk, Mode, Outcome, Trigger, cooldown_unti
 from scheduler.plan import Gear
 from scheduler.pool.autoscale import Direction, ScaleSignal, gear_twu_samples, scale_signal
 from scheduler.pool.jobs import decide_around_jobs
+from scheduler.pool.zero import idle_signal, never_to_zero, quiet_since_s, wake_reason
 from scheduler.topology import Snapshot
 from scheduler.transition import Kind, Phase, lost_gpus
 
@@ -175,8 +186,17 @@ class ControlLoop:
         if trigger is Trigger.PERIODIC and has_lost_gpus(state.current, fleet.snapshot):  # rule 8
             trigger = Trigger.TOPOLOGY
         if state.current is None:  # rule 9
+            if state.at_zero and state.waiting <= 0 and never_to_zero(state.idle_to_zero_s, state.min_replicas,
+                                                                       state.deployment.mode) is None:
+                return Step(name, trigger, clear_staged=clear, backoff=book)
             return self._bring_up(state, fleet, held, now_s, trigger, book)
         cfg = self.config
+        if trigger is Trigger.PERIODIC and staged is None:  # rule 9b
+            idle = idle_signal(state.load, now_s, idle_to_zero_s=state.idle_to_zero_s, min_replicas=state.min_replicas,
+                               mode=state.deployment.mode, up_since_s=state.up_since_s,
+                               fresh_s=cfg.gearbox.short_window_s)
+            if idle.release:
+                return Step(name, trigger, clear_staged=clear, backoff=book, release=idle.reason)
         until = cooldown_until(state.deployment, cfg.gearbox)
         if (cfg.skip_cooldown_stays and staged is None and state.serving and trigger is Trigger.PERIODIC
                 and until is not None and now_s < until):  # rule 10
@@ -212,7 +232,7 @@ class ControlLoop:
     def _bring_up(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
                   trigger: Trigger, book: Backoff) -> Step:
         name = state.deployment.id
-        if self.config.bring_up is BringUp.SEEDED:
+        if self.config.bring_up is BringUp.SEEDED and not state.at_zero:
             raise ValueError(f"current: {name} has no gear, but this loop's baselines are seeded by its driver")
         baseline = state.deployment.baseline
         if baseline is None:
@@ -227,7 +247,10 @@ class ControlLoop:
             d = replace(d, trigger=trigger, outcome=outcome, reasons=(BRING_UP_REASON,))
         else:
             d = self._decide(state, fleet, held, now_s, trigger, book=book)
-        return Step(name, trigger, d, self._start_of(d, Kind.AUTO), backoff=book)
+        wake = state.at_zero
+        if wake:
+            d = replace(d, reasons=(wake_reason(state.waiting), *d.reasons))
+        return Step(name, trigger, d, self._start_of(d, Kind.AUTO), backoff=book, wake=wake)
 
     # --- helpers ----------------------------------------------------------------------------
     def _twu_signal(self, state: DeploymentState, fleet: FleetState, now_s: float) -> ScaleSignal:
@@ -271,6 +294,11 @@ class ControlLoop:
         book = step.backoff if step.backoff is not None else state.backoff
         if book is not None and book.hold_until_s is not None and book.hold_until_s > now_s:
             out.append(book.hold_until_s)
+        if (state.current is not None and state.idle_to_zero_s is not None and state.min_replicas == 0
+                and state.deployment.mode is Mode.AUTO and step.release is None):
+            since = quiet_since_s(state.load, state.up_since_s)  # rule 9b: when its idle time runs out
+            if since is not None and since + state.idle_to_zero_s > now_s:
+                out.append(since + state.idle_to_zero_s)
         return out
 
 

@@ -105,6 +105,12 @@ class DeploymentState:
     twu: tuple[TwuSample, ...] | None = None  # its TWU per report interval (scheduler.pool.twu), rule 11;
     # None: the loop prices its load window over the current gear (autoscale.gear_twu_samples), as
     # both drivers leave it - the same inputs, the same samples
+    idle_to_zero_s: float | None = None  # rule 9b: release the gear after this long without arrivals (None: never)
+    min_replicas: int = 1  # rule 9b: only a deployment whose minimum is 0 scales to zero
+    up_since_s: float | None = None  # when the current gear came up (the idle time counts from it, too)
+    at_zero: bool = False  # rule 9b released its gear (current is None): it comes up only for held requests
+    waiting: int = 0  # requests held for it while at zero (the gateway's cold-start wait, the simulator's
+    # queue): rule 9 wakes it up
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,9 @@ class Step:
     clear_staged: bool = False  # the staged path on its way is over (forget it)
     backoff: Backoff | None = None  # the folded book (rule 5 ran: persist it, `finished` is in it)
     emergency: bool = False  # this step served a pending emergency
+    release: str | None = None  # rule 9b: scale to zero - drain the current gear and free its GPUs (the
+    # driver's release path), with this reason
+    wake: bool = False  # rule 9: `start` brings a deployment at zero back (a cold start)
 
 
 @dataclass(frozen=True)

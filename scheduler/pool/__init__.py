@@ -5,4 +5,5 @@
                   (`admission_shares`)
     jobs.py       fine-tune and batch jobs on the pool (priority 1): booking, yield with a
                   checkpoint inside a grace time, resume; which job GPUs a deployment may take
+    zero.py       scale to zero after the idle time (`idle_signal`), and the wake-up's reason
 """

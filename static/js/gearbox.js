@@ -5,7 +5,7 @@
   "use strict";
   const PHASE_COLORS = { prepare: "#7c8cf0", switch: "#f0a23c", cleanup: "#46a86b", rollback: "#d0533f",
                          done: "#46a86b", rolled_back: "#d0533f" };
-  const HEALTH_PILL = { ok: "pill-ok", switching: "pill-wait", degraded: "pill-bad", idle: "pill-off" };
+  const HEALTH_PILL = { ok: "pill-ok", switching: "pill-wait", degraded: "pill-bad", idle: "pill-off", "scaled to zero": "pill-off" };
   const MODE_PILL = { auto: "pill-ok", advisory: "pill-wait", pinned: "pill-pin", emergency: "pill-emergency" };
   const STAGE_COLORS = ["#3451b2", "#e07b39", "#2f9e6e", "#b8408a", "#8a6d1f", "#4f9fd8", "#c23b3b", "#6b5bd2"];
 

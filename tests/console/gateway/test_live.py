@@ -19,6 +19,7 @@ import pytest
 from channels.testing import ChannelsLiveServerTestCase
 from django.db import connection
 from django.test import override_settings
+from django.utils import timezone
 
 from agents.dataplane import PlanHost
 from agents.engines.torch.weights import make_tiny_llama
@@ -279,3 +280,35 @@ class GatewayLive(ChannelsLiveServerTestCase):
             for _ in stream:
                 set_routes("tiny", [])  # and no plan takes its place within FLEXPIPE_GATEWAY_FAILOVER_WAIT_S
                 doomed.release(drain_timeout_s=0.0, fallback=None)  # no fallback: its sequences fail
+
+    def test_a_request_of_a_deployment_at_zero_is_held_streaming_nothing_until_its_gear_is_up(self) -> None:
+        _, ids0 = self.no_switch(12)
+        Deployment.objects.filter(name="tiny").update(routing=[], zero_since=timezone.now())  # scaled to zero
+        colds = self.metric("flexpipe_gateway_cold_starts_total")
+        box: dict[str, Any] = {}
+
+        def ask() -> None:
+            stream = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                    stream=True, extra_body=GREEDY)
+            box["opened"] = time.monotonic()  # the response started: the first chunk follows
+            box["ids"] = [i for chunk in stream for i in (chunk.choices[0].model_extra.get("token_ids") or [])]
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        deadline = time.monotonic() + 60
+        while Deployment.objects.get(name="tiny").wake_requested_at is None:  # the gateway signals demand
+            assert time.monotonic() < deadline and asker.is_alive(), "the held request never signalled"
+            time.sleep(0.02)
+        assert "opened" not in box and asker.is_alive()  # held: nothing streamed, not refused
+        up = time.monotonic()
+        set_routes("tiny", [route(self.a, "a1")])  # the wake-up transition's SWITCH commits its plan
+        asker.join(60)
+        assert box["ids"] == ids0 and box["opened"] >= up  # served whole, and only once the gear was up
+        assert self.metric("flexpipe_gateway_cold_starts_total") == colds + 1
+        assert self.metric("flexpipe_gateway_cold_start_wait_seconds_count", outcome="served") >= 1
+
+    def metric(self, name: str, **labels: str) -> float:
+        scrape = httpx.get(f"{self.live_server_url}/metrics", headers={"Authorization": f"Bearer {self.token}"})
+        want = ",".join([r'deployment="tiny"'] + [f'{k}="{v}"' for k, v in labels.items()])
+        found = re.search(rf'^{name}\{{{want}\}} ([0-9.e+]+)$', scrape.text, re.M)
+        return float(found.group(1)) if found else 0.0

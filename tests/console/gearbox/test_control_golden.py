@@ -95,6 +95,8 @@ class _Runtime:
     model: Any = M8
     index: int = 0
     priority: int = 0
+    idle_to_zero_s: float | None = None  # (never scales to zero: the console's deployment neither)
+    min_replicas: int = 1
 
     @property
     def spec(self) -> _Runtime:  # (FleetSim's runtime keeps the priority in its spec)
