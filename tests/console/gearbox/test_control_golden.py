@@ -126,6 +126,9 @@ class _Sim:
     def call_at(self, t: float, fn: Callable[[float], None]) -> None:
         self.later.append((t, fn))
 
+    def job_states(self) -> tuple[()]:
+        return ()  # no fine-tune job in this trace
+
     driver: _Driver
 
 
