@@ -25,6 +25,13 @@ the others; `make_pool_policy` knows both):
   It knows nothing of the other models: GPUs another model holds are simply not free.
 
 Both route by each replica's share of its deployment's modelled capacity.
+
+* flexpipe, as bench.pool runs it (`PoolFlexPipePolicy`): agents.sim.policies' FlexPipePolicy -
+  the one control loop, every model on the shared pool - started the way the other two start:
+  warm at t=0 on the fewest-GPU gear of the planner's that meets the SLOs at each model's opening
+  load with the gearbox's headroom (in priority order, each on GPUs the earlier ones left), not on a one-replica scenario baseline that the opening load
+  would overload (the gearbox then grabs the gear that loads fastest - the widest TP - and holds
+  it for a cooldown). What happens after t=0 is the control loop's alone.
 """
 
 from __future__ import annotations
@@ -39,16 +46,20 @@ from agents.sim.engine import PlanEngine
 from agents.sim.fleet import FleetSim
 from agents.sim.policies import (
     DEFAULT_POLICY_OPTIONS,
+    FlexPipePolicy,
     Policy,
     PolicyOptions,
     by_priority,
     make_policy,
     peak_workload,
 )
+from scheduler.control.loop import decision_snapshot
 from scheduler.costmodel import Workload, estimate_plan, max_kv_tokens
+from scheduler.gearbox import standing
 from scheduler.hardware import gpu_spec
-from scheduler.plan import Plan, Stage
+from scheduler.plan import Gear, Plan, Stage
 from scheduler.planner import DEFAULT_OPTIONS as PLANNER_DEFAULTS
+from scheduler.planner import plan_candidates
 from scheduler.topology import atomic_blocks
 
 
@@ -215,6 +226,30 @@ class ReactivePolicy(_Replicas):
         return {**super().extra(), "scale_ups": self.scale_ups, "scale_downs": self.scale_downs}
 
 
+class PoolFlexPipePolicy(FlexPipePolicy):
+    """FlexPipe started warm on the planner's gear for the opening load (module docstring)."""
+
+    def start_gears(self, sim: FleetSim) -> dict[str, Gear]:
+        out: dict[str, Gear] = {}
+        for dep in by_priority(sim):
+            shape = peak_workload(sim.scenario, dep.name)
+            rate0 = sum(w.rate_rps(0.0) for w in sim.scenario.workload if w.deployment == dep.name)
+            others = {u for e in sim.live.values() for u in e.plan.gpu_uuids}
+            load = shape.scaled(rate0 / max(shape.rate_rps, 1e-9))
+            cands = plan_candidates(dep.model, decision_snapshot(sim.snapshot(), others), load, slo=dep.slo)
+            if not cands.feasible:
+                raise ValueError(f"{dep.name}: no gear fits the pool at t=0: {'; '.join(cands.infeasible[:2])}")
+            # the gearbox's choice among gears that meet the SLOs with its headroom: the fewest GPUs
+            # (the planner's order breaks ties; none standing: the planner's first)
+            ok = [c for c in cands.feasible if standing(c.estimate, load)]
+            gear = min(ok, key=lambda c: c.estimate.gpus).gear if ok else cands.feasible[0].gear
+            engines = {sim.launch(dep.name, p, source="warm", accepting=True, weight=w).engine_id: w
+                       for p, w in zip(gear.plans, gear.weights, strict=True)}
+            sim.set_routing(dep.name, engines)
+            out[dep.name] = gear
+        return out
+
+
 POOL_POLICIES: tuple[str, ...] = (PoolPolicyName.DEDICATED.value, PoolPolicyName.REACTIVE.value, "flexpipe")
 
 
@@ -224,6 +259,8 @@ def make_pool_policy(name: str, tp: Mapping[str, int], options: PolicyOptions = 
         return DedicatedPolicy(tp, options)
     if name == PoolPolicyName.REACTIVE:
         return ReactivePolicy(tp, options)
+    if name == "flexpipe":
+        return PoolFlexPipePolicy(options)
     try:
         return make_policy(name, options)
     except ValueError as exc:
