@@ -21,7 +21,11 @@ three policies to a few minutes of CPU; --compress 1 runs real time.
 
 Policies: dedicated and reactive (agents/sim/poolpolicies.py; reactive imitates a per-model
 Kubernetes HPA / Knative KPA: its docstring says what of them), flexpipe (the one control loop,
-scheduler/control, TWU rule 11, every model on the shared pool; agents/sim/policies.py).
+scheduler/control, TWU rule 11, every model on the shared pool; agents/sim/policies.py), here
+with GearboxConfig.scale_in_on_twu_band on: when TWU asks for less capacity the smaller gear must
+stand below the high watermark, the TWU band being the scale-in's band, not also below the
+gearbox's shrink watermark (0.65), which vetoed every such ask (--no-twu-band: off, the default
+elsewhere).
 
 Per policy (JSON `policies.<name>`): gpu_hours_held (GPU-hours held by plans, launch to release,
 over the simulated span), slo_attainment (share of all models' finished requests that met both
@@ -45,12 +49,14 @@ import json
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from agents.sim.fleet import FleetSim
+from agents.sim.policies import PolicyOptions
 from agents.sim.poolpolicies import POOL_POLICIES, make_pool_policy
 from agents.sim.poolscenario import (
     WINDOW_S,
@@ -62,6 +68,7 @@ from agents.sim.poolscenario import (
 )
 from agents.sim.run import run_policy
 from agents.sim.workload import build_workload
+from scheduler.gearbox import DEFAULT_CONFIG
 
 
 def _traces() -> Path:
@@ -118,8 +125,10 @@ def pool_figures(sim: FleetSim, bin_s: float) -> dict[str, Any]:
     return out
 
 
-def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None) -> dict[str, Any]:
-    """Every policy on the same requests; the result (module docstring)."""
+def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None, twu_band: bool = True) -> dict[str, Any]:
+    """Every policy on the same requests; the result (module docstring). `twu_band`: flexpipe's
+    gearbox scales in on the TWU rule's band (GearboxConfig.scale_in_on_twu_band)."""
+    options = PolicyOptions(gearbox=replace(DEFAULT_CONFIG, scale_in_on_twu_band=twu_band))
     scenario = built.scenario
     tp = {m.spec.deployment: m.spec.tp for m in built.models}
     for name in policies:
@@ -133,7 +142,7 @@ def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None) -> 
         def inspect(sim: FleetSim, into: dict[str, Any] = figures) -> None:
             into.update(pool_figures(sim, bin_s))
 
-        r = run_policy(scenario, name, workload=work, policy=make_pool_policy(name, tp), inspect=inspect)
+        r = run_policy(scenario, name, workload=work, policy=make_pool_policy(name, tp, options), inspect=inspect)
         cold = [x for f in figures.values() for x in f["cold_ttfts"]]
         results[name] = {
             "gpu_hours_held": r["gpu_hours_held"],
@@ -177,6 +186,7 @@ def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None) -> 
                                            "peak_rps": _r(m.peak_rps), "mean_rps": _r(m.mean_rps), "slo_ms": [m.spec.ttft_ms, m.spec.tpot_ms]}
                        for m in built.models},
         },
+        "flexpipe_options": {"scale_in_on_twu_band": twu_band},
         "policies": results,
         "ratios": ratios(results),
         "targets": targets(results),
@@ -300,6 +310,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POOL_POLICIES), help="comma-separated (default: all three)")
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--no-twu-band", action="store_true",
+                        help="flexpipe keeps the gearbox's shrink watermark under TWU's scale-in asks")
     parser.add_argument("--no-timing", action="store_true", help="leave wall_s/cpu_s out of the JSON")
     args = parser.parse_args(list(argv) if argv is not None else None)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -319,7 +331,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"  {name:10} done: {r['finished']} finished, {r['gpu_hours_held']} GPU-h"
               f" ({time.process_time() - cpu0:.0f} s CPU so far)", file=sys.stderr)
 
-    result = run(built, names, on_policy=done)
+    result = run(built, names, on_policy=done, twu_band=not args.no_twu_band)
     print(table(result))
     if not args.no_timing:
         result["wall_s"] = round(time.perf_counter() - wall0, 3)
