@@ -382,15 +382,19 @@ class FlexPipePolicy(Policy):
         self.driver = TransitionDriver(sim, config=self.options.transition, on_finished=self._done)
         driver = self.driver
         sim.control_busy = lambda: any(driver.running(name) for name in sim.deployments)
-        for name, engine in sim.start_baselines().items():
+        for name, gear in self.start_gears(sim).items():
             dep = sim.deployments[name]
-            gear = single_plan_gear(engine.plan)
             self.driver.seed(name, gear)
             self.deployments[name] = Deployment(id=name, model=dep.model.name, slo=dep.slo, baseline=gear,
                                                 priority=dep.spec.priority)
             self.windows[name] = LoadWindow()
         self.history = self.history.observe(atomic_blocks(sim.snapshot()), 0.0)
         sim.call_at(self.options.tick_s, lambda t: self._tick(sim, t))
+
+    def start_gears(self, sim: FleetSim) -> dict[str, Gear]:
+        """deployment -> the gear it runs, warm, at t=0 (also its baseline gear, the emergency
+        target): the scenario's baseline plans."""
+        return {name: single_plan_gear(engine.plan) for name, engine in sim.start_baselines().items()}
 
     # -- triggers -------------------------------------------------------------------------------
     def _tick(self, sim: FleetSim, t: float) -> None:

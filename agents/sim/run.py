@@ -16,7 +16,7 @@ from typing import Any
 
 from agents.sim.fleet import DEFAULT_OPTIONS, FleetSim, SimOptions
 from agents.sim.metrics import summarize
-from agents.sim.policies import ALL_POLICIES, DEFAULT_POLICY_OPTIONS, PolicyOptions, make_policy
+from agents.sim.policies import ALL_POLICIES, DEFAULT_POLICY_OPTIONS, Policy, PolicyOptions, make_policy
 from agents.sim.scenario import Scenario
 from agents.sim.workload import Workload, build_workload
 from scheduler.invariants import CheckingLog
@@ -35,10 +35,11 @@ TARGETS = {
 
 def run_policy(scenario: Scenario, name: str, *, workload: Workload | None = None,
                options: SimOptions = DEFAULT_OPTIONS, policy_options: PolicyOptions = DEFAULT_POLICY_OPTIONS,
-               inspect: Callable[[FleetSim], None] | None = None) -> dict[str, Any]:
-    """One policy over the whole scenario, drained to the end; its summary (metrics.summarize)."""
+               inspect: Callable[[FleetSim], None] | None = None, policy: Policy | None = None) -> dict[str, Any]:
+    """One policy over the whole scenario, drained to the end; its summary (metrics.summarize).
+    `policy`: one already built (bench.pool's, which take their own arguments); else `name`'s."""
     work = workload if workload is not None else build_workload(scenario)
-    policy = make_policy(name, policy_options)
+    policy = policy if policy is not None else make_policy(name, policy_options)
     sim = FleetSim(scenario, options=options, listener=policy)
     # invariants 1-2 on every request's life (agents/sim/seqlog.py), checked as the run goes
     seqs = CheckingLog()

@@ -146,7 +146,13 @@ class Weighing:
         return self.at_load(gear, self.workload, self.cur.profiles)
 
     def stands(self, gear: Gear, est: Estimate, known: Mapping[Plan, PlanProfile]) -> bool:
-        shrinking = 0 < est.gpus < self.cur_gpus
+        # NOTE(band): a gear with fewer GPUs stands only below the shrink watermark - unless the
+        # config says the TWU band is the scale-in's band and the TWU rule asked for less: its band
+        # (2 x low < high) keeps the smaller gear from landing where growing is called for again,
+        # and the shrink band on top vetoes every scale-in it asks for (bench.pool measured it);
+        # the high watermark and the margin load still hold
+        shrinking = 0 < est.gpus < self.cur_gpus and not (
+            self.config.scale_in_on_twu_band and self.capacity_ask is CapacityAsk.LESS)
         if not standing(est, self.workload, self.config, shrinking=shrinking):
             return False  # (the cheap test first)
         load = self.margin_loads.get(shrinking)
