@@ -26,11 +26,12 @@ The rules, in order, for each deployment, highest priority first (then `index`):
  7. A staged switch whose first stage is done decides its second stage (the gearbox's
     `staged_target`), of the first stage's kind; a first stage that rolled back ends the path.
  8. A periodic step on a gear that lost GPUs is a topology step (whichever notices first).
- 9. No gear yet: with `BringUp.DECIDE` (the console) the baseline comes up through a requested
-    MANUAL decision relabelled with the step's trigger ("bring the baseline gear up"; ADVISE in
-    advisory mode), waiting while any of its GPUs was never reported; when it does not fit,
-    the best feasible gear. With `BringUp.SEEDED` (the simulator starts every baseline at t=0)
-    a deployment with no gear is a driver error.
+ 9. No gear - none yet (the console's new deployment), or none left (its driver dropped every plan
+    of it: rule 2; the simulator seeds its baselines at t=0, so only this): the baseline comes
+    up through a requested MANUAL decision relabelled with the step's trigger ("bring the
+    baseline gear up"; ADVISE in advisory mode), waiting while any of its GPUs was never
+    reported; when it does not fit, the best feasible gear. Requests wait in the deployment's
+    queue meanwhile (nothing admitted is lost); each topology step tries again.
 10. With `skip_cooldown_stays` (the simulator), a valid, serving gear inside its cooldown on a
     periodic step, with no staged second stage owed, stays without a call (gearbox rule 3 makes
     that call a STAY whatever the candidates are); nothing is recorded.
@@ -62,7 +63,6 @@ from dataclasses import replace
 from scheduler import gearbox
 from scheduler.backoff import NO_BACKOFF, Backoff, refusal
 from scheduler.control.state import (
-    BringUp,
     ControlOutput,
     DeploymentState,
     FirstStage,
@@ -208,8 +208,6 @@ class ControlLoop:
     def _bring_up(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
                   trigger: Trigger, book: Backoff) -> Step:
         name = state.deployment.id
-        if self.config.bring_up is BringUp.SEEDED:
-            raise ValueError(f"current: {name} has no gear, but this loop's baselines are seeded by its driver")
         baseline = state.deployment.baseline
         if baseline is None:
             raise ValueError(f"baseline: {name} has no gear and no baseline to bring up")
