@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from agents.sim.engine import PlanEngine
 from agents.sim.faults import Fault
@@ -112,6 +113,35 @@ class TransitionDriver:
         self.sim.set_routing(deployment, {}, table.version)
         for engine in self.sim.plans(deployment):
             self.sim.retire(engine, "drain")
+
+    def drop_lost(self, deployment: str) -> list[str]:
+        """Take the plans of the stable gear that died with GPUs that are back now out of its gear
+        and routing table; their ids (the console's actions.drop_lost_plans, for a simulated engine).
+
+        A plan that loses a GPU stops (FleetSim); while its GPUs are gone its gear is invalid and
+        the gearbox moves off it. When they come back before it did (nothing else was free), the
+        gear looks valid on the snapshot but nothing of it runs: what is left of it keeps serving,
+        weights renormalised, and the loop's next step (a topology one, its rule 2) replaces what
+        was lost - brings a gear up again when no plan is left (rule 9). Never while a transition
+        runs: it notices its lost plans itself."""
+        gear = self.current_gear(deployment)
+        if gear is None or self.running(deployment):
+            return []
+        lost = {p.plan_id for p in gear.plans if self.sim.engine_of(deployment, p.plan_id) is None
+                and all(self.sim.gpu_usable(u) for u in p.gpu_uuids)}
+        if not lost:
+            return []
+        kept = [(p, w) for p, w in zip(gear.plans, gear.weights, strict=True) if p.plan_id not in lost]
+        total = sum(w for _, w in kept)
+        self.world.store.gears[deployment] = (
+            Gear(gear.model, tuple(p for p, _ in kept), tuple(w / total if total > 0 else 1.0 / len(kept)
+                                                            for _, w in kept)) if kept else None)
+        routes = [r for r in self.world.routing.current(deployment).routes if r.plan_id not in lost]
+        open_weight = sum(r.weight for r in routes if not r.frozen)
+        self.world.routing.seed(deployment, [r if r.frozen else replace(
+            r, weight=r.weight / open_weight if open_weight > 0 else 1.0 / len(routes)) for r in routes])
+        self._follow_routing(deployment)
+        return sorted(lost)
 
     # --- starting and advancing -----------------------------------------------------------------
     def start(self, deployment: str, target: Gear, trigger: str, decision_ref: str | None = None

@@ -38,7 +38,6 @@ from agents.sim.metrics import SwitchRecord
 from agents.sim.scenario import DistSpec, Scenario
 from scheduler.backoff import Backoff
 from scheduler.control import (
-    BringUp,
     ControlLoop,
     DeploymentState,
     Finished,
@@ -342,9 +341,10 @@ def best_single_plan(cands: Sequence[Candidate], dep: DeploymentRuntime, snapsho
 
 # --- flexpipe ------------------------------------------------------------------------------------
 # The simulator's differences from the console's loop, as the loop's own inputs (scheduler.control):
-# baselines are seeded at t=0 (BringUp.SEEDED), reports are instant (reports_mirror_last), and a
-# periodic step inside a cooldown is skipped (skip_cooldown_stays: the replay needs only switches)
-SIM_LOOP = LoopConfig(bring_up=BringUp.SEEDED, skip_cooldown_stays=True)
+# reports are instant (reports_mirror_last), and a periodic step inside a cooldown is skipped
+# (skip_cooldown_stays: the replay needs only switches). Baselines are seeded at t=0; a gear whose
+# plans all died (drop_lost) comes back through the loop's bring-up (rule 9), as the console's does
+SIM_LOOP = LoopConfig(skip_cooldown_stays=True)
 
 
 class FlexPipePolicy(Policy):
@@ -485,6 +485,7 @@ class FlexPipePolicy(Policy):
             name = dep.name
             if only is not None and name != only:
                 continue
+            lost = driver.drop_lost(name)  # plans that died on GPUs that came back (the loop's rule 2)
             running = driver.world.store.active(name)
             states.append(DeploymentState(
                 deployment=self.deployments[name], current=driver.current_gear(name), load=self.windows[name],
@@ -492,7 +493,7 @@ class FlexPipePolicy(Policy):
                 staged=self.staged.get(name),
                 running=Running(running.seq, running.kind, running.phase.value, bool(running.abort_reason))
                 if running is not None else None,
-                serving=self._valid(sim, name), index=dep.index,
+                serving=self._valid(sim, name), lost_plans=tuple(lost), index=dep.index,
                 idle_to_zero_s=dep.spec.idle_to_zero_s, min_replicas=dep.spec.min_replicas,
                 up_since_s=self.up_since.get(name), at_zero=name in self.at_zero,
                 waiting=len(dep.pending) if name in self.at_zero else 0,

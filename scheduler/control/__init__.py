@@ -14,7 +14,6 @@ from scheduler.control.loop import (
     unreported,
 )
 from scheduler.control.state import (
-    BringUp,
     ControlOutput,
     DeploymentState,
     Finished,
@@ -28,7 +27,7 @@ from scheduler.control.state import (
 )
 
 __all__ = [
-    "BRING_UP_REASON", "BringUp", "ControlLoop", "ControlOutput", "DeploymentState", "Finished", "FirstStage",
+    "BRING_UP_REASON", "ControlLoop", "ControlOutput", "DeploymentState", "Finished", "FirstStage",
     "FleetState", "LoopConfig", "Running", "Staged", "Start", "Step", "decision_snapshot", "fold_backoff",
     "has_lost_gpus", "unreported",
 ]

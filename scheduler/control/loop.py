@@ -26,14 +26,15 @@ The rules, in order, for each deployment, highest priority first (then `index`):
  7. A staged switch whose first stage is done decides its second stage (the gearbox's
     `staged_target`), of the first stage's kind; a first stage that rolled back ends the path.
  8. A periodic step on a gear that lost GPUs is a topology step (whichever notices first).
- 9. No gear yet: with `BringUp.DECIDE` (the console) the baseline comes up through a requested
-    MANUAL decision relabelled with the step's trigger ("bring the baseline gear up"; ADVISE in
-    advisory mode), waiting while any of its GPUs was never reported; when it does not fit,
-    the best feasible gear. With `BringUp.SEEDED` (the simulator starts every baseline at t=0)
-    a deployment with no gear is a driver error - unless rule 9b released it (`at_zero`). A
-    deployment at zero stays there, deciding nothing, while no request is held for it; with
-    `waiting` > 0 - or once it may not rest at zero any more (an operator changed its bounds) -
-    it comes up the same way, whichever the driver (the step's `wake`: a cold start; the reason
+ 9. No gear - none yet (the console's new deployment), or none left (its driver dropped every plan
+    of it: rule 2; the simulator seeds its baselines at t=0, so only this): the baseline comes
+    up through a requested MANUAL decision relabelled with the step's trigger ("bring the
+    baseline gear up"; ADVISE in advisory mode), waiting while any of its GPUs was never
+    reported; when it does not fit, the best feasible gear. Requests wait in the deployment's
+    queue meanwhile (nothing admitted is lost); each topology step tries again. A deployment
+    at zero (rule 9b released it: `at_zero`) stays there, deciding nothing, while no request is
+    held for it; with `waiting` > 0 - or once it may not rest at zero any more (an operator
+    changed its bounds) - it comes up the same way (the step's `wake`: a cold start; the reason
     says how many requests wait).
 9b. Idle to zero (scheduler/pool/zero.py). On a periodic step with no staged second stage owed,
     a deployment whose `idle_to_zero_s` is set, with `min_replicas` 0 and mode auto (pinned,
@@ -75,7 +76,6 @@ from dataclasses import replace
 from scheduler import gearbox
 from scheduler.backoff import NO_BACKOFF, Backoff, refusal
 from scheduler.control.state import (
-    BringUp,
     ControlOutput,
     DeploymentState,
     FirstStage,
@@ -232,8 +232,6 @@ class ControlLoop:
     def _bring_up(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
                   trigger: Trigger, book: Backoff) -> Step:
         name = state.deployment.id
-        if self.config.bring_up is BringUp.SEEDED and not state.at_zero:
-            raise ValueError(f"current: {name} has no gear, but this loop's baselines are seeded by its driver")
         baseline = state.deployment.baseline
         if baseline is None:
             raise ValueError(f"baseline: {name} has no gear and no baseline to bring up")

@@ -30,20 +30,11 @@ class FirstStage(enum.StrEnum):
     ENDED = "ended"  # rolled back (or gone): the staged path is off
 
 
-class BringUp(enum.StrEnum):
-    """How a deployment with no gear gets its first one (loop rule 9)."""
-
-    DECIDE = "decide"  # the loop brings the baseline up (a requested MANUAL decision, relabelled)
-    SEEDED = "seeded"  # the driver started every baseline before the first step (the simulator's
-    # scenario has them running at t=0): a deployment with no gear is a driver bug (ValueError)
-
-
 @dataclass(frozen=True)
 class LoopConfig:
     """The knobs of the loop; the only place the drivers may differ, each one documented."""
 
     gearbox: GearboxConfig = DEFAULT_CONFIG  # hysteresis, cooldowns, windows (scheduler.gearbox)
-    bring_up: BringUp = BringUp.DECIDE  # rule 9
     # rule 10: a valid, serving gear inside its cooldown stays on a periodic step whatever the
     # candidates are (gearbox rule 3), so the call is skipped and nothing is recorded. The
     # console keeps every "stay" (its page and audit show them: False); the simulator only

@@ -76,6 +76,9 @@ class _Driver:
     def current_gear(self, name: str) -> Gear | None:
         return self.world.store.gears.get(name)
 
+    def drop_lost(self, name: str) -> list[str]:
+        return []  # (TransitionDriver.drop_lost: here a plan stops only while its GPUs are gone)
+
     def start(self, name: str, target: Gear, trigger: str, decision_ref: str | None = None) -> TransitionRecord:
         self.seq += 1
         rec = TransitionRecord(name, self.seq, Kind.AUTO, M8.name, self.current_gear(name), target, Phase.PREPARE,

@@ -9,7 +9,6 @@ import pytest
 from scheduler.backoff import NO_BACKOFF
 from scheduler.control import (
     BRING_UP_REASON,
-    BringUp,
     ControlLoop,
     DeploymentState,
     Finished,
@@ -147,9 +146,12 @@ def test_rule_9_it_waits_for_baseline_gpus_no_agent_reported() -> None:
     assert step(state(), snap=snap).waiting == ("chat",)
 
 
-def test_rule_9_a_seeded_driver_never_shows_a_deployment_without_a_gear() -> None:
-    with pytest.raises(ValueError, match="current: chat has no gear"):
-        step(state(), config=LoopConfig(bring_up=BringUp.SEEDED))
+def test_rule_9_a_gear_whose_plans_were_all_dropped_comes_back_as_the_baseline_on_a_topology_step() -> None:
+    # its only plan died with GPUs that are back (the driver dropped it: rule 2): no gear is left,
+    # and the baseline comes up again - the simulator's driver too (it seeds baselines at t=0 only)
+    s = step(state(current=None, lost_plans=("p1",)), config=LoopConfig(skip_cooldown_stays=True)).steps[0]
+    assert s.trigger is Trigger.TOPOLOGY and s.decision is not None and s.decision.reasons == (BRING_UP_REASON,)
+    assert s.start is not None and s.start.target == tp8("a2")
 
 
 def test_rule_10_the_cooldown_short_cut_skips_the_call_only_when_asked() -> None:

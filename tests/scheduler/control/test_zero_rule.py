@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from scheduler.control import BringUp, ControlLoop, DeploymentState, FleetState, LoopConfig
+from scheduler.control import ControlLoop, DeploymentState, FleetState, LoopConfig
 from scheduler.gearbox import LoadSample, LoadWindow, Mode, Outcome
 from tests.scheduler.control.test_loop import NOW, fleet, state, tp8
 
@@ -63,13 +63,12 @@ def test_rule_9b_silence_and_a_gear_that_just_came_up_are_not_idleness() -> None
 
 def test_rule_9_at_zero_it_stays_until_a_request_is_held_then_wakes_the_baseline() -> None:
     zero = idle(current=None, at_zero=True)
-    for cfg in (LoopConfig(), LoopConfig(bring_up=BringUp.SEEDED)):  # both drivers
-        s = one(zero, config=cfg)
-        assert s.decision is None and s.start is None and s.release is None and not s.wake
-        s = one(replace(zero, waiting=2), config=cfg)
-        assert s.wake and s.start is not None and s.start.target == tp8("a2")
-        assert s.decision is not None and s.decision.outcome is Outcome.SWITCH
-        assert "2 request(s) held: wake up" in s.decision.reasons[0]
+    s = one(zero, config=LoopConfig())
+    assert s.decision is None and s.start is None and s.release is None and not s.wake
+    s = one(replace(zero, waiting=2), config=LoopConfig())
+    assert s.wake and s.start is not None and s.start.target == tp8("a2")
+    assert s.decision is not None and s.decision.outcome is Outcome.SWITCH
+    assert "2 request(s) held: wake up" in s.decision.reasons[0]
     # an operator who sets min_replicas 1 on a deployment at zero brings it back with nothing held
     back = one(replace(zero, min_replicas=1))
     assert back.wake and back.start is not None and "may not rest there" in back.decision.reasons[0]  # type: ignore[union-attr]
