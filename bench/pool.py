@@ -32,8 +32,11 @@ over the simulated span), slo_attainment (share of all models' finished requests
 SLOs), per_model.<NAME> (slo_attainment, ttft_p99_s, gpu_hours_held, peak_gpus, lost),
 ttft_p99_s, cold_starts (bring-ups of a model from zero replicas after t=0),
 cold_start_ttft_p99_s (TTFT P99 of the requests that arrived while their model held nothing;
-null without cold starts), gpus_reclaimed_from_jobs (0: the pool has no fine-tune jobs yet -
-PoolSpec.jobs is the hook), lost, switches, and gpus_timeline.<NAME> (GPUs held at each window).
+null without cold starts), gpus_reclaimed_from_jobs (GPUs inference took from the fine-tune job),
+job_gpu_hours and jobs.<NAME> (state, progress, done_s, yields: agents/sim/jobs.py), lost, switches,
+and gpus_timeline.<NAME> (GPUs held at each window). The fine-tune job (--job-gpus, default 8 GPUs
+of 4 trace hours' work; 0: none) arrives at the busiest hour (busiest_hour_job); only flexpipe
+takes GPUs from it - dedicated and reactive leave it whatever they do not hold.
 `scenario.elastic_bound_over_dedicated` says what the series' shapes allow at best (each model's
 dedicated GPUs scaled to its load at every instant, fractional, without lag). Then `ratios`
 (flexpipe over dedicated and over reactive GPU-hours, attainment deltas in points) and `targets` (issue 17: flexpipe <= 0.5x dedicated's GPU-hours
@@ -69,6 +72,7 @@ from agents.sim.poolscenario import (
 from agents.sim.run import run_policy
 from agents.sim.workload import build_workload
 from scheduler.gearbox import DEFAULT_CONFIG
+from scheduler.pool.jobs import Job
 
 
 def _traces() -> Path:
@@ -150,7 +154,9 @@ def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None, twu
             "ttft_p99_s": r["ttft_p99_s"],
             "cold_starts": sum(f["cold_starts"] for f in figures.values()),
             "cold_start_ttft_p99_s": _r(float(np.percentile(cold, 99))) if cold else None,
-            "gpus_reclaimed_from_jobs": 0,  # no fine-tune jobs in the pool yet (PoolSpec.jobs)
+            "gpus_reclaimed_from_jobs": r["gpus_reclaimed_from_jobs"],
+            "job_gpu_hours": r["job_gpu_hours"],
+            "jobs": r["jobs"],  # each job's state, progress, done_s, yields and work lost (agents/sim/jobs.py)
             "lost": r["lost"],
             "finished": r["finished"],
             "switches": r["switches"],
@@ -175,6 +181,9 @@ def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None, twu
             "compress": scenario.extra.get("compress"),
             "window_s_simulated": bin_s,
             "busiest_s": built.busiest_s,
+            "jobs": [{"name": j.name, "gpus": j.gpus, "work_gpu_s": j.work_gpu_s, "arrive_s": j.arrive_s,
+                      "priority": j.priority, "grace_s": j.grace_s, "checkpoint_s": j.checkpoint_s}
+                     for j in scenario.jobs],
             "requests": len(work.arrivals),
             # GPU-hours of a policy that held each model's dedicated GPUs scaled to its load at every
             # instant (fractional GPUs, no lag, the same headroom), over dedicated's: what the
@@ -283,6 +292,20 @@ def _pairs(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
     return out
 
 
+def busiest_hour_job(built: BuiltPool, gpus: int, hours: float) -> Job:
+    """The fine-tune job of issue 17's benchmark: it arrives half a trace hour before the middle of
+    the busiest window - at the busiest hour - and wants `gpus` GPUs of any model for `hours` trace
+    hours of uninterrupted work (priority 1, a 20 s checkpoint inside a 30 s grace: seed 004 §5.2's
+    'yield within a grace time')."""
+    compress = float(built.scenario.extra.get("compress", 1.0))
+    arrive = max(0.0, built.busiest_s - 1800.0 / compress)
+    return Job(name="finetune", gpus=gpus, work_gpu_s=gpus * hours * 3600.0 / compress, arrive_s=round(arrive, 3))
+
+
+def with_job(built: BuiltPool, job: Job | None) -> BuiltPool:
+    return built if job is None else replace(built, scenario=replace(built.scenario, jobs=(job,)))
+
+
 def build_from_args(args: argparse.Namespace) -> BuiltPool:
     rates = _pairs(args.rates, "--rates") if args.rates else [(m, str(TRACES / f)) for m, f in DEFAULT_RATES]
     gpus: dict[str, int] = {}
@@ -297,7 +320,10 @@ def build_from_args(args: argparse.Namespace) -> BuiltPool:
     models = tuple(pool_model(name, read_rate_series(path), gpus=gpus.get(name)) for name, path in rates)
     spec = PoolSpec(models, start_s=args.start_h * 3600, span_s=args.hours * 3600, compress=args.compress,
                     seed=args.seed)
-    return build_pool_scenario(spec)
+    built = build_pool_scenario(spec)
+    if args.job_gpus < 0:
+        raise ValueError(f"--job-gpus: must be >= 0 (0: no job); got {args.job_gpus}")
+    return with_job(built, busiest_hour_job(built, args.job_gpus, args.job_hours) if args.job_gpus else None)
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -310,6 +336,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POOL_POLICIES), help="comma-separated (default: all three)")
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--job-gpus", type=int, default=8,
+                        help="GPUs of the fine-tune job arriving at the busiest hour (default 8; 0: none)")
+    parser.add_argument("--job-hours", type=float, default=4.0, help="its work, trace hours on its GPUs (4)")
     parser.add_argument("--no-twu-band", action="store_true",
                         help="flexpipe keeps the gearbox's shrink watermark under TWU's scale-in asks")
     parser.add_argument("--no-timing", action="store_true", help="leave wall_s/cpu_s out of the JSON")

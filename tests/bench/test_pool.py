@@ -54,7 +54,7 @@ def test_a_tidal_two_model_pool_writes_the_json_and_sizing_for_the_peak_holds_mo
     night = write_series(tmp_path / "night.csv", [6.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     out = tmp_path / "pool.json"
     assert main(["--rates", f"Phi-3-mini={day}", f"Llama-3-8B={night}", "--gpus", "Phi-3-mini=3", "Llama-3-8B=3",
-                 "--hours", "1", "--compress", "3", "--json", str(out)]) == 0
+                 "--hours", "1", "--compress", "3", "--job-gpus", "20", "--job-hours", "0.5", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "GPU-hours held" in printed and "flexpipe_over_dedicated_gpu_hours" in printed
     result = json.loads(out.read_text())
@@ -67,6 +67,13 @@ def test_a_tidal_two_model_pool_writes_the_json_and_sizing_for_the_peak_holds_mo
         assert set(r["per_model"]) == {"Phi-3-mini", "Llama-3-8B"}
         assert all("slo_attainment" in m for m in r["per_model"].values())
         assert r["lost"] == 0 and r["sequence_violations"] == [] and r["memory_violations"] == []
+    # the fine-tune job of the busiest hour: 20 GPUs never fit beside dedicated's 6 of 24, it waits;
+    # beside the policies that follow the tides it runs to the end
+    [job] = result["scenario"]["jobs"]
+    assert job["gpus"] == 20 and job["priority"] == 1 and job["arrive_s"] <= result["scenario"]["busiest_s"]
+    assert pols["dedicated"]["jobs"]["finetune"]["state"] == "queued" and pols["dedicated"]["job_gpu_hours"] == 0
+    for name in ("reactive", "flexpipe"):
+        assert pols[name]["jobs"]["finetune"]["state"] == "done" and pols[name]["job_gpu_hours"] > 0
     # dedicated holds what it was sized for all the time; the others follow the tides
     assert [pols["dedicated"]["per_model"][m]["peak_gpus"] for m in ("Phi-3-mini", "Llama-3-8B")] == [3, 3]
     assert pols["dedicated"]["gpu_hours_held"] > pols["reactive"]["gpu_hours_held"]
