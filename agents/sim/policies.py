@@ -84,6 +84,10 @@ class PolicyOptions:
     replan_s: float = 300.0  # the oracle's look-ahead window and replanning period
     gearbox: GearboxConfig = DEFAULT_CONFIG  # flexpipe's hysteresis, cooldowns, windows
     transition: TransitionConfig = DEFAULT_TRANSITION_CONFIG  # flexpipe's canary, drain budget, retries
+    # flexpipe: deployments that may share a GPU by memory fraction (None: the scenario's
+    # `max_models_per_gpu`, else the loop's default, 2 - seed 004 section 4.2; 1: exclusive GPUs)
+    max_models_per_gpu: int | None = None
+    take_from_lower: bool = True  # flexpipe: loop rule 13 (a higher priority takes GPUs from a lower one)
 
 
 DEFAULT_POLICY_OPTIONS = PolicyOptions()
@@ -372,7 +376,12 @@ class FlexPipePolicy(Policy):
 
     def attach(self, sim: FleetSim) -> None:
         self._sim = sim
+        opts = self.options
+        most = opts.max_models_per_gpu or sim.scenario.max_models_per_gpu or self.loop.config.max_models_per_gpu
+        self.loop = ControlLoop(replace(self.loop.config, max_models_per_gpu=most, take_from_lower=opts.take_from_lower))
+        sim.max_models_per_gpu = most
         self.driver = TransitionDriver(sim, config=self.options.transition, on_finished=self._done)
+        self.driver.world.store.max_models_per_gpu = most
         driver = self.driver
         sim.control_busy = lambda: any(driver.running(name) for name in sim.deployments)
         for name, engine in sim.start_baselines().items():
@@ -475,7 +484,7 @@ class FlexPipePolicy(Policy):
                 running=Running(running.seq, running.kind, running.phase.value, bool(running.abort_reason))
                 if running is not None else None,
                 serving=self._valid(sim, name), index=dep.index))
-        return states, FleetState(snapshot=snap, history=self.history, held=_held(driver))
+        return states, FleetState(snapshot=snap, history=self.history, held=_held(driver), booked=_booked(sim, driver))
 
     def _step(self, sim: FleetSim, t: float, trigger: Trigger, only: str | None = None) -> None:
         assert self.driver is not None  # noqa: S101
@@ -506,14 +515,21 @@ class FlexPipePolicy(Policy):
             # only a switch the gearbox chose starts a cooldown (gearbox.record_switch)
             self.deployments[name] = record_switch(self.deployments[name], t, forced=decision.forced)
             self.switches += 1
-        if decision.outcome in (Outcome.SWITCH, Outcome.BLOCKED):
-            self.decisions.append({
+        if decision.outcome in (Outcome.SWITCH, Outcome.BLOCKED) or step.takes or step.gives_to:
+            entry: dict[str, Any] = {
                 "t_s": round(t, 3), "deployment": name, "trigger": decision.trigger.value,
                 "outcome": decision.outcome.value,
                 "target": decision.target.shape() if decision.target else None,
                 "stage": decision.stage,
                 "reason": decision.reasons[-1] if decision.reasons else "",
-            })
+            }
+            if step.takes is not None:  # loop rule 13: both sides name the other
+                entry["takes"] = {g.giver: list(g.gpus) for g in step.takes.gives}
+                entry["reason"] = step.takes.taker_reason()
+            if step.gives_to is not None:
+                entry["gives_to"] = step.gives_to
+                entry["reason"] = decision.reasons[0]
+            self.decisions.append(entry)
 
     def extra(self) -> dict[str, Any]:
         assert self.driver is not None  # noqa: S101
@@ -540,6 +556,20 @@ def _held(driver: TransitionDriver) -> dict[str, frozenset[str]]:
         for d, _ in holders:
             out.setdefault(d, set()).add(u)
     return {k: frozenset(v) for k, v in out.items()}
+
+
+def _booked(sim: FleetSim, driver: TransitionDriver) -> dict[str, dict[str, int]]:
+    """deployment -> GPU -> bytes it holds: what its simulated agents hold now, or its bookings
+    where those are more (a plan booked, not yet launched) - the console's reservations."""
+    out = sim.booked_by_deployment()
+    for u, holders in driver.world.store.bookings.items():
+        per_dep: dict[str, int] = {}
+        for (d, _), b in holders.items():
+            per_dep[d] = per_dep.get(d, 0) + b
+        for d, b in per_dep.items():
+            per = out.setdefault(d, {})
+            per[u] = max(per.get(u, 0), b)
+    return out
 
 
 # --- oracle ----------------------------------------------------------------------------------------

@@ -147,6 +147,9 @@ class Scenario:
     events: tuple[EventSpec, ...] = ()
     source: str = ""  # the file it came from, if any
     extra: dict[str, Any] = field(default_factory=dict)
+    # deployments that may share one GPU by memory fraction under flexpipe (scheduler.pool.sharing);
+    # None: the loop's default (2, seed 004 section 4.2); 1: exclusive GPUs
+    max_models_per_gpu: int | None = None
 
     def node(self, node_id: str) -> NodeSpec:
         for n in self.all_nodes():
@@ -199,6 +202,7 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, source: str = "",
     seed = r.int("seed")
     duration_s = r.num("duration_s", min=0.0, exclusive_min=True)
     time_scale = r.num("time_scale", 1.0, min=0.0, exclusive_min=True)
+    max_models = r.int("max_models_per_gpu", None, min=1)
 
     nodes: list[NodeSpec] = []
     nlist = r.list("nodes", min_len=1)
@@ -232,6 +236,7 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, source: str = "",
         workload=tuple(workload),
         events=tuple(events),
         source=source,
+        max_models_per_gpu=max_models,
     )
 
 
