@@ -93,8 +93,8 @@ from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage
-from scheduler.refusal import Refused
 from scheduler.pool.sharing import MAX_MODELS_PER_GPU
+from scheduler.refusal import Refused
 from scheduler.router import (
     BLOCK_TOKENS,
     PlanFacts,

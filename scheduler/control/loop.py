@@ -77,6 +77,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler import gearbox
 from scheduler.backoff import NO_BACKOFF, Backoff, refusal
+from scheduler.booking import plans_memory
 from scheduler.control.state import (
     BringUp,
     ControlOutput,
@@ -87,7 +88,6 @@ from scheduler.control.state import (
     Start,
     Step,
 )
-from scheduler.booking import plans_memory
 from scheduler.gearbox import CapacityAsk, Mode, Outcome, Trigger, cooldown_until, standing
 from scheduler.plan import Gear
 from scheduler.pool.autoscale import Direction, ScaleSignal, gear_twu_samples, scale_signal

@@ -10,8 +10,8 @@ from scheduler.booking import plans_memory
 from scheduler.control import ControlLoop, FleetState, LoopConfig
 from scheduler.plan import MEM_FRACTION, validate_plan
 from scheduler.pool.sharing import MAX_MODELS_PER_GPU, shared_snapshot, sharing_conflicts
-from tests.scheduler.control.test_loop import M70, NOW, fleet, state, tp8
 from tests.scheduler.builders import one_plan_gear, tp_plan
+from tests.scheduler.control.test_loop import M70, NOW, fleet, state, tp8
 
 A2 = tp8("a2")
 A2_GPUS = frozenset(A2.gpu_uuids)
