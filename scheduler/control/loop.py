@@ -54,7 +54,9 @@ The rules, in order, for each deployment, highest priority first (then `index`):
     meet its SLOs on the GPUs left to it) may take GPUs from deployments of lower priority that
     can yield (nothing running, not pinned, not deleting): `priority.choose_givers` releases them
     lowest priority first until the gearbox, on the pool with their GPUs free, switches it to a
-    standing gear. Its step names the takeover (`takes`, a reason naming each giver); it starts
+    standing gear (or weighs a standing candidate it could not switch to yet; with none standing
+    - a backlog no gear works off at once - a gear of 1.1x the capacity it reaches without them).
+    GPUs already free that would do are kept from the lower priorities in this step instead. Its step names the takeover (`takes`, a reason naming each giver); it starts
     nothing yet. Each giver, decided later in the same step, decides as a TOPOLOGY step with the
     given GPUs kept from it (`gives_to`, a reason naming the taker) - it shrinks or moves through
     its own transition, then releases them - and no other deployment may plan on any GPU of the
