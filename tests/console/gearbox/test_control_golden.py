@@ -124,6 +124,9 @@ class _Sim:
     def call_at(self, t: float, fn: Callable[[float], None]) -> None:
         self.later.append((t, fn))
 
+    def booked_by_deployment(self) -> dict[str, dict[str, int]]:
+        return {}  # one deployment: nobody else's bookings to share a GPU beside
+
     driver: _Driver
 
 
