@@ -14,6 +14,8 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_REPORT_INTERVAL_S     how often agents report when nothing changes (15)
     FLEXPIPE_HEARTBEAT_TIMEOUT_S   a node that has not reported for this long is unschedulable (45)
     FLEXPIPE_TICK_S                period of the gearbox decision loop on Celery beat (15)
+    FLEXPIPE_MAX_MODELS_PER_GPU    deployments that may share one GPU by memory fraction (2, seed 004 section 4.2;
+                                   1: exclusive GPUs) - scheduler/pool/sharing.py
     FLEXPIPE_LOCAL_LOOP_S          period of each engine's local loop: admission, batch threshold (0.1)
     FLEXPIPE_GLOBAL_LOOP_S         period of the global correction on Celery beat: hints to the engines
                                    (0.5; 0: off). Warned about above 5x the local loop, refused at or
@@ -260,6 +262,8 @@ FLEXPIPE_ENROLL_TOKEN = os.environ.get("FLEXPIPE_ENROLL_TOKEN", "")
 FLEXPIPE_REPORT_INTERVAL_S = float(os.environ.get("FLEXPIPE_REPORT_INTERVAL_S", "15"))
 FLEXPIPE_HEARTBEAT_TIMEOUT_S = float(os.environ.get("FLEXPIPE_HEARTBEAT_TIMEOUT_S", "45"))
 FLEXPIPE_TICK_S = float(os.environ.get("FLEXPIPE_TICK_S", "15"))
+# How many deployments may share one GPU by memory fraction (seed 004 section 4.2: max_models_per_gpu: 2)
+FLEXPIPE_MAX_MODELS_PER_GPU = int(os.environ.get("FLEXPIPE_MAX_MODELS_PER_GPU", "2"))
 # The two time scales under the gears (scheduler/control/correction.py; seed 003: 100 ms and 500 ms)
 FLEXPIPE_LOCAL_LOOP_S = float(os.environ.get("FLEXPIPE_LOCAL_LOOP_S", "0.1"))
 FLEXPIPE_GLOBAL_LOOP_S = float(os.environ.get("FLEXPIPE_GLOBAL_LOOP_S", "0.5"))

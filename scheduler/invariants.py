@@ -18,8 +18,10 @@ whole history, DESIGN.md's invariants:
    released or aborted (and a plan is never released while the table lists it); with
    `complete=True`, every transition reached DONE or ROLLED_BACK.
 4. (memory) No GPU is booked above 92% of its memory: every `mem_booked` event - an agent saying
-   what a GPU holds after a booking, every plan on it counted - stays within the limit
-   (scheduler.booking.over_limit).
+   what a GPU holds after a booking, every plan on it counted, of every deployment that shares
+   it - stays within the limit (scheduler.booking.over_limit); and (invariant 4 extended, GPU
+   sharing: scheduler.pool.sharing) no GPU holds plans of more deployments than the limit the
+   event carries (`holders`: max_models_per_gpu, seed 004 section 4.2).
 
 The checker reports every violation with its invariant, time and a sentence; an empty list
 means the history is clean. It never raises on a bad log.
@@ -71,6 +73,8 @@ class LogEvent:
     boundary: str = ""  # seq_paused / seq_handover: decode_end | idle | ...
     plans: tuple[tuple[str, float, bool], ...] = ()  # routing_committed: (plan_id, weight, frozen)
     gpus: tuple[tuple[str, int, int], ...] = ()  # mem_booked: (GPU uuid, bytes booked there now, its memory)
+    # mem_booked: (GPU uuid, deployments holding plans there now, how many may: max_models_per_gpu)
+    holders: tuple[tuple[str, int, int], ...] = ()
     detail: str = ""
 
     def to_dict(self) -> dict[str, object]:
@@ -78,7 +82,7 @@ class LogEvent:
         for k, v in self.__dict__.items():
             if k in ("t_s", "kind") or v in ("", 0, ()):
                 continue
-            out[k] = [list(p) for p in v] if k in ("plans", "gpus") else v
+            out[k] = [list(p) for p in v] if k in ("plans", "gpus", "holders") else v
         return out
 
 
@@ -158,6 +162,10 @@ class Checker:
                 if over_limit(booked, total):
                     self._bad(4, e.t_s, f"GPU {uuid} holds {booked} of {total} bytes ({booked / total:.1%}) after plan"
                                         f" {e.plan_id} booked it, above {MEM_FRACTION:.0%}")
+            for uuid, n, most in e.holders:
+                if n > most:
+                    self._bad(4, e.t_s, f"GPU {uuid} holds plans of {n} deployments after plan {e.plan_id} booked it,"
+                                        f" above max_models_per_gpu={most}")
             return
         # -- invariant 1 and 2: sequences ----------------------------------------------------
         if k == "seq_admitted":

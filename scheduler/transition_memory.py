@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.plan import Gear
+from scheduler.pool.sharing import MAX_MODELS_PER_GPU, sharing_conflicts
 from scheduler.topology import Snapshot
 from scheduler.transition import (
     CommandIntent,
@@ -57,9 +58,11 @@ class ManualClock:
 class InMemoryStore:
     """TransitionStore over dicts (see transition.TransitionStore for the contract)."""
 
-    def __init__(self, log: EventLog | None = None, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, log: EventLog | None = None, clock: Callable[[], float] | None = None, *,
+                 max_models_per_gpu: int = MAX_MODELS_PER_GPU) -> None:
         self.log = log if log is not None else EventLog()
         self.clock = clock or (lambda: 0.0)
+        self.max_models_per_gpu = max_models_per_gpu  # deployments that may book one GPU (scheduler.pool.sharing)
         self.records: dict[tuple[str, int], TransitionRecord] = {}
         self.gears: dict[str, Gear | None] = {}
         self.seqs: dict[str, int] = {}
@@ -145,12 +148,9 @@ class InMemoryStore:
     def reserve(self, guard: Guard, needs: Mapping[str, Mapping[str, int]]) -> list[str]:
         self.check_guard(guard)
         dep = guard.deployment_id
-        conflicts = []
-        for gpus in needs.values():
-            for u in gpus:
-                others = sorted({d for (d, _) in self.bookings.get(u, {}) if d != dep})
-                if others:
-                    conflicts.append(f"GPU {u} is booked by deployment {others[0]}")
+        uuids = sorted({u for per_gpu in needs.values() for u in per_gpu})
+        holders = {u: {d for (d, _) in self.bookings.get(u, {})} for u in uuids}
+        conflicts = sharing_conflicts(dep, holders, self.max_models_per_gpu)
         if conflicts:
             return conflicts
         for plan_id, gpus in needs.items():
@@ -276,10 +276,11 @@ class InMemoryAgents:
 class MemoryWorld:
     """A store, a routing table and an agent mailbox sharing one log and one clock."""
 
-    def __init__(self, clock: ManualClock, snapshot_fn: Callable[[], Snapshot], log: EventLog | None = None) -> None:
+    def __init__(self, clock: ManualClock, snapshot_fn: Callable[[], Snapshot], log: EventLog | None = None, *,
+                 max_models_per_gpu: int = MAX_MODELS_PER_GPU) -> None:
         self.clock = clock
         self.log = log if log is not None else EventLog()
-        self.store = InMemoryStore(self.log, clock)
+        self.store = InMemoryStore(self.log, clock, max_models_per_gpu=max_models_per_gpu)
         self.routing = InMemoryRouting(self.store)
         self.agents = InMemoryAgents(self.store, snapshot_fn)
 

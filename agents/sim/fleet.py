@@ -97,6 +97,7 @@ from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
 from scheduler.plan import Gear, Plan, Stage
+from scheduler.pool.sharing import MAX_MODELS_PER_GPU
 from scheduler.refusal import Refused
 from scheduler.router import (
     BLOCK_TOKENS,
@@ -246,6 +247,9 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
         self._footprint: dict[int, dict[str, int]] = {}  # engine id -> uuid -> bytes (weights + KV reserve)
         self.refused_prepares = 0  # PREPAREs refused because the plan would not fit beside what its GPUs hold
         self.peak_booked_fraction = 0.0  # the largest booked share of any GPU after any booking
+        # deployments that may hold plans on one GPU (scheduler.pool.sharing; the policy sets its
+        # loop's): the memory log carries it, so the invariant checker judges each booking by it
+        self.max_models_per_gpu = MAX_MODELS_PER_GPU
         # every booking, for scheduler.invariants.check (invariant 4); a few per switch
         self.memory_log = EventLog(record_decodes=False)
         self._arrivals: Sequence[Arrival] = ()
@@ -419,6 +423,16 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
                 used[u] = used.get(u, 0) + b
         return {u: IDLE_MEM_BYTES + b for u, b in used.items()}
 
+    def booked_by_deployment(self) -> dict[str, dict[str, int]]:
+        """deployment -> GPU -> bytes its plans hold there now (loading, serving or draining): what
+        the control loop shares a GPU by (scheduler.pool.sharing)."""
+        out: dict[str, dict[str, int]] = {}
+        for engine_id, fp in self._footprint.items():
+            per = out.setdefault(self.engines[engine_id].deployment, {})
+            for u, b in fp.items():
+                per[u] = per.get(u, 0) + b
+        return out
+
     def _refuse(self, plan: Plan, want: Mapping[str, int]) -> None:
         """An agent's PREPARE check (scheduler.booking.refuse_booking, the real daemon's words):
         Refused (code out_of_memory) when the plan does not fit beside what its GPUs hold."""
@@ -434,12 +448,14 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
         """Record what the GPUs of a plan hold after it booked them (the peak, and the events the
         invariant checker recomputes)."""
         booked = self.booked_bytes()
-        gpus = []
+        by_dep = self.booked_by_deployment()
+        gpus, holders = [], []
         for u in sorted(fp):
             total = self.gpu_mem_bytes(u)
             self.peak_booked_fraction = max(self.peak_booked_fraction, booked[u] / total)
             gpus.append((u, booked[u], total))
-        self.memory_log.add(LogEvent(t, "mem_booked", plan_id=plan.plan_id, gpus=tuple(gpus)))
+            holders.append((u, sum(1 for per in by_dep.values() if per.get(u)), self.max_models_per_gpu))
+        self.memory_log.add(LogEvent(t, "mem_booked", plan_id=plan.plan_id, gpus=tuple(gpus), holders=tuple(holders)))
 
     def _gpu_model(self, uuid: str) -> str:
         return self._gpu_models[uuid]

@@ -85,6 +85,10 @@ class PolicyOptions:
     transition: TransitionConfig = DEFAULT_TRANSITION_CONFIG  # flexpipe's canary, drain budget, retries
     zero_poll_s: float = 1.0  # how often flexpipe looks for requests held by a deployment at zero (the
     # console's gateway signals at once; the simulator's queue is looked at this often)
+    # flexpipe: deployments that may share a GPU by memory fraction (None: the scenario's
+    # `max_models_per_gpu`, else the loop's default, 2 - seed 004 section 4.2; 1: exclusive GPUs)
+    max_models_per_gpu: int | None = None
+    take_from_lower: bool = True  # flexpipe: loop rule 13 (a higher priority takes GPUs from a lower one)
 
 
 DEFAULT_POLICY_OPTIONS = PolicyOptions()
@@ -379,7 +383,12 @@ class FlexPipePolicy(Policy):
 
     def attach(self, sim: FleetSim) -> None:
         self._sim = sim
+        opts = self.options
+        most = opts.max_models_per_gpu or sim.scenario.max_models_per_gpu or self.loop.config.max_models_per_gpu
+        self.loop = ControlLoop(replace(self.loop.config, max_models_per_gpu=most, take_from_lower=opts.take_from_lower))
+        sim.max_models_per_gpu = most
         self.driver = TransitionDriver(sim, config=self.options.transition, on_finished=self._done)
+        self.driver.world.store.max_models_per_gpu = most
         driver = self.driver
         sim.control_busy = lambda: any(driver.running(name) for name in sim.deployments)
         for name, gear in self.start_gears(sim).items():
@@ -499,7 +508,8 @@ class FlexPipePolicy(Policy):
                 waiting=len(dep.pending) if name in self.at_zero else 0,
                 # mirror first: a wake-up waits until the released plans freed their GPUs
                 reports_mirror_last=not (name in self.at_zero and dep.engines)))
-        return states, FleetState(snapshot=snap, history=self.history, held=_held(driver), jobs=sim.job_states())
+        return states, FleetState(snapshot=snap, history=self.history, held=_held(driver), jobs=sim.job_states(),
+                                  booked=_booked(sim, driver))
 
     def _step(self, sim: FleetSim, t: float, trigger: Trigger, only: str | None = None) -> None:
         assert self.driver is not None  # noqa: S101
@@ -542,14 +552,21 @@ class FlexPipePolicy(Policy):
                 # only a switch the gearbox chose starts a cooldown (gearbox.record_switch)
                 self.deployments[name] = record_switch(self.deployments[name], t, forced=decision.forced)
                 self.switches += 1
-        if decision.outcome in (Outcome.SWITCH, Outcome.BLOCKED):
-            self.decisions.append({
+        if decision.outcome in (Outcome.SWITCH, Outcome.BLOCKED) or step.takes or step.gives_to:
+            entry: dict[str, Any] = {
                 "t_s": round(t, 3), "deployment": name, "trigger": decision.trigger.value,
                 "outcome": decision.outcome.value,
                 "target": decision.target.shape() if decision.target else None,
                 "stage": decision.stage,
                 "reason": decision.reasons[-1] if decision.reasons else "",
-            })
+            }
+            if step.takes is not None:  # loop rule 13: both sides name the other
+                entry["takes"] = {g.giver: list(g.gpus) for g in step.takes.gives}
+                entry["reason"] = step.takes.taker_reason()
+            if step.gives_to is not None:
+                entry["gives_to"] = step.gives_to
+                entry["reason"] = decision.reasons[0]
+            self.decisions.append(entry)
 
     def _watch_zero(self, sim: FleetSim, name: str, t: float) -> None:
         """While a deployment is at zero, look for held requests every `zero_poll_s`: one wakes it."""
@@ -588,6 +605,20 @@ def _held(driver: TransitionDriver) -> dict[str, frozenset[str]]:
         for d, _ in holders:
             out.setdefault(d, set()).add(u)
     return {k: frozenset(v) for k, v in out.items()}
+
+
+def _booked(sim: FleetSim, driver: TransitionDriver) -> dict[str, dict[str, int]]:
+    """deployment -> GPU -> bytes it holds: what its simulated agents hold now, or its bookings
+    where those are more (a plan booked, not yet launched) - the console's reservations."""
+    out = sim.booked_by_deployment()
+    for u, holders in driver.world.store.bookings.items():
+        per_dep: dict[str, int] = {}
+        for (d, _), b in holders.items():
+            per_dep[d] = per_dep.get(d, 0) + b
+        for d, b in per_dep.items():
+            per = out.setdefault(d, {})
+            per[u] = max(per.get(u, 0), b)
+    return out
 
 
 # --- oracle ----------------------------------------------------------------------------------------

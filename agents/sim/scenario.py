@@ -153,6 +153,9 @@ class Scenario:
     jobs: tuple[Job, ...] = ()  # fine-tune and batch jobs on the same GPUs (scheduler/pool/jobs.py)
     source: str = ""  # the file it came from, if any
     extra: dict[str, Any] = field(default_factory=dict)
+    # deployments that may share one GPU by memory fraction under flexpipe (scheduler.pool.sharing);
+    # None: the loop's default (2, seed 004 section 4.2); 1: exclusive GPUs
+    max_models_per_gpu: int | None = None
 
     def node(self, node_id: str) -> NodeSpec:
         for n in self.all_nodes():
@@ -205,6 +208,7 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, source: str = "",
     seed = r.int("seed")
     duration_s = r.num("duration_s", min=0.0, exclusive_min=True)
     time_scale = r.num("time_scale", 1.0, min=0.0, exclusive_min=True)
+    max_models = r.int("max_models_per_gpu", None, min=1)
 
     nodes: list[NodeSpec] = []
     nlist = r.list("nodes", min_len=1)
@@ -240,6 +244,7 @@ def parse_scenario(data: Any, *, base_dir: Path | None = None, source: str = "",
         events=tuple(events),
         jobs=tuple(jobs),
         source=source,
+        max_models_per_gpu=max_models,
     )
 
 

@@ -530,6 +530,16 @@ def held_gpus() -> dict[str, set[str]]:
     return out
 
 
+def booked_bytes() -> dict[str, dict[str, int]]:
+    """deployment name -> GPU -> bytes its reservations book there (every plan it prepared and has
+    not released): what the loop shares a GPU by (scheduler.pool.sharing)."""
+    out: dict[str, dict[str, int]] = {}
+    for name, u, b in GpuReservation.objects.values_list("deployment__name", "gpu_uuid", "mem_bytes"):
+        per = out.setdefault(name, {})
+        per[u] = per.get(u, 0) + int(b)
+    return out
+
+
 def _held_by_others(dep: Deployment) -> set[str]:
     held = held_gpus()
     return set().union(*[g for name, g in held.items() if name != dep.name]) if held else set()
@@ -538,5 +548,5 @@ def _held_by_others(dep: Deployment) -> set[str]:
 __all__ = [
     "Decided", "Rejected", "do_approve_decision", "do_decide_gear", "do_pin_gear", "do_record_decision",
     "do_record_load", "do_request_gear", "do_set_latency_critical", "do_set_mode", "do_sync_deployment",
-    "do_unpin_gear", "held_gpus", "scheduler_deployment",
+    "do_unpin_gear", "held_gpus", "booked_bytes", "scheduler_deployment",
 ]

@@ -41,6 +41,7 @@ from scheduler.control import (
     Finished,
     FirstStage,
     FleetState,
+    LoopConfig,
     Running,
     Staged,
     Step,
@@ -156,10 +157,10 @@ def decide_all(names: Sequence[str], *, trigger: Trigger, now: datetime, base: S
                actor: str = GEARBOX) -> dict[str, Decided]:
     """One loop step over these deployments (module docstring); what each step did, by name."""
     observed = [o for i, n in enumerate(names) if (o := observe(n, base, now, i)) is not None]
-    loop = ControlLoop()
+    loop = ControlLoop(LoopConfig(max_models_per_gpu=int(settings.FLEXPIPE_MAX_MODELS_PER_GPU)))
     loop.observe([o.state for o in observed], FleetState(
         snapshot=base, history=history if history is not None else fragments.load_history(),
-        held={k: frozenset(v) for k, v in held.items()},
+        held={k: frozenset(v) for k, v in held.items()}, booked=actions.booked_bytes(),
         node_epochs=dict(Node.objects.values_list("node_id", "epoch"))))
     out = loop.step(now.timestamp(), trigger)
     by_name = {o.row.name: o for o in observed}

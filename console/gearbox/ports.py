@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -36,6 +37,7 @@ from console.gearbox import live
 from console.gearbox.models import ACTIVE_PHASES, Deployment, GpuReservation, Transition, TransitionStep
 from console.gearbox.snapshot import fleet_snapshot
 from scheduler.plan import Gear
+from scheduler.pool.sharing import sharing_conflicts
 from scheduler.topology import Snapshot
 from scheduler.transition import (
     CommandIntent,
@@ -209,9 +211,10 @@ class DjangoStore:
             gpus = sorted({u for plan in needs.values() for u in plan})
             # lock the GPUs' rows (in one order): two deployments booking one GPU queue up here
             list(Gpu.objects.select_for_update().filter(uuid__in=gpus).order_by("uuid").values_list("pk", flat=True))
-            taken = (GpuReservation.objects.filter(gpu_uuid__in=gpus).exclude(deployment_id=row.deployment_id)
-                     .select_related("deployment").order_by("gpu_uuid"))
-            conflicts = [f"GPU {r.gpu_uuid} is booked by deployment {r.deployment.name}" for r in taken]
+            holders: dict[str, set[str]] = {u: set() for u in gpus}
+            for u, name in GpuReservation.objects.filter(gpu_uuid__in=gpus).values_list("gpu_uuid", "deployment__name"):
+                holders[u].add(name)
+            conflicts = sharing_conflicts(guard.deployment_id, holders, int(settings.FLEXPIPE_MAX_MODELS_PER_GPU))
             if conflicts:
                 return conflicts
             now = timezone.now()

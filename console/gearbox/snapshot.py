@@ -11,7 +11,9 @@ This is the one place that turns console.fleet's rows into scheduler values:
   process are read again (_NodeCache).
 * `decision_snapshot(base, deployment, held)` - the same, with every GPU another deployment
   holds (its gear, its running transition's target, its bookings) marked unschedulable, so one
-  deployment's decision never plans on another's GPUs.
+  deployment's decision never plans on another's GPUs - what the operator's paths (override,
+  rollout, a manual decision, the emergency) decide on. The control loop's tick shares GPUs by
+  memory fraction instead (scheduler/pool/sharing.py, FLEXPIPE_MAX_MODELS_PER_GPU).
 * `load_sample(deployment, now)` - one LoadSample from the latest EngineReports of the plans in
   the deployment's routing table: arrivals per second over each node's last report interval,
   prompt and output means weighted by arrivals / finished requests. None when no engine of the

@@ -60,21 +60,40 @@ The rules, in order, for each deployment, highest priority first (then `index`):
     starts a transition (kind AUTO, or the first stage's kind for a second stage). A staged
     path ends when a transition starts, on a second stage, or on anything but DEFERRED.
 
-Across deployments: the GPUs another deployment holds are unschedulable in each decision's
-snapshot, and the GPUs a transition started in this step are held for the deployments decided
-after it, so two deployments never plan on one GPU. The GPUs fine-tune and batch jobs hold
-(`FleetState.jobs`) are unschedulable too, except that a deployment of higher priority may take
-a running job's when no switch without them is worth it (scheduler/pool/jobs.py rule 5); the
-driver makes the job yield before the PREPARE runs there.
+13. Priority (scheduler/pool/priority.py). A deployment in AUTO mode whose rule-12 decision
+    starts nothing, whose current gear does not stand and no candidate of which stands (it cannot
+    meet its SLOs on the GPUs left to it) may take GPUs from deployments of lower priority that
+    can yield (nothing running, not pinned, not deleting): `priority.choose_givers` releases them
+    lowest priority first until the gearbox, on the pool with their GPUs free, switches it to a
+    standing gear (or weighs a standing candidate it could not switch to yet; with none standing
+    - a backlog no gear works off at once - a gear of 1.1x the capacity it reaches without them).
+    GPUs already free that would do are kept from the lower priorities in this step instead. Its step names the takeover (`takes`, a reason naming each giver); it starts
+    nothing yet. Each giver, decided later in the same step, decides as a TOPOLOGY step with the
+    given GPUs kept from it (`gives_to`, a reason naming the taker) - it shrinks or moves through
+    its own transition, then releases them - and no other deployment may plan on any GPU of the
+    taker's target in this step. The taker switches onto them at a later step, once they are free.
+
+Across deployments (scheduler/pool/sharing.py): up to `max_models_per_gpu` deployments (seed
+004 section 4.2: 2; LoopConfig) share a GPU by memory fraction. Each decision's snapshot shows a
+GPU another deployment holds as partly used - its reported use, at least what the others booked
+there (`FleetState.booked` and their current gears) plus this deployment's own plans - so the
+planner only places plans that fit under 92% beside them (invariant 4); a GPU that already holds
+`max_models_per_gpu` other deployments, or whose bookings are unknown, is unschedulable. The GPUs
+and bytes a transition started in this step books count for the deployments decided after it.
+With `max_models_per_gpu=1` no GPU is shared: two deployments never plan on one GPU. The GPUs
+fine-tune and batch jobs hold (`FleetState.jobs`) are unschedulable, except that a deployment of
+higher priority may take a running job's when no switch without them is worth it
+(scheduler/pool/jobs.py rule 5); the driver makes the job yield before the PREPARE runs there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from scheduler import gearbox
 from scheduler.backoff import NO_BACKOFF, Backoff, refusal
+from scheduler.booking import plans_memory
 from scheduler.control.state import (
     ControlOutput,
     DeploymentState,
@@ -84,10 +103,12 @@ from scheduler.control.state import (
     Start,
     Step,
 )
-from scheduler.gearbox import CapacityAsk, Mode, Outcome, Trigger, cooldown_until
+from scheduler.gearbox import CapacityAsk, Mode, Outcome, Trigger, cooldown_until, standing
 from scheduler.plan import Gear
 from scheduler.pool.autoscale import Direction, ScaleSignal, gear_twu_samples, scale_signal
 from scheduler.pool.jobs import decide_around_jobs
+from scheduler.pool.priority import Holder, Takeover, choose_givers
+from scheduler.pool.sharing import shared_snapshot
 from scheduler.pool.zero import idle_signal, never_to_zero, quiet_since_s, wake_reason
 from scheduler.topology import Snapshot
 from scheduler.transition import Kind, Phase, lost_gpus
@@ -95,6 +116,9 @@ from scheduler.transition import Kind, Phase, lost_gpus
 BRING_UP_REASON = "nothing runs yet: bring the baseline gear up"
 ABORTABLE_PHASES = frozenset({"prepare", "switch"})  # past SWITCH a transition rolls forward
 _ASKS = {Direction.OUT: CapacityAsk.MORE, Direction.IN: CapacityAsk.LESS}  # rule 11: the TWU signal's ask
+# rule 13: with no gear standing even on the lower priorities' GPUs, they are taken only for a gear
+# that serves this much more than the best the taker reaches without them (capacity, requests/s)
+_TAKE_GAIN = 1.1
 
 
 def decision_snapshot(base: Snapshot, held_by_others: Iterable[str]) -> Snapshot:
@@ -126,6 +150,33 @@ def unreported(gear: Gear, snapshot: Snapshot) -> list[str]:
     return [u for u in gear.gpu_uuids if (g := snapshot.gpu_by_uuid.get(u)) is None or g.last_seen_s == 0]
 
 
+@dataclass
+class _Pool:
+    """What one step knows of the pool across deployments (updated as each one decides)."""
+
+    held: dict[str, set[str]]  # deployment -> GPUs it holds (and those a start of this step books)
+    booked: dict[str, dict[str, int]]  # deployment -> GPU -> bytes booked there
+    states: Mapping[str, DeploymentState]  # the observed deployments, by name
+    reserved: dict[str, str] = field(default_factory=dict)  # GPU -> the taker it is kept for (rule 13)
+    gives: dict[str, Takeover] = field(default_factory=dict)  # giver -> the takeover it gives to
+
+    def withheld(self, name: str) -> frozenset[str]:
+        return frozenset(u for u, taker in self.reserved.items() if taker != name)
+
+
+def _merge_max(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for u, n in b.items():
+        out[u] = max(out.get(u, 0), n)
+    return out
+
+
+def can_yield(state: DeploymentState) -> bool:
+    """Rule 13: a deployment that may give GPUs now."""
+    return (state.running is None and not state.deleting and state.emergency_target is None
+            and state.deployment.mode is not Mode.PINNED and state.reports_mirror_last and state.current is not None)
+
+
 class ControlLoop:
     """observe(deployments, fleet), then step(now_s, trigger) -> ControlOutput (module docstring)."""
 
@@ -150,27 +201,46 @@ class ControlLoop:
         fleet = self._fleet
         if fleet is None:
             raise ValueError("observe: nothing observed yet; call observe() before step()")
-        held: dict[str, set[str]] = {k: set(v) for k, v in fleet.held.items()}
+        pool = _Pool({k: set(v) for k, v in fleet.held.items()}, {k: dict(v) for k, v in fleet.booked.items()},
+                     {d.deployment.id: d for d in self._deployments})
+        for d in self._deployments:
+            if d.current is not None:
+                name = d.deployment.id
+                pool.booked[name] = _merge_max(pool.booked.get(name, {}), plans_memory(d.current.plans, d.model))
         steps: list[Step] = []
         wakes: list[float] = []
         for state in sorted(self._deployments, key=lambda d: (-d.deployment.priority, d.index)):
             if state.deleting:  # rule 1
                 continue
-            step = self._one(state, fleet, held, now_s, trigger)
+            step = self._one(state, fleet, pool, now_s, trigger)
             steps.append(step)
+            name = state.deployment.id
             if step.start is not None:
-                held.setdefault(state.deployment.id, set()).update(step.start.target.gpu_uuids)
+                target = step.start.target
+                pool.held.setdefault(name, set()).update(target.gpu_uuids)
+                old = set(state.current.plans) if state.current is not None else set()
+                new = plans_memory([p for p in target.plans if p not in old], state.model)
+                mine = pool.booked.setdefault(name, {})
+                for u, b in new.items():
+                    mine[u] = mine.get(u, 0) + b
+            if step.takes is not None:  # rule 13: its givers decide later in this step, kept off
+                # every GPU of the taker's target (not only those they give: a giver that moved onto
+                # another of them would be asked again at the next step)
+                for g in step.takes.gives:
+                    pool.gives[g.giver] = step.takes
+                for u in step.takes.target.gpu_uuids:
+                    pool.reserved.setdefault(u, name)
             wakes += self._wakes(state, step, now_s)
         return ControlOutput(now_s, tuple(steps), min(wakes) if wakes else None)
 
     # --- one deployment ---------------------------------------------------------------------
-    def _one(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
+    def _one(self, state: DeploymentState, fleet: FleetState, pool: _Pool, now_s: float,
              trigger: Trigger) -> Step:
         name = state.deployment.id
         if state.lost_plans:  # rule 2
             trigger = Trigger.TOPOLOGY
         if state.emergency_target is not None:  # rule 3
-            return self._emergency(state, fleet, held, now_s, trigger)
+            return self._emergency(state, fleet, pool, now_s, trigger)
         if state.running is not None:  # rule 4
             return Step(name, trigger)
         book = fold_backoff(state, fleet, now_s)  # rule 5
@@ -189,7 +259,7 @@ class ControlLoop:
             if state.at_zero and state.waiting <= 0 and never_to_zero(state.idle_to_zero_s, state.min_replicas,
                                                                        state.deployment.mode) is None:
                 return Step(name, trigger, clear_staged=clear, backoff=book)
-            return self._bring_up(state, fleet, held, now_s, trigger, book)
+            return self._bring_up(state, fleet, pool, now_s, trigger, book)
         cfg = self.config
         if trigger is Trigger.PERIODIC and staged is None:  # rule 9b
             idle = idle_signal(state.load, now_s, idle_to_zero_s=state.idle_to_zero_s, min_replicas=state.min_replicas,
@@ -197,6 +267,13 @@ class ControlLoop:
                                fresh_s=cfg.gearbox.short_window_s)
             if idle.release:
                 return Step(name, trigger, clear_staged=clear, backoff=book, release=idle.reason)
+        giving = pool.gives.get(name)
+        if giving is not None:  # rule 13: decide with the given GPUs kept from it
+            d = self._decide(state, fleet, pool, now_s, Trigger.TOPOLOGY, book=book)
+            d = replace(d, reasons=(giving.giver_reason(name), *d.reasons))
+            start = self._start_of(d, Kind.AUTO)
+            return Step(name, Trigger.TOPOLOGY, d, start, clear_staged=clear or state.staged is not None,
+                        backoff=book, gives_to=giving.taker)
         until = cooldown_until(state.deployment, cfg.gearbox)
         if (cfg.skip_cooldown_stays and staged is None and state.serving and trigger is Trigger.PERIODIC
                 and until is not None and now_s < until):  # rule 10
@@ -205,15 +282,20 @@ class ControlLoop:
         ask = _ASKS.get(signal.direction) if signal is not None else None  # rule 11
         if ask is not None:
             trigger = Trigger.LOAD
-        d = self._decide(state, fleet, held, now_s, trigger, book=book, staged=staged, ask=ask)  # rule 12
+        d = self._decide(state, fleet, pool, now_s, trigger, book=book, staged=staged, ask=ask)  # rule 12
         if ask is not None and signal is not None:
             d = replace(d, reasons=(f"TWU asks for {ask.value} capacity: {signal.reason}", *d.reasons))
         start_kind = kind if d.stage == 2 else Kind.AUTO
         start = self._start_of(d, start_kind)
+        takes = None
+        if start is None and staged is None and cfg.take_from_lower and not self._stands(state, d):  # rule 13
+            takes = self._take(state, fleet, pool, now_s, trigger, book, d)
+            if takes is not None:
+                d = replace(d, reasons=(*d.reasons, takes.taker_reason()))
         ends = state.staged is not None and (start is not None or d.stage == 2 or d.outcome is not Outcome.DEFERRED)
-        return Step(name, trigger, d, start, clear_staged=clear or ends, backoff=book)
+        return Step(name, trigger, d, start, clear_staged=clear or ends, backoff=book, takes=takes)
 
-    def _emergency(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
+    def _emergency(self, state: DeploymentState, fleet: FleetState, pool: _Pool, now_s: float,
                    trigger: Trigger) -> Step:
         name = state.deployment.id
         run = state.running
@@ -224,12 +306,12 @@ class ControlLoop:
                 abort = "emergency downshift"
             return Step(name, trigger, abort=abort, emergency=True)
         assert state.emergency_target is not None  # noqa: S101 - the caller checked
-        d = self._decide(state, fleet, held, now_s, Trigger.EMERGENCY, requested=state.emergency_target)
+        d = self._decide(state, fleet, pool, now_s, Trigger.EMERGENCY, requested=state.emergency_target)
         start = self._start_of(d, Kind.EMERGENCY)
         # a staged downshift remembers no second stage: the standing request decides it again
         return Step(name, trigger, d, replace(start, staged_target=None) if start else None, emergency=True)
 
-    def _bring_up(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
+    def _bring_up(self, state: DeploymentState, fleet: FleetState, pool: _Pool, now_s: float,
                   trigger: Trigger, book: Backoff) -> Step:
         name = state.deployment.id
         baseline = state.deployment.baseline
@@ -239,18 +321,78 @@ class ControlLoop:
             # its agents registered but have not reported yet: decide nothing on GPUs nobody has
             # seen; a report that brings them is a topology event, a new step
             return Step(name, trigger, waiting_for_reports=True, backoff=book)
-        d = self._decide(state, fleet, held, now_s, Trigger.MANUAL, requested=baseline, book=book)
+        d = self._decide(state, fleet, pool, now_s, Trigger.MANUAL, requested=baseline, book=book)
         if d.outcome is Outcome.SWITCH:
             outcome = Outcome.ADVISE if state.deployment.mode is Mode.ADVISORY else Outcome.SWITCH
             d = replace(d, trigger=trigger, outcome=outcome, reasons=(BRING_UP_REASON,))
         else:
-            d = self._decide(state, fleet, held, now_s, trigger, book=book)
+            d = self._decide(state, fleet, pool, now_s, trigger, book=book)
         wake = state.at_zero
         if wake:
             d = replace(d, reasons=(wake_reason(state.waiting), *d.reasons))
         return Step(name, trigger, d, self._start_of(d, Kind.AUTO), backoff=book, wake=wake)
 
     # --- helpers ----------------------------------------------------------------------------
+    def _view(self, state: DeploymentState, base: Snapshot, pool: _Pool) -> Snapshot:
+        """The snapshot this deployment decides on: the pool shared by memory fraction, less the
+        GPUs kept for a higher-priority taker (module docstring)."""
+        name = state.deployment.id
+        return shared_snapshot(base, name, pool.held, pool.booked, own_bytes=pool.booked.get(name),
+                               max_models_per_gpu=self.config.max_models_per_gpu, withheld=pool.withheld(name))
+
+    def _stands(self, state: DeploymentState, d: gearbox.Decision) -> bool:
+        """Rule 13: it meets its SLOs on what is left to it (its gear, or a candidate, stands)."""
+        if state.deployment.mode is not Mode.AUTO or d.workload is None or d.trigger is Trigger.EMERGENCY:
+            return True  # not ours to act on (advisory, pinned), or no load to judge by
+        if d.current_valid and standing(d.current_estimate, d.workload, self.config.gearbox):
+            return True
+        return any(c.standing for c in d.candidates)
+
+    def _take(self, state: DeploymentState, fleet: FleetState, pool: _Pool, now_s: float, trigger: Trigger,
+              book: Backoff, mine: gearbox.Decision) -> Takeover | None:
+        """Rule 13: which lower-priority deployments give which GPUs (scheduler.pool.priority)."""
+        name = state.deployment.id
+        have_rps = max([c.estimate.capacity_rps for c in mine.candidates]
+                       + [mine.current_estimate.capacity_rps if mine.current_estimate is not None else 0.0])
+        holders = [Holder(n, s.deployment.priority, frozenset(pool.held.get(n, ())), can_yield(s) and n not in pool.gives)
+                   for n, s in pool.states.items() if n != name]
+
+        def try_with(released: tuple[Holder, ...]) -> Gear | None:
+            gone = {h.id for h in released}
+            free: dict[str, int] = {}
+            for h in released:
+                for u, b in pool.booked.get(h.id, {}).items():
+                    free[u] = free.get(u, 0) + b
+            base = replace(fleet.snapshot, gpus=tuple(
+                replace(g, mem_used_bytes=max(0, g.mem_used_bytes - free[g.uuid])) if g.uuid in free else g
+                for g in fleet.snapshot.gpus))
+            trial = _Pool({n: g for n, g in pool.held.items() if n not in gone},
+                          {n: b for n, b in pool.booked.items() if n not in gone}, pool.states, dict(pool.reserved))
+            d = self._decide(state, fleet, trial, now_s, trigger, book=book, view=self._view(state, base, trial))
+            if d.outcome is Outcome.SWITCH and d.target is not None and any(
+                    c.standing and c.gear == d.target for c in d.candidates):
+                return d.target
+            # the gearbox may stay for reasons of the switch (its gain against the path's cost):
+            # the GPUs go to the best standing candidate it can reach, else its best standing one;
+            # with none standing (a backlog no gear works off at once), to the one that serves the
+            # most, if it serves `_TAKE_GAIN` more than the best the taker has without them
+            stands = [c for c in d.candidates if c.standing]
+            reach = [c for c in stands if c.path is None or c.path.executable]
+            if stands:
+                return (reach or stands)[0].gear
+            best = max(d.candidates, key=lambda c: c.estimate.capacity_rps, default=None)
+            if best is not None and best.estimate.capacity_rps > _TAKE_GAIN * have_rps:
+                return best.gear
+            return None
+
+        # GPUs already free that would let it stand (the gearbox stayed for reasons of the path):
+        # kept from the lower priorities in this step, taken from nobody
+        if (free := try_with(())) is not None:
+            for u in free.gpu_uuids:
+                pool.reserved.setdefault(u, name)
+            return None
+        return choose_givers(name, state.deployment.priority, holders, try_with)
+
     def _twu_signal(self, state: DeploymentState, fleet: FleetState, now_s: float) -> ScaleSignal:
         """Rule 11: the TWU scale signal of a deployment with a gear."""
         assert state.current is not None  # noqa: S101 - rule 9 came first
@@ -259,12 +401,10 @@ class ControlLoop:
             state.load, state.current, state.model, fleet.snapshot, now_s, cfg.gearbox)
         return scale_signal(samples, now_s, state.deployment, config=cfg.scale, gearbox=cfg.gearbox)
 
-    def _decide(self, state: DeploymentState, fleet: FleetState, held: dict[str, set[str]], now_s: float,
+    def _decide(self, state: DeploymentState, fleet: FleetState, pool: _Pool, now_s: float,
                 trigger: Trigger, *, requested: Gear | None = None, book: Backoff | None = None,
-                staged: Gear | None = None, ask: CapacityAsk | None = None) -> gearbox.Decision:
-        name = state.deployment.id
-        others = set().union(*[g for n, g in held.items() if n != name]) if held else set()
-
+                staged: Gear | None = None, ask: CapacityAsk | None = None,
+                view: Snapshot | None = None) -> gearbox.Decision:
         def decide(snapshot: Snapshot) -> gearbox.Decision:
             self.calls += 1
             return gearbox.decide(state.deployment, state.current, snapshot, state.load, now_s, trigger=trigger,
@@ -273,9 +413,9 @@ class ControlLoop:
                                   config=self.config.gearbox, planner_options=state.planner_options,
                                   capacity_ask=ask)
 
+        snap = view if view is not None else self._view(state, fleet.snapshot, pool)
         # job GPUs: taken only when nothing else will do (scheduler/pool/jobs.py rule 5)
-        return decide_around_jobs(decide, decision_snapshot(fleet.snapshot, others), fleet.jobs,
-                                  state.deployment.priority)
+        return decide_around_jobs(decide, snap, fleet.jobs, state.deployment.priority)
 
     @staticmethod
     def _start_of(d: gearbox.Decision, kind: Kind) -> Start | None:

@@ -18,6 +18,8 @@ from scheduler.plan import Gear
 from scheduler.planner import PlannerOptions
 from scheduler.pool.autoscale import DEFAULT_SCALE, ScaleConfig, TwuSample
 from scheduler.pool.jobs import JobState
+from scheduler.pool.priority import Takeover
+from scheduler.pool.sharing import MAX_MODELS_PER_GPU, check_max_models
 from scheduler.topology import FragmentHistory, Snapshot
 from scheduler.transition import Kind, TransitionRecord
 
@@ -41,6 +43,13 @@ class LoopConfig:
     # needs the switches and blocks (True: the replay calls the planner far less)
     skip_cooldown_stays: bool = False
     scale: ScaleConfig = DEFAULT_SCALE  # rule 11: the TWU watermarks (its windows and cooldown are the gearbox's)
+    # how many deployments may share one GPU by memory fraction (scheduler.pool.sharing; seed 004
+    # section 4.2: 2). 1: every GPU another deployment holds is unschedulable (exclusive GPUs)
+    max_models_per_gpu: int = MAX_MODELS_PER_GPU
+    take_from_lower: bool = True  # rule 13: a deployment that cannot stand takes GPUs from lower priorities
+
+    def __post_init__(self) -> None:
+        check_max_models(self.max_models_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,10 @@ class FleetState:
     snapshot: Snapshot  # what the agents last reported
     history: FragmentHistory = field(default_factory=FragmentHistory)  # the blocks' trajectories
     held: Mapping[str, frozenset[str]] = field(default_factory=dict)  # deployment -> GPUs it holds
+    # deployment -> GPU -> bytes its bookings hold there (the stores' reservations: every plan it
+    # prepared and has not released); the loop adds its current gear's plans. A held GPU whose
+    # bytes are known nowhere is not shared (scheduler.pool.sharing)
+    booked: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     node_epochs: Mapping[str, object] | None = None  # node -> agent epoch (back-off fingerprints)
     jobs: tuple[JobState, ...] = ()  # fine-tune and batch jobs and the GPUs they hold (scheduler/pool/jobs.py)
 
@@ -141,6 +154,8 @@ class Step:
     release: str | None = None  # rule 9b: scale to zero - drain the current gear and free its GPUs (the
     # driver's release path), with this reason
     wake: bool = False  # rule 9: `start` brings a deployment at zero back (a cold start)
+    takes: Takeover | None = None  # rule 13: the GPUs it takes from lower priorities (it switches once released)
+    gives_to: str | None = None  # rule 13: it decided with GPUs kept from it, given to this deployment
 
 
 @dataclass(frozen=True)

@@ -292,14 +292,29 @@ def test_an_abort_during_cleanup_lets_the_transition_finish_forward() -> None:
     finish(w, rec)
 
 
-def test_a_gpu_booked_by_another_deployment_cannot_be_booked_again() -> None:
+def test_a_gpu_booked_by_another_deployment_cannot_be_booked_again_on_exclusive_gpus() -> None:
     w = busy_world()
+    w.store.max_models_per_gpu = 1
     w.seed_gear("other", GEAR_C)
     overlap = GEAR_C
     w.start(DEP, overlap)
     rec = w.drive(DEP)
     assert rec.phase is Phase.ROLLED_BACK and "booked by deployment other" in rec.error
     assert set(w.store.booked("other")) == {GEAR_C.plans[0].plan_id}
+    finish(w, rec)
+
+
+def test_a_gpu_already_shared_by_max_models_per_gpu_deployments_refuses_a_third() -> None:
+    w = busy_world()
+    assert w.store.max_models_per_gpu == 2  # seed 004 section 4.2's default
+    w.seed_gear("other", GEAR_C)
+    w.seed_gear("third", GEAR_C)
+    before = w.store.booked(DEP)
+    w.start(DEP, GEAR_C)
+    rec = w.drive(DEP)
+    assert rec.phase is Phase.ROLLED_BACK
+    assert "booked by deployments other, third: at most 2 deployments share a GPU" in rec.error
+    assert w.store.booked(DEP) == before  # its refused plan booked nothing
     finish(w, rec)
 
 

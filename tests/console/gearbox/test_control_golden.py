@@ -132,6 +132,9 @@ class _Sim:
     def job_states(self) -> tuple[()]:
         return ()  # no fine-tune job in this trace
 
+    def booked_by_deployment(self) -> dict[str, dict[str, int]]:
+        return {}  # one deployment: nobody else's bookings to share a GPU beside
+
     driver: _Driver
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from django.db import IntegrityError, transaction
@@ -113,7 +114,8 @@ def test_a_stale_executor_cannot_issue_commands_for_a_step_that_moved_on() -> No
     assert Deployment.objects.get(name="chat").routing_version == 0
 
 
-def test_a_booking_of_another_deployments_gpu_is_refused_and_rolled_back() -> None:
+def test_a_booking_of_another_deployments_gpu_is_refused_and_rolled_back_on_exclusive_gpus(settings: Any) -> None:
+    settings.FLEXPIPE_MAX_MODELS_PER_GPU = 1
     enroll_fleet()
     make_deployment("chat")
     make_deployment("other", baseline=gear("a1", [2, 3]))
@@ -125,6 +127,24 @@ def test_a_booking_of_another_deployments_gpu_is_refused_and_rolled_back() -> No
     assert row.phase == Phase.ROLLED_BACK.value and "booked by deployment other" in row.error
     assert Deployment.objects.get(name="other").current_gear == gear("a1", [2, 3]).to_dict()
     assert_clean(django_log("chat", agents.log), complete=False)
+
+
+def test_a_gpu_booked_by_max_models_per_gpu_deployments_refuses_a_third_with_the_reason() -> None:
+    enroll_fleet()
+    make_deployment("chat")
+    now = timezone.now()
+    target = gear("a1", [2, 3])
+    for name in ("other", "third"):  # two deployments already share a1's GPUs 2 and 3 (seed 004 4.2: 2 per GPU)
+        dep = make_deployment(name, baseline=target)
+        for u in target.gpu_uuids:
+            GpuReservation.objects.create(gpu_uuid=u, deployment=dep, plan_id=f"p-{name}", mem_bytes=2**30,
+                                          transition_seq=1, created_at=now)
+    agents = SimAgents()
+    build_executor().start("chat", target)
+    row = drive(agents, "chat")
+    assert row.phase == Phase.ROLLED_BACK.value
+    assert "booked by deployments other, third: at most 2 deployments share a GPU" in row.error
+    assert not GpuReservation.objects.filter(deployment__name="chat", gpu_uuid__in=target.gpu_uuids).exists()
 
 
 def test_prepare_names_the_version_the_deployment_serves_not_the_newest_registered() -> None:

@@ -170,14 +170,16 @@ def test_rule_10_the_cooldown_short_cut_skips_the_call_only_when_asked() -> None
 
 
 def test_gpus_started_this_step_are_held_for_the_deployments_decided_after_it() -> None:
-    # both want a2's block for their baseline; the higher priority one gets it
+    # both want a2's block for their baseline; the higher priority one gets it (exclusive GPUs:
+    # sharing them by memory fraction is tests/scheduler/pool/test_sharing.py's)
     first = state("first", priority=5)
     second = state("second", priority=1)
-    out = step(second, first).by_id()
+    out = step(second, first, config=LoopConfig(max_models_per_gpu=1)).by_id()
     assert out["first"].start is not None and out["first"].start.target == tp8("a2")
     later = out["second"].start
     assert later is not None and not set(later.target.gpu_uuids) & set(tp8("a2").gpu_uuids)
-    assert [s.deployment_id for s in step(second, first).steps] == ["first", "second"]
+    assert [s.deployment_id for s in step(second, first, config=LoopConfig(max_models_per_gpu=1)).steps] == [
+        "first", "second"]
 
 
 def test_gpus_another_deployment_holds_are_not_planned_on() -> None:
