@@ -428,7 +428,10 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
         the control loop shares a GPU by (scheduler.pool.sharing)."""
         out: dict[str, dict[str, int]] = {}
         for engine_id, fp in self._footprint.items():
-            per = out.setdefault(self.engines[engine_id].deployment, {})
+            engine = self.engines.get(engine_id)
+            if engine is None:
+                continue  # a fine-tune job's whole-GPU booking (agents/sim/jobs.py): no deployment shares it
+            per = out.setdefault(engine.deployment, {})
             for u, b in fp.items():
                 per[u] = per.get(u, 0) + b
         return out
