@@ -21,7 +21,7 @@ three policies to a few minutes of CPU; --compress 1 runs real time.
 
 Policies: dedicated and reactive (agents/sim/poolpolicies.py; reactive imitates a per-model
 Kubernetes HPA / Knative KPA: its docstring says what of them), flexpipe (the one control loop,
-scheduler/control, TWU rule 11, every model on the shared pool; agents/sim/policies.py), here
+scheduler/control, TWU rule 11, every model on the shared pool; agents/sim/flexpolicy.py), here
 with GearboxConfig.scale_in_on_twu_band on (the default): when TWU asks for less capacity the
 smaller gear must stand below the high watermark, the TWU band being the scale-in's band, not also
 below the gearbox's shrink watermark (0.65), which vetoed every such ask (--no-twu-band: off).

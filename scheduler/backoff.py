@@ -19,7 +19,7 @@ happens, to a plan that is not backed off.
 Pure values: `failed`, `succeeded` and `observe` return a new `Backoff`; the console keeps one
 per deployment as JSON (`to_dict` / `from_dict`), the simulator's FlexPipe policy in memory.
 Both drivers call the same three functions (console/gearbox/ticks.py and actions.py,
-agents/sim/policies.py).
+agents/sim/flexpolicy.py).
 """
 
 from __future__ import annotations

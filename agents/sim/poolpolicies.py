@@ -26,7 +26,7 @@ the others; `make_pool_policy` knows both):
 
 Both route by each replica's share of its deployment's modelled capacity.
 
-* flexpipe, as bench.pool runs it (`PoolFlexPipePolicy`): agents.sim.policies' FlexPipePolicy -
+* flexpipe, as bench.pool runs it (`PoolFlexPipePolicy`): agents.sim.flexpolicy's FlexPipePolicy -
   the one control loop, every model on the shared pool - started the way the other two start:
   warm at t=0 on the fewest-GPU gear of the planner's that meets the SLOs at each model's opening
   load with the gearbox's headroom (in priority order, each on GPUs the earlier ones left), not on a one-replica scenario baseline that the opening load
@@ -44,9 +44,9 @@ from typing import Any
 
 from agents.sim.engine import PlanEngine
 from agents.sim.fleet import FleetSim
+from agents.sim.flexpolicy import FlexPipePolicy
 from agents.sim.policies import (
     DEFAULT_POLICY_OPTIONS,
-    FlexPipePolicy,
     Policy,
     PolicyOptions,
     by_priority,

@@ -2,7 +2,7 @@
 
 One loop for every driver: the console's tick (console/gearbox/ticks.py) builds the observation
 from its database and persists the output through its actions; the simulator's FlexPipe policy
-(agents/sim/policies.py) builds it from the simulated fleet and carries the output out through
+(agents/sim/flexpolicy.py) builds it from the simulated fleet and carries the output out through
 its TransitionDriver. The shape is vLLM v1's `schedule() -> SchedulerOutput` and Ray autoscaler
 v2's reconciler: pure, deterministic, no I/O, no clock but `now_s`.
 

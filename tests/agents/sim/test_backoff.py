@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from agents.sim.faults import Fault
 from agents.sim.fleet import FleetSim
-from agents.sim.policies import FlexPipePolicy
+from agents.sim.flexpolicy import FlexPipePolicy
 from agents.sim.workload import build_workload
 from scheduler.gearbox import Trigger
 from tests.agents.sim.worlds import one_deployment

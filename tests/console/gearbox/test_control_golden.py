@@ -3,7 +3,7 @@
 The same scripted trace of world states - load samples, transition completions (with the
 agents' reports after them), a GPU another tenant takes - is fed to the console's tick
 (console/gearbox/ticks.py over the database, its transitions run by simulated agents) and to
-the simulator's driver (agents.sim.policies.FlexPipePolicy, the code bench.replay runs, over a
+the simulator's driver (agents.sim.flexpolicy.FlexPipePolicy, the code bench.replay runs, over a
 stand-in for FleetSim and its TransitionDriver that shows it the console's snapshot). Both must
 decide the same sequence: trigger, outcome, target gear (its id is a hash of its plans) and,
 where the TWU rule led the decision, its reason.
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from agents.sim.policies import SIM_LOOP, FlexPipePolicy
+from agents.sim.flexpolicy import SIM_LOOP, FlexPipePolicy
 from console.gearbox import ticks
 from console.gearbox.models import Decision, Deployment
 from console.gearbox.snapshot import fleet_snapshot
