@@ -28,6 +28,13 @@ The rules (pure: no clock but the `now_s` each function is given, no I/O):
    without them, and only when that is no switch, again with them; a switch that takes them
    says which job, how many GPUs, and how long until they are free. (That wait is said, not
    priced in the gearbox's gain: PREPARE time is weighed against the horizon, the yield is not.)
+6. A job that runs outside FlexPipe (the console's: it admits and books, a runner of its own
+   trains) cannot be timed by `checkpoint_s`: asked to yield (`ask_runner_to_yield`), it is
+   YIELDING with the deadline `now + grace_s`, and the checkpoint asked for holds its work up to
+   the ask. Its runner's acknowledgement (`checkpointed`) releases it at once, keeping what the
+   checkpoint holds; at the deadline without one (`expire`) it is released anyway and the work
+   since its last checkpoint is lost. A runner may acknowledge a checkpoint while it runs, too:
+   that is its new restart point (what a crash or a missed deadline falls back to).
 """
 
 from __future__ import annotations
@@ -189,6 +196,44 @@ def release(state: JobState) -> JobState:
                    saved_gpu_s=state.yield_keeps_gpu_s, release_at_s=None, taken_by="")
 
 
+def ask_runner_to_yield(state: JobState, now_s: float, by: str) -> JobState:
+    """Rule 6: an external runner's job stops and checkpoints; YIELDING until its runner acknowledges
+    (`checkpointed`) or `release_at_s` (now + grace_s: `expire`). Asking again changes nothing."""
+    if state.phase is JobPhase.YIELDING:
+        return state
+    if state.phase is not JobPhase.RUNNING:
+        raise ValueError(f"phase: job {state.name} is {state.phase.value}; only a running job yields")
+    return replace(state, phase=JobPhase.YIELDING, release_at_s=now_s + state.job.grace_s,
+                   yield_keeps_gpu_s=state.progress_gpu_s(now_s), taken_by=by, yields=state.yields + 1)
+
+
+def checkpointed(state: JobState, now_s: float, gpu_s: float | None = None) -> JobState:
+    """Rule 6: its runner wrote a checkpoint holding `gpu_s` of work (None: all it did by now; a
+    yielding job's, what it did by the ask). Running, the checkpoint is its new restart point (and
+    all its work: it is DONE); yielding, it releases at once (rule 4), keeping it."""
+    if state.phase not in HOLDING:
+        raise ValueError(f"phase: job {state.name} is {state.phase.value}; only a running or yielding job "
+                         "checkpoints")
+    kept = state.progress_gpu_s(now_s) if gpu_s is None else gpu_s
+    if not state.saved_gpu_s <= kept <= state.job.work_gpu_s:
+        raise ValueError(f"progress_gpu_s: must be from {state.saved_gpu_s:g} (its last checkpoint) to "
+                         f"{state.job.work_gpu_s:g} (its work); got {kept:g}")
+    if state.phase is JobPhase.YIELDING:
+        return release(replace(state, yield_keeps_gpu_s=kept))
+    if kept >= state.job.work_gpu_s:
+        return finish(state, now_s)
+    return replace(state, saved_gpu_s=kept, since_s=now_s)
+
+
+def expire(state: JobState, now_s: float) -> JobState:
+    """Rule 6: its grace time is over and no checkpoint was acknowledged: released anyway, the work
+    since its last checkpoint lost. Before the deadline, or not yielding: unchanged."""
+    if state.phase is not JobPhase.YIELDING or state.release_at_s is None or now_s < state.release_at_s:
+        return state
+    lost = max(0.0, state.yield_keeps_gpu_s - state.saved_gpu_s)
+    return release(replace(state, yield_keeps_gpu_s=state.saved_gpu_s, lost_gpu_s=state.lost_gpu_s + lost))
+
+
 def crash(state: JobState, now_s: float) -> JobState:
     """Rule 4: it lost a GPU (another tenant, a failure): back to its last checkpoint, holding nothing."""
     if state.phase not in HOLDING:
@@ -257,6 +302,7 @@ def decide_around_jobs(decide: Callable[[Snapshot], Decision], snapshot: Snapsho
 
 
 __all__ = [
-    "HOLDING", "INFERENCE_PRIORITY", "JOB_PRIORITY", "Job", "JobPhase", "JobState", "ask_to_yield", "booking_bytes",
-    "crash", "decide_around_jobs", "decision_view", "finish", "job_gpus", "pick_gpus", "release", "start", "takeable_gpus", "taken_from",
+    "HOLDING", "INFERENCE_PRIORITY", "JOB_PRIORITY", "Job", "JobPhase", "JobState", "ask_runner_to_yield",
+    "ask_to_yield", "booking_bytes", "checkpointed", "crash", "decide_around_jobs", "decision_view", "expire",
+    "finish", "job_gpus", "pick_gpus", "release", "start", "takeable_gpus", "taken_from",
 ]

@@ -124,3 +124,27 @@ def test_a_job_runs_to_done_and_holds_nothing() -> None:
     assert job.done_at_s() == NOW + 100
     d = J.finish(job, NOW + 100)
     assert d.phase is J.JobPhase.DONE and d.progress_gpu_s(NOW + 200) == 800.0 and J.job_gpus([d]) == frozenset()
+
+
+def test_an_external_runner_yields_by_its_ack_or_loses_the_work_since_its_checkpoint_at_the_deadline() -> None:
+    snap = make_fleet([NodeSpec("a2")])
+    job = running_job(J.Job("ft", 8, 8 * 1000.0, grace_s=30, checkpoint_s=20), A2, snap, at_s=NOW - 100)
+    # a checkpoint while it runs is its new restart point
+    c = J.checkpointed(job, NOW - 50)
+    assert (c.phase, c.saved_gpu_s, c.since_s) == (J.JobPhase.RUNNING, pytest.approx(400), NOW - 50)
+    y = J.ask_runner_to_yield(c, NOW, by="chat")
+    assert (y.phase, y.release_at_s, y.taken_by, y.yields) == (J.JobPhase.YIELDING, NOW + 30, "chat", 1)
+    assert J.ask_runner_to_yield(y, NOW + 5, by="other") == y and J.expire(y, NOW + 29) == y
+    # the ack releases at once, keeping the work up to the ask
+    acked = J.checkpointed(y, NOW + 3)
+    assert (acked.phase, acked.gpu_uuids, acked.saved_gpu_s, acked.lost_gpu_s) == \
+        (J.JobPhase.CHECKPOINTED, (), pytest.approx(800), 0.0)
+    # no ack: at the deadline it is released anyway, back to its checkpoint at NOW - 50
+    gone = J.expire(y, NOW + 30)
+    assert (gone.phase, gone.saved_gpu_s, gone.lost_gpu_s) == (J.JobPhase.CHECKPOINTED, pytest.approx(400),
+                                                               pytest.approx(400))
+    with pytest.raises(ValueError, match="progress_gpu_s"):
+        J.checkpointed(y, NOW + 3, gpu_s=100.0)  # below its last checkpoint
+    with pytest.raises(ValueError, match="phase"):
+        J.checkpointed(gone, NOW + 31)
+    assert J.checkpointed(job, NOW, gpu_s=8000.0).phase is J.JobPhase.DONE
