@@ -1,5 +1,7 @@
 """/api/v1/jobs: fine-tune and batch jobs on the pool (console/gearbox/jobs.py). Viewers read;
-operators create (POST) and delete (DELETE /api/v1/jobs/<name>), as with /api/v1/deployments."""
+operators create (POST) and delete (DELETE /api/v1/jobs/<name>), as with /api/v1/deployments. A
+job's runner reads its job (where it runs, whether to yield and by when) and acknowledges its
+checkpoints (POST /api/v1/jobs/<name>/checkpointed, as an operator: console/gearbox/admission.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from console.accounts.auth import IsOperator, IsViewer
 from console.api.serializers import StrictSerializer, refused_response
 from console.fleet.actions import Rejected
+from console.gearbox.admission import do_checkpointed
 from console.gearbox.api_lifecycle import request_data
 from console.gearbox.jobs import do_create_job, do_delete_job, job_payload
 from console.gearbox.models import Job
@@ -39,13 +43,21 @@ class JobCreateSerializer(StrictSerializer):
                                                     "the work since its last checkpoint)")
 
 
+class CheckpointedSerializer(StrictSerializer):
+    """The body of POST /api/v1/jobs/<name>/checkpointed (console/gearbox/admission.py checks it)."""
+
+    progress_gpu_s = serializers.FloatField(min_value=0, required=False,
+                                            help_text="the work the checkpoint holds, GPU-seconds (default: all "
+                                                      "it did by the console's account)")
+
+
 class JobViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     serializer_class = JobCreateSerializer
     lookup_field = "name"
     lookup_value_regex = r"[A-Za-z0-9._-]{1,64}"
 
     def get_permissions(self) -> list[Any]:
-        return [IsOperator()] if self.action in ("create", "destroy") else [IsViewer()]
+        return [IsOperator()] if self.action in ("create", "destroy", "checkpointed") else [IsViewer()]
 
     def get_queryset(self) -> QuerySet[Job]:
         return Job.objects.select_related("created_by").order_by("created_at", "name")
@@ -84,6 +96,23 @@ class JobViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
         except Rejected as exc:
             return refused_response(exc.status, exc.errors)
         return Response(job_payload(job), status=status.HTTP_201_CREATED)
+
+    @extend_schema(summary="A job's runner acknowledges a checkpoint (operator)", request=CheckpointedSerializer,
+                   responses={200: OpenApiTypes.OBJECT,
+                              409: OpenApiResponse(description="the job holds no GPUs: the body names the field")},
+                   description=(
+                       "Optionally progress_gpu_s: the work the checkpoint holds (from its last checkpoint to its "
+                       "work; default: all it did by the console's account). A yielding job's GPUs are free at "
+                       "once and it waits to resume; a running job's checkpoint is its new restart point. A bad "
+                       "or unknown field is a 400 naming it and nothing changes; 409: it is not running or "
+                       "yielding."))
+    @action(detail=True, methods=["post"], url_path="checkpointed")
+    def checkpointed(self, request: Request, name: str) -> Response:
+        try:
+            job = do_checkpointed(name, request_data(request), actor=request.user)
+        except Rejected as exc:
+            return refused_response(exc.status, exc.errors)
+        return Response(job_payload(job))
 
     @extend_schema(summary="Delete a job (operator)", responses={204: None})
     def destroy(self, request: Request, name: str) -> Response:

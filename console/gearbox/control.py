@@ -12,6 +12,9 @@
   staged path, the decision (actions.do_record_decision), its transition (actions._start), the
   stage it remembers, and for an emergency the abort it asks for and the request it clears; a
   release to zero (rule 9b) and the wake-up's audit entry through console/gearbox/zero.py.
+  A transition whose target lands on GPUs a fine-tune or batch job holds is not started: the
+  jobs are asked to yield (console/gearbox/admission.py step 3) and the decision's note says
+  so; the deployment switches at a later tick, once they are free.
 
 Two ticks may race: both decide, one claims the seq (ports.DjangoStore.create), the other's
 decision is noted as not started.
@@ -28,7 +31,7 @@ from django.db import transaction
 
 from console.fleet import fragments
 from console.fleet.models import AgentCommand, Node
-from console.gearbox import actions, zero  # (called through the module: tests patch its actions)
+from console.gearbox import actions, admission, zero  # (called through the module: tests patch its actions)
 from console.gearbox.actions import GEARBOX, Decided
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
@@ -48,6 +51,7 @@ from scheduler.control import (
 )
 from scheduler.gearbox import Outcome, Trigger
 from scheduler.plan import Gear
+from scheduler.pool.jobs import JobState
 from scheduler.topology import FragmentHistory, Snapshot
 from scheduler.transition import Kind, TransitionRecord
 
@@ -158,23 +162,33 @@ def decide_all(names: Sequence[str], *, trigger: Trigger, now: datetime, base: S
     """One loop step over these deployments (module docstring); what each step did, by name."""
     observed = [o for i, n in enumerate(names) if (o := observe(n, base, now, i)) is not None]
     loop = ControlLoop(LoopConfig(max_models_per_gpu=int(settings.FLEXPIPE_MAX_MODELS_PER_GPU)))
+    jobs = admission.job_states(base)
     loop.observe([o.state for o in observed], FleetState(
         snapshot=base, history=history if history is not None else fragments.load_history(),
         held={k: frozenset(v) for k, v in held.items()}, booked=actions.booked_bytes(),
-        node_epochs=dict(Node.objects.values_list("node_id", "epoch"))))
+        node_epochs=dict(Node.objects.values_list("node_id", "epoch")), jobs=jobs))
     out = loop.step(now.timestamp(), trigger)
     by_name = {o.row.name: o for o in observed}
     done: dict[str, Decided] = {o.row.name: Decided(None, None) for o in observed}
     for step in out.steps:
-        done[step.deployment_id] = persist(by_name[step.deployment_id], step, now, actor)
+        done[step.deployment_id] = persist(by_name[step.deployment_id], step, now, actor, jobs)
     return done
 
 
-def persist(obs: Observed, step: Step, now: datetime, actor: str) -> Decided:
+def _wait_for_jobs(dep: Deployment, step: Step, jobs: Sequence[JobState], now: datetime, actor: str) -> str:
+    """A start onto GPUs that jobs hold: ask them to yield; the note of the decision that waits
+    for them ("" when no job is in the way: start it)."""
+    if step.start is None:
+        return ""
+    hit = admission.in_the_way(jobs, step.start.target.gpu_uuids)
+    return admission.do_ask_to_yield(hit, by=dep.name, now=now, actor=actor) if hit else ""
+
+
+def persist(obs: Observed, step: Step, now: datetime, actor: str, jobs: Sequence[JobState] = ()) -> Decided:
     """Carry one step of the loop's output out through the actions."""
     dep = obs.row
     if step.emergency:
-        return _persist_emergency(obs, step, now, actor)
+        return _persist_emergency(obs, step, now, actor, jobs)
     if step.backoff is not None:
         # telemetry of the decision, not an operator's act: not audited (the decision says
         # "backing off until ...")
@@ -194,7 +208,10 @@ def persist(obs: Observed, step: Step, now: datetime, actor: str) -> Decided:
         actions._locked(dep)  # the deployment row before the audit head (lock order: ports._lock_deployment)
         row = actions.do_record_decision(dep, d, actor=actor, now=now)
         started = None
-        if step.start is not None:
+        if wait := _wait_for_jobs(dep, step, jobs, now, actor):
+            row.note = wait
+            row.save(update_fields=["note"])
+        elif step.start is not None:
             started = actions._start(dep, step.start.target, kind=step.start.kind, decision=row, actor=actor)
             if started is None:
                 row.note = "not started: another transition claimed the deployment first"
@@ -215,7 +232,8 @@ def _clear_stage(dep: Deployment) -> None:
     dep.staged_gear = None
 
 
-def _persist_emergency(obs: Observed, step: Step, now: datetime, actor: str) -> Decided:
+def _persist_emergency(obs: Observed, step: Step, now: datetime, actor: str, jobs: Sequence[JobState] = ()
+                       ) -> Decided:
     """A pending emergency's step: the roll back it asks for, or the downshift it starts. A
     target that cannot run any more stays pending (retried every tick; the page shows it blocked)."""
     from console.gearbox.emergency import same_as_last
@@ -239,6 +257,10 @@ def _persist_emergency(obs: Observed, step: Step, now: datetime, actor: str) -> 
         row = actions.do_record_decision(locked, d, actor=who, now=now,
                                  note=f"emergency requested by {who}: {locked.emergency_reason}")
         started = None
+        if wait := _wait_for_jobs(locked, step, jobs, now, who):
+            row.note = f"{row.note}; {wait}" if row.note else wait
+            row.save(update_fields=["note"])
+            return Decided(row, None)  # the request stands: it starts once the jobs released
         if step.start is not None:
             started = actions._start(locked, step.start.target, kind=Kind.EMERGENCY, decision=row, actor=who)
             if started is None:

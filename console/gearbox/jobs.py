@@ -1,10 +1,12 @@
 """The jobs API's writes: create and delete a fine-tune or batch job (`Job`; the rules are
 scheduler/pool/jobs.py's, seed 004 sections 2.1 and 5.2). Operators only; every field is checked
 before anything is stored - a bad one is a Rejected(400) naming it and the reason - and each write
-is audited in the same transaction."""
+is audited in the same transaction. Running them - admission, yields, checkpoints - is
+console/gearbox/admission.py's."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -13,6 +15,7 @@ from django.utils import timezone
 from console.audit.chain import record
 from console.fleet.actions import Rejected
 from console.gearbox.actions import _who
+from console.gearbox.admission import to_state
 from console.gearbox.lifecycle import NEW_NAME_RE
 from console.gearbox.models import Job
 from scheduler.hardware import known_gpus
@@ -89,11 +92,21 @@ def do_delete_job(job: Job, *, actor: Any) -> None:
                summary=f"job {job.name} deleted ({job.state}, {job.progress_gpu_s / job.work_gpu_s:.0%} done)")
 
 
-def job_payload(job: Job) -> dict[str, Any]:
+def job_payload(job: Job, now: datetime | None = None) -> dict[str, Any]:
+    """What the API shows, and what a job's runner reads: where it runs, whether to yield (and by
+    when), its checkpoint and its progress by the console's account at `now`."""
+    done = to_state(job).progress_gpu_s((now or timezone.now()).timestamp())
+
+    def iso(at: datetime | None) -> str | None:
+        return at.isoformat() if at is not None else None
+
     return {"name": job.name, "gpus": job.gpus, "gpu_model": job.gpu_model, "priority": job.priority,
             "grace_s": job.grace_s, "checkpoint_s": job.checkpoint_s, "work_gpu_s": job.work_gpu_s,
-            "progress_gpu_s": job.progress_gpu_s, "progress": round(job.progress_gpu_s / job.work_gpu_s, 4),
+            "progress_gpu_s": round(done, 3), "progress": round(done / job.work_gpu_s, 4),
             "state": job.state, "gpu_uuids": list(job.gpu_uuids), "yields": job.yields,
+            "checkpoint_gpu_s": job.saved_gpu_s, "lost_gpu_s": round(job.lost_gpu_s, 3),
+            "running_since": iso(job.running_since), "yield_by": iso(job.yield_by), "yield_to": job.taken_by or None,
+            "done_at": iso(job.done_at),
             "created_by": job.created_by.username if job.created_by else None,
             "created_at": job.created_at.isoformat()}
 

@@ -240,8 +240,10 @@ class Job(models.Model):
     """A fine-tune or batch job on the inference pool (scheduler/pool/jobs.py: the rules; seed 004
     sections 2.1 and 5.2): it holds whole GPUs at a low priority and yields them, after a
     checkpoint within `grace_s`, to a deployment of higher priority; it resumes when GPUs are free.
-    Created and deleted through /api/v1/jobs (console/gearbox/jobs.py); whoever runs it (the
-    simulated fleet, an agent) writes its state, GPUs and progress."""
+    Created and deleted through /api/v1/jobs (console/gearbox/jobs.py). The tick admits it onto
+    free GPUs and asks it to yield (console/gearbox/job_admission.py); its runner, outside
+    FlexPipe, reads it and acknowledges its checkpoints (POST /api/v1/jobs/<name>/checkpointed).
+    Its fields are scheduler.pool.jobs.JobState's, the times as datetimes."""
 
     QUEUED, RUNNING, YIELDING, CHECKPOINTED, DONE = "queued", "running", "yielding", "checkpointed", "done"
     STATES = [(s, s) for s in (QUEUED, RUNNING, YIELDING, CHECKPOINTED, DONE)]
@@ -255,6 +257,12 @@ class Job(models.Model):
     checkpoint_s = models.FloatField(default=20.0)  # how long writing its checkpoint takes
     work_gpu_s = models.FloatField()  # its total work, GPU-seconds
     progress_gpu_s = models.FloatField(default=0.0)  # done so far (its last checkpoint while it waits)
+    saved_gpu_s = models.FloatField(default=0.0)  # the work its last checkpoint holds (a resume starts there)
+    running_since = models.DateTimeField(null=True, blank=True)  # running: when it (re)started from saved_gpu_s
+    yield_by = models.DateTimeField(null=True, blank=True)  # yielding: its GPUs are freed then at the latest
+    taken_by = models.CharField(max_length=64, blank=True, default="")  # yielding: the deployment that asked
+    lost_gpu_s = models.FloatField(default=0.0)  # work lost so far (deadlines missed, GPUs lost)
+    done_at = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=STATES, default=QUEUED)
     gpu_uuids = models.JSONField(default=list)  # what it holds (running, yielding)
     yields = models.PositiveIntegerField(default=0)

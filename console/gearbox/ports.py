@@ -34,7 +34,7 @@ from console.audit.chain import record
 from console.fleet.actions import do_issue_command
 from console.fleet.models import AgentCommand, Gpu, Node
 from console.gearbox import live
-from console.gearbox.models import ACTIVE_PHASES, Deployment, GpuReservation, Transition, TransitionStep
+from console.gearbox.models import ACTIVE_PHASES, Deployment, GpuReservation, Job, Transition, TransitionStep
 from console.gearbox.snapshot import fleet_snapshot
 from scheduler.plan import Gear
 from scheduler.pool.sharing import sharing_conflicts
@@ -215,6 +215,10 @@ class DjangoStore:
             for u, name in GpuReservation.objects.filter(gpu_uuid__in=gpus).values_list("gpu_uuid", "deployment__name"):
                 holders[u].add(name)
             conflicts = sharing_conflicts(guard.deployment_id, holders, int(settings.FLEXPIPE_MAX_MODELS_PER_GPU))
+            # a fine-tune or batch job books its GPUs whole: nothing is booked beside it (the tick asks
+            # it to yield before it starts a transition there: console/gearbox/admission.py)
+            for job, uuids in Job.objects.filter(state__in=Job.HOLDING).values_list("name", "gpu_uuids"):
+                conflicts += [f"GPU {u} is held by job {job} (it yields first)" for u in sorted(set(uuids) & set(gpus))]
             if conflicts:
                 return conflicts
             now = timezone.now()

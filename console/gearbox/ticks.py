@@ -5,7 +5,9 @@ fragment history (console.fleet.fragments), samples each deployment's load from 
 reports, then takes one step of scheduler.control.ControlLoop through its console driver
 (console/gearbox/control.py: the database in, the actions out). The loop's rules - emergency
 first, back-off folded, reports mirrored, staged switches, baseline bring-up, GPUs held across
-deployments - are in one docstring, scheduler/control/loop.py.
+deployments - are in one docstring, scheduler/control/loop.py. Fine-tune and batch jobs are
+settled before the decisions and admitted onto what is left free after them (inference decides
+first; console/gearbox/admission.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from console.fleet import fragments
-from console.gearbox import present
+from console.gearbox import admission, present
 from console.gearbox.actions import do_record_load, do_record_serving, held_gpus
 from console.gearbox.control import decide_all
 from console.gearbox.lifecycle import finish_deletions
@@ -54,6 +56,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
     except ValueError as exc:  # reports that contradict each other: decide nothing on them
         log.warning("gearbox tick skipped: the fleet does not make a valid snapshot (%s)", exc)
         return {"skipped": str(exc)}
+    jobs = admission.settle(base, now)  # done, crashed, past their deadline: before anyone decides
     held = held_gpus()
     engines = present.fleet_view(now, with_blocks=False)  # the engines' latest reports: serving history
     history = fragments.do_observe_blocks(base, now=now)  # every decision of this tick reads it
@@ -82,7 +85,10 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
             decided.append(f"{name}:{done.decision.outcome}")
         if done.transition is not None:
             started.append(f"{name}#{done.transition.seq}")
+    jobs += admission.admit(base, now)
     out: dict[str, object] = {"trigger": trigger, "decided": decided, "started": started, "waiting": waiting}
+    if jobs:
+        out["jobs"] = jobs
     if deleted:
         out["deleted"] = deleted
     return out
