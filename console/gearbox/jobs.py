@@ -83,7 +83,7 @@ def do_create_job(*, actor: Any, **fields: object) -> Job:
 
 
 def do_delete_job(job: Job, *, actor: Any) -> None:
-    """Delete a job (whoever runs it sees it gone and releases its GPUs)."""
+    """Delete a job: its GPUs are free at the next tick (its runner, reading it gone, stops)."""
     who, user = _who(actor)
     with transaction.atomic():
         before = {"state": job.state, "progress_gpu_s": job.progress_gpu_s, "gpu_uuids": job.gpu_uuids}

@@ -156,3 +156,25 @@ def test_an_ack_needs_an_operator_and_a_job_that_holds_gpus(operator: Person, vi
     assert resp.status_code == 409 and "queued" in resp.json()["state"][0]
     assert ack(operator.api(), {}, name="nope").status_code == 404
     assert job().state == Job.QUEUED and not events("checkpointed")
+
+
+def test_a_job_is_done_when_its_work_is_and_falls_back_to_its_checkpoint_when_it_loses_a_gpu(
+        operator: Person) -> None:
+    rep = enroll_fleet({"a1": "A"}, gpus=4)
+    assert submit(operator.api(), work_gpu_s=4 * 100).status_code == 201
+    assert submit(operator.api(), name="next", gpus=2, work_gpu_s=2 * 1000).status_code == 201
+    t0 = timezone.now()
+    assert ticks.tick(now=t0)["jobs"] == ["ft:running"]  # the oldest first; "next" does not fit beside it
+    assert ack(operator.api(), {"progress_gpu_s": 100}).status_code == 200  # a checkpoint while it runs
+    assert (job().state, job().saved_gpu_s) == (Job.RUNNING, 100.0)
+    # 4 GPUs x 100 s is its work: done, and its GPUs go to the next job in the same tick
+    out = ticks.tick(now=t0 + timedelta(seconds=100))
+    assert out["jobs"] == ["ft:done", "next:running"], out
+    assert (job().state, job().gpu_uuids) == (Job.DONE, []) and len(events("done")) == 1
+    # another tenant takes one of next's GPUs: it crashes back to its checkpoint (none yet: all lost)
+    rep.gone.add(Job.objects.get(name="next").gpu_uuids[0])
+    rep.report("a1", 4)
+    out = ticks.tick(now=t0 + timedelta(seconds=110))
+    nxt = Job.objects.get(name="next")
+    assert nxt.state == Job.RUNNING and out["jobs"] == ["next:checkpointed", "next:running"], out
+    assert nxt.lost_gpu_s == pytest.approx(2 * 10) and "lost 1 GPU(s)" in events("crashed")[0].summary

@@ -81,7 +81,7 @@ def test_a_missing_field_is_named(operator: Person) -> None:
 def test_the_heatmap_holders_show_the_gpus_a_job_holds(operator: Person) -> None:
     assert post(operator.api(), body(name="ft", gpus=2)).status_code == 201
     assert present.gpu_holders([], {}) == {}  # queued: it holds nothing
-    # whoever runs it (the simulated fleet, an agent) writes where it runs
+    # where it runs, as the tick writes it (console/gearbox/admission.py; test_job_admission.py runs it)
     Job.objects.filter(name="ft").update(state=Job.RUNNING, gpu_uuids=["GPU-a", "GPU-b"])
     holders = present.gpu_holders([], {})
     assert holders == {"GPU-a": [{"job": "ft", "role": "job"}], "GPU-b": [{"job": "ft", "role": "job"}]}
