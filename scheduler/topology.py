@@ -95,6 +95,10 @@ class GpuState:
     ecc_errors: int = 0  # uncorrectable ECC errors
     failed_checks: int = 0  # consecutive failed health checks
     last_seen_s: float = 0.0  # when this GPU was last reported
+    # the part of its time a plan placed here gets: 1 / (deployments time-slicing it), set by the
+    # control loop's view of a GPU other deployments hold (scheduler.pool.sharing); the cost model
+    # stretches a stage's time by its inverse (costmodel.profiles). Never reported, not serialised
+    compute_share: float = 1.0
 
     @property
     def mem_free_bytes(self) -> int:
@@ -269,6 +273,8 @@ class Snapshot:
                 )
             if not 0.0 <= gpu.sm_util <= 1.0:
                 raise ValueError(f"{p}.sm_util: must be within [0, 1], got {gpu.sm_util}")
+            if not 0.0 < gpu.compute_share <= 1.0:
+                raise ValueError(f"{p}.compute_share: must be within (0, 1], got {gpu.compute_share}")
             for counter in ("xid_errors", "ecc_errors", "failed_checks"):
                 if getattr(gpu, counter) < 0:
                     raise ValueError(f"{p}.{counter}: must be >= 0")

@@ -31,6 +31,7 @@ from scheduler.control import (
 from scheduler.gearbox import Deployment, LoadWindow, Outcome, Trigger, record_switch
 from scheduler.invariants import check as check_invariants
 from scheduler.plan import Gear, single_plan_gear
+from scheduler.pool.priority import UNLOAD_HOLD_S
 from scheduler.topology import FragmentHistory, atomic_blocks
 from scheduler.transition import Phase as TransitionPhase
 from scheduler.transition import TransitionRecord
@@ -67,6 +68,9 @@ class FlexPipePolicy(Policy):
         self.up_since: dict[str, float] = {}  # deployment -> when its last wake-up finished
         self.cold_starts = 0  # wake-ups started (a deployment at zero brought back for a held request)
         self.scaled_to_zero = 0  # releases carried out (rule 9b)
+        self.unloads = 0  # releases of a giver with nowhere to go (rule 13)
+        self.kept_off: dict[str, tuple[frozenset[str], float]] = {}  # giver -> GPUs it gave, until when
+        self._last_block: dict[str, tuple[str, str]] = {}  # deployment -> its last block (trigger, reason)
 
     @property
     def calls(self) -> int:
@@ -199,7 +203,8 @@ class FlexPipePolicy(Policy):
                 up_since_s=self.up_since.get(name), at_zero=name in self.at_zero,
                 waiting=len(dep.pending) if name in self.at_zero else 0,
                 # mirror first: a wake-up waits until the released plans freed their GPUs
-                reports_mirror_last=not (name in self.at_zero and dep.engines)))
+                reports_mirror_last=not (name in self.at_zero and dep.engines),
+                keep_off=self._kept_off(name, t)))
         return states, FleetState(snapshot=snap, history=self.history, held=_held(driver), jobs=sim.job_states(),
                                   booked=_booked(sim, driver))
 
@@ -220,12 +225,18 @@ class FlexPipePolicy(Policy):
             self.finished.pop(name, None)
         if step.clear_staged:
             self.staged.pop(name, None)
-        if step.release is not None:  # rule 9b: drain and free the gear; its requests wait for a wake-up
+        if step.release is not None:  # rule 9b (or 13: unload): drain and free the gear; its requests wait
             self.driver.release(name)
             self.at_zero.add(name)
-            self.scaled_to_zero += 1
+            if step.gives_to is not None:  # it unloaded for a higher priority: kept off what it gave
+                self.unloads += 1
+                self.kept_off[name] = (frozenset(step.given), t + UNLOAD_HOLD_S)
+            else:
+                self.scaled_to_zero += 1
             self.decisions.append({"t_s": round(t, 3), "deployment": name, "trigger": step.trigger.value,
-                                   "outcome": "scale_to_zero", "target": None, "stage": 0, "reason": step.release})
+                                   "outcome": "unload" if step.gives_to is not None else "scale_to_zero",
+                                   "target": None, "stage": 0, "reason": step.release,
+                                   **({"gives_to": step.gives_to} if step.gives_to is not None else {})})
             self._watch_zero(sim, name, t + self.options.zero_poll_s)
             return
         decision = step.decision
@@ -244,6 +255,13 @@ class FlexPipePolicy(Policy):
                 # only a switch the gearbox chose starts a cooldown (gearbox.record_switch)
                 self.deployments[name] = record_switch(self.deployments[name], t, forced=decision.forced)
                 self.switches += 1
+        if decision.outcome is Outcome.BLOCKED and not (step.takes or step.gives_to):
+            # a deployment waiting for GPUs (at zero, kept off what it gave) is blocked at every
+            # look for its held requests: the same block again is not a new entry
+            said = (decision.trigger.value, decision.reasons[-1] if decision.reasons else "")
+            if self._last_block.get(name) == said:
+                return
+            self._last_block[name] = said
         if decision.outcome in (Outcome.SWITCH, Outcome.BLOCKED) or step.takes or step.gives_to:
             entry: dict[str, Any] = {
                 "t_s": round(t, 3), "deployment": name, "trigger": decision.trigger.value,
@@ -259,6 +277,14 @@ class FlexPipePolicy(Policy):
                 entry["gives_to"] = step.gives_to
                 entry["reason"] = decision.reasons[0]
             self.decisions.append(entry)
+
+    def _kept_off(self, name: str, t: float) -> frozenset[str]:
+        """The GPUs a giver that unloaded gave, while the hold lasts (the loop's `keep_off`)."""
+        gpus, until = self.kept_off.get(name, (frozenset(), 0.0))
+        if t >= until:
+            self.kept_off.pop(name, None)
+            return frozenset()
+        return gpus
 
     def _watch_zero(self, sim: FleetSim, name: str, t: float) -> None:
         """While a deployment is at zero, look for held requests every `zero_poll_s`: one wakes it."""
@@ -276,6 +302,8 @@ class FlexPipePolicy(Policy):
                                "transition_invariant_violations": [str(v) for v in violations[:20]]}
         if any(d.spec.idle_to_zero_s is not None for d in self._sim.deployments.values()) if self._sim else False:
             out.update(scaled_to_zero=self.scaled_to_zero, cold_starts=self.cold_starts)
+        if self.unloads:
+            out.update(unloads=self.unloads)
         return out
 
 

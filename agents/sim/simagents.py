@@ -28,8 +28,8 @@ hang, lose_gpus):
   drain_timeout_s (0: none may), then each still there ends with an explicit error (the ack's
   `failed`).
 
-A PREPARE is refused ("conflict") for a plan another deployment runs, and ("failed") for a plan
-this deployment is releasing (draining). `lose_node` kills a node's agent: it answers nothing
+A PREPARE is refused ("failed") for a plan this deployment is releasing (draining); the same plan
+for another deployment is a plan of its own, as on the node daemon (refused only for memory). `lose_node` kills a node's agent: it answers nothing
 more, and the plans on its GPUs stop, their sequences ending with an explicit error.
 * thaw_plan: it admits again (the routing table says how much).
 
@@ -249,11 +249,10 @@ class SimAgents:
             if refused is not None:
                 self._ack(cmd, False, refused, {"reason": "failed"})
                 return
-        other = next((d for d in self.sim.deployments if d != cmd.deployment_id
-                      and self.sim.engine_of(d, plan.plan_id) is not None), None)
-        if other is not None:  # the same plan (same GPUs, same model) already runs for another deployment
-            self._ack(cmd, False, f"plan {plan.plan_id} runs for deployment {other}", {"reason": "conflict"})
-            return
+        # The same plan (same model, same GPUs) running for another deployment is no conflict: the
+        # node daemon keys its plans by (deployment, plan_id) and books each one's memory
+        # (agents/node/daemon.py), so a second deployment's copy is a plan of its own - refused only
+        # when it does not fit beside the first (sim.launch: scheduler.booking's words).
         engine = self.sim.engine_of(cmd.deployment_id, plan.plan_id)
         if engine is not None and engine.release_when_empty:
             self._ack(cmd, False, f"plan {plan.plan_id} is being released", {"reason": "failed"})

@@ -152,7 +152,8 @@ def observe(name: str, base: Snapshot, now: datetime, index: int = 0) -> Observe
         emergency_target=emergency, deleting=dep.deleting_since is not None, lost_plans=tuple(lost), index=index,
         idle_to_zero_s=dep.idle_to_zero_s, min_replicas=dep.min_replicas,
         up_since_s=up.timestamp() if up is not None else None, at_zero=resting,
-        waiting=1 if resting and dep.wake_requested_at is not None else 0)
+        waiting=1 if resting and dep.wake_requested_at is not None else 0,
+        keep_off=zero.kept_off(dep, now) if resting else frozenset())
     return Observed(dep, state, seen)
 
 
@@ -199,7 +200,7 @@ def persist(obs: Observed, step: Step, now: datetime, actor: str, jobs: Sequence
     if step.clear_staged and step.start is None:
         _clear_stage(dep)
     if step.release is not None:  # rule 9b: drain and release the gear (console/gearbox/zero.py)
-        zero.do_scale_to_zero(dep, step.release, now=now, actor=actor)
+        zero.do_scale_to_zero(dep, step.release, now=now, actor=actor, gives_to=step.gives_to, given=step.given)
         return Decided(None, None)
     d = step.decision
     if d is None:

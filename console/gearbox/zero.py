@@ -5,6 +5,7 @@
     released(dep)                                  the release is done: the agents freed the GPUs
     observe_zero(dep, now)                         the tick: a deployment back up leaves zero
     do_record_wake(dep, started, *, now, actor)    the tick: the wake-up's transition started
+    kept_off(dep, now)                             the tick: GPUs it gave when it unloaded (rule 13)
 
 Scaling to zero drains, as deleting does (lifecycle.py) - nothing admitted is lost: the routing
 table is emptied (version + 1: the gateway routes nothing new there; its next request is held, see
@@ -19,10 +20,16 @@ held request of a stay at zero, the one that counts a cold start) and asks for a
 deployment; the loop's rule 9 brings the baseline up (`waiting` 1), audited as
 `gearbox.waking_from_zero` with how long the request has waited. Once the gear is current again
 `observe_zero` clears both marks. A wake-up that rolls back leaves them: the next tick tries again.
+
+The same release unloads a deployment of lower priority that has nowhere to go when a higher one
+takes its GPUs (the loop's rule 13): its audit entry names the taker and the GPUs it gave, and
+`kept_off` keeps those from it for priority.UNLOAD_HOLD_S, so a tick of it alone does not bring
+it back onto them before the taker switches there.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
@@ -31,10 +38,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from console.audit.chain import record
+from console.audit.models import AuditEntry
 from console.fleet.actions import do_issue_command
 from console.fleet.models import AgentCommand, Node
 from console.gearbox import live
 from console.gearbox.models import Deployment
+from scheduler.pool.priority import UNLOAD_HOLD_S
 
 KEY = "gearbox.zero"  # the release commands' keys start with it (no transition issues them)
 
@@ -44,8 +53,11 @@ def _prefix(dep: Deployment) -> str:
     return f"{KEY}/{dep.name}/{dep.zero_since.timestamp():.6f}/"
 
 
-def do_scale_to_zero(deployment: Deployment, reason: str, *, now: datetime, actor: str) -> bool:
-    """Drain and release the deployment's gear (module docstring); False when it changed meanwhile."""
+def do_scale_to_zero(deployment: Deployment, reason: str, *, now: datetime, actor: str,
+                     gives_to: str | None = None, given: tuple[str, ...] = ()) -> bool:
+    """Drain and release the deployment's gear (module docstring); False when it changed meanwhile.
+    `gives_to`, `given`: it unloads for a higher priority (the loop's rule 13), giving these GPUs -
+    kept from it for priority.UNLOAD_HOLD_S (`kept_off`)."""
     from console.gearbox.actions import _active, _locked
     from console.gearbox.lifecycle import _live_nodes
 
@@ -70,7 +82,8 @@ def do_scale_to_zero(deployment: Deployment, reason: str, *, now: datetime, acto
                summary=f"{dep.name} scaled to zero: {reason}; draining {len(running)} plan(s), then its GPUs are free",
                before=before, after={"gear": None, "version": dep.routing_version, "routes": []},
                data={"reason": reason, "idle_to_zero_s": dep.idle_to_zero_s,
-                     "plans": {p: n for p, n in sorted(running.items())}, "drain_budget_s": budget})
+                     "plans": {p: n for p, n in sorted(running.items())}, "drain_budget_s": budget,
+                     **({"gives_to": gives_to, "given": list(given)} if gives_to is not None else {})})
         name = dep.name
         transaction.on_commit(lambda: live.push_routing(name))
     return True
@@ -90,6 +103,18 @@ def released(dep: Deployment) -> bool:
         if cmd.acked_at is not None and cmd.node.schedulable and (reported is None or reported < cmd.acked_at):
             return False
     return True
+
+
+def kept_off(dep: Deployment, now: datetime) -> frozenset[str]:
+    """The GPUs a deployment that unloaded for a higher priority gave, while the hold lasts (the
+    loop's `keep_off`; what its scaled_to_zero audit entry says it gave)."""
+    if not at_zero(dep):
+        return frozenset()
+    entry = (AuditEntry.objects.filter(deployment=dep.name, event_type="gearbox.scaled_to_zero")
+             .order_by("-seq").only("at", "body").first())
+    if entry is None or (now - entry.at).total_seconds() >= UNLOAD_HOLD_S:
+        return frozenset()
+    return frozenset(str(u) for u in json.loads(entry.body).get("data", {}).get("given") or ())
 
 
 def do_request_wake(name: str) -> bool:
@@ -128,4 +153,5 @@ def do_record_wake(dep: Deployment, started: Any, *, now: datetime, actor: str) 
            data={"held_s": held_s, "at_zero_s": zero_s, "seq": started.seq})
 
 
-__all__ = ["KEY", "at_zero", "do_record_wake", "do_request_wake", "do_scale_to_zero", "observe_zero", "released"]
+__all__ = ["KEY", "at_zero", "do_record_wake", "do_request_wake", "do_scale_to_zero", "kept_off", "observe_zero",
+           "released"]

@@ -71,7 +71,13 @@ The rules, in order, for each deployment, highest priority first (then `index`):
     nothing yet. Each giver, decided later in the same step, decides as a TOPOLOGY step with the
     given GPUs kept from it (`gives_to`, a reason naming the taker) - it shrinks or moves through
     its own transition, then releases them - and no other deployment may plan on any GPU of the
-    taker's target in this step. The taker switches onto them at a later step, once they are free.
+    taker's target in this step. A giver with nowhere to go (no gear fits on what is left to it:
+    its decision starts nothing) unloads: its step's `release` (rule 9b's path - the driver drains
+    its gear, nothing admitted is lost, and frees its GPUs), the reason naming the taker; it comes
+    back through rule 9 once GPUs fit it again (its requests wait meanwhile) - but not onto the
+    GPUs it gave while its driver holds them from it (`keep_off`: a step for it alone would
+    otherwise see them free before the taker's). The taker switches onto the given GPUs at a
+    later step, once they are free.
 
 Across deployments (scheduler/pool/sharing.py): up to `max_models_per_gpu` deployments (seed
 004 section 4.2: 2; LoopConfig) share a GPU by memory fraction. Each decision's snapshot shows a
@@ -272,8 +278,10 @@ class ControlLoop:
             d = self._decide(state, fleet, pool, now_s, Trigger.TOPOLOGY, book=book)
             d = replace(d, reasons=(giving.giver_reason(name), *d.reasons))
             start = self._start_of(d, Kind.AUTO)
+            # nowhere to go (no gear fits on what is left to it): it unloads - rule 9b's release
+            release = giving.unload_reason(name) if start is None else None
             return Step(name, Trigger.TOPOLOGY, d, start, clear_staged=clear or state.staged is not None,
-                        backoff=book, gives_to=giving.taker)
+                        backoff=book, gives_to=giving.taker, release=release, given=giving.given_by(name))
         until = cooldown_until(state.deployment, cfg.gearbox)
         if (cfg.skip_cooldown_stays and staged is None and state.serving and trigger is Trigger.PERIODIC
                 and until is not None and now_s < until):  # rule 10
@@ -338,7 +346,8 @@ class ControlLoop:
         GPUs kept for a higher-priority taker (module docstring)."""
         name = state.deployment.id
         return shared_snapshot(base, name, pool.held, pool.booked, own_bytes=pool.booked.get(name),
-                               max_models_per_gpu=self.config.max_models_per_gpu, withheld=pool.withheld(name))
+                               max_models_per_gpu=self.config.max_models_per_gpu,
+                               withheld=pool.withheld(name) | state.keep_off)
 
     def _stands(self, state: DeploymentState, d: gearbox.Decision) -> bool:
         """Rule 13: it meets its SLOs on what is left to it (its gear, or a candidate, stands)."""

@@ -111,6 +111,8 @@ class DeploymentState:
     at_zero: bool = False  # rule 9b released its gear (current is None): it comes up only for held requests
     waiting: int = 0  # requests held for it while at zero (the gateway's cold-start wait, the simulator's
     # queue): rule 9 wakes it up
+    keep_off: frozenset[str] = frozenset()  # GPUs it gave when it unloaded for a higher priority (rule 13):
+    # kept from it while the driver's hold lasts, so it does not come back onto them before the taker switches
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,8 @@ class Step:
     wake: bool = False  # rule 9: `start` brings a deployment at zero back (a cold start)
     takes: Takeover | None = None  # rule 13: the GPUs it takes from lower priorities (it switches once released)
     gives_to: str | None = None  # rule 13: it decided with GPUs kept from it, given to this deployment
+    given: tuple[str, ...] = ()  # rule 13: those GPUs (sorted); with `release`, the driver keeps them
+    # from it for priority.UNLOAD_HOLD_S (`DeploymentState.keep_off`)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,11 @@ class StageProfile:
     last: bool  # holds the final norm and LM head
     next_path: Path | None  # towards the next stage; None for the last
     tp_curve: CollectiveCurve | None = None  # a measured all-reduce of its TP group's node and size: used if set
+    # how much longer its kernels take on GPUs other deployments time-slice: 1 / the least
+    # `compute_share` of its GPUs (CUDA time-slicing runs one context at a time - NVIDIA GPU
+    # Operator docs, "Time-Slicing GPUs in Kubernetes" - so each of N busy contexts waits its turn;
+    # the simulator slows such engines the same way, agents/sim/fleet.py `_reshare`)
+    slowdown: float = 1.0
 
 
 class PipelineProfile:
@@ -174,6 +179,9 @@ class PipelineProfile:
         if has_head:
             sampled = decode_seqs + ((prefill_seqs if prefill_seqs > 1 else 1) if prefill_tokens else 0)
             gemm += o + norm(head_a * sampled, head_b + head_c * sampled)
+        slow = st.slowdown
+        if slow != 1.0:  # a time-sliced GPU: every kernel waits for its turn
+            return gemm * slow, attention * slow, elementwise * slow, allreduce * slow
         return gemm, attention, elementwise, allreduce
 
     def iteration(self, b: Batch) -> IterationCost:
@@ -387,6 +395,7 @@ def _pipeline(stages: Sequence[Stage], model: ModelSpec, snapshot: Snapshot, eff
                 last=stage.layer_end == model.num_layers,
                 next_path=nxt,
                 tp_curve=curve,
+                slowdown=1.0 / min(snapshot.gpu_by_uuid[u].compute_share for u in stage.gpu_uuids),
             )
         )
     return PipelineProfile(model, profiles, eff)

@@ -160,6 +160,7 @@ def _filter_blocks(blocks: Sequence[AtomicBlock], snapshot: Snapshot, options: P
     memos: dict[float, dict[int, int]] = {frac: caps}
     requires = options.requires if options.requires.any else None
     kept_off: list[str] = []  # blocks the model version's requirements refuse, and why
+    gpus = snapshot.gpu_by_uuid
     for b in blocks:
         if requires is not None and (off := requires.block_refusal(b, snapshot)) is not None:
             kept_off.append(f"block {b.id}: {off}")
@@ -197,7 +198,8 @@ def _filter_blocks(blocks: Sequence[AtomicBlock], snapshot: Snapshot, options: P
         # are sorted, most first, so the last is the least)
         least = sorted_room[-1]
         shape = (b.gpu_model, len(uuids), b.link_kind, round(b.tp_link_bytes_per_s / 1e9),
-                 _bucket((least if least > 0 else 0) // _GIB))
+                 _bucket((least if least > 0 else 0) // _GIB),
+                 min(gpus[u].compute_share for u in uuids))  # a GPU other deployments time-slice is slower
         r = _BlockRoom(b, ordered, sorted_room, score, shape)
         sort_keys.append(((-score, not has_preferred, -sum(sorted_room), b.id), r))
     sort_keys.sort(key=_first)

@@ -16,7 +16,10 @@ switches onto them once they are released. Both sides' decisions name the other 
   one more at a time and the taker's plan is tried on what is free plus what they hold
   (`try_with`, the caller's: the gearbox on that snapshot, a standing target or None);
 * the first set that lets the taker stand wins, and each released holder gives only the GPUs of
-  that target it holds (a holder whose GPUs the target does not use gives nothing).
+  that target it holds (a holder whose GPUs the target does not use gives nothing);
+* a giver that has nowhere to go - no gear of it fits on what is left - unloads (seed 004's "hot
+  unload"; `Takeover.unload_reason`): the loop releases its gear as scale to zero does, and it
+  comes back when GPUs fit it again.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from scheduler.plan import Gear
+
+# How long a giver that unloaded keeps off the GPUs it gave (the loop's `keep_off`): long enough for
+# its drain (FLEXPIPE_DRAIN_BUDGET_S, 10 s by default) and the taker's switch onto them, a back-off
+# after a refusal included (scheduler/backoff.py: 30 s, doubling); after it, GPUs the taker did not
+# take are anyone's again.
+UNLOAD_HOLD_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,10 +76,18 @@ class Takeover:
         return (f"priority {self.taker_priority}: cannot meet its SLOs on the GPUs left to it; takes {parts};"
                 f" it switches to {self.target.shape()} once they are released")
 
+    def given_by(self, giver: str) -> tuple[str, ...]:
+        return next((x.gpus for x in self.gives if x.giver == giver), ())
+
     def giver_reason(self, giver: str) -> str:
         g = next(x for x in self.gives if x.giver == giver)
         return (f"gives {len(g.gpus)} GPU(s) [{', '.join(g.gpus)}] to deployment {self.taker} (priority"
                 f" {self.taker_priority} > {g.giver_priority}), which cannot meet its SLOs without them")
+
+    def unload_reason(self, giver: str) -> str:
+        """Why `giver`, with no gear that fits on what is left to it, releases its gear instead."""
+        return (f"unloads: {self.giver_reason(giver)}, and no gear of it fits on what is left; it releases"
+                " its gear, and its requests wait until GPUs fit it again")
 
 
 def choose_givers(taker: str, taker_priority: int, holders: Iterable[Holder],
@@ -92,4 +109,4 @@ def choose_givers(taker: str, taker_priority: int, holders: Iterable[Holder],
     return None
 
 
-__all__ = ["Give", "Holder", "Takeover", "choose_givers"]
+__all__ = ["UNLOAD_HOLD_S", "Give", "Holder", "Takeover", "choose_givers"]

@@ -19,8 +19,10 @@ the agents reported it. A GPU other deployments hold is
 
 The agents report what every plan on a GPU holds, so the reported use already counts the others'
 running plans; the booked bytes add what was decided but not reported yet (a transition started
-earlier in the same step). Compute is not split here: the planner still prices a shared GPU at
-its full speed (the simulator slows engines that share a GPU, `FleetSim._reshare`).
+earlier in the same step). Compute is split by time: a shared GPU's `compute_share` is 1 / (the
+deployments that would hold it), and the cost model stretches a stage's time there by its inverse
+(costmodel.profiles `StageProfile.slowdown`) - as the simulator slows engines that share a GPU
+(`FleetSim._reshare`), so a plan that meets its SLOs only at full speed is not put beside another.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def shared_snapshot(base: Snapshot, own: str, held: Mapping[str, frozenset[str] 
             gpus.append(replace(g, schedulable=False))
             continue
         used = sum(b for b in known if b is not None) + mine.get(u, 0)
-        gpus.append(replace(g, mem_used_bytes=min(g.mem_total_bytes, max(g.mem_used_bytes, used))))
+        gpus.append(replace(g, mem_used_bytes=min(g.mem_total_bytes, max(g.mem_used_bytes, used)),
+                            compute_share=1.0 / (1 + len(others))))
     return replace(base, gpus=tuple(gpus)) if changed else base
 
 

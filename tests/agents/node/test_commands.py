@@ -98,6 +98,24 @@ def test_a_plan_that_would_book_over_92_percent_beside_another_is_refused_out_of
     assert agent.booked() == {b: 60 * 10**9}
 
 
+def test_the_same_plan_for_two_deployments_is_two_plans_each_booked_and_released_alone(make_agent: Any) -> None:
+    # plan ids are content hashes: two deployments of one model may be given the same plan; the
+    # daemon keys plans by (deployment, plan_id), and so does the simulator (tests/agents/sim/test_simagents.py)
+    agent = make_agent("n2")
+    a, b = gpus("n1", 1)[0], gpus("n2", 1)[0]
+    plan = tiny_plan([[a], [b]])
+    node_of = {a: "n1", b: "n2"}
+    for dep in ("tiny", "tiny-batch"):
+        payload = prepare_payload(plan, "n2", deployment=dep, reserve_bytes=30 * 10**9, node_of=node_of)
+        result = ok("prepare_plan", agent.handle(command("prepare_plan", payload, deployment=dep)))
+        assert "already" not in result
+    assert agent.booked() == {b: 60 * 10**9}
+    release = {"plan_id": plan.plan_id, "deployment": "tiny-batch", "drain_timeout_s": 0}
+    assert ok("release_plan", agent.handle(command("release_plan", release, deployment="tiny-batch")))["freed_bytes"] \
+        == 30 * 10**9
+    assert agent.booked() == {b: 30 * 10**9} and ("tiny", plan.plan_id) in agent.plans
+
+
 def test_a_bad_payload_is_refused_naming_the_field(make_agent: Any) -> None:
     agent = make_agent()
     ack = agent.handle(command("freeze_plan", {"plan_id": "p-1", "deployment": "tiny", "routing_version": -1}))

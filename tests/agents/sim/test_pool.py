@@ -84,3 +84,27 @@ def test_a_priority_10_deployment_takes_gpus_from_a_priority_1_one_which_moves_i
     # it yielded through a transition of its own: nothing lost, every invariant held
     assert out["lost"] == 0 and out["transition_invariant_violations"] == []
     assert out["memory_violations"] == [] and out["sequence_violations"] == []
+
+
+def test_a_giver_with_nowhere_to_go_unloads_its_requests_wait_and_it_comes_back_when_the_taker_shrinks() -> None:
+    doc = copy.deepcopy(TAKE)
+    doc["nodes"] = doc["nodes"][:1]  # no L40S: nowhere for the 7B to go
+    doc["duration_s"] = 900
+    doc["workload"][0]["rate_rps"] = [[0, 3], [200, 30], [500, 2]]  # the 70B's tide rises, then ebbs
+    doc["workload"][1]["rate_rps"] = 5
+    out = run_policy(parse_scenario(doc), "flexpipe")
+    seen = [(d["deployment"], d["outcome"]) for d in out["decisions"] if d["outcome"] != "blocked"]
+    unload = next(d for d in out["decisions"] if d["outcome"] == "unload")
+    assert unload["deployment"] == "lo" and unload["gives_to"] == "hi"
+    assert "to deployment hi (priority 10 > 1)" in unload["reason"] and "no gear of it fits" in unload["reason"]
+    # the taker switches onto the given GPUs before the giver comes back; the giver returns once
+    # the taker's load ebbs and it shrinks
+    i = seen.index(("lo", "unload"))
+    assert seen[i + 1] == ("hi", "switch") and ("lo", "switch") in seen[i + 2:]
+    assert seen.index(("lo", "switch"), i) > seen.index(("hi", "switch"), i + 2)
+    assert out["unloads"] == 1
+    # its requests waited; none was lost, every invariant held
+    lo = out["per_deployment"]["lo"]
+    assert lo["lost"] == 0 and lo["finished"] == lo["admitted"] and out["lost"] == 0
+    assert out["transition_invariant_violations"] == [] and out["sequence_violations"] == []
+    assert out["memory_violations"] == []

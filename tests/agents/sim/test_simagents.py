@@ -54,16 +54,32 @@ class World:
         assert check(self.sim.events.events) == []
 
 
-def test_a_prepare_of_a_plan_another_deployment_runs_is_refused_as_a_conflict() -> None:
+def test_the_same_plan_for_another_deployment_is_a_plan_of_its_own_refused_only_for_memory() -> None:
+    # as on the node daemon, which keys plans by (deployment, plan_id) and books each one
+    # (tests/agents/node/test_commands.py: the same plan for two deployments)
     w = World()
     d = w.sim.deployments["d"]
     w.sim.add_deployment("e", d.model, d.slo)  # same model: the same plan could serve either
+    w.sim.add_deployment("f", d.model, d.slo)
     plan = w.plan("b1")
     w.serve(plan, "b1")
     key = w.send(CommandKind.PREPARE_PLAN, plan, "b1", deployment="e", plan=plan.to_dict())
+    w.sim.advance_to(w.sim.now_s + 10)
+    assert w.acks[key][0], w.acks[key][1]
+    mine, theirs = w.sim.engine_of("d", plan.plan_id), w.sim.engine_of("e", plan.plan_id)
+    assert mine is not None and theirs is not None and mine.engine_id != theirs.engine_id
+    # a third, larger copy does not fit beside the two: refused in the booking's words, nothing booked
+    big = Plan(plan.model, "colocated", plan.stages, kv_reserve_tokens=600_000)
+    key = w.send(CommandKind.PREPARE_PLAN, big, "b1", deployment="f", plan=big.to_dict())
     ok, detail, result = w.acks[key]
-    assert not ok and result["reason"] == "conflict" and "runs for deployment d" in detail
-    assert w.sim.engine_of("e", plan.plan_id) is None and len(w.sim.plans("d")) == 1  # nothing booked
+    assert not ok and result["reason"] == "out_of_memory" and "92%" in detail
+    assert w.sim.engine_of("f", big.plan_id) is None and len(w.sim.plans("d")) == 1
+    # releasing one deployment's copy leaves the other's serving
+    release = w.send(CommandKind.RELEASE_PLAN, plan, "b1", deployment="e", drain_timeout_s=0.0)
+    w.sim.advance_to(w.sim.now_s + 10)
+    assert w.acks[release][0] and w.sim.engine_of("e", plan.plan_id) is None
+    assert w.sim.engine_of("d", plan.plan_id) is mine and mine.state == "serving"
+    w.clean()
 
 
 def test_a_prepare_of_a_plan_being_released_is_refused_and_the_drain_goes_on() -> None:

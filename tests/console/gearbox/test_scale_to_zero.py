@@ -84,3 +84,24 @@ def test_a_pinned_deployment_never_scales_to_zero() -> None:
     assert dep.current_gear is not None and dep.zero_since is None and dep.routing
     assert not AuditEntry.objects.filter(event_type="gearbox.scaled_to_zero").exists()
     assert not do_request_wake("chat")  # not at zero: nothing to wake
+
+
+def test_a_deployment_that_unloaded_for_a_higher_priority_is_kept_off_the_gpus_it_gave_for_the_hold() -> None:
+    from console.gearbox.control import observe
+    from console.gearbox.snapshot import fleet_snapshot
+    from console.gearbox.zero import do_scale_to_zero
+    from scheduler.pool.priority import UNLOAD_HOLD_S
+
+    running_deployment(moved=False)
+    dep = Deployment.objects.get(name="chat")
+    gave = tuple(sorted({u for p in dep.current_gear["plans"] for s in p["stages"] for u in s["gpus"]}))
+    now = timezone.now()
+    assert do_scale_to_zero(dep, "unloads: gives ...", now=now, actor="system:gearbox", gives_to="hi", given=gave)
+    data = json.loads(AuditEntry.objects.get(event_type="gearbox.scaled_to_zero").body)["data"]
+    assert data["gives_to"] == "hi" and data["given"] == list(gave)
+    base = fleet_snapshot(now, cached=False)
+    seen = observe("chat", base, now + timedelta(seconds=5))
+    assert seen is not None and seen.state.at_zero and seen.state.keep_off == frozenset(gave)
+    # once the hold is over, what the taker did not take is anyone's again
+    later = observe("chat", base, now + timedelta(seconds=UNLOAD_HOLD_S + 1))
+    assert later is not None and later.state.keep_off == frozenset()

@@ -40,10 +40,10 @@ def dep(name: str, model: str, current: Gear, *, rate: float, priority: int, **c
                    **changes)  # type: ignore[arg-type]
 
 
-def step(*states: DeploymentState, config: LoopConfig = EXCLUSIVE) -> dict[str, Step]:
+def step(*states: DeploymentState, config: LoopConfig = EXCLUSIVE, snapshot: Snapshot | None = None) -> dict[str, Step]:
     held = {s.deployment.id: frozenset(s.current.gpu_uuids) for s in states if s.current is not None}
     loop = ControlLoop(config)
-    loop.observe(states, FleetState(snapshot=pool(), held=held))
+    loop.observe(states, FleetState(snapshot=snapshot if snapshot is not None else pool(), held=held))
     return loop.step(NOW).by_id()
 
 
@@ -128,3 +128,30 @@ def test_choose_givers_asks_the_lowest_priority_first_and_takes_only_what_the_ta
     assert got is not None and [(g.giver, g.gpus, g.kind) for g in got.gives] == [("job", ("x-g0", "x-g1"), "job")]
     assert "from job job (priority 1)" in got.taker_reason()
     assert choose_givers("me", 1, holders, try_with) is None  # nobody below priority 1
+
+
+def two_nodes() -> Snapshot:
+    return make_fleet([NodeSpec("a1"), NodeSpec("a2")])
+
+
+def test_a_giver_with_nowhere_to_go_unloads_naming_the_taker_and_comes_back_once_gpus_fit_it() -> None:
+    # no L40S node: the taker wants all of a2, and nothing is left where the 7B could go
+    hi, lo = busy(), lower()
+    out = step(hi, lo, snapshot=two_nodes())
+    assert out["hi"].takes is not None and out["hi"].takes.gpus == {f"a2-g{i}" for i in range(8)}
+    given = out["lo"]
+    assert given.gives_to == "hi" and given.start is None and given.release is not None
+    assert given.release.startswith("unloads: gives 8 GPU(s)") and "to deployment hi (priority 10 > 1)" in given.release
+    # released (at zero, nothing held): the taker switches onto a2; the giver waits for GPUs that fit it
+    gone = replace(lo, current=None, at_zero=True, waiting=3)
+    later = step(hi, gone, snapshot=two_nodes())
+    assert later["hi"].start is not None and later["hi"].takes is None
+    assert later["lo"].start is None and later["lo"].release is None
+    # GPUs back (a third node): it comes up there, the cold start of a wake-up
+    back = step(gone, snapshot=make_fleet([NodeSpec("a1"), NodeSpec("a2"), NodeSpec("a3")]))
+    assert back["lo"].start is not None and back["lo"].wake
+
+
+def test_a_giver_that_can_move_does_not_unload() -> None:
+    out = step(busy(), lower())
+    assert out["lo"].start is not None and out["lo"].release is None

@@ -8,6 +8,7 @@ import pytest
 
 from scheduler.booking import plans_memory
 from scheduler.control import ControlLoop, FleetState, LoopConfig
+from scheduler.costmodel import decode_step_s
 from scheduler.plan import MEM_FRACTION, validate_plan
 from scheduler.pool.sharing import MAX_MODELS_PER_GPU, shared_snapshot, sharing_conflicts
 from tests.scheduler.builders import one_plan_gear, tp_plan
@@ -85,3 +86,19 @@ def test_the_stores_reservation_check_counts_deployments_per_gpu() -> None:
     assert sharing_conflicts("me", {"g": {"a", "b"}}) == [
         "GPU g is booked by deployments a, b: at most 2 deployments share a GPU (max_models_per_gpu)"]
     assert sharing_conflicts("a", {"g": {"a", "b"}}) == []  # already one of them
+
+
+def test_a_gpu_another_deployment_holds_is_priced_at_its_time_slice_of_compute() -> None:
+    booked = plans_memory(A2.plans, M70)
+    base = fleet()
+    view = shared_snapshot(base, "me", {"other": A2_GPUS}, {"other": booked})
+    u = sorted(A2_GPUS)[0]
+    assert base.gpu_by_uuid[u].compute_share == 1.0 and view.gpu_by_uuid[u].compute_share == 0.5
+    # the same plan's decode step takes twice as long beside the other deployment as alone
+    plan = A2.plans[0]
+    alone = decode_step_s(plan, M70, base, 16, 1024)
+    beside = decode_step_s(plan, M70, view, 16, 1024)
+    assert beside == pytest.approx(2 * alone)
+    # a GPU nobody else holds keeps its full speed in the view
+    other = next(g.uuid for g in base.gpus if g.uuid not in A2_GPUS)
+    assert view.gpu_by_uuid[other].compute_share == 1.0
