@@ -237,7 +237,7 @@ class Router:
         free: Floats | None = None
         if cfg.spill is not None and len(order) > 1:
             self._n += 1
-            free = pool.room / np.maximum(pool.cap_tokens, 1.0)
+            free = spillover.kv_free(pool)
             first = order[0]
             order, note = spillover.reorder(order, free, high_priority=req.priority < 0, key=str(self._n),
                                             config=cfg.spill)

@@ -48,8 +48,14 @@ import math
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from scheduler.router._arrays import Floats
+
+if TYPE_CHECKING:
+    from scheduler.router.pool import Pool
 
 
 class Band(enum.StrEnum):
@@ -85,6 +91,12 @@ def band(free_ratio: float, config: SpillConfig = SpillConfig()) -> Band:
     if free_ratio < config.high_only_below:
         return Band.HIGH_ONLY
     return Band.NORMAL
+
+
+def kv_free(pool: Pool) -> Floats:
+    """Each plan's share of its KV pool still free, as the bands read it (its memory bound's room
+    over its token capacity)."""
+    return pool.room / np.maximum(pool.cap_tokens, 1.0)
 
 
 def _draw(key: str) -> float:
@@ -220,4 +232,4 @@ def pull_back_s(kv_bytes: float, link_gbps: float) -> float:
     return kv_bytes * 8 / (link_gbps * 1e9)
 
 
-__all__ = ["Band", "SpillConfig", "SpillWatch", "Spilled", "admits", "band", "pull_back_s", "reorder", "reroute"]
+__all__ = ["Band", "SpillConfig", "SpillWatch", "Spilled", "admits", "band", "kv_free", "pull_back_s", "reorder", "reroute"]
