@@ -22,8 +22,8 @@ first choice - bounded by the spillover timeout.
 The spillover timeout (`spill_timeout_s`, default 2 s). A request that spilled waits in the queue
 of the plan that took it; "admitted" there means it got its first KV pages (its prefill started,
 the engine moved it from waiting to running). If it is not admitted within `spill_timeout_s` of
-when it was sent there, it *times out*, once: it is counted (`SpillWatch.timeouts`, the
-per-plan `recent` count behind flexpipe_spillover_timeouts_recent) and re-routed (`reroute`) -
+when it was sent there, it *times out*, once: it is counted (`SpillWatch.timeouts`; the console
+exports the last 5 min's per plan as flexpipe_spillover_timeouts_recent) and re-routed (`reroute`):
 
     1. back to its first choice, if that plan's band takes its own traffic again;
     2. else to the first plan of the router's fresh ranking, other than the one it waits at,
@@ -45,7 +45,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,7 +69,6 @@ class SpillConfig:
     high_only_below: float = 0.10
     probe_share: float = 0.50
     spill_timeout_s: float = 2.0  # a spilled request not admitted within this is re-routed (inf: never)
-    recent_window_s: float = 300.0  # SpillWatch.recent: timeouts over this window (the alert's 5 min)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.high_only_below < self.probe_above <= 1.0:
@@ -80,8 +78,6 @@ class SpillConfig:
             raise ValueError(f"probe_share: must be in [0, 1]; got {self.probe_share}")
         if not self.spill_timeout_s >= 0:  # (NaN too)
             raise ValueError(f"spill_timeout_s: must be >= 0; got {self.spill_timeout_s}")
-        if not self.recent_window_s > 0:
-            raise ValueError(f"recent_window_s: must be > 0; got {self.recent_window_s}")
 
 
 def band(free_ratio: float, config: SpillConfig = SpillConfig()) -> Band:
@@ -179,7 +175,6 @@ class SpillWatch:
         self.timeouts = 0  # of those, not admitted within spill_timeout_s
         self._waiting: dict[Hashable, Spilled] = {}
         self._timed_out: set[Hashable] = set()  # never watched again: re-routed at most once
-        self._recent: deque[tuple[float, str]] = deque()  # (when, plan it timed out at)
 
     def spilled(self, key: Hashable, home: str, at: str, now_s: float) -> Spilled | None:
         """`key` spilled from `home` to `at`; what to expire at its deadline, or None when it is
@@ -204,7 +199,6 @@ class SpillWatch:
         del self._waiting[key]
         self._timed_out.add(key)
         self.timeouts += 1
-        self._recent.append((now_s, s.at))
         return s
 
     def forget(self, key: Hashable) -> None:
@@ -215,13 +209,6 @@ class SpillWatch:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
-
-    def recent(self, now_s: float) -> Counter[str]:
-        """Timeouts per plan (the plan it waited at) over the last `recent_window_s`."""
-        cut = now_s - self.config.recent_window_s
-        while self._recent and self._recent[0][0] <= cut:
-            self._recent.popleft()
-        return Counter(plan for _, plan in self._recent)
 
 
 def pull_back_s(kv_bytes: float, link_gbps: float) -> float:

@@ -85,7 +85,6 @@ def test_a_spilled_request_admitted_in_time_is_not_counted() -> None:
     watch.admitted("r1")  # its prefill started at p2 before the deadline
     assert watch.expire("r1", 12.0) is None
     assert (watch.spills, watch.timeouts, watch.waiting) == (1, 0, 0)
-    assert watch.recent(12.0) == {}
 
 
 def test_a_spilled_request_past_the_timeout_times_out_exactly_once_and_is_counted_at_its_plan() -> None:
@@ -100,17 +99,6 @@ def test_a_spilled_request_past_the_timeout_times_out_exactly_once_and_is_counte
     assert watch.spilled("r1", "home", "p3", 12.0) is None
     assert watch.expire("r1", 99.0) is None
     assert (watch.spills, watch.timeouts) == (2, 1)
-    assert watch.recent(12.0) == {"p2": 1}
-
-
-def test_the_recent_count_covers_the_window_and_forgets_older_timeouts() -> None:
-    watch = SpillWatch(SpillConfig(spill_timeout_s=1.0, recent_window_s=300.0))
-    for i, t in enumerate((0.0, 100.0, 200.0)):
-        watch.spilled(i, "home", "p2" if i else "p3", t)
-        watch.expire(i, t + 1.0)
-    assert watch.recent(250.0) == {"p2": 2, "p3": 1}
-    assert watch.recent(301.5) == {"p2": 2}  # the one at 1 s is older than 5 min
-    assert watch.timeouts == 3  # the total never goes down
 
 
 def test_with_the_timeout_off_nothing_is_watched() -> None:
@@ -141,9 +129,7 @@ def test_a_timed_out_request_no_other_plan_takes_keeps_its_place_and_is_never_dr
         assert reroute((2, 1, 0), free, home=0, waiting_at=2, high_priority=False, key="k")[0] in (0, 1, 2)
 
 
-def test_a_bad_recent_window_names_the_field() -> None:
-    with pytest.raises(ValueError, match="recent_window_s"):
-        SpillConfig(recent_window_s=0)
+def test_a_nan_timeout_names_the_field() -> None:
     with pytest.raises(ValueError, match="spill_timeout_s"):
         SpillConfig(spill_timeout_s=math.nan)
 
