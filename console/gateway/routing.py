@@ -396,11 +396,12 @@ def admitted(routed: Routed, cand: Candidate, seq_id: str, *, key: str | None = 
         routed.policy.admitted(d, slot)
         o = _open[seq_id] = _Open(cand.plan_id, routed.prompt_tokens, routed.low_priority, d.predicted_ttft_s(slot),
                                   time.monotonic(), routed.policy, d.request, routed.deployment)
-        watch = _watch(routed) if d.spilled_from is not None and d.spilled_from != slot else None
-        if watch is not None:
+        home = d.spilled_from
+        watch = _watch(routed) if home is not None and home != slot else None
+        if watch is not None and home is not None:
             metrics.SPILLS.labels(routed.deployment).inc()
             o.spill_key = key or seq_id
-            spilled = watch.spilled(o.spill_key, d.pool.ids[d.spilled_from], cand.plan_id, o.started)  # type: ignore[index]
+            spilled = watch.spilled(o.spill_key, d.pool.ids[home], cand.plan_id, o.started)
         _pend_count[o.plan_id] += 1
         _pend_tokens[o.plan_id] += o.prompt_tokens
         if o.low:
