@@ -38,6 +38,11 @@ seeded generator, requests from the trace; each decision timed as the least of f
 caches spilling to per-node host memory and SSD and restoring from them (agents/sim/kvtiers.py,
 default sizes); `policies.<policy>+tiers.kv_tiers` says what went through the tiers, and
 `kv_tiers.<policy>` puts TTFT p50 / p99 and SLO attainment off and on side by side.
+
+--kv-budget adds flexpipe+budget, flexpipe's router with seed 003's KV spillover bands
+(scheduler/router/spillover.py); every policy's `spills` counts requests sent away from their
+first choice, `spill_timeouts` those not admitted where they went within the spillover timeout
+(`--spill-timeout`, default 2 s; inf: off) and so re-routed (None: a policy without the bands).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from scheduler.router import (
     PlanLoad,
     Pool,
     Router,
+    RouterConfig,
     RouteRequest,
     make_router,
     plan_facts,
@@ -78,6 +84,7 @@ from scheduler.router import (
 from scheduler.router.learned import LearnedRouter
 from scheduler.router.learning import RolloutConfig, RolloutController
 from scheduler.router.learning import Stage as RolloutStage
+from scheduler.router.spillover import SpillConfig
 
 MODEL = "Qwen2-72B"  # modelspec: 131,072-token context
 DEPLOYMENT = "chat"
@@ -155,14 +162,19 @@ def learned_rollout(duration_s: float) -> RolloutConfig:
 
 
 def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: float | None = None,
-               kv_tiers: KvTierOptions | None = None) -> Run:
+               kv_tiers: KvTierOptions | None = None, spill_timeout_s: float | None = None) -> Run:
     """One policy over the whole trace at time scale `factor`, drained to the end. `flexpipe+buckets`
     is flexpipe's router over engines that split batches by prompt length (agents/sim/buckets.py);
-    `shift_s` (a drift case: where the second trace begins, unscaled) splits the attainment in two."""
+    `shift_s` (a drift case: where the second trace begins, unscaled) splits the attainment in two;
+    `spill_timeout_s`: a policy with KV spillover re-routes spilled requests after this (None: the
+    default SpillConfig's, inf: never)."""
     arrivals = [replace(a, t_s=a.t_s * factor, deployment=DEPLOYMENT) for a in trace.arrivals]
     duration = max(arrivals[-1].t_s, 1.0)
     buckets = LengthBuckets() if policy == "flexpipe+buckets" else None
-    router = make_router("flexpipe" if buckets else policy, seed=seed)
+    config = None  # (a spill config given to plain flexpipe would turn its bands on)
+    if spill_timeout_s is not None and policy == VARIANTS["kv_budget"]:
+        config = RouterConfig(spill=SpillConfig(spill_timeout_s=spill_timeout_s))
+    router = make_router("flexpipe" if buckets else policy, config, seed=seed)
     sim = FleetSim(pool_scenario(duration, seed), router=router,
                    options=SimOptions(prefix_block_tokens=trace.block_tokens or BLOCK_TOKENS, length_buckets=buckets,
                                       kv_tiers=kv_tiers))
@@ -197,6 +209,10 @@ def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: 
         "cache_hit_share": round(hit / prompt_total, 4) if prompt_total else 0.0,
         "preemptions": sim.preemptions,
         "sla_violation_rate": round(1 - ok / len(arrivals), 4),
+        # KV spillover (scheduler/router/spillover.py): requests sent away from their first choice,
+        # and of those re-routed after the spillover timeout; None: a policy without the bands
+        "spills": None if sim.spill_watch is None else sim.spill_watch.spills,
+        "spill_timeouts": None if sim.spill_watch is None else sim.spill_watch.timeouts,
     }
     if sim.kv_tiers is not None:
         tiers = sim.kv_tiers.totals()
@@ -403,7 +419,7 @@ def table(result: dict[str, Any]) -> str:
     rows = [("goodput req/s", "goodput_rps"), ("SLO attainment", "slo_attainment"), ("TTFT mean s", "ttft_mean_s"),
             ("TTFT p50 s", "ttft_p50_s"), ("TTFT p99 s", "ttft_p99_s"), ("TPOT p99 s", "tpot_p99_s"),
             ("tokens", "tokens"), ("lost", "lost"), ("prefix cache hit share", "cache_hit_share"),
-            ("KV preemptions", "preemptions")]
+            ("KV preemptions", "preemptions"), ("KV spills", "spills"), ("spillover timeouts", "spill_timeouts")]
     if any(TIERS in n for n in names):
         rows += [("host tier hit share", "host_hit_share"), ("SSD tier hit share", "ssd_hit_share")]
     out = []
@@ -443,7 +459,8 @@ def _fmt(v: Any) -> str:
 
 def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0, log: Any = None,
           decision_samples: int | None = None, drift: str | None = None,
-          decisions_only: bool = False, kv_tiers: bool = False) -> dict[str, Any]:
+          decisions_only: bool = False, kv_tiers: bool = False, spill_timeout_s: float | None = None,
+          time_scale: float | None = None) -> dict[str, Any]:
     """`trace_path`, or with `drift` ("A,B") trace B after trace A. `decisions_only`: only the
     router's time per decision (no time scale, no policy runs: seconds instead of minutes).
     `kv_tiers`: every policy also runs as `<policy>+tiers`, its engines with KV tiers."""
@@ -461,19 +478,23 @@ def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0,
         decisions = decision_times(trace, seed=seed, samples=decision_samples or DECISION_SAMPLES)
         return {"trace": trace.path, "format": trace.format, "requests": len(trace.arrivals), "model": MODEL,
                 "seed": seed, "policies": {}, "decision_us": decisions, "targets": targets(trace.format, {}, decisions)}
-    say("finding the time scale at which least-loaded meets the SLO for 80% of requests")
-    factor, probes = find_time_scale(trace, seed=seed, log=say)
+    if time_scale is None:
+        say("finding the time scale at which least-loaded meets the SLO for 80% of requests")
+        factor, probes = find_time_scale(trace, seed=seed, log=say)
+    else:  # a load the caller chose (no bisection: one run per policy)
+        factor, probes = time_scale, []
     say(f"time scale {factor:.4f} (arrival times x {factor:.4f}; rate x {1 / factor:.3f})")
     results: dict[str, Any] = {}
     for name in policies:
         t0 = time.process_time()
-        results[name] = run_policy(trace, name, factor, seed=seed, shift_s=shift_s).summary
+        results[name] = run_policy(trace, name, factor, seed=seed, shift_s=shift_s,
+                                   spill_timeout_s=spill_timeout_s).summary
         say(f"  {name:14} goodput {results[name]['goodput_rps']:.3f} req/s, attainment "
             f"{results[name]['slo_attainment']:.1%} ({time.process_time() - t0:.1f} s CPU)")
         if kv_tiers:  # the same policy, time scale and seed over engines with host and SSD KV tiers
             t0 = time.process_time()
             on = results[f"{name}{TIERS}"] = run_policy(trace, name, factor, seed=seed, shift_s=shift_s,
-                                                        kv_tiers=KvTierOptions()).summary
+                                                        kv_tiers=KvTierOptions(), spill_timeout_s=spill_timeout_s).summary
             say(f"  {name + TIERS:14} goodput {on['goodput_rps']:.3f} req/s, attainment "
                 f"{on['slo_attainment']:.1%} ({time.process_time() - t0:.1f} s CPU)")
     decisions = decision_times(trace, seed=seed, samples=decision_samples or DECISION_SAMPLES)
@@ -487,7 +508,14 @@ def bench(trace_path: str, *, policies: Sequence[str] = POLICIES, seed: int = 0,
         "drift_shift_s": None if shift_s is None else round(shift_s * factor, 3),
         "targets": targets(trace.format, results, decisions),
         "kv_tiers": tier_comparison(results) if kv_tiers else None,
+        "spill_timeout_s": _spill_timeout(spill_timeout_s),
     }
+
+
+def _spill_timeout(s: float | None) -> float | None:
+    """The spillover timeout the runs used, for the JSON (None: off - JSON has no infinity)."""
+    s = SpillConfig().spill_timeout_s if s is None else s
+    return None if math.isinf(s) else s
 
 
 def tier_comparison(results: dict[str, Any]) -> dict[str, Any]:
@@ -509,12 +537,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-budget", action="store_true", help=f"add {VARIANTS['kv_budget']} (scheduler/router/spillover.py)")
     ap.add_argument("--kv-tiers", action="store_true",
                     help=f"each policy also as <policy>{TIERS}: GPU -> host -> SSD KV tiers (agents/sim/kvtiers.py)")
+    ap.add_argument("--spill-timeout", type=float, metavar="S",
+                    help=f"spillover timeout of policies with KV spillover, seconds (default "
+                         f"{SpillConfig().spill_timeout_s:g}; inf: never re-route)")
+    ap.add_argument("--time-scale", type=float, metavar="F",
+                    help="run at this time scale (arrival times x F) instead of finding the one where "
+                         "least-loaded meets the SLO for 80%% (a heavier load: F < that)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decisions-only", action="store_true",
                     help="only the router's time per decision (decision_us), no policy runs")
     ap.add_argument("--decision-samples", type=int, default=DECISION_SAMPLES, metavar="N",
                     help=f"requests of the trace timed per pool size (default {DECISION_SAMPLES})")
     args = ap.parse_args(argv)
+    if args.spill_timeout is not None and not args.spill_timeout >= 0:
+        ap.error(f"--spill-timeout: must be >= 0 (inf: off), got {args.spill_timeout:g}")
+    if args.time_scale is not None and not args.time_scale > 0:
+        ap.error(f"--time-scale: must be > 0, got {args.time_scale:g}")
     if args.decision_samples < 20:
         ap.error(f"--decision-samples: at least 20, got {args.decision_samples}")
     names = [p for p in args.policies.split(",") if p]
@@ -532,7 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = bench(args.trace or "", policies=names, seed=args.seed, log=lambda s: print(s, flush=True),
                        drift=args.drift, decisions_only=args.decisions_only, decision_samples=args.decision_samples,
-                       kv_tiers=args.kv_tiers)
+                       kv_tiers=args.kv_tiers, spill_timeout_s=args.spill_timeout,
+                       time_scale=args.time_scale)
     except ValueError as exc:
         print(f"bench.route: {exc}", file=sys.stderr)
         return 2

@@ -105,6 +105,7 @@ from scheduler.router import (
     RoutingPolicy,
     make_router,
 )
+from scheduler.router.spillover import SpillWatch
 from scheduler.topology import LinkState, Snapshot
 
 LoadSource = Literal["warm", "host", "disk"]
@@ -214,6 +215,8 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
         self.hint_books: dict[str, HintBook] = {}  # node id -> the global correction's hints it holds
         # the one request router (scheduler.router), as the gateway runs it; a baseline in bench.route
         self.router: RoutingPolicy = router or make_router("flexpipe", seed=scenario.seed)
+        spill = getattr(getattr(self.router, "config", None), "spill", None)  # a policy with KV spillover
+        self.spill_watch = SpillWatch(spill) if spill is not None else None  # its timeouts (gateway.py)
         self._facts: dict[tuple[int, int, float], PlanFacts] = {}  # (engine id, profile, weight) -> facts
         # a plan that loses a GPU: its sequences keep their KV (only the oracle, which moved
         # them away just before the loss it knew of, sets this)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agents.sim import seqlog
-from agents.sim.engine import KIND_ARRIVAL, Event, Pipe, PlanEngine, Request
+from agents.sim.engine import KIND_ARRIVAL, KIND_TIMER, Event, Pipe, PlanEngine, Request
 from agents.sim.kvtiers import TierView
 from agents.sim.scenario import ModelDeploymentSpec
 from agents.sim.workload import Arrival
@@ -26,7 +26,7 @@ from scheduler.hardware import gpu_spec
 from scheduler.invariants import LogEvent
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Plan
-from scheduler.router import Decision, Pool, RouteRequest, plan_facts
+from scheduler.router import Decision, Pool, RouteRequest, plan_facts, spillover
 
 if TYPE_CHECKING:
     from agents.sim.fleet import FleetSim
@@ -172,10 +172,53 @@ class Gateway:
         slot = decision.chosen
         if slot is None:
             return None, decision
+        self._routed_to(req, decision, slot)
+        if decision.spilled_from is not None and self.spill_watch is not None:
+            watched = self.spill_watch.spilled(req.rid, pool.ids[decision.spilled_from], pool.ids[slot], self.now_s)
+            if watched is not None:  # its timer: still not admitted there by then -> re-routed, once
+                self._push(watched.deadline_s, KIND_TIMER, self._on_spill_timeout, (req, engines[slot], req.preemptions))
+        return engines[slot], decision
+
+    def _routed_to(self: FleetSim, req: Request, decision: Decision, slot: int) -> None:
         self.router.admitted(decision, slot)
         req.predicted_ttft_s = decision.predicted_ttft_s(slot)
-        req.routed_plan = pool.ids[slot]
-        return engines[slot], decision
+        req.routed_plan = decision.pool.ids[slot]
+
+    def _on_spill_timeout(self: FleetSim, t: float, arg: object) -> list[Event]:
+        """A spilled request's deadline (scheduler/router/spillover.py, the spillover timeout):
+        admitted meanwhile - its prefill started, so it left the waiting queue, or it was preempted
+        after that, or it left the plan - it is forgotten; still waiting, it is counted and goes
+        where `spillover.reroute` says, from the router's fresh ranking."""
+        assert isinstance(arg, tuple)  # noqa: S101 - events carry what their handler expects
+        req, engine, preemptions = arg
+        assert isinstance(req, Request) and isinstance(engine, PlanEngine)  # noqa: S101
+        watch = self.spill_watch
+        assert watch is not None  # noqa: S101 - only a watching simulator pushes these
+        pipe = engine.prefill
+        if (req.pipe is not pipe or req.rid in pipe.running or req.preemptions != preemptions
+                or req.first_token_s is not None or req.error is not None or engine.state != "serving"):
+            watch.admitted(req.rid)
+            return []
+        spilled = watch.expire(req.rid, t)
+        if spilled is None:
+            return []
+        dep = self.deployments[req.deployment]
+        engines = [e for e in dep.engines if e.accepting and e.state == "serving"]
+        pool = self._pool(dep, engines)
+        home, at = pool.slot.get(spilled.home), pool.slot.get(spilled.at)
+        if home is None or at is None or len(engines) < 2:
+            return []  # its first choice left the routing table (or only one plan serves): it keeps its place
+        pool.set_load_columns(*zip(*(e.route_load() for e in engines), strict=True))
+        assert isinstance(req.route_req, RouteRequest)  # noqa: S101 - made when it was first routed
+        decision = self.router.route(req.route_req, pool, t)
+        slot, _ = spillover.reroute(decision.order, spillover.kv_free(pool), home=home, waiting_at=at,
+                                    high_priority=req.priority < 0, key=str(req.rid), config=watch.config)
+        if slot == at:
+            return []
+        pipe.waiting.remove(req)  # it holds no KV yet: nothing it did there is lost
+        req.pipe = None
+        self._routed_to(req, decision, slot)
+        return engines[slot].submit(req, t)
 
     def _pool(self: FleetSim, dep: DeploymentRuntime, engines: Sequence[PlanEngine]) -> Pool:
         key = tuple((e.engine_id, id(e.profile), e.weight) for e in engines)
@@ -262,6 +305,8 @@ class Gateway:
 
     def finished(self: FleetSim, req: Request, t: float) -> list[Event]:
         req.finish_s = t
+        if self.spill_watch is not None:
+            self.spill_watch.forget(req.rid)
         req.pipe = None
         del self.in_system[req.rid]
         engine = self.engines.get(req.engine_id)
@@ -295,6 +340,8 @@ class Gateway:
 
     def _fail(self: FleetSim, req: Request, t: float, reason: str) -> None:
         req.error = reason
+        if self.spill_watch is not None:
+            self.spill_watch.forget(req.rid)
         req.pipe = None
         self.in_system.pop(req.rid, None)
         self.recorder.failed.append((req.rid, req.deployment, t, reason))

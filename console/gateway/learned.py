@@ -1,8 +1,9 @@
 """Routing weights that learn, in the gateway (issue 16 deliverable 4; the rules are
 scheduler/router/learning.py's, the policy scheduler/router/learned.py's).
 
-`FLEXPIPE_ROUTER_POLICY`: "flexpipe" (the default: the router's configured weights) or
-"flexpipe+learned". With the learned policy every deployment gets its own LearnedRouter in each
+`FLEXPIPE_ROUTER_POLICY`: "flexpipe" (the default: the router's configured weights),
+"flexpipe+learned", or "flexpipe+budget" (the configured weights with KV spillover and its
+timeout: console/gateway/routing.py). With the learned policy every deployment gets its own LearnedRouter in each
 gateway process: a cold start on round-robin, then 10% -> 50% -> 100% of its requests (a 5%
 control stays on round-robin), rolled back when the learned arm's SLA-violation rate passes
 round-robin's x 1.05 over a window, back on round-robin for a while after an anomaly (an arrival
@@ -50,7 +51,7 @@ from scheduler.router.learning import RolloutConfig, StageChange
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("flexpipe", "flexpipe+learned")
+POLICIES = ("flexpipe", "flexpipe+learned", "flexpipe+budget")
 clock: Callable[[], float] = time.monotonic  # the rollout's time (tests step it)
 KEEP = 10  # stage changes kept per deployment for the page
 PREFIX = "flexpipe:router:rollout:"

@@ -9,6 +9,12 @@ Prometheus (process-local events, summed over web processes by Prometheus):
     flexpipe_gateway_cold_start_wait_seconds{deployment, outcome}   how long held requests waited
                                                         (outcome: served | timeout | refused)
     flexpipe_gateway_cold_start_held{deployment}        requests held right now
+    flexpipe_gateway_spills_total{deployment}           requests KV spillover sent away from their first
+                                                        choice (FLEXPIPE_ROUTER_POLICY flexpipe+budget)
+    flexpipe_gateway_spill_timeouts_total{deployment}   of those, without a first token within
+                                                        spill_timeout_s: re-routed (routing.py); the
+                                                        alert reads flexpipe_spillover_timeouts_recent,
+                                                        the last 5 min of every process (Redis)
 
 Load window: each gateway process sums what it admitted over FLEXPIPE_GATEWAY_LOAD_INTERVAL_S
 (arrivals/s, mean prompt and output tokens) and appends one gearbox LoadSample per interval with
@@ -53,6 +59,11 @@ COLD_START_WAIT = Histogram("flexpipe_gateway_cold_start_wait_seconds",
                             "How long a request of a deployment at zero was held before it was admitted (or not)",
                             ["deployment", "outcome"], buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
                             registry=REGISTRY)
+SPILLS = Counter("flexpipe_gateway_spills", "Requests KV spillover sent away from their first-choice plan",
+                 ["deployment"], registry=REGISTRY)
+SPILL_TIMEOUTS = Counter("flexpipe_gateway_spill_timeouts",
+                         "Spilled requests without a first token within the spillover timeout (re-routed)",
+                         ["deployment"], registry=REGISTRY)
 COLD_START_HELD = Gauge("flexpipe_gateway_cold_start_held", "Requests held now for a deployment at zero",
                         ["deployment"], registry=REGISTRY)
 

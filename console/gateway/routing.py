@@ -24,8 +24,18 @@ A route's weight is the table's times the global correction's live multiplier fo
 console/gearbox/correction.py), read when the pool is made - so at most
 FLEXPIPE_ROUTER_FLEET_TTL_S late.
 
+KV spillover (FLEXPIPE_ROUTER_POLICY "flexpipe+budget", or FLEXPIPE_ROUTER's `spill`: the bands and
+`spill_timeout_s`, scheduler/router/spillover.py). A request the bands sent away from its first
+choice is watched from the stream's open: the gateway sees nothing of the engine's queue, so
+"admitted" is its first token. Past `spill_timeout_s` without one (`spill_timeout`), it is counted -
+flexpipe_gateway_spill_timeouts_total, and a stamp in Redis (`SPILL_PREFIX`<deployment>, a sorted
+set by time) from which /metrics exports flexpipe_spillover_timeouts_recent{deployment, plan_id}
+over the last 5 min (console/metrics/gearbox.py) - and the view re-routes it by the router's fresh
+decision: its stream closed (which drops it from that engine, no token sent yet) and the prompt
+opened where `spillover.reroute` says; when that is where it waits, it keeps waiting there.
+
 Settings: FLEXPIPE_ROUTER (scheduler.router.RouterConfig.from_dict: weights, top_k, block_tokens,
-host_tier_weight, jitter, prices), FLEXPIPE_ROUTER_SEED (ties between equal plans; default: from
+host_tier_weight, jitter, prices, spill), FLEXPIPE_ROUTER_SEED (ties between equal plans; default: from
 the OS), FLEXPIPE_ROUTER_SAMPLE_S (at most one decision per deployment and process is kept for the
 deployment page per this many seconds; default 2).
 """
@@ -42,10 +52,11 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+import redis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from console.gateway import decisions, learned
+from console.gateway import decisions, learned, metrics
 from console.registry.specs import spec_for
 from scheduler.plan import Plan
 from scheduler.router import (
@@ -59,9 +70,11 @@ from scheduler.router import (
     block_hashes,
     make_router,
     plan_facts,
+    spillover,
 )
 from scheduler.router.learned import LearnedRouter
 from scheduler.router.pool import StepModel
+from scheduler.router.spillover import Spilled, SpillWatch
 from scheduler.topology import Snapshot
 
 log = logging.getLogger(__name__)
@@ -115,7 +128,8 @@ def router() -> RoutingPolicy:
             _config = RouterConfig.from_dict(getattr(settings, "FLEXPIPE_ROUTER", None))
             seed = getattr(settings, "FLEXPIPE_ROUTER_SEED", None)
             _seed = int.from_bytes(os.urandom(8)) if seed is None else int(seed)
-            _router = make_router("flexpipe", _config, seed=_seed)
+            budget = learned.policy_name() == "flexpipe+budget"
+            _router = make_router("flexpipe+budget" if budget else "flexpipe", _config, seed=_seed)
         return _router
 
 
@@ -139,6 +153,7 @@ def reset() -> None:
         _reports_cache.clear()
         _open.clear()
         _last_sample.clear()
+        _spill.clear()
         for c in (_pend_count, _pend_tokens, _pend_low):
             c.clear()
 
@@ -154,9 +169,23 @@ class _Open:
     request: RouteRequest  # the router's own object: a learned policy knows its requests by it
     deployment: str
     first_seen: bool = False
+    spill_key: str | None = None  # on its deployment's SpillWatch (a spilled request)
 
 
 _open: dict[str, _Open] = {}  # seq_id -> what it holds in the book
+_spill: dict[str, SpillWatch] = {}  # deployment -> its spilled requests waiting for a first token
+SPILL_PREFIX = "flexpipe:router:spill-timeouts:"  # + deployment: sorted set "<plan_id> <key>" by unix time
+SPILL_KEEP_S = 3600.0  # stamps older than this are trimmed at each write
+
+
+def _watch(routed: Routed) -> SpillWatch | None:
+    spill = getattr(getattr(routed.policy, "config", None), "spill", None)
+    if spill is None:
+        return None
+    w = _spill.get(routed.deployment)
+    if w is None or w.config != spill:
+        w = _spill[routed.deployment] = SpillWatch(spill)
+    return w
 
 
 # per plan: requests without a first token yet, their prompt tokens, of those low-priority's
@@ -353,17 +382,26 @@ async def order(name: str, model_name: str, version: int, routes: Sequence[Mappi
     return Routed(decision, cands, name, len(prompt_ids), req.low_priority, policy)
 
 
-def admitted(routed: Routed, cand: Candidate, seq_id: str) -> None:
-    """`cand` took the request: remember its prefix there, book it, keep a sample of the decision."""
+def admitted(routed: Routed, cand: Candidate, seq_id: str, *, key: str | None = None) -> Spilled | None:
+    """`cand` took the request: remember its prefix there, book it, keep a sample of the decision.
+    A plan other than the first choice of a decision that spilled: the request is watched (module
+    docstring) under `key` (the request's own id; default `seq_id`) - what to wait for, or None."""
     d = routed.decision
     slot = d.pool.slot.get(cand.plan_id)
     if slot is None:
-        return
+        return None
     sample = None
+    spilled = None
     with _lock:
         routed.policy.admitted(d, slot)
         o = _open[seq_id] = _Open(cand.plan_id, routed.prompt_tokens, routed.low_priority, d.predicted_ttft_s(slot),
                                   time.monotonic(), routed.policy, d.request, routed.deployment)
+        home = d.spilled_from
+        watch = _watch(routed) if home is not None and home != slot else None
+        if watch is not None and home is not None:
+            metrics.SPILLS.labels(routed.deployment).inc()
+            o.spill_key = key or seq_id
+            spilled = watch.spilled(o.spill_key, d.pool.ids[home], cand.plan_id, o.started)
         _pend_count[o.plan_id] += 1
         _pend_tokens[o.plan_id] += o.prompt_tokens
         if o.low:
@@ -373,9 +411,68 @@ def admitted(routed: Routed, cand: Candidate, seq_id: str) -> None:
             sample = {**d.explain(), "taken_by": cand.plan_id, "at": datetime.now(UTC).isoformat()}
     if sample is not None:
         decisions.record_soon(routed.deployment, sample)
+    return spilled
 
 
 _last_sample: dict[str, float] = {}
+
+
+def spill_timeout(spilled: Spilled, fresh: Routed) -> Routed | None:
+    """A spilled request's deadline passed without a first token: count it (once) and say where it
+    goes - `fresh` (a new decision for it) with the plan `spillover.reroute` picks first, or None
+    when it keeps waiting where it is (admitted meanwhile, or nothing better takes it)."""
+    with _lock:
+        watch = _spill.get(fresh.deployment)
+        s = watch.expire(spilled.key, time.monotonic()) if watch is not None else None
+    if s is None or watch is None:
+        return None
+    metrics.SPILL_TIMEOUTS.labels(fresh.deployment).inc()
+    learned.soon(_stamp, fresh.deployment, s.at, str(s.key), time.time())
+    d = fresh.decision
+    home, at = d.pool.slot.get(s.home), d.pool.slot.get(s.at)
+    if home is None or at is None:
+        return None  # its first choice or its plan left the table: it waits where it is
+    free = d.kv_free if d.kv_free is not None else spillover.kv_free(d.pool)
+    slot, _ = spillover.reroute(d.order, free, home=home, waiting_at=at, high_priority=d.request.priority < 0,
+                                key=str(s.key), config=watch.config)
+    if slot == at:
+        return None
+    target = d.pool.ids[slot]
+    cands = [c for c in fresh.candidates if c.plan_id == target]
+    if not cands:
+        return None  # (a plan without a leader: not routable)
+    return replace(fresh, candidates=cands + [c for c in fresh.candidates if c.plan_id not in (target, s.at)])
+
+
+def _stamp(deployment: str, plan_id: str, key: str, at: float) -> None:
+    """One spillover timeout in Redis, for /metrics (errors logged: the request never waits)."""
+    try:
+        pipe = decisions._client().pipeline()
+        pipe.zadd(SPILL_PREFIX + deployment, {f"{plan_id} {key}": at})
+        pipe.zremrangebyscore(SPILL_PREFIX + deployment, "-inf", at - SPILL_KEEP_S)
+        pipe.expire(SPILL_PREFIX + deployment, int(SPILL_KEEP_S))
+        pipe.execute()
+    except (OSError, redis.RedisError) as exc:
+        log.warning("gateway: cannot stamp a spillover timeout of %s: %s", deployment, exc)
+
+
+def spill_timeouts_recent(deployments: Sequence[str], window_s: float) -> dict[tuple[str, str], int]:
+    """(deployment, plan id) -> spillover timeouts stamped in the last `window_s` (one Redis round
+    trip; {} when Redis is away). What flexpipe_spillover_timeouts_recent exports."""
+    since = time.time() - window_s
+    try:
+        pipe = decisions._client().pipeline()
+        for name in deployments:
+            pipe.zrangebyscore(SPILL_PREFIX + name, since, "+inf")
+        raw = pipe.execute()
+    except (OSError, redis.RedisError) as exc:
+        log.warning("gateway: cannot read the spillover timeouts: %s", exc)
+        return {}
+    out: Counter[tuple[str, str]] = Counter()
+    for name, members in zip(deployments, raw, strict=True):
+        for m in members:
+            out[(name, (m.decode() if isinstance(m, bytes) else str(m)).split(" ", 1)[0])] += 1
+    return dict(out)
 
 
 def first_token(seq_id: str) -> None:
@@ -387,6 +484,8 @@ def first_token(seq_id: str) -> None:
             return
         o.first_seen = True
         _unpend(o)
+        if o.spill_key is not None and o.deployment in _spill:
+            _spill[o.deployment].admitted(o.spill_key)  # in time: not counted
         now = time.monotonic()
         o.policy.first_token(o.plan_id, now, now - o.started, o.predicted_ttft_s)
 
@@ -401,11 +500,13 @@ def done(seq_id: str, *, ttft_s: float | None = None, tpot_s: float | None = Non
             return
         if not o.first_seen:
             _unpend(o)
+        if o.spill_key is not None and o.deployment in _spill:
+            _spill[o.deployment].forget(o.spill_key)
         if ttft_s is None or not isinstance(o.policy, LearnedRouter):
             return
         o.policy.finished(o.request, ttft_s, tpot_s, learned.clock())
     learned.publish(o.deployment, o.policy)
 
 
-__all__ = ["Candidate", "Routed", "admitted", "any_frozen", "done", "first_token",
-           "leader_of", "order", "policy_for", "reset", "router"]
+__all__ = ["Candidate", "Routed", "admitted", "any_frozen", "done", "first_token", "leader_of", "order",
+           "policy_for", "reset", "router", "spill_timeout", "spill_timeouts_recent"]

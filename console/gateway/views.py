@@ -32,6 +32,7 @@ the wait, 503 `cold_start_timeout` naming the deployment and the wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -54,6 +55,7 @@ from agents import schema
 from console.gateway import cpu, metrics, routing, tokens, upstream
 from console.gateway.requests import BadRequest, GenerateRequest, parse_chat, parse_completion
 from console.gateway.routing import Candidate, any_frozen
+from scheduler.router.spillover import Spilled
 
 log = logging.getLogger(__name__)
 OUTSTANDING: Counter[str] = Counter()  # plan_id -> requests this process has open on it
@@ -198,6 +200,7 @@ class Admitted:
     route: Candidate
     resp: httpx.Response
     seq_id: str
+    spill: Spilled | None = None  # KV spillover sent it away from its first choice: watched (routing.py)
 
 
 def _dataplane_param(param: str | None) -> str | None:
@@ -206,17 +209,23 @@ def _dataplane_param(param: str | None) -> str | None:
     return "prompt" if param.startswith("prompt_ids") else param
 
 
+async def _route(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], max_tokens: int) -> routing.Routed:
+    return await routing.order(dep.name, dep.model_name, dep.version, dep.routes, prompt_ids, max_tokens,
+                               priority=req.priority, deadline_ms=req.deadline_ms, outstanding=OUTSTANDING,
+                               slo_s=dep.slo_s)
+
+
 async def _admit(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], max_tokens: int,
-                 seq_id: str) -> Admitted:
-    """Open the stream on one plan (module docstring, step 2)."""
+                 seq_id: str, *, routed: routing.Routed | None = None, key: str | None = None) -> Admitted:
+    """Open the stream on one plan (module docstring, step 2). `routed`: the order to try first
+    (a spillover timeout's re-route); `key`: the request's own id, when `seq_id` is another."""
     deadline = time.monotonic() + _setting("FLEXPIPE_GATEWAY_FROZEN_WAIT_S", 3.0)
     sampling = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "ignore_eos": req.ignore_eos}
+    first: routing.Routed | None = routed
     while True:
         retry_after: float | None = None
         frozen = any_frozen(dep.routes)
-        routed = await routing.order(dep.name, dep.model_name, dep.version, dep.routes, prompt_ids, max_tokens,
-                                     priority=req.priority, deadline_ms=req.deadline_ms, outstanding=OUTSTANDING,
-                                     slo_s=dep.slo_s)
+        routed, first = first or await _route(req, dep, prompt_ids, max_tokens), None
         for cand in routed.candidates:
             addr = await sync_to_async(_data_addr)(cand.leader)
             if not addr:
@@ -238,8 +247,8 @@ async def _admit(req: GenerateRequest, dep: _Deployment, prompt_ids: list[int], 
                 continue
             except httpx.HTTPError:
                 continue  # the leader does not answer: try another plan
-            routing.admitted(routed, cand, seq_id)
-            return Admitted(dep, cand, resp, seq_id)
+            spill = routing.admitted(routed, cand, seq_id, key=key)
+            return Admitted(dep, cand, resp, seq_id, spill)
         if frozen and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             fresh = await sync_to_async(_deployment)(dep.name)
@@ -431,6 +440,46 @@ async def _resume(job: _Job, adm: Admitted, ids: list[int], why: str) -> None:
     adm.route, adm.resp, adm.seq_id = new.route, new.resp, new.seq_id
 
 
+async def _spill_wait(job: _Job, adm: Admitted, it: AsyncIterator[int]) -> tuple[int | None, bool]:
+    """A spilled request's first token, waited for up to its spillover deadline (routing.py):
+    (the token, False) when it came in time or the request keeps its place; (None, True) when it
+    was re-routed - its stream closed, `adm` now the new plan's; (None, False) at a stream's end."""
+    spill, adm.spill = adm.spill, None  # watched once
+    assert spill is not None  # noqa: S101 - only called for a spilled admission
+    nxt = asyncio.ensure_future(anext(it))
+    done, _ = await asyncio.wait({nxt}, timeout=max(0.0, spill.deadline_s - time.monotonic()))
+    if not done:
+        fresh = await _route(job.req, job.dep, job.prompt_ids, job.max_tokens)
+        target = routing.spill_timeout(spill, fresh)
+        if target is not None and not nxt.done():
+            nxt.cancel()  # closing the stream drops it from that engine: no token was sent
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt
+            try:
+                new = await _admit(job.req, job.dep, job.prompt_ids, job.max_tokens,
+                                   f"{job.id}-s{uuid.uuid4().hex[:8]}", routed=target, key=job.id)
+            except ApiError as exc:
+                raise upstream.UpstreamError(f"re-routing it after its spillover timeout failed: {exc}") from None
+            log.info("gateway: %s: no first token on %s within the spillover timeout: re-routed to %s",
+                     job.id, adm.route.plan_id, new.route.plan_id)
+            _release(adm.route.plan_id)
+            routing.done(adm.seq_id)
+            OUTSTANDING[new.route.plan_id] += 1
+            adm.route, adm.resp, adm.seq_id = new.route, new.resp, new.seq_id
+            return None, True
+    try:
+        return await nxt, False
+    except StopAsyncIteration:
+        return None, False
+
+
+async def _chain(first: int | None, it: AsyncIterator[int]) -> AsyncIterator[int]:
+    if first is not None:
+        yield first
+    async for tid in it:
+        yield tid
+
+
 async def _pieces(job: _Job, adm: Admitted, info: upstream.Followed,
                   stats: dict[str, Any]) -> AsyncIterator[tuple[str, list[int]]]:
     """(text piece, ids) as tokens arrive, stop strings applied; sets stats["finish"]."""
@@ -440,7 +489,12 @@ async def _pieces(job: _Job, adm: Admitted, info: upstream.Followed,
     while True:
         try:
             async with aclosing(upstream.follow(adm.resp, adm.seq_id, info)) as stream:
-                async for tid in stream:
+                head = None
+                if adm.spill is not None and not ids:
+                    head, moved = await _spill_wait(job, adm, stream)
+                    if moved:
+                        continue  # follow the new plan's stream
+                async for tid in _chain(head, stream):
                     now = time.monotonic()
                     if not ids:
                         stats["ttft_s"] = now - t0

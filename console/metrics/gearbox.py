@@ -42,6 +42,11 @@ that the console's own evaluation of the rules (console/metrics/alerts.py) needs
                                                                SLO_WINDOW_S (5 min) whose worst P95 TTFT
                                                                or TPOT was above the deployment's SLO;
                                                                no series without samples in the window
+    flexpipe_spillover_timeouts_recent{deployment, plan_id}    spilled requests (KV spillover, scheduler/
+                                                               router/spillover.py) that timed out waiting
+                                                               at that plan in the last SPILL_WINDOW_S
+                                                               (5 min), stamped in Redis by every gateway
+                                                               process (console/gateway/routing.py)
     flexpipe_kv_pool_free_ratio{deployment, plan_id, node}     free share of a plan's KV cache on a node:
                                                                1 - the kv_usage its engine last reported
                                                                (agents/protocol.py EngineReport), for the
@@ -67,6 +72,7 @@ from prometheus_client.registry import Collector
 
 SWITCH_DURATION_BUCKETS_S = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 SLO_WINDOW_S = 300.0  # the SLO violation ratio's window
+SPILL_WINDOW_S = 300.0  # the spillover timeouts' window (the alert's "last 5 min")
 PHASE_VALUES = ("prepare", "switch", "cleanup", "rollback", "idle")
 
 
@@ -115,6 +121,7 @@ class GearboxCollector(Collector):
         yield from (info, gear, pinned, routing, phase, queue, shadow)
         yield from self._alert_inputs(deps, active)
         yield from self._rollout(deps)
+        yield self._spill_timeouts(deps)
         yield from self._twu(deps, active)
         yield self._durations()
         yield from self._decisions(deps)
@@ -132,6 +139,15 @@ class GearboxCollector(Collector):
             share.add_metric([name], float(row.get("share") or 0.0))
             back.add_metric([name], 1.0 if row.get("after") == "rolled_back" else 0.0)
         yield from (share, back)
+
+    def _spill_timeouts(self, deps: list[Any]) -> Metric:
+        from console.gateway import routing
+
+        g = GaugeMetricFamily("flexpipe_spillover_timeouts_recent", f"Spilled requests that timed out waiting at "
+                              f"the plan in the last {SPILL_WINDOW_S:.0f} s", labels=["deployment", "plan_id"])
+        for (name, plan_id), n in sorted(routing.spill_timeouts_recent([d.name for d in deps], SPILL_WINDOW_S).items()):
+            g.add_metric([name, plan_id], float(n))
+        return g
 
     def _alert_inputs(self, deps: list[Any], active: dict[int, Any]) -> Iterator[Metric]:
         from django.utils import timezone

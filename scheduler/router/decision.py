@@ -37,6 +37,8 @@ class Decision:
     stall_s: Floats | None = None  # what its prefill adds per token of the sequences running there
     cached_tokens: Floats | None = None  # prompt tokens predicted to hit each plan's cache
     note: str = ""  # how the policy chose, when it is not the weighted sum (baselines)
+    spilled_from: int | None = None  # KV spillover (spillover.py): the first choice's slot, when it spilled
+    kv_free: Floats | None = None  # ... each plan's share of KV free, as the bands read it
 
     @property
     def chosen(self) -> int | None:
@@ -101,5 +103,6 @@ class Decision:
             "relaxed": self.relaxed,
             "weights": dict(self.weights),
             "note": self.note,
+            "spilled_from": None if self.spilled_from is None else pool.ids[self.spilled_from],
             "plans": plans,
         }

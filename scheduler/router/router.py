@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from scheduler.router import predicted_latency, prefix_affinity, spillover, topology_affinity
-from scheduler.router._arrays import Bools
+from scheduler.router._arrays import Bools, Floats
 from scheduler.router.decision import Decision
 from scheduler.router.jitter import JitterConfig, JitterTracker
 from scheduler.router.memory_bound import memory_bound
@@ -82,7 +82,7 @@ class RouterConfig:
             return cls()
         if not isinstance(d, Mapping):
             raise ValueError(f"{path}: must be a dict")
-        known = {"weights", "top_k", "block_tokens", "host_tier_weight", "jitter", "prices"}
+        known = {"weights", "top_k", "block_tokens", "host_tier_weight", "jitter", "prices", "spill"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"{path}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
@@ -92,6 +92,8 @@ class RouterConfig:
                 kw["weights"] = _sub(RouterWeights, d["weights"], f"{path}.weights")
             if "jitter" in d:
                 kw["jitter"] = _sub(JitterConfig, d["jitter"], f"{path}.jitter")
+            if "spill" in d:  # the bands and the spillover timeout (a policy with spillover reads them)
+                kw["spill"] = _sub(SpillConfig, d["spill"], f"{path}.spill")
             for k in ("top_k", "block_tokens"):
                 if k in d:
                     v = d[k]
@@ -231,17 +233,21 @@ class Router:
             total[i] = float(total[i]) + (s if w_prefix == 1.0 else s * w_prefix)
         order = pick(total, cand, demoted, deadline_ok, pool.load_rel, cfg.top_k, self.rng, count=count)
         note = ""
+        spilled_from: int | None = None
+        free: Floats | None = None
         if cfg.spill is not None and len(order) > 1:
             self._n += 1
-            free = pool.room / np.maximum(pool.cap_tokens, 1.0)
+            free = spillover.kv_free(pool)
+            first = order[0]
             order, note = spillover.reorder(order, free, high_priority=req.priority < 0, key=str(self._n),
                                             config=cfg.spill)
+            spilled_from = first if order[0] != first else None
         return Decision(self.name, req, pool, order, hard_ok=hard, fits_now=now, relaxed=relaxed, note=note,
                         scores={predicted_latency.NAME: s_lat,
                                 prefix_affinity.NAME: pool.zeros if s_prefix is None else s_prefix,
                                 topology_affinity.NAME: s_topo},
                         weights=self._weights, total=total, demoted=demoted, ttft_s=ttft, tpot_s=tpot,
-                        stall_s=stall, cached_tokens=cached)
+                        stall_s=stall, cached_tokens=cached, spilled_from=spilled_from, kv_free=free)
 
     def admitted(self, decision: Decision, slot: int) -> None:
         record_prefix(self.index, decision, slot)

@@ -147,3 +147,24 @@ def test_kv_tiers_run_each_policy_again_with_tiers_and_compare_them(tmp_path: Pa
     assert cmp["ttft_p99_s"] == {"off": pols["flexpipe"]["ttft_p99_s"], "on": on["ttft_p99_s"]}
     assert cmp["slo_attainment"]["on"] == on["slo_attainment"]
     assert "host tier hit share" in bench.table(result)
+
+
+def test_every_policy_reports_its_spills_and_spillover_timeouts_at_a_given_time_scale(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = mooncake_like(tmp_path / "t.jsonl", n=24)
+    out = tmp_path / "r.json"
+    assert bench.main(["--trace", str(trace), "--policies", "flexpipe", "--kv-budget", "--time-scale", "0.5",
+                       "--spill-timeout", "inf", "--decision-samples", "20", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["spill_timeout_s"] is None  # off
+    assert result["time_scale"] == 0.5 and result["bisection"] == [] and "finding the time scale" not in printed
+    pols = result["policies"]
+    assert pols["flexpipe"]["spills"] is None and pols["flexpipe"]["spill_timeouts"] is None  # no bands
+    budget = pols["flexpipe+budget"]
+    assert isinstance(budget["spills"], int) and budget["spill_timeouts"] == 0  # the timeout is off
+    assert "spillover timeouts" in printed
+    for flag, value in (("--time-scale", "0"), ("--spill-timeout", "-1")):
+        with pytest.raises(SystemExit) as bad:
+            bench.main(["--trace", str(trace), flag, value])
+        assert bad.value.code == 2 and flag in capsys.readouterr().err
