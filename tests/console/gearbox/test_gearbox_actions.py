@@ -158,6 +158,7 @@ def test_a_plan_that_dies_under_a_running_agent_leaves_the_gear_and_its_requests
         monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any) -> None:
     from console.fleet import live
     from console.fleet.models import Node
+    from console.gearbox.actions import lost_plans
     from console.gearbox.models import GpuReservation
 
     rep = enroll_fleet()
@@ -194,6 +195,7 @@ def test_a_plan_that_dies_under_a_running_agent_leaves_the_gear_and_its_requests
     row = drive(agents)
     assert row.phase == "done" and row.from_gear is None and row.decision.trigger == "topology"  # type: ignore[union-attr]
     assert GpuReservation.objects.filter(plan_id=dead.plan_id).count() == 2  # the same plan, prepared again
+    assert lost_plans(Deployment.objects.get(name="chat")) == {}  # prepared after the loss: alive, before any report
     rep.report("a1", plans=running_on(agents, "a1"))
     assert Node.objects.get(node_id="a1").lost_plans == {}
     assert ticks.tick()["started"] == [] and audits("gearbox.plans_lost") == 1
