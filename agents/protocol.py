@@ -30,6 +30,15 @@ An agent sends a full report after each registration, after any failed report, a
 agents.client.FULL_REPORT_EVERY reports, so nothing a delta missed lasts. An agent whose controller
 refuses `full` (400 naming it: an older console) goes back to full reports.
 
+What runs (v1.3, added without a version bump): a registration and every report, delta ones too,
+may list the plans the agent runs (`plans`, as leader or member). A plan that dies under a running
+agent - its engine failed for good, its GPUs failed - is not listed in the next report; the
+controller takes the plans it placed on this node that are not listed out of their gears and
+routing, as for an agent that came back without them (console.fleet.actions). A plan whose
+`prepare_plan` is still open, or was acked after the previous accepted report, is not judged on
+this report (the agent may have built it before that prepare). A body without `plans` (an older
+agent) says nothing: no plan is assumed lost, and what the last list said stands.
+
 Control only: commands say *what* to move; KV bytes and tokens travel agent to agent
 (`data_addr`), never through the controller (DESIGN.md, data flow).
 
@@ -399,6 +408,12 @@ class Report:
     # accepted report (maybe none); the others are as that report said. Added to v1 without a
     # version bump (v1.1): a body without "full" is a full report, as before.
     full: bool = True
+    # The plans this agent runs right now, as leader or member - what `RegisterRequest.plans` says,
+    # kept true while the agent runs: a plan whose engine died and could not be restarted, or whose
+    # GPUs failed under it, is not listed. A delta report carries it as a full one does. The
+    # controller drops from its gears the plans it placed here that are not listed (v1.3, no version
+    # bump). None: not said (an older agent) - nothing is assumed lost, the last list said stands.
+    plans: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -414,6 +429,8 @@ class Report:
             d["collectives"] = [{**asdict(c), "points": [list(p) for p in c.points]} for c in self.collectives]
         if not self.full:
             d["full"] = False
+        if self.plans is not None:
+            d["plans"] = list(self.plans)
         return d
 
 
@@ -460,6 +477,20 @@ def _node_id(r: ObjectReader, key: str = "node_id") -> str | None:
     return value
 
 
+def _plan_ids(r: ObjectReader, problems: Problems) -> list[str] | None:
+    """The optional `plans` list of a registration or a report: the plan ids the agent runs."""
+    plist = r.list("plans", None, max_len=_MAX_PLANS_PER_NODE)
+    if plist is None:
+        return None
+    plans: list[str] = []
+    for path, item in plist.items():
+        if not isinstance(item, str) or not 1 <= len(item) <= 64:
+            problems.add(path, f"must be a plan id (a string of 1 to 64 characters); got {item!r}")
+        else:
+            plans.append(item)
+    return plans
+
+
 def parse_register(body: Any) -> RegisterRequest:
     r, problems = read_document(body)
     _check_protocol(r)
@@ -476,15 +507,7 @@ def parse_register(body: Any) -> RegisterRequest:
                 problems.add(path, f"must be one of {', '.join(ENGINE_BACKENDS)}; got {item!r}")
             else:
                 backends.append(item)
-    plans: list[str] | None = None
-    plist = r.list("plans", None, max_len=_MAX_PLANS_PER_NODE)
-    if plist is not None:
-        plans = []
-        for path, item in plist.items():
-            if not isinstance(item, str) or not 1 <= len(item) <= 64:
-                problems.add(path, f"must be a plan id (a string of 1 to 64 characters); got {item!r}")
-            else:
-                plans.append(item)
+    plans = _plan_ids(r, problems)
     capabilities: dict[str, dict[str, Any]] | None = None
     raw_caps = r.raw("capabilities", None)
     if raw_caps is not None:
@@ -570,6 +593,7 @@ def parse_report(body: Any) -> Report:
     epoch = r.int("epoch", min=1)
     seq = r.int("seq", min=1)
     full = r.bool("full", True)
+    plans = _plan_ids(r, problems)
     gpus: list[GpuReport] = []
     seen: dict[str, str] = {}
     glist = r.list("gpus", min_len=1 if full is not False else 0, max_len=_MAX_GPUS_PER_NODE)
@@ -647,7 +671,7 @@ def parse_report(body: Any) -> Report:
     problems.raise_if_any("report")
     assert node_id is not None and epoch is not None and seq is not None  # noqa: S101
     return Report(node_id, epoch, seq, tuple(gpus), tuple(links), tuple(engines), tuple(collectives),
-                  full=full is not False)
+                  full=full is not False, plans=None if plans is None else tuple(plans))
 
 
 def _collective(c: ObjectReader, node_id: str | None) -> CollectiveReport | None:

@@ -18,6 +18,9 @@ Invariants:
   plans are listed `unknown`); each main-loop pass (`step`) returns an engine whose hint lapsed
   to its own threshold. The weight multiplier is the router's, not the node's: nothing here. Links to the peers `probe_links` named are probed again every FLEXPIPE_LINK_PROBE_S
   (agents/node/links.py) and every report carries the latest figure per peer.
+- The registration and every report list the plans this node holds (`running_plans`). A plan whose
+  engine failed for good is given up by the main loop (`_give_up_failed`): stopped, unbooked, not
+  listed again - the controller replaces it (agents/protocol.py: what runs).
 - Every ok-ack's result passes agents.protocol.check_result before it leaves; a result that would
   break the protocol is sent as a failed ack instead (reason "failed"), never half right.
 - A plan's GPUs keep its reserve_bytes booked from prepare until abort or release; a prepare that
@@ -163,9 +166,7 @@ class NodeAgent:
 
     # -- registration and reports -----------------------------------------------------------------
     def register(self) -> None:
-        with self._lock:
-            # what runs here now (nothing after a restart): the controller drops the rest from its gears
-            held = tuple(sorted({slot.plan_id for slot in self.plans.values()}))
+        held = self.running_plans()  # nothing after a restart: the controller drops the rest from its gears
         req = RegisterRequest(node_id=self.node_id, hostname=self.hostname[:255], agent_version=AGENT_VERSION,
                               gpus=self.probe.gpus(), rack=self.rack, backends=(self.backend_name,),
                               data_addr=self.data_addr, plans=held,
@@ -217,13 +218,19 @@ class NodeAgent:
                 log.warning("%s: no report from plan %s: %s", self.node_id, engine.plan_id, exc)
         return tuple(out)
 
+    def running_plans(self) -> tuple[str, ...]:
+        """The plans this node holds part of now, as leader or member: what its registration and
+        every report list (agents.protocol: a plan not listed is one the controller replaces)."""
+        with self._lock:
+            return tuple(sorted({slot.plan_id for slot in self.plans.values()}))
+
     def report(self) -> None:
         with self._lock:
             self.state.seq += 1
             epoch, seq = self.state.epoch, self.state.seq
         body = Report(node_id=self.node_id, epoch=epoch, seq=seq, gpus=self.gpu_reports(),
                       engines=self.engine_reports(), links=self.links.reports(),
-                      collectives=self.collectives)
+                      collectives=self.collectives, plans=self.running_plans())
         with self._http_lock:
             self.client.report(body)
         with self._lock:
@@ -250,6 +257,7 @@ class NodeAgent:
                 self.register()
                 self._start_poller()
             self._flush_acks()
+            self._give_up_failed()
             self._lapse_hints()
             if self.links.due():
                 self._reprobe()
@@ -618,6 +626,34 @@ class NodeAgent:
                 self.backend.leave(part)
             except Exception:  # noqa: BLE001 - stopping must go on for the other plans
                 log.exception("%s: the stage workers of plan %s did not stop cleanly", self.node_id, slot.plan_id)
+
+    def _give_up_failed(self) -> None:
+        """Give up each plan whose engine failed for good (the vLLM watchdog's restarts ran out; a
+        torch worker died, or the GPU under it): its engine stopped, its memory unbooked, its slot
+        gone - so the report that follows at once no longer lists it and the controller replaces it
+        (its undo commands then ack noop). Under the plan's lock; a command running on the plan
+        (its release, its abort) ends it instead, or the next pass does."""
+        with self._lock:
+            failed = [k for k, s in self.plans.items() if s.ready and s.engine is not None and s.engine.failed]
+        for key in failed:
+            with self._lock:
+                lock = self._plan_locks.setdefault(key, threading.Lock())
+            if not lock.acquire(blocking=False):
+                continue
+            try:
+                slot = self._drop(key)
+                if slot is None:
+                    continue
+                log.warning("%s: plan %s of %s failed for good; given up", self.node_id, slot.plan_id,
+                            slot.deployment)
+                if slot.engine is not None:
+                    self._stop_engine(slot.engine)
+                self._leave(slot)
+                with self._lock:
+                    self._hinted.discard(key)
+                    self.state.dirty = True
+            finally:
+                lock.release()
 
     def _drop(self, key: tuple[str, str]) -> PlanSlot | None:
         with self._lock:

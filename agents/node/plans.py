@@ -6,6 +6,7 @@
     PlanEngine.move(moves, routing_version) -> dict       move_sequences' ack result
     PlanEngine.release(drain_timeout_s, fallback) -> dict release_plan's (and abort_plan's) ack result
     PlanEngine.report() -> EngineReport
+    PlanEngine.failed -> bool                   it died for good (no restart left): the daemon gives it up
     PlanEngine.stop()
 
 torch: `agents.dataplane.PlanHost` (the torch reference engine behind the node's DataServer: the
@@ -59,6 +60,9 @@ class PlanEngine(Protocol):
     def release(self, drain_timeout_s: float, fallback: dict[str, Any] | None) -> dict[str, Any]: ...
 
     def report(self) -> EngineReport: ...
+
+    @property
+    def failed(self) -> bool: ...
 
     def stop(self) -> None: ...
 
@@ -353,6 +357,12 @@ class _Served:
 
     def report(self) -> EngineReport:
         return self.host.report()  # type: ignore[no-any-return]
+
+    @property
+    def failed(self) -> bool:
+        """The host broke: its engine raised (a torch worker died) or the vLLM watchdog gave up on
+        the server after its restarts (agents/engines/vllm/engine.py); nothing restarts it here."""
+        return bool(self.host.state == "broken")
 
     def stop(self) -> None:
         # The stopped host stays served: a reader late for a stream's end event ("moved" to the

@@ -25,7 +25,9 @@ ran rounds; GPUs held by another tenant show that tenant's memory use, drawn per
 seed. The report of a plan's first node carries the plan's engine metrics from its PlanEngine
 (running and waiting requests, tokens/s, TTFT and TPOT percentiles, KV usage, arrivals and
 finishes over the interval: agents.protocol.EngineReport). A preemption or a failure stops the
-plans on those GPUs at once; their requests go back to the router (KV lost, recomputed).
+plans on those GPUs at once; their requests go back to the router (KV lost, recomputed). Every
+registration and report lists the plans the node runs (FleetSim.plans_on): the controller replaces
+a plan that stopped, even when its GPUs came back before it moved off them.
 
 Faults (tests, demos - not part of the scenario format): `--fault NODE:KIND:ACTION[:TIMES]`
 makes the next TIMES commands of KIND (a command kind or `*`) on NODE fail, hang (never
@@ -186,15 +188,17 @@ class SimAgent:
     poller: threading.Thread | None = None
 
 
-def register_request(cluster: SimCluster, node_id: str, data_addr: str | None = None) -> RegisterRequest:
-    """What a simulated node registers with: its GPUs, and the data plane's address when the fleet
-    serves one (agents/sim/dataserver.py; every node shares it), else a name nothing answers at."""
+def register_request(cluster: SimCluster, node_id: str, data_addr: str | None = None,
+                     plans: Sequence[str] = ()) -> RegisterRequest:
+    """What a simulated node registers with: its GPUs, the plans it runs (FleetSim.plans_on), and
+    the data plane's address when the fleet serves one (agents/sim/dataserver.py; every node
+    shares it), else a name nothing answers at."""
     node = cluster.nodes[node_id]
     gpus = tuple(GpuInfo(g.uuid, g.index, g.model, gpu_spec(g.model).mem_bytes, g.nvlink_group)
                  for g in node.gpus)
     return RegisterRequest(node_id=node_id, hostname=f"{node_id}.sim", agent_version=AGENT_VERSION,
                            gpus=gpus, rack=node.spec.rack, backends=("sim",),
-                           data_addr=data_addr or f"{node_id}.sim:7070")
+                           data_addr=data_addr or f"{node_id}.sim:7070", plans=tuple(sorted(plans)))
 
 
 def parse_fault(text: str) -> Fault:
@@ -284,7 +288,8 @@ class LiveFleet:
     def register(self, agent: SimAgent) -> None:
         server = self.data.server if self.data is not None else None
         resp = agent.client.register(register_request(self.cluster, agent.node_id,
-                                                      server.address if server is not None else None))
+                                                      server.address if server is not None else None,
+                                                      plans=self.sim.plans_on(agent.node_id)))
         agent.epoch, agent.seq, agent.dirty = resp.epoch, 0, True
         if self.report_interval_s is None:
             self.report_interval_s = resp.report_interval_s
@@ -483,6 +488,8 @@ class LiveFleet:
             gpus=tuple(self.gpu_reports(node_id, agent.rng)),
             links=tuple(LinkReport(peer, bw, measured_at=round(time.time(), 3), method="simulated")
                         for peer, bw in self.cluster.links_of(node_id)),
+            # what runs on its GPUs: a plan a failure stopped is not listed, even once they are back
+            plans=tuple(sorted(self.sim.plans_on(node_id))),
         ).to_dict()
         # the plans this node leads, from their PlanEngines, since this node's previous report
         body["engines"] = [asdict(m.report) for m in self.sim.engine_reports(leader=node_id)]

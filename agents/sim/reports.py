@@ -123,6 +123,12 @@ class Reports:
         waiting = sum(len(p.waiting) for e in self.live.values() if e.deployment == deployment for p in e.pipes)
         return waiting + len(dep.pending)
 
+    def plans_on(self: FleetSim, node_id: str) -> set[str]:
+        """The plans with an engine on this node's GPUs now (loading, serving, draining), as leader
+        or member: what its agent says it runs (agents.protocol.Report.plans). A plan whose GPUs
+        failed or were taken stopped (FleetSim) and is not among them, even once they are back."""
+        return {e.plan.plan_id for e in self.live.values() if node_id in self._plan_nodes(e.plan)}
+
     def engine_reports(self: FleetSim, leader: str | None = None) -> list[PlanMetrics]:
         """Per serving plan, its engine metrics since the previous call (agents.protocol's
         EngineReport), with the nodes that host it. With `leader`, only the plans whose first

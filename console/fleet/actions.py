@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -18,7 +19,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 
-from agents.protocol import NodeCommandKind, RegisterRequest, Report, SchemaError, check_result
+from agents.protocol import CommandKind, NodeCommandKind, RegisterRequest, Report, SchemaError, check_result
 from console.audit.chain import actor_of, record
 from console.fleet import doorbell, links, live
 from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
@@ -110,10 +111,8 @@ def do_register_node(req: RegisterRequest, *, token: str, now: datetime) -> Regi
     node.schedulable = True
     node.unschedulable_reason = ""
     # An agent that lists what it runs (None: it does not say; nothing is assumed lost)
-    lost: dict[str, int] = {}
-    if req.plans is not None:
-        lost = {pid: node.epoch for pid in sorted(_plans_routed_to(node.node_id) - set(req.plans))}
-    node.lost_plans = lost
+    lost = _lost_on(node, req.plans) if req.plans is not None else {}
+    node.lost_plans, node.lost_at = lost, now
     node.save()
 
     # A GPU that moved to this node from another one (re-racked, not listed there any more) keeps
@@ -165,6 +164,44 @@ def do_issue_agent_token(node_id: str, *, actor: str, user: object | None = None
            summary=f"agent token {'issued' if created else 'rotated'} for {node_id}: its agent registers with it",
            data={"node_id": node_id, "created": created, "prefix": token[:8]})
     return node, token
+
+
+def _lost_on(node: Node, listed: Iterable[str], *, judged_after: datetime | None = None) -> dict[str, int]:
+    """The plans routed to this node that its agent does not list: plan_id -> the node's epoch.
+
+    With `judged_after` (a report's), a plan whose prepare_plan on this node is still open, or was
+    acked at or after that moment, is not judged: the agent may have built its list before it held
+    the plan (a report is built after the previous one was answered, so what was acked before that
+    answer is in it)."""
+    missing = _plans_routed_to(node.node_id) - set(listed)
+    if missing and judged_after is not None:
+        prepares = AgentCommand.objects.filter(node=node, kind=CommandKind.PREPARE_PLAN.value,
+                                               payload__plan_id__in=sorted(missing))
+        fresh = prepares.filter(state__in=AgentCommand.OPEN_STATES) | prepares.filter(
+            state=AgentCommand.OK, acked_at__gte=judged_after)
+        missing -= {str(pid) for pid in fresh.values_list("payload__plan_id", flat=True)}
+    return {pid: node.epoch for pid in sorted(missing)}
+
+
+def _note_lost_plans(node: Node, report: Report, *, now: datetime) -> list[str]:
+    """A report that lists the plans its agent runs (after the claim, in its transaction): the
+    plans placed here that it does not run any more are noted lost, in the same place a
+    registration notes them (Node.lost_plans; the gearbox drops them). Returns those newly lost."""
+    assert report.plans is not None  # noqa: S101 - the caller checks
+    row = Node.objects.only("pk", "node_id", "epoch", "registered_at", "prev_reported_at", "lost_plans").get(
+        pk=node.pk)
+    since = max(t for t in (row.prev_reported_at, row.registered_at) if t is not None)
+    lost = _lost_on(row, report.plans, judged_after=since)
+    before = dict(row.lost_plans or {})
+    if not lost and not before:
+        return []
+    Node.objects.filter(pk=node.pk).update(lost_plans=lost, lost_at=now)
+    new = [pid for pid in lost if pid not in before]
+    if new:
+        record("fleet.plans_lost", actor=actor_of(agent=node.node_id), at=now,
+               summary=f"{node.node_id} reports it no longer runs {len(new)} plan(s) placed there: {', '.join(new)}",
+               data={"epoch": row.epoch, "seq": report.seq, "plans": new, "listed": list(report.plans)})
+    return new
 
 
 def _plans_routed_to(node_id: str) -> set[str]:
@@ -245,6 +282,9 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
         GpuSample.objects.bulk_create(samples)  # bounded by the beat's fleet.prune_history (console/fleet/retention.py)
 
     links.store_links(node, report, now=now)
+    # Plans that died under the running agent: a topology event, as for an agent that came back without them
+    if report.plans is not None and _note_lost_plans(node, report, now=now):
+        topology_changed = True
 
     # A node that speaks again after a heartbeat timeout is back in the pool.
     if not was_schedulable:

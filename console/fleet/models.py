@@ -35,9 +35,12 @@ class Node(models.Model):
     unschedulable_reason = models.CharField(max_length=200, blank=True, default="")
     engines = models.JSONField(default=list)  # latest EngineReports, as sent
     # Plans the deployments' routing placed here that the agent did not list when it registered
-    # last (it restarted without them): plan_id -> that registration's epoch. The gearbox drops
-    # them from its gears (console.gearbox.actions.drop_lost_plans).
+    # last (it restarted without them) or in its last report that listed its plans (they died under
+    # it): plan_id -> that epoch. The gearbox drops them from its gears
+    # (console.gearbox.actions.drop_lost_plans). `lost_at`: when that list was worked out - a plan
+    # prepared here again after it is alive, not lost (null: at `registered_at`, before this field).
     lost_plans = models.JSONField(default=dict)
+    lost_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["node_id"]

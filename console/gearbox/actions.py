@@ -213,11 +213,12 @@ def do_decide_gear(deployment: Deployment | str, *, trigger: Trigger, now: datet
 
 
 def lost_plans(dep: Deployment) -> dict[str, list[str]]:
-    """Plans of the deployment's routing whose node came back without them: plan_id -> nodes.
+    """Plans of the deployment's routing that a node of theirs no longer runs: plan_id -> nodes.
 
-    A node's `lost_plans` is what its agent did not list at its last registration; a plan that
-    has been prepared there again since (plan ids are content hashes: the gearbox may well bring
-    the same plan back) is alive, not lost."""
+    A node's `lost_plans` is what its agent did not list at its last registration (it came back
+    without them) or in its last report that listed its plans (they died under it); a plan that
+    has been prepared there again since that list (plan ids are content hashes: the gearbox may
+    well bring the same plan back) is alive, not lost."""
     on: dict[str, list[str]] = {}
     for r in dep.routing or ():
         if isinstance(r, dict) and r.get("plan_id"):
@@ -226,22 +227,24 @@ def lost_plans(dep: Deployment) -> dict[str, list[str]]:
         return {}
     out: dict[str, list[str]] = {}
     nodes = Node.objects.filter(node_id__in={n for ns in on.values() for n in ns})
-    for node in nodes.only("pk", "node_id", "lost_plans", "registered_at"):
+    for node in nodes.only("pk", "node_id", "lost_plans", "lost_at", "registered_at"):
         for pid in node.lost_plans or {}:
             if node.node_id not in on.get(pid, ()):
                 continue
             revived = AgentCommand.objects.filter(node=node, kind="prepare_plan", payload__plan_id=pid,
-                                                  state=AgentCommand.OK, acked_at__gte=node.registered_at)
+                                                  state=AgentCommand.OK,
+                                                  acked_at__gte=node.lost_at or node.registered_at)
             if not revived.exists():
                 out.setdefault(pid, []).append(node.node_id)
     return out
 
 
 def drop_lost_plans(deployment: Deployment | str, *, now: datetime, actor: str = GEARBOX) -> list[str]:
-    """Take the plans an agent came back without (it restarted) out of the deployment's gear and
-    routing, and free what they had booked; returns their ids.
+    """Take the plans an agent no longer runs (it came back without them, or its report says they
+    died under it: lost_plans) out of the deployment's gear and routing, and free what they had
+    booked; returns their ids.
 
-    Their sequences died with the agent's processes; what is left of the gear keeps serving with
+    Their sequences died with the engines; what is left of the gear keeps serving with
     the weights renormalised, and the decision that follows (a topology event) replaces what was
     lost - bringing a gear up from nothing when no plan is left. Never while a transition runs:
     its commands to that agent fail and it rolls back first."""
@@ -275,7 +278,7 @@ def drop_lost_plans(deployment: Deployment | str, *, now: datetime, actor: str =
         where = ", ".join(f"{p} on {'/'.join(n)}" for p, n in sorted(lost.items()))
         left = f"{gear.shape()} keeps serving" if gear is not None else "nothing serves until a new gear is up"
         record("gearbox.plans_lost", actor=actor, at=now, deployment=name,
-               summary=f"{name}: dropped {len(lost)} plan(s) whose agent came back without them ({where}); {left}",
+               summary=f"{name}: dropped {len(lost)} plan(s) their agent no longer runs ({where}); {left}",
                data={"plans": {p: n for p, n in sorted(lost.items())}},
                before=before,
                after={"version": row.routing_version, "current_gear_id": gear.gear_id if gear else None})

@@ -5,7 +5,7 @@
 * observe: each deployment as the loop reads it (`observe`) - its gears, load window, back-off
   book and the transitions that ended since it was folded, its staged switch, the transition
   that runs, whether the agents reported what the last one left, a pending emergency. Plans an
-  agent came back without are dropped first (actions.drop_lost_plans: the routing table is ours
+  agent no longer runs (it came back without them, or reports they died under it) are dropped first (actions.drop_lost_plans: the routing table is ours
   to write), and the loop is told (its rule 2);
 * step: scheduler.control.ControlLoop (the rules, in order, are in its docstring);
 * persist: each step through the existing actions (`persist`): the folded back-off, the end of a

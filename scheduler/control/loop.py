@@ -9,8 +9,9 @@ v2's reconciler: pure, deterministic, no I/O, no clock but `now_s`.
 The rules, in order, for each deployment, highest priority first (then `index`):
 
  1. A deployment being deleted is left alone (no step).
- 2. Plans an agent came back without (`lost_plans`, dropped by the driver before observing:
-    it owns the routing table) make the step a TOPOLOGY one.
+ 2. Plans an agent no longer runs (`lost_plans`: it came back without them, or they died under
+    it; dropped by the driver before observing: it owns the routing table) make the step a
+    TOPOLOGY one.
  3. A pending emergency comes first. A running transition is asked to roll back (unless it is
     the emergency's own, already asked, or past SWITCH: it ends first); with nothing running
     the gearbox decides the EMERGENCY trigger towards the emergency target, and a switch

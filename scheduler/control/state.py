@@ -98,7 +98,7 @@ class DeploymentState:
     # instant, so it is always True there)
     emergency_target: Gear | None = None  # an operator's pending emergency downshift: go here
     deleting: bool = False  # being drained for deletion: the loop leaves it alone
-    lost_plans: tuple[str, ...] = ()  # plans the driver just dropped (an agent came back without them)
+    lost_plans: tuple[str, ...] = ()  # plans the driver just dropped (their agent no longer runs them)
     serving: bool = True  # every plan of its current gear serves (the simulator knows; the
     # console leaves it True and relies on lost GPUs): rule 10 needs it
     index: int = 0  # tie-break after priority (file order, or name order)

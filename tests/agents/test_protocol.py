@@ -138,3 +138,31 @@ def test_bad_collective_sweeps_are_refused_naming_the_field(coll: dict[str, obje
     with pytest.raises(SchemaError) as err:
         parse_report(body)
     assert path in err.value.errors, err.value.errors
+
+
+def test_a_report_lists_the_plans_its_agent_runs_and_a_delta_report_carries_them_too() -> None:
+    from agents.client import DeltaReports
+
+    gpu = GpuReport("GPU-1", 1, 2, 0.5, 40.0, True)
+    rep = Report("a1", 3, 7, (gpu,), plans=("p1", "p2"))
+    assert rep.to_dict()["plans"] == ["p1", "p2"] and parse_report(rep.to_dict()) == rep
+    assert parse_report({**report_body(), "plans": []}).plans == ()  # it runs nothing: said, not silent
+    deltas = DeltaReports()
+    deltas.accepted(rep, deltas.shape(rep))
+    delta = deltas.shape(Report("a1", 3, 8, (gpu,), plans=("p2",)))
+    assert not delta.full and delta.gpus == () and delta.plans == ("p2",)
+    assert parse_report(delta.to_dict()) == delta
+
+
+def test_a_report_without_plans_says_nothing_about_them_as_before() -> None:
+    body = report_body()
+    assert "plans" not in body and parse_report(body).plans is None  # an older agent
+    assert "plans" not in Report("a1", 1, 1, ()).to_dict()  # and one that does not say sends none
+
+
+@pytest.mark.parametrize("plans,path", [("p-1", "plans"), ([7], "plans[0]"), (["p-1", ""], "plans[1]"),
+                                        (["x" * 65], "plans[0]"), ([f"p{i}" for i in range(1025)], "plans")])
+def test_a_bad_plans_list_in_a_report_is_refused_naming_the_item(plans: object, path: str) -> None:
+    with pytest.raises(SchemaError) as err:
+        parse_report({**report_body(), "plans": plans})
+    assert set(err.value.errors) == {path}, err.value.errors

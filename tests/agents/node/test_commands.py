@@ -279,3 +279,62 @@ def test_a_bad_hint_is_refused_naming_the_field(make_agent: Any) -> None:
     ack = agent.handle(command("apply_hints", {"deployment": "tiny", "hints_version": 1, "ttl_s": -1, "plans": []}))
     assert ack.status == "failed" and "payload.ttl_s" in ack.detail and "payload.plans" in ack.detail
     assert agent.hints.versions == {}
+
+
+class _Dying(_Fixed):
+    """A leader's engine that dies for good when told (its host broke: no restart left)."""
+
+    def __init__(self, plan_id: str) -> None:
+        super().__init__(plan_id)
+        self.failed = False
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_plan_whose_engine_failed_for_good_is_given_up_and_its_report_no_longer_lists_it(make_agent: Any) -> None:
+    from agents.node.daemon import PlanSlot
+    from agents.protocol import Report
+
+    agent = make_agent(backend=False)
+    dying = _Dying("p-lead")
+    agent.plans[("tiny", "p-lead")] = PlanSlot("tiny", "p-lead", "leader", {gpus("n1")[0]: 2**30}, engine=dying,  # type: ignore[arg-type]
+                                               ready=True)
+    agent.plans[("tiny", "p-member")] = PlanSlot("tiny", "p-member", "member", {gpus("n1")[1]: 2**30}, ready=True)
+    sent: list[Report] = []
+    agent.client.report = lambda body: sent.append(body) or body.seq
+    agent.state.epoch = 1
+    agent._give_up_failed()
+    agent.report()
+    assert sent[-1].plans == ("p-lead", "p-member") and not dying.stopped  # alive: kept and listed
+
+    dying.failed = True
+    agent._give_up_failed()
+    assert dying.stopped and agent.booked() == {gpus("n1")[1]: 2**30} and agent.state.dirty
+    agent.report()
+    assert sent[-1].plans == ("p-member",)  # the controller replaces what is not listed
+    release = ok("release_plan", agent.handle(command("release_plan", {"plan_id": "p-lead", "deployment": "tiny",
+                                                                       "drain_timeout_s": 0})))
+    assert release["freed_bytes"] == 0 and release["noop"] is True  # its undo, later: nothing left to do
+
+
+def test_a_torch_plan_whose_worker_dies_is_given_up(make_agent: Any) -> None:
+    import os
+    import signal
+    import time
+
+    agent = make_agent("n1")
+    plan = tiny_plan([gpus("n1", 1)])
+    ok("prepare_plan", agent.handle(command("prepare_plan", prepare_payload(plan, "n1"))))
+    slot = agent.plans[("tiny", plan.plan_id)]
+    assert slot.engine is not None and not slot.engine.failed
+    host = slot.engine.host  # type: ignore[attr-defined]
+    os.kill(host.engine.pids[0], signal.SIGKILL)
+    stream = host.admit("doomed", [1, 2, 3], 8, None)  # the engine finds its worker gone on this step
+    deadline = time.monotonic() + 60
+    while not slot.engine.failed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert slot.engine.failed and stream.end is not None and "error" in stream.end
+    agent._give_up_failed()
+    assert agent.running_plans() == () and agent.booked() == {}

@@ -149,6 +149,7 @@ class TestReport:
         (lambda b: b["gpus"][1].update(uuid="GPU-elsewhere"), 400, "gpus[1].uuid"),
         (lambda b: b.update(node_id="b1"), 403, "node_id"),
         (lambda b: b.update(epoch=7), 409, "epoch"),
+        (lambda b: b.update(plans=["p-1", 7]), 400, "plans[1]"),
     ])
     def test_a_bad_report_is_refused_with_the_field_named_and_stores_nothing(
             self, agent: AgentHTTP, mutate: Any, status: int, field: str) -> None:
@@ -159,6 +160,47 @@ class TestReport:
         assert resp.status_code == status, resp.content
         assert field in resp.json()["errors"]
         assert stored_state() == before
+
+    def test_the_plans_a_running_agent_no_longer_lists_are_noted_lost_once_and_fresh_ones_are_not_judged(
+            self, agent: AgentHTTP) -> None:
+        from console.audit.models import AuditEntry
+        from console.gearbox.models import Deployment
+        from tests.console.gearbox.harness import gear, make_deployment
+
+        placed = gear("a1", [0, 1]).plans[0]
+        dep = make_deployment("chat", baseline=gear("a1", [0, 1]))
+        Deployment.objects.filter(pk=dep.pk).update(routing=[
+            {"plan_id": placed.plan_id, "plan": placed.to_dict(), "weight": 1.0, "frozen": False, "nodes": ["a1"]}])
+        node = Node.objects.get(node_id="a1")
+        seq = iter(range(1, 100))
+
+        def report(plans: list[str] | None) -> dict[str, int]:
+            body = report_body(seq=next(seq), epoch=agent.epoch)
+            resp = agent.post("/agent/v1/report", body if plans is None else {**body, "plans": plans})
+            assert resp.status_code == 200, resp.content
+            return Node.objects.get(pk=node.pk).lost_plans  # type: ignore[no-any-return]
+
+        def prepare(key: str) -> AgentCommand:
+            return actions.do_issue_command(node, key=key, kind="prepare_plan", payload={"plan_id": placed.plan_id},
+                                            now=timezone.now(), deployment="chat", transition_seq=1, step="prepare")
+
+        def ack(cmd: AgentCommand) -> None:
+            actions.do_ack_command(node, cmd.pk, status="ok", detail="", result={}, now=timezone.now())
+
+        def noted() -> int:
+            return AuditEntry.objects.filter(event_type="fleet.plans_lost").count()
+
+        ack(prepare("t1:prepare:a1"))
+        assert report([placed.plan_id]) == {}
+        assert report([]) == {placed.plan_id: agent.epoch} and noted() == 1  # it died under the agent
+        assert report([]) == {placed.plan_id: agent.epoch} and noted() == 1  # said again: noted once
+        assert report(None) == {placed.plan_id: agent.epoch}  # a report that does not say changes nothing
+        assert report([placed.plan_id]) == {}  # it runs it again
+        again = prepare("t2:prepare:a1")
+        assert report([]) == {}  # a prepare in flight: not lost
+        ack(again)
+        assert report([]) == {}  # acked after the last report: this one may have been built before it
+        assert report([]) == {placed.plan_id: agent.epoch} and noted() == 2  # now it is judged
 
     def test_a_body_that_is_not_json_is_refused(self, agent: AgentHTTP) -> None:
         before = stored_state()

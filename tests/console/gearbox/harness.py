@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 
 from django.utils import timezone
@@ -60,13 +60,15 @@ class FleetReporter:
         self.gone: set[str] = set()  # GPUs another tenant holds
         self.extra: dict[str, int] = {}  # bytes our plans hold per GPU
 
-    def report(self, node_id: str, gpus: int = 8) -> None:
+    def report(self, node_id: str, gpus: int = 8, plans: Iterable[str] | None = None) -> None:
+        """`plans`: what the agent says it runs (None: it does not say, as an older agent)."""
         node = Node.objects.get(node_id=node_id)
         self.seq[node_id] = self.seq.get(node_id, 0) + 1
         total = 80 * GIB
         reports = tuple(GpuReport(uuid(node_id, i), min(total, 600 * 2**20 + self.extra.get(uuid(node_id, i), 0)),
                                   total, 0.1, 40.0, True, uuid(node_id, i) not in self.gone) for i in range(gpus))
-        do_ingest_report(node, Report(node_id, node.epoch, self.seq[node_id], reports), now=timezone.now())
+        do_ingest_report(node, Report(node_id, node.epoch, self.seq[node_id], reports,
+                                      plans=None if plans is None else tuple(sorted(plans))), now=timezone.now())
 
 
 def enroll_fleet(nodes: Mapping[str, str] | None = None, gpus: int = 8) -> FleetReporter:

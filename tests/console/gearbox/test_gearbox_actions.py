@@ -149,6 +149,62 @@ def test_a_plan_its_agent_came_back_without_leaves_the_gear_and_the_gearbox_brin
     assert GpuReservation.objects.filter(plan_id=lost).count() == 2
 
 
+def running_on(agents: SimAgents, node_id: str) -> set[str]:
+    """The plans a running agent of `node_id` says it runs: those with an engine on its GPUs."""
+    return agents.fleet.sim.plans_on(node_id)
+
+
+def test_a_plan_that_dies_under_a_running_agent_leaves_the_gear_and_its_requests_are_served(
+        monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any) -> None:
+    from console.fleet import live
+    from console.fleet.models import Node
+    from console.gearbox.actions import lost_plans
+    from console.gearbox.models import GpuReservation
+
+    rep = enroll_fleet()
+    make_deployment()
+    agents = SimAgents()
+    bring_up(agents)
+    dep = Deployment.objects.get(name="chat")
+    dead = Gear.from_dict(dep.current_gear).plans[0]
+    for i in range(6):
+        assert agents.fleet.submit("chat", 200 + 40 * i, 400) is not None
+    agents.run(0.05)
+    # its GPU fails and comes back while the agent keeps running: the plan is gone, the gear looks valid
+    agents.fleet.lose_gpus([dead.gpu_uuids[0]], how="failed")
+    agents.fleet.restore_gpus([dead.gpu_uuids[0]])
+    assert dead.plan_id not in running_on(agents, "a1") and agents.fleet.open_sequences() == 6
+    rep.report("a1")  # an agent that does not say what it runs: nothing is assumed lost
+    assert Node.objects.get(node_id="a1").lost_plans == {}
+    assert ticks.tick(trigger="topology")["started"] == []
+
+    pushed: list[bool] = []
+    monkeypatch.setattr(live, "push_report", lambda delta, *, node_id, topology_changed: pushed.append(
+        topology_changed))
+    with django_capture_on_commit_callbacks(execute=True):
+        rep.report("a1", plans=running_on(agents, "a1"))  # the running agent's report says it
+    node = Node.objects.get(node_id="a1")
+    assert node.lost_plans == {dead.plan_id: node.epoch} and audits("fleet.plans_lost") == 1
+    assert pushed == [True]  # a topology event: the gearbox ticks at once
+    rep.report("a1", plans=running_on(agents, "a1"))  # said again: noted once
+    assert audits("fleet.plans_lost") == 1
+
+    out = ticks.tick(trigger="topology")
+
+    assert audits("gearbox.plans_lost") == 1 and out["started"] == ["chat#2"], out
+    row = drive(agents)
+    assert row.phase == "done" and row.from_gear is None and row.decision.trigger == "topology"  # type: ignore[union-attr]
+    assert GpuReservation.objects.filter(plan_id=dead.plan_id).count() == 2  # the same plan, prepared again
+    assert lost_plans(Deployment.objects.get(name="chat")) == {}  # prepared after the loss: alive, before any report
+    rep.report("a1", plans=running_on(agents, "a1"))
+    assert Node.objects.get(node_id="a1").lost_plans == {}
+    assert ticks.tick()["started"] == [] and audits("gearbox.plans_lost") == 1
+    # the requests that were on it waited and are served by the new gear: none lost
+    agents.run_out()
+    assert agents.fleet.open_sequences() == 0 and not agents.fleet.sim.recorder.failed
+    assert_clean(django_log("chat", agents.log))
+
+
 def test_of_two_plans_the_one_left_takes_all_the_traffic_and_a_running_transition_goes_first() -> None:
     from console.gearbox.actions import drop_lost_plans
 
