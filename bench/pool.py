@@ -60,30 +60,14 @@ import numpy as np
 from agents.sim.fleet import FleetSim
 from agents.sim.policies import PolicyOptions
 from agents.sim.poolpolicies import POOL_POLICIES, make_pool_policy
-from agents.sim.poolscenario import (
-    WINDOW_S,
-    BuiltPool,
-    PoolSpec,
-    build_pool_scenario,
-    pool_model,
-    read_rate_series,
-)
+from agents.sim.poolscenario import BuiltPool, PoolSpec, build_pool_scenario, pool_model
+from agents.sim.rateseries import WINDOW_S, read_rate_series, traces_dir
 from agents.sim.run import run_policy
 from agents.sim.workload import build_workload
 from scheduler.gearbox import DEFAULT_CONFIG
 from scheduler.pool.jobs import Job
 
-
-def _traces() -> Path:
-    """../shared/traces beside the checkout (or beside the folder of worktrees it sits in)."""
-    root = Path(__file__).resolve().parent.parent
-    for up in (root, *root.parents[:2]):
-        if (up / "shared" / "traces").is_dir():
-            return up / "shared" / "traces"
-    return root.parent / "shared" / "traces"
-
-
-TRACES = _traces()
+TRACES = traces_dir()
 DEFAULT_RATES = (("Phi-3-mini", "servegen-m-small-rate-week1.csv"), ("Llama-3-8B", "servegen-m-mid-rate-week1.csv"),
                  ("Llama-3-70B", "servegen-m-large-rate-week1.csv"))
 TARGETS = {"flexpipe_over_dedicated_gpu_hours_max": 0.5, "flexpipe_over_reactive_gpu_hours_max": 0.8,
