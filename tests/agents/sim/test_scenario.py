@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from agents.schema import SchemaError
+from agents.sim.rateseries import traces_dir
 from agents.sim.scenario import baseline_stage_nodes, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -41,6 +42,8 @@ def errors_of(mutate: Any) -> dict[str, str]:
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_every_shipped_scenario_loads(path: Path) -> None:
+    if "series:" in path.read_text() and not traces_dir().is_dir():
+        pytest.skip(f"{path.name} reads a rate series from {traces_dir()}, which this checkout has not")
     scenario = load_scenario(path)
     assert scenario.nodes and scenario.models and scenario.workload
 
