@@ -24,7 +24,9 @@ Kubernetes HPA / Knative KPA: its docstring says what of them), flexpipe (the on
 scheduler/control, TWU rule 11, every model on the shared pool; agents/sim/flexpolicy.py), here
 with GearboxConfig.scale_in_on_twu_band on (the default): when TWU asks for less capacity the
 smaller gear must stand below the high watermark, the TWU band being the scale-in's band, not also
-below the gearbox's shrink watermark (0.65), which vetoed every such ask (--no-twu-band: off).
+below the gearbox's shrink watermark (0.65), which vetoed every such ask (--no-twu-band: off);
+and with GearboxConfig.trend on (the default: the load window's trend, scheduler.gearbox.planned_load;
+--no-trend: the level alone).
 
 Per policy (JSON `policies.<name>`): gpu_hours_held (GPU-hours held by plans, launch to release,
 over the simulated span), slo_attainment (share of all models' finished requests that met both
@@ -60,30 +62,14 @@ import numpy as np
 from agents.sim.fleet import FleetSim
 from agents.sim.policies import PolicyOptions
 from agents.sim.poolpolicies import POOL_POLICIES, make_pool_policy
-from agents.sim.poolscenario import (
-    WINDOW_S,
-    BuiltPool,
-    PoolSpec,
-    build_pool_scenario,
-    pool_model,
-    read_rate_series,
-)
+from agents.sim.poolscenario import BuiltPool, PoolSpec, build_pool_scenario, pool_model
+from agents.sim.rateseries import WINDOW_S, read_rate_series, traces_dir
 from agents.sim.run import run_policy
 from agents.sim.workload import build_workload
 from scheduler.gearbox import DEFAULT_CONFIG
 from scheduler.pool.jobs import Job
 
-
-def _traces() -> Path:
-    """../shared/traces beside the checkout (or beside the folder of worktrees it sits in)."""
-    root = Path(__file__).resolve().parent.parent
-    for up in (root, *root.parents[:2]):
-        if (up / "shared" / "traces").is_dir():
-            return up / "shared" / "traces"
-    return root.parent / "shared" / "traces"
-
-
-TRACES = _traces()
+TRACES = traces_dir()
 DEFAULT_RATES = (("Phi-3-mini", "servegen-m-small-rate-week1.csv"), ("Llama-3-8B", "servegen-m-mid-rate-week1.csv"),
                  ("Llama-3-70B", "servegen-m-large-rate-week1.csv"))
 TARGETS = {"flexpipe_over_dedicated_gpu_hours_max": 0.5, "flexpipe_over_reactive_gpu_hours_max": 0.8,
@@ -128,10 +114,12 @@ def pool_figures(sim: FleetSim, bin_s: float) -> dict[str, Any]:
     return out
 
 
-def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None, twu_band: bool = True) -> dict[str, Any]:
+def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None, twu_band: bool = True,
+        trend: bool = True) -> dict[str, Any]:
     """Every policy on the same requests; the result (module docstring). `twu_band`: flexpipe's
-    gearbox scales in on the TWU rule's band (GearboxConfig.scale_in_on_twu_band)."""
-    options = PolicyOptions(gearbox=replace(DEFAULT_CONFIG, scale_in_on_twu_band=twu_band))
+    gearbox scales in on the TWU rule's band (GearboxConfig.scale_in_on_twu_band); `trend`: it
+    plans for the load window's trend too (GearboxConfig.trend)."""
+    options = PolicyOptions(gearbox=replace(DEFAULT_CONFIG, scale_in_on_twu_band=twu_band, trend=trend))
     scenario = built.scenario
     tp = {m.spec.deployment: m.spec.tp for m in built.models}
     for name in policies:
@@ -194,7 +182,7 @@ def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None, twu
                                            "peak_rps": _r(m.peak_rps), "mean_rps": _r(m.mean_rps), "slo_ms": [m.spec.ttft_ms, m.spec.tpot_ms]}
                        for m in built.models},
         },
-        "flexpipe_options": {"scale_in_on_twu_band": twu_band},
+        "flexpipe_options": {"scale_in_on_twu_band": twu_band, "trend": trend},
         "policies": results,
         "ratios": ratios(results),
         "targets": targets(results),
@@ -338,6 +326,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--job-gpus", type=int, default=8,
                         help="GPUs of the fine-tune job arriving at the busiest hour (default 8; 0: none)")
     parser.add_argument("--job-hours", type=float, default=4.0, help="its work, trace hours on its GPUs (4)")
+    parser.add_argument("--no-trend", action="store_true",
+                        help="flexpipe plans for the load's level alone (GearboxConfig.trend off)")
     parser.add_argument("--no-twu-band", action="store_true",
                         help="flexpipe keeps the gearbox's shrink watermark under TWU's scale-in asks")
     parser.add_argument("--no-timing", action="store_true", help="leave wall_s/cpu_s out of the JSON")
@@ -359,7 +349,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"  {name:10} done: {r['finished']} finished, {r['gpu_hours_held']} GPU-h"
               f" ({time.process_time() - cpu0:.0f} s CPU so far)", file=sys.stderr)
 
-    result = run(built, names, on_policy=done, twu_band=not args.no_twu_band)
+    result = run(built, names, on_policy=done, twu_band=not args.no_twu_band, trend=not args.no_trend)
     print(table(result))
     if not args.no_timing:
         result["wall_s"] = round(time.perf_counter() - wall0, 3)

@@ -1,6 +1,7 @@
 """Replay one scenario under several scheduling policies, in one process, and compare them.
 
     python -m bench.replay SCENARIO [--policies a,b] [--json PATH] [--html PATH] [--no-timing] [--pin-cpu]
+                                    [--no-trend]
 
 Policies (agents.sim.policies): static, static-replicas, restart, flexpipe, oracle (default: all).
 Prints, per policy: tokens served, requests finished and lost, goodput (requests meeting both
@@ -19,6 +20,9 @@ The result is byte-identical for the same scenario and seed except those two tim
 --no-timing leaves them out. --html writes a self-contained plotly report (plotly.js inlined):
 throughput and P95 over time per policy with the changes marked, and FlexPipe's gear timeline.
 
+--no-trend runs flexpipe on the load's level alone (scheduler.gearbox.planned_load: no forecast
+from the load window's trend), the way it ran before the trend: an A/B in two runs.
+
 Timing: wall-clock and CPU seconds of the whole run (workload, every policy, summaries), and
 per policy. --pin-cpu runs the process on one core (the first it may use), so "wall on one
 core" means what it says on a shared machine; compare CPU with wall to see contention.
@@ -31,13 +35,15 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from agents.schema import SchemaError
-from agents.sim.policies import ALL_POLICIES, make_policy
+from agents.sim.policies import ALL_POLICIES, PolicyOptions, make_policy
 from agents.sim.run import replay, to_json
 from agents.sim.scenario import load_scenario
+from scheduler.gearbox import DEFAULT_CONFIG
 
 
 def _f(v: Any, digits: int = 3) -> str:
@@ -192,6 +198,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--html", help="write the plotly report here")
     parser.add_argument("--no-timing", action="store_true", help="leave wall_s/cpu_s out of the JSON")
     parser.add_argument("--pin-cpu", action="store_true", help="run on one CPU core")
+    parser.add_argument("--no-trend", action="store_true",
+                        help="flexpipe plans for the load's level alone (GearboxConfig.trend off)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     names: Sequence[str] = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
@@ -226,7 +234,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     print(f"replaying {scenario.name} ({scenario.duration_s / 3600:.2f} h simulated) under {', '.join(names)}",
           file=sys.stderr)
     try:
-        result = replay(scenario, names, on_policy=done)
+        options = PolicyOptions(gearbox=replace(DEFAULT_CONFIG, trend=False)) if args.no_trend else PolicyOptions()
+        result = replay(scenario, names, policy_options=options, on_policy=done)
     except ValueError as exc:
         print(f"{args.scenario}: {exc}", file=sys.stderr)
         return 2

@@ -1,15 +1,13 @@
 """One pool, many models: a simulator scenario from per-model rate series (the library behind
 `python -m bench.pool`).
 
-    series = read_rate_series("../shared/traces/servegen-m-small-rate-week1.csv")
+    series = read_rate_series("../shared/traces/servegen-m-small-rate-week1.csv")  # agents.sim.rateseries
     built = build_pool_scenario(PoolSpec(models=(pool_model("Phi-3-mini", series), ...)))
     built.scenario            # an agents.sim.scenario.Scenario: nodes, models, Poisson workload
     built.models[0].peak_rps  # what the series' peak was scaled to
 
-Rate series: the format of ../shared/traces/servegen-*-rate-week1.csv - a header
-`window_start_s,rate_rps`, then one row per 10-minute window (the rate is that window's mean).
-A series may start at any `window_start_s`: it is shifted to start at 0. Every bad line is a
-ValueError naming the file, the line and the column.
+Rate series: the format of ../shared/traces/servegen-*-rate-week1.csv, read and mapped onto
+simulated time by agents/sim/rateseries.py (which scenario files use too).
 
 Scaling: each series is scaled on its own so that its peak (over the span simulated) is what the
 model's dedicated deployment is sized for: `gpus` GPUs as replicas of `tp` GPUs on the pool's
@@ -32,13 +30,11 @@ at the busiest hour belongs (the window where the pool's summed dedicated-GPU de
 
 from __future__ import annotations
 
-import csv
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from agents.sim.rateseries import WINDOW_S, series_points, span_of
 from agents.sim.scenario import (
     BaselineSpec,
     DistSpec,
@@ -51,44 +47,6 @@ from agents.sim.scenario import (
 from scheduler.costmodel import PlanProfile, estimate_plan
 from scheduler.modelspec import model_spec
 from scheduler.planner import DEFAULT_OPTIONS as PLANNER_DEFAULTS
-
-RATE_COLUMNS = ("window_start_s", "rate_rps")
-WINDOW_S = 600.0  # the servegen series' window (../shared/traces/README.md: per 10-min window)
-
-
-def read_rate_series(path: str | Path) -> tuple[tuple[float, float], ...]:
-    """(t_s, rate_rps) per window, shifted so the first window starts at 0 (module docstring)."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ValueError(f"{p}: cannot read it: {exc.strerror}") from None
-    reader = csv.reader(text.splitlines())
-    header = next(reader, None)
-    if header is None or tuple(c.strip() for c in header) != RATE_COLUMNS:
-        raise ValueError(f"{p}: header must be {','.join(RATE_COLUMNS)}; got {header}")
-    rows: list[tuple[float, float]] = []
-    for n, row in enumerate(reader, start=2):
-        if not row:
-            continue
-        if len(row) != 2:
-            raise ValueError(f"{p} line {n}: want 2 columns ({','.join(RATE_COLUMNS)}); got {len(row)}")
-        values = []
-        for col, raw in zip(RATE_COLUMNS, row, strict=True):
-            try:
-                v = float(raw)
-            except ValueError:
-                raise ValueError(f"{p} line {n}.{col}: not a number: {raw!r}") from None
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"{p} line {n}.{col}: must be a finite number >= 0; got {raw!r}")
-            values.append(v)
-        if rows and values[0] <= rows[-1][0]:
-            raise ValueError(f"{p} line {n}.window_start_s: must increase; {values[0]:g} follows {rows[-1][0]:g}")
-        rows.append((values[0], values[1]))
-    if not rows:
-        raise ValueError(f"{p}: no windows")
-    t0 = rows[0][0]
-    return tuple((t - t0, r) for t, r in rows)
 
 
 @dataclass(frozen=True)
@@ -210,20 +168,13 @@ def replica_capacities(scenario: Scenario, tp: dict[str, int]) -> dict[str, floa
     return out
 
 
-def _window(series: Sequence[tuple[float, float]], start_s: float, span_s: float) -> list[tuple[float, float]]:
-    chosen = [(t - start_s, r) for t, r in series if start_s <= t < start_s + span_s]
-    if not chosen:
-        raise ValueError(f"start_s: no window of the series lies in [{start_s:g}, {start_s + span_s:g}) s")
-    return chosen
-
-
 def build_pool_scenario(spec: PoolSpec) -> BuiltPool:
     """The pool's scenario (module docstring)."""
     duration = spec.span_s / spec.compress
     node_ids = tuple(n.id for n in spec.nodes)
     models = tuple(ModelDeploymentSpec(m.deployment, m.model, m.ttft_ms, m.tpot_ms, m.priority,
                                        BaselineSpec(m.tp, 1, node_ids)) for m in spec.models)
-    rows = {m.deployment: _window(m.series, spec.start_s, spec.span_s) for m in spec.models}
+    rows = {m.deployment: span_of(m.series, spec.start_s, spec.span_s) for m in spec.models}
     for m in spec.models:
         if max(r for _, r in rows[m.deployment]) <= 0:
             raise ValueError(f"rates.{m.deployment}: the series is 0 over the span simulated")
@@ -249,7 +200,7 @@ def build_pool_scenario(spec: PoolSpec) -> BuiltPool:
         # a hair under the sized capacity, so that float rounding never asks for one replica more
         peak = (m.gpus // m.tp) * cap / PLANNER_DEFAULTS.headroom * (1 - 1e-6)
         scale = peak / peak_raw
-        points = tuple((round(min(duration, (t + WINDOW_S / 2) / spec.compress), 6), r * scale) for t, r in mine)
+        points = series_points(mine, compress=spec.compress, scale=scale, duration_s=duration)
         for t, r in mine:
             demand[t] = demand.get(t, 0.0) + r / peak_raw * m.gpus
         mean = sum(r for _, r in mine) / len(mine) * scale

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from agents.schema import ObjectReader, Problems, SchemaError, read_document
+from agents.sim.rateseries import read_series_rate
 from scheduler.pool.jobs import JOB_PRIORITY, Job
 
 EVENT_KINDS = ("preempt", "fail", "restore", "join", "leave", "degrade_link")
@@ -393,11 +394,13 @@ def _read_dist(dr: ObjectReader | None) -> DistSpec | None:
     return spec
 
 
-def _read_rate(wr: ObjectReader) -> tuple[tuple[float, float], ...] | None:
+def _read_rate(wr: ObjectReader, base_dir: Path | None) -> tuple[tuple[float, float], ...] | None:
     raw = wr.raw("rate_rps")
     path = wr.child_path("rate_rps")
     if raw is None:
         return None
+    if isinstance(raw, dict):
+        return read_series_rate(wr.obj("rate_rps"), base_dir)
     if isinstance(raw, (int, float)) and not isinstance(raw, bool):
         if raw < 0:
             wr.fail("rate_rps", f"must be >= 0; got {raw}")
@@ -469,7 +472,7 @@ def _read_workload(r: ObjectReader, deployments: set[str], base_dir: Path | None
             wr.fail("deployment", f"unknown deployment {dep!r}; define it under models")
             dep = None
         if arrival == "poisson":
-            rate = _read_rate(wr)
+            rate = _read_rate(wr, base_dir)
             prompt = _read_dist(wr.obj("prompt_tokens"))
             output = _read_dist(wr.obj("output_tokens"))
             wr.done()

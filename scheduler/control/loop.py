@@ -57,6 +57,10 @@ The rules, in order, for each deployment, highest priority first (then `index`):
     candidates that go the other way are left out, bar one that meets the SLOs the current gear
     misses), its reasons led by the signal's; gain against cost x hysteresis still decides, and
     an operator's pin holds (the gearbox's rule 3). HOLD leaves the step to rule 12 as it was.
+    On a rising load (`gearbox.planned_load`: the long window's least-squares slope, forecast at
+    now + `trend_lead_s`) the OUT test reads the TWU means x the forecast's rise, and the gearbox
+    plans for the forecast: both scale out ahead of the tide. IN reads the level alone, and waits
+    while the load climbs (`Planned.slope_t`).
 12. Otherwise scheduler.gearbox.decide with the folded back-off and the staged target. A SWITCH
     starts a transition (kind AUTO, or the first stage's kind for a second stage). A staged
     path ends when a transition starts, on a second stage, or on anything but DEFERRED.
@@ -409,7 +413,9 @@ class ControlLoop:
         cfg = self.config
         samples = state.twu if state.twu is not None else gear_twu_samples(
             state.load, state.current, state.model, fleet.snapshot, now_s, cfg.gearbox)
-        return scale_signal(samples, now_s, state.deployment, config=cfg.scale, gearbox=cfg.gearbox)
+        planned = gearbox.planned_load(state.load, now_s, cfg.gearbox)  # the trend: OUT sooner, no IN into a rise
+        return scale_signal(samples, now_s, state.deployment, config=cfg.scale, gearbox=cfg.gearbox,
+                            rise=planned.rise, slope_t=planned.slope_t)
 
     def _decide(self, state: DeploymentState, fleet: FleetState, pool: _Pool, now_s: float,
                 trigger: Trigger, *, requested: Gear | None = None, book: Backoff | None = None,

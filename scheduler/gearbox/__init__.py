@@ -67,6 +67,13 @@ agree that the current gear is over its high watermark or under its low one, so 
 does not move the gear - or when the caller passes it: the control loop does when both TWU
 windows agree (its rule 11, with a `capacity_ask`).
 
+Trend (`planned_load`, `GearboxConfig.trend`): while the long window's least-squares slope is a
+significant rise, the load planned for is the line's forecast at now + `trend_lead_s` (up to a
+cooldown: how long the gear chosen now must last) where that is above the level - never below
+it, so a falling forecast never shrinks a gear; scale-in reads the level alone (and the control
+loop's TWU rule holds it while the slope rises: `Planned.slope_t`). The Decision's `workload` is
+the load planned for, and its first reason says when the trend raised it.
+
 Modules: `values` (modes, triggers, the deployment, the knobs, load windows, the Decision and
 its candidates), `measures` (offered load, cooldown, standing, the current gear, rankings), `weighing` (how one
 decision prices a gear: gain, cost, path, back-off) and `decision` (`decide` and its named steps,
@@ -77,10 +84,12 @@ from __future__ import annotations
 
 from scheduler.gearbox.decision import decide
 from scheduler.gearbox.measures import (
+    Planned,
     cooldown_until,
     gear_footprint,
     margin_load,
     offered_load,
+    planned_load,
     record_switch,
     safe_rank,
     standing,
@@ -96,12 +105,13 @@ from scheduler.gearbox.values import (
     LoadWindow,
     Mode,
     Outcome,
+    Trend,
     Trigger,
 )
 from scheduler.gearbox.weighing import MAX_VIAS
 
 __all__ = [
     "CandidateEval", "CapacityAsk", "DEFAULT_CONFIG", "Decision", "Deployment", "GearboxConfig", "LoadSample",
-    "LoadWindow", "MAX_VIAS", "Mode", "Outcome", "Trigger", "cooldown_until", "decide", "gear_footprint", "margin_load",
-    "offered_load", "record_switch", "safe_rank", "standing",
+    "LoadWindow", "MAX_VIAS", "Mode", "Outcome", "Planned", "Trend", "Trigger", "cooldown_until", "decide",
+    "gear_footprint", "margin_load", "offered_load", "planned_load", "record_switch", "safe_rank", "standing",
 ]

@@ -16,16 +16,82 @@ from scheduler.costmodel import (
     combine_estimates,
     estimate_plan,
 )
-from scheduler.gearbox.values import DEFAULT_CONFIG, CandidateEval, Deployment, GearboxConfig, LoadWindow
+from scheduler.gearbox.values import (
+    DEFAULT_CONFIG,
+    CandidateEval,
+    Deployment,
+    GearboxConfig,
+    LoadWindow,
+    Trend,
+)
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear, Plan, stage_bytes_per_gpu, validate_gear, validate_plan
 from scheduler.topology import AtomicBlock, BlockPolicy, Snapshot
 
 
 def offered_load(window: LoadWindow, now_s: float, config: GearboxConfig = DEFAULT_CONFIG) -> Workload | None:
-    """The load to plan for: the larger of the short- and long-window means, backlog included."""
+    """The load's level: the larger of the short- and long-window means, backlog included (what
+    `planned_load` raises on a rising trend)."""
     return _larger(window.over(now_s, config.short_window_s, config.backlog_drain_s),
                    window.over(now_s, config.long_window_s, config.backlog_drain_s))
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The load a decision plans for: the level, raised to the trend's forecast while it rises."""
+
+    workload: Workload | None  # what the gear must carry (None: no samples)
+    level: Workload | None  # `offered_load`: the larger window mean, backlog included
+    trend: Trend | None = None  # the long window's line, when it raised the level (else None)
+    # the long window's slope in standard errors (> 0 rising, < 0 falling; 0 without a trend):
+    # the TWU rule gives no GPUs back into a rise (`autoscale.scale_signal(slope_t=...)`)
+    slope_t: float = 0.0
+
+    @property
+    def rise(self) -> float:
+        """planned / level rate (>= 1; 1 without a rise): what the TWU rule scales its OUT test by."""
+        if self.trend is None or self.workload is None or self.level is None or self.level.rate_rps <= 0:
+            return 1.0
+        return self.workload.rate_rps / self.level.rate_rps
+
+    def reason(self, config: GearboxConfig) -> str:
+        t = self.trend
+        if t is None or self.workload is None or self.level is None:
+            return ""
+        return (f"load rising {t.slope_rps_s * 60:+.2f} req/s per minute (long window, {t.samples} samples): planned "
+                f"for {self.workload.rate_rps:.2f} req/s, the forecast at +{config.trend_lead_s:.0f} s, over the "
+                f"level {self.level.rate_rps:.2f}")
+
+
+def planned_load(window: LoadWindow, now_s: float, config: GearboxConfig = DEFAULT_CONFIG) -> Planned:
+    """The load to plan for: `offered_load` (the level), or - with `config.trend` and a long window
+    whose least-squares slope is a significant rise (`Trend.significant`) - the line's value at now
+    + `trend_lead_s` (plus the backlog) where that is higher, in the level's request shape.
+
+    Why the trend: both windows are means, so on a ramp they trail the load by half their length,
+    and a gear switched to now must then carry the load through its switch and the cooldown after
+    it before the loop may grow it again: on a steep tide every step lands short. Why a lead of
+    up to a cooldown: that is how long the gear chosen now must last. Why a cap on the rise: a
+    burst (a step that plateaus) fits a steep line that no tide follows. Why only upward
+    (max(level, forecast)): a falling forecast never lowers the load - scale-in reads the level
+    alone, so no GPU is given back on a guess, and a rise that does not come costs GPU-time only
+    until the level shows it (the next scale-in), never requests. And no scale-in into a rise
+    (`slope_t`, read by the TWU rule): measured on tidal.yaml, a gear grown early on the forecast
+    was given back at the first lull of the climb, and the long cooldown after that second switch
+    held the small gear while the load doubled (goodput 0.50x the oracle's)."""
+    level = offered_load(window, now_s, config)
+    if not config.trend or level is None or config.trend_lead_s <= 0:
+        return Planned(level, level)
+    trend = window.trend(now_s, config.long_window_s)
+    slope_t = trend.t_value if trend is not None else 0.0
+    if trend is None or not trend.significant(config.trend_min_t):
+        return Planned(level, level, slope_t=slope_t)
+    newest = [s for s in window.samples if s.t_s <= now_s]
+    backlog = newest[-1].backlog / config.backlog_drain_s if newest and config.backlog_drain_s > 0 else 0.0
+    forecast = min(trend.at(config.trend_lead_s) + backlog, config.trend_max_rise * level.rate_rps)
+    if forecast <= level.rate_rps:
+        return Planned(level, level, slope_t=slope_t)
+    return Planned(replace(level, rate_rps=forecast), level, trend, slope_t=slope_t)
 
 
 def _larger(short: Workload | None, long: Workload | None) -> Workload | None:

@@ -30,6 +30,7 @@ from scheduler.gearbox.measures import (
     cooldown_until,
     gear_footprint,
     margin_load,
+    planned_load,
     safe_rank,
     standing,
 )
@@ -97,7 +98,9 @@ class Weighing:
         self.short_load = load_window.over(now_s, config.short_window_s, config.backlog_drain_s)
         self.long_load = load_window.over(now_s, config.long_window_s, config.backlog_drain_s)
         self.window_load = _larger(self.short_load, self.long_load)  # offered_load, the two windows read once
-        self.workload = workload = self.window_load or Workload(0.0, 512.0, 128.0)
+        # planned_load: the level, raised to the trend's forecast while the load rises
+        self.planned = planned = planned_load(load_window, now_s, config)
+        self.workload = workload = planned.workload or Workload(0.0, 512.0, 128.0)
         self.reclaim = gear_footprint(current_gear, spec, snapshot) if current_gear is not None else {}
         self.cur = cur = _evaluate_current(current_gear, spec, snapshot, workload, deployment.slo, self.blocks,
                                            self.reclaim, policy, eff)
@@ -115,7 +118,7 @@ class Weighing:
         self.cur_standing = (cur.valid and current_gear is not None and cur.estimate is not None
                              and self.stands(current_gear, cur.estimate, cur.profiles))
         self.cool_until = cooldown_until(deployment, config)
-        self.reasons: list[str] = []
+        self.reasons: list[str] = [r] if (r := planned.reason(config)) else []
         self.left_out: list[str] = []  # the planner's exclusions (engine capabilities), for the candidate list
         self.unplaced: list[str] = []  # why the planner found no gear at all (weigh_all), for the reasons
         self.profiles_of: dict[Gear, Mapping[Plan, PlanProfile]] = {}  # candidates' profiles, by gear
@@ -326,7 +329,7 @@ class Weighing:
             current_value_tokens_s=value if value is not None else _value(self.cur.estimate, self.rent),
             current_estimate=self.cur.estimate,
             target=target,
-            workload=self.window_load,
+            workload=self.planned.workload,
             candidates=tuple(evals),
             reasons=tuple(why),
             cooldown_until_s=self.cool_until,

@@ -24,6 +24,9 @@ Hysteresis, as the gearbox has it (scheduler/gearbox.py GearboxConfig):
     next tick;
   * the gain against cost x `hysteresis` stays the gearbox's: the signal is a trigger, and the
     gear the control loop scales to is still priced by `gearbox.decide`.
+Trend (`rise`, from `gearbox.planned_load`): on a rising load the OUT test reads both means x the
+forecast's rise over the level - scaling out ahead of the tide; the IN test never does, and it
+holds while the load climbs (`slope_t`): no scale-in into a rise.
 Replica bounds (the deployment's min/max replicas) turn an OUT at the maximum or an IN at the
 minimum into HOLD, with the reason.
 
@@ -172,8 +175,19 @@ def window_mean(samples: Sequence[TwuSample], now_s: float, window_s: float) -> 
 
 def scale_signal(samples: Sequence[TwuSample], now_s: float, deployment: GearboxDeployment, *,
                  replicas: int | None = None, min_replicas: int = 0, max_replicas: int | None = None,
-                 config: ScaleConfig = DEFAULT_SCALE, gearbox: GearboxConfig = DEFAULT_CONFIG) -> ScaleSignal:
-    """Whether the deployment should scale out, in or hold now (module docstring)."""
+                 config: ScaleConfig = DEFAULT_SCALE, gearbox: GearboxConfig = DEFAULT_CONFIG,
+                 rise: float = 1.0, slope_t: float = 0.0) -> ScaleSignal:
+    """Whether the deployment should scale out, in or hold now (module docstring). `rise` (>= 1,
+    `gearbox.Planned.rise`: the rising trend's forecast over the level) scales both means for the
+    OUT test only: TWU is linear in the rate at one request shape, so that is the TWU the gear will
+    see by the time a switch could serve; the IN test reads the measured means (never shrink on a
+    forecast), and `slope_t` (`gearbox.Planned.slope_t`: the load window's slope in standard
+    errors) holds it while the load climbs (at `trend_hold_in_t` and above) - and, where the
+    scale-in would start the long cooldown (a switch within the flap window: out, then in, is a
+    flap), until the load clearly falls (at -`trend_hold_in_t` and below): a gear given back too
+    soon is held small through the long cooldown, whatever the load does then."""
+    if not rise >= 1.0:
+        raise ValueError(f"rise: must be >= 1 (a forecast only ever raises the load); got {rise}")
     short = window_mean(samples, now_s, gearbox.short_window_s)
     long = window_mean(samples, now_s, gearbox.long_window_s)
 
@@ -187,9 +201,12 @@ def scale_signal(samples: Sequence[TwuSample], now_s: float, deployment: Gearbox
         return signal(Direction.HOLD, f"no TWU samples in the {which} window: silence is not zero load")
     seen = f"TWU {short:.2f} (short window, {gearbox.short_window_s:.0f} s) and {long:.2f} (long, " \
            f"{gearbox.long_window_s:.0f} s)"
-    if min(short, long) > config.high_watermark:
+    if min(short, long) * rise > config.high_watermark:
         direction = Direction.OUT
         why = f"{seen}: both above the high watermark {config.high_watermark:.2f}"
+        if min(short, long) <= config.high_watermark:
+            why = (f"{seen}, x {rise:.2f} at the rising trend's forecast: both above the high watermark "
+                   f"{config.high_watermark:.2f}")
     elif max(short, long) < config.low_watermark:
         direction = Direction.IN
         why = f"{seen}: both below the low watermark {config.low_watermark:.2f}"
@@ -199,6 +216,15 @@ def scale_signal(samples: Sequence[TwuSample], now_s: float, deployment: Gearbox
     until = cooldown_until(deployment, gearbox)
     if until is not None and now_s < until:
         return signal(Direction.HOLD, f"{why}; but in the cooldown until t={until:.0f} s")
+    if direction is Direction.IN and gearbox.trend:
+        times = deployment.last_switch_times_s
+        if slope_t >= gearbox.trend_hold_in_t:
+            return signal(Direction.HOLD, f"{why}; but the load is rising (slope {slope_t:+.1f} standard errors): "
+                                          "no scale-in into a rise")
+        if (gearbox.trend_hold_flap and times and now_s - max(times) <= gearbox.flap_window_s
+                and slope_t > -gearbox.trend_hold_in_t):
+            return signal(Direction.HOLD, f"{why}; but a switch now would start the long cooldown and the load is "
+                                          f"not clearly falling (slope {slope_t:+.1f} standard errors)")
     if replicas is not None:
         if direction is Direction.OUT and max_replicas is not None and replicas >= max_replicas:
             return signal(Direction.HOLD, f"{why}; but at max_replicas ({max_replicas})")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.sim.poolscenario import PoolSpec, build_pool_scenario, pool_model, read_rate_series
+from agents.sim.poolscenario import PoolSpec, build_pool_scenario, pool_model
+from agents.sim.rateseries import read_rate_series
 from bench.pool import main
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scheduler.control import DeploymentState, FirstStage, LoopConfig, Staged, Step
-from scheduler.gearbox import DEFAULT_CONFIG, Mode, Outcome, Trigger
+from scheduler.gearbox import DEFAULT_CONFIG, LoadSample, LoadWindow, Mode, Outcome, Trigger, offered_load
 from scheduler.pool.autoscale import TwuSample, gear_twu_samples, window_mean
 from scheduler.transition import Kind
 from tests.scheduler.builders import one_plan_gear, tp_plan
@@ -136,3 +136,29 @@ def test_the_ask_never_trades_the_slo() -> None:
     assert kept and all("asks for less" not in c.note for c in kept)
     assert all("asks for less" in c.note for c in d.candidates if not c.standing and c.estimate.gpus >= 4)
     assert d.outcome is Outcome.SWITCH and d.target is not None and len(d.target.gpu_uuids) > 4, d.reasons
+
+
+def rising(to_rate: float, *, per_s: float) -> LoadWindow:
+    """Samples every 15 s over the long window, rising by `per_s` req/s a second to `to_rate` now."""
+    n = int(DEFAULT_CONFIG.long_window_s // 15)
+    return LoadWindow(tuple(LoadSample(NOW - 15 * (n - 1 - i), to_rate - per_s * 15 * (n - 1 - i), 512, 200, 0.8, 0.6)
+                            for i in range(n)))
+
+
+def test_a_rising_load_is_planned_for_ahead_of_its_level_and_the_switch_turns_it_off() -> None:
+    # the level (the larger window mean) is near MID_RATE, in the band; the load climbs 1.2 req/s a
+    # minute: the gearbox plans for the forecast, and the loop's TWU OUT test reads it too - both
+    # drivers get this through the loop, from the load window they pass
+    s = replace(state(current=tp8("a1")), load=rising(MID_RATE + 3.0, per_s=0.02))
+    on = one(s)
+    d = on.decision
+    level = offered_load(s.load, NOW)
+    assert d is not None and d.workload is not None and level is not None
+    assert d.workload.rate_rps > level.rate_rps and any(r.startswith("load rising") for r in d.reasons)
+    off_cfg = LoopConfig(gearbox=replace(DEFAULT_CONFIG, trend=False))
+    off = one(s, off_cfg).decision
+    assert off is not None and off.workload == level and not any(r.startswith("load rising") for r in off.reasons)
+    # asymmetric: the same climb turned round (falling to the level's rate) plans for the level
+    falling = replace(s, load=rising(MID_RATE - 3.0, per_s=-0.02))
+    down = one(falling).decision
+    assert down is not None and down.workload == offered_load(falling.load, NOW)
