@@ -166,7 +166,7 @@ class PlanHost(DrainThenHandOver):
 
     def set_batch_scale(self, scale: float | None) -> None:
         """The global correction's scale of the engine's tokens per step (apply_hints:
-        agents/node/daemon.py), from its next step on; None: back to its own. Before the engine
+        agents/node/node_commands.py), from its next step on; None: back to its own. Before the engine
         started: nothing (its own threshold, until the next hint)."""
         with self._lock:
             engine = self.engine

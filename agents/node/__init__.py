@@ -7,7 +7,8 @@ It enrolls with the cluster's join token (and from then on uses its own agent to
 GPUs from the probe and the engine reports of its plans on the controller's interval, long-polls
 the transition commands of agent protocol v1 and runs each on the engine backend - the same wire
 as the simulated fleet (agents/sim/live.py), with real engines behind it. daemon.py holds the
-agent, plans.py the engine backends, gpuspec.py the static GPUs of `--static-gpus`, cli.py the
+agent, plan_commands.py and node_commands.py the handlers of its commands, state.py what they
+share, plans.py the engine backends, gpuspec.py the static GPUs of `--static-gpus`, cli.py the
 command line.
 """
 

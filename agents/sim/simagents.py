@@ -251,7 +251,7 @@ class SimAgents:
                 return
         # The same plan (same model, same GPUs) running for another deployment is no conflict: the
         # node daemon keys its plans by (deployment, plan_id) and books each one's memory
-        # (agents/node/daemon.py), so a second deployment's copy is a plan of its own - refused only
+        # (agents/node/plan_commands.py), so a second deployment's copy is a plan of its own - refused only
         # when it does not fit beside the first (sim.launch: scheduler.booking's words).
         engine = self.sim.engine_of(cmd.deployment_id, plan.plan_id)
         if engine is not None and engine.release_when_empty:

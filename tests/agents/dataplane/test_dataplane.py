@@ -335,7 +335,7 @@ def test_a_hinted_batch_scale_sets_the_torch_engine_s_tokens_per_step_and_none_r
     host = node.run(tiny_model, PLAN_TP1)
     assert host.engine is not None
     own = host.engine.max_tokens_per_step
-    host.set_batch_scale(0.5)  # apply_hints (agents/node/daemon.py)
+    host.set_batch_scale(0.5)  # apply_hints (agents/node/node_commands.py)
     assert host.engine.max_tokens_per_step == own // 2
     host.set_batch_scale(2.0)  # a newer hint scales the engine's own threshold, not the last hinted one
     assert host.engine.max_tokens_per_step == own * 2
