@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import random
 import secrets
@@ -53,9 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from agents.protocol import GpuInfo, GpuReport, RegisterRequest, Report
+from bench._http import Connection, HttpError
 from bench._ws import Websocket, WebsocketClosed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +159,6 @@ def _session_cookie(env: dict[str, str]) -> str:
     from django.db import connections
 
     connections.close_all()
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per agent request otherwise
     return f"{settings.SESSION_COOKIE_NAME}={store.session_key}"
 
 
@@ -199,26 +196,28 @@ def _marker_bytes(marker: int) -> int:
 
 
 class Agent:
-    def __init__(self, i: int, gpus: int, base: str, join_token: str) -> None:
+    """One simulated agent: its own two connections (its long poll, its reports), as a real one."""
+
+    def __init__(self, i: int, gpus: int, host: str, port: int, join_token: str) -> None:
         self.node_id = f"cp{i:05d}"
-        self.base, self.join_token = base, join_token
+        self.join_token = join_token
         self.gpus = tuple(GpuInfo(uuid=f"GPU-cp{i:05d}-{g}", index=g, model="H100-SXM", mem_total_bytes=MEM_TOTAL,
                                   nvlink_group="nv0") for g in range(gpus))
         self.token, self.epoch, self.seq, self.marker = "", 0, 0, 0
+        self.conn, self.poll_conn = Connection(host, port), Connection(host, port)
 
-    async def enroll(self, http: httpx.AsyncClient, stats: Stats) -> bool:
+    async def enroll(self, stats: Stats) -> bool:
         req = RegisterRequest(node_id=self.node_id, hostname=self.node_id, agent_version="bench", gpus=self.gpus,
                               rack=f"r{int(self.node_id[2:]) // 32}", plans=())
         try:
-            r = await http.post(f"{self.base}/agent/v1/register", json=req.to_dict(),
-                                headers={"Authorization": f"Bearer {self.join_token}"})
-        except httpx.HTTPError:
+            status, body = await self.conn.request("POST", "/agent/v1/register", body=req.to_dict(),
+                                                   token=self.join_token)
+        except HttpError:
             stats.error("register")
             return False
-        if r.status_code not in (200, 201):
-            stats.error(f"register {r.status_code}")
+        if status not in (200, 201):
+            stats.error(f"register {status}")
             return False
-        body = r.json()
         self.token, self.epoch = body["agent_token"], body["epoch"]
         return True
 
@@ -234,48 +233,46 @@ class Agent:
                                   healthy=True))
         return Report(node_id=self.node_id, epoch=self.epoch, seq=self.seq, gpus=tuple(gpus))
 
-    async def report(self, http: httpx.AsyncClient, stats: Stats, changed: int, rng: random.Random,
-                     measuring: bool) -> None:
+    async def report(self, stats: Stats, changed: int, rng: random.Random, measuring: bool) -> None:
         rep = self._report(changed, rng)
         t0 = time.monotonic()
         if measuring:
             stats.sent[(self.node_id, self.marker)] = t0
         try:
-            r = await http.post(f"{self.base}/agent/v1/report", json=rep.to_dict(),
-                                headers={"Authorization": f"Bearer {self.token}"})
-        except httpx.HTTPError:
+            status, _ = await self.conn.request("POST", "/agent/v1/report", body=rep.to_dict(), token=self.token)
+        except HttpError:
             stats.error("report (no answer)")
             return
-        if r.status_code != 200:
-            stats.error(f"report {r.status_code}")
+        if status != 200:
+            stats.error(f"report {status}")
             return
         if measuring:
             stats.report_ms.append((time.monotonic() - t0) * 1000)
 
-    async def poll_forever(self, http: httpx.AsyncClient, stats: Stats) -> None:
+    async def poll_forever(self, stats: Stats) -> None:
         after = 0
         while True:
             try:
-                r = await http.get(f"{self.base}/agent/v1/commands", params={"after": after, "wait": POLL_WAIT_S},
-                                   headers={"Authorization": f"Bearer {self.token}"}, timeout=POLL_WAIT_S + 30)
-            except httpx.HTTPError:
+                status, body = await self.poll_conn.request(
+                    "GET", f"/agent/v1/commands?after={after}&wait={POLL_WAIT_S:g}", token=self.token,
+                    timeout=POLL_WAIT_S + 30)
+            except HttpError:
                 stats.error("poll (no answer)")
                 await asyncio.sleep(1.0)
                 continue
-            if r.status_code != 200:
-                stats.error(f"poll {r.status_code}")
+            if status != 200:
+                stats.error(f"poll {status}")
                 await asyncio.sleep(1.0)
                 continue
-            for cmd in r.json().get("commands", ()):
+            for cmd in body.get("commands", ()):
                 after = max(after, int(cmd["id"]))
 
-    async def report_forever(self, http: httpx.AsyncClient, stats: Stats, interval_s: float, changed: int,
-                             state: dict[str, bool]) -> None:
+    async def report_forever(self, stats: Stats, interval_s: float, changed: int, state: dict[str, bool]) -> None:
         rng = random.Random(self.node_id)
         await asyncio.sleep(rng.uniform(0, interval_s))  # agents' phases spread over the interval
         while True:
             t = time.monotonic()
-            await self.report(http, stats, changed, rng, state["measuring"])
+            await self.report(stats, changed, rng, state["measuring"])
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - t)))
 
 
@@ -330,16 +327,13 @@ def _push_figures(stats: Stats, until: float) -> tuple[float | None, float | Non
 
 
 async def _run(args: argparse.Namespace, console: Console, cookie: str, db_url: str) -> dict[str, Any]:
-    base = f"http://127.0.0.1:{console.port}"
     counts = [int(n) for n in args.agents.split(",")]
-    limits = httpx.Limits(max_connections=2 * max(counts) + 50, max_keepalive_connections=2 * max(counts) + 50)
     stats, state = Stats(), {"measuring": False}
     tasks: list[asyncio.Task[None]] = []
     agents: list[Agent] = []
     out: dict[str, Any] = {}
     try:
-        async with httpx.AsyncClient(limits=limits, timeout=30.0) as http:
-            await _steps(args, console, cookie, db_url, http, base, counts, stats, state, tasks, agents, out)
+        await _steps(args, console, cookie, db_url, counts, stats, state, tasks, agents, out)
     finally:
         for t in tasks:
             t.cancel()
@@ -347,14 +341,17 @@ async def _run(args: argparse.Namespace, console: Console, cookie: str, db_url: 
     return out
 
 
-async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url: str, http: httpx.AsyncClient,
-                 base: str, counts: list[int], stats: Stats, state: dict[str, bool], tasks: list[asyncio.Task[None]],
+async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url: str,
+                 counts: list[int], stats: Stats, state: dict[str, bool], tasks: list[asyncio.Task[None]],
                  agents: list[Agent], out: dict[str, Any]) -> None:
     for _ in range(600):
         try:
-            if (await http.get(f"{base}/healthz")).status_code == 200:
+            probe = Connection("127.0.0.1", console.port)
+            answered = (await probe.request("GET", "/healthz"))[0] == 200
+            probe.close()
+            if answered:
                 break
-        except httpx.HTTPError:
+        except HttpError:
             pass
         await asyncio.sleep(0.2)
     else:
@@ -363,21 +360,21 @@ async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url
         tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/gearbox/", cookie, stats, True)))
         tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/cluster/", cookie, stats, False)))
     for n in counts:
-        new = [Agent(i, args.gpus_per_agent, base, console.env["FLEXPIPE_ENROLL_TOKEN"])
+        new = [Agent(i, args.gpus_per_agent, "127.0.0.1", console.port, console.env["FLEXPIPE_ENROLL_TOKEN"])
                for i in range(len(agents), n)]
         sem = asyncio.Semaphore(8)
 
         async def enroll(a: Agent, sem: asyncio.Semaphore = sem) -> bool:
             async with sem:
-                return await a.enroll(http, stats)
+                return await a.enroll(stats)
 
         ok = await asyncio.gather(*(enroll(a) for a in new))
         for a, good in zip(new, ok, strict=True):
             if not good:
                 continue
             agents.append(a)
-            tasks.append(asyncio.ensure_future(a.poll_forever(http, stats)))
-            tasks.append(asyncio.ensure_future(a.report_forever(http, stats, args.interval_s, args.changed_gpus,
+            tasks.append(asyncio.ensure_future(a.poll_forever(stats)))
+            tasks.append(asyncio.ensure_future(a.report_forever(stats, args.interval_s, args.changed_gpus,
                                                                 state)))
         await asyncio.sleep(args.interval_s)  # every agent has reported once: the step starts settled
         for kept in (stats.report_ms, stats.sent, stats.seen, stats.errors):
@@ -434,7 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--changed-gpus: must be between 1 and --gpus-per-agent")
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings", "DEBUG": "0", "ALLOWED_HOSTS": "*",
            "SECRET_KEY": "bench-" + secrets.token_hex(24), "FLEXPIPE_ENROLL_TOKEN": "fpj_" + secrets.token_urlsafe(18),
-           "FLEXPIPE_REPORT_INTERVAL_S": str(args.interval_s)}
+           "FLEXPIPE_REPORT_INTERVAL_S": str(args.interval_s),
+           # A channel prefix and a queue of this run's own: a dashboard socket left in a group by an
+           # earlier run on the same Redis made every push of this one try its full queue first.
+           "FLEXPIPE_CHANNEL_PREFIX": os.environ.get("FLEXPIPE_CHANNEL_PREFIX") or "bench-cp-" + secrets.token_hex(4),
+           "FLEXPIPE_QUEUE": os.environ.get("FLEXPIPE_QUEUE") or "bench-cp-" + secrets.token_hex(4)}
     redis_url, db_url = _services(env)
     env.update(REDIS_URL=redis_url, DATABASE_URL=db_url)
     subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)

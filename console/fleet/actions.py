@@ -21,7 +21,7 @@ from django.db.models import F
 
 from agents.protocol import CommandKind, NodeCommandKind, RegisterRequest, Report, SchemaError, check_result
 from console.audit.chain import actor_of, record
-from console.fleet import doorbell, links, live
+from console.fleet import doorbell, links, live, writes
 from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
 
 
@@ -227,7 +227,7 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
     """
     if report.node_id != node.node_id:
         raise Rejected(403, {"node_id": f"this agent token belongs to node {node.node_id!r}"})
-    gpus = {g.uuid: g for g in Gpu.objects.filter(node=node, present=True)}
+    gpus = {g.uuid: g for g in Gpu.objects.filter(node=node, present=True).order_by()}  # (Meta.ordering joins node)
     strangers = [g.uuid for g in report.gpus if g.uuid not in gpus]
     if strangers:
         owners = dict(Gpu.objects.filter(uuid__in=strangers, present=True).values_list("uuid", "node__node_id"))
@@ -277,8 +277,7 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
         samples.append(GpuSample(gpu=row, at=now, mem_used_bytes=g.mem_used_bytes, sm_util=g.sm_util,
                                  temperature_c=g.temperature_c, healthy=g.healthy, allocatable=g.allocatable))
     if changed:
-        Gpu.objects.bulk_update(changed, ["mem_used_bytes", "mem_total_bytes", "sm_util", "temperature_c", "healthy",
-                                          "allocatable", "xid_errors", "ecc_errors", "updated_at"])
+        writes.update_gpu_states(changed, now=now)
         GpuSample.objects.bulk_create(samples)  # bounded by the beat's fleet.prune_history (console/fleet/retention.py)
 
     links.store_links(node, report, now=now)

@@ -7,6 +7,7 @@ refusal is JSON: {"errors": {field path: reason}} with a 4xx status, and stores 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ from console.fleet import actions, doorbell
 from console.fleet.models import AgentCommand, Node
 
 MAX_WAIT_S = 30.0
+IDLE_JITTER = 0.2  # an idle poll answers between 80% and 100% of its wait (_idle_answer_s)
 
 
 def _error(status: int, errors: dict[str, str]) -> JsonResponse:
@@ -124,48 +126,86 @@ def _deliver(node: Node, after: int) -> list[dict[str, Any]]:
     return [_command_payload(c) for c in cmds]
 
 
+def _idle_answer_s(wait_s: float) -> float:
+    """How long an idle poll waits before it answers with nothing: a random point in the last
+    fifth of `wait`, as kube-apiserver spreads its watches' timeouts. A fleet enrolled together
+    (or reconnected together after a console restart) polled again together every `wait`: 200
+    polls answered in one second queued their queries ahead of every report, and reports waited
+    2-11 s behind them (issue 19, bench.control_plane). The jitter spreads the renewals over time."""
+    return wait_s * random.uniform(1.0 - IDLE_JITTER, 1.0)  # noqa: S311 - spreading load, not a secret
+
+
+def _poll_start(request: HttpRequest, after: int) -> tuple[Node, list[dict[str, Any]]]:
+    """The poll's first database call: the agent's node and its open commands, in one borrowed thread."""
+    node = _authenticated_node(request)
+    return node, _deliver(node, after)
+
+
+def _poll_arguments(request: HttpRequest) -> tuple[int, float]:
+    errors: dict[str, str] = {}
+    try:
+        after = int(request.GET.get("after", "0"))
+        if after < 0:
+            raise ValueError
+    except ValueError:
+        errors["after"] = "must be an integer >= 0 (the last command id the agent saw)"
+        after = 0
+    try:
+        wait_s = float(request.GET.get("wait", "0"))
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise ValueError
+    except ValueError:
+        errors["wait"] = f"must be a number of seconds between 0 and {MAX_WAIT_S:g}"
+        wait_s = 0.0
+    if errors:
+        raise actions.Rejected(400, errors)
+    return after, wait_s
+
+
 @csrf_exempt
 @require_GET
 async def commands(request: HttpRequest) -> JsonResponse:
-    """Long poll: answer at once when commands are open, else wait for the doorbell or `wait`."""
+    """Long poll: answer at once when commands are open, else wait for the doorbell or `wait`.
+
+    One database call starts the poll (the agent's node and its open commands); the waiter is
+    registered after it, since only the token says which node rings it, so a ring for the node
+    that came in between (doorbell.Listener.rang_since) makes it look once more. An idle poll may
+    answer a little before `wait` (_idle_answer_s); the agent polls again at once. While the
+    process hears the doorbell, a poll that waited out its time without a ring answers with
+    nothing and no second query: a command issued meanwhile rang, and one whose ring was lost is
+    found by the next poll's first query.
+    """
     try:
-        node = await sync_to_async(_authenticated_node)(request)
-        errors: dict[str, str] = {}
-        try:
-            after = int(request.GET.get("after", "0"))
-            if after < 0:
-                raise ValueError
-        except ValueError:
-            errors["after"] = "must be an integer >= 0 (the last command id the agent saw)"
-            after = 0
-        try:
-            wait_s = float(request.GET.get("wait", "0"))
-            if not 0 <= wait_s <= MAX_WAIT_S:
-                raise ValueError
-        except ValueError:
-            errors["wait"] = f"must be a number of seconds between 0 and {MAX_WAIT_S:g}"
-            wait_s = 0.0
-        if errors:
-            return _error(400, errors)
+        after, wait_s = _poll_arguments(request)
+    except actions.Rejected as bad:
+        try:  # an unknown agent hears 401 before it hears what is wrong with its arguments
+            await sync_to_async(_authenticated_node)(request)
+        except actions.Rejected as exc:
+            return _error(exc.status, exc.errors)
+        return _error(bad.status, bad.errors)
+    bell = doorbell.listener()
+    mark = bell.mark()
+    try:
+        node, found = await sync_to_async(_poll_start)(request, after)
     except actions.Rejected as exc:
         return _error(exc.status, exc.errors)
+    if wait_s == 0 or found:
+        return JsonResponse({"commands": found})
 
-    deadline = time.monotonic() + wait_s
-    if wait_s == 0:
-        return JsonResponse({"commands": await sync_to_async(_deliver)(node, after)})
+    deadline = time.monotonic() + _idle_answer_s(wait_s)
     # Set when the server lets go of this request (it stops: console.asgi.StopOnCancel).
     stop: asyncio.Event = getattr(request, "scope", {}).get("flexpipe.stop") or asyncio.Event()
-    # The waiter is registered before the first query: a ring that comes between the query and
-    # the wait is kept in its event (console/fleet/doorbell.py).
     async with doorbell.waiting(node.node_id) as waiter:
-        found = await sync_to_async(_deliver)(node, after)
+        if bell.rang_since(mark, node.node_id):
+            found = await sync_to_async(_deliver)(node, after)
         while not found and not stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             # Without a subscription (Redis away, or not subscribed yet) no ring comes: re-query every
             # RETRY_S; the listener's subscribing wakes the waiter too.
-            timeout = remaining if waiter.reliable else min(remaining, doorbell.RETRY_S)
+            reliable = waiter.reliable
+            timeout = remaining if reliable else min(remaining, doorbell.RETRY_S)
             ring = asyncio.ensure_future(waiter.rung.wait())
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait({ring, stopping}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -173,6 +213,8 @@ async def commands(request: HttpRequest) -> JsonResponse:
             stopping.cancel()
             if stop.is_set():
                 break  # stopping: answer with nothing; the agent polls again after a restart
+            if reliable and waiter.reliable and not waiter.rung.is_set():
+                break  # waited out, heard throughout, no ring: nothing to look for (docstring)
             waiter.rung.clear()  # before the query: a ring during the query wakes the next wait
             found = await sync_to_async(_deliver)(node, after)
     return JsonResponse({"commands": found})

@@ -5,9 +5,11 @@ run several) has at most one listener: a task with one Redis connection, subscri
 one poll waits, that sets the waiting polls' asyncio.Events. A thousand waiting polls cost one Redis
 client, not a thousand (issue 19: one client and one BLPOP per poll, re-issued every 5 s, before).
 
-A ring while nobody listens is lost on purpose: the poll queries the node's open commands after it
-registers its waiter (so a ring between that query and the wait is kept in its Event) and again
-after each wake. While the listener has no subscription (Redis away, or not subscribed yet) a waiter
+A ring while nobody listens is lost on purpose: a poll queries the node's open commands before it
+waits and again after each wake. It learns its node from that first query (the token says which),
+so it registers its waiter after it; a ring heard in between is in the listener's record
+(Listener.mark, rang_since) and the poll queries once more. From registration on, a ring is kept in
+the waiter's Event. While the listener has no subscription (Redis away, or not subscribed yet) a waiter
 is told to fall back to re-querying every second, as the poll did on Redis errors before.
 """
 
@@ -66,6 +68,21 @@ class Listener:
         self.subscribed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.client: Any = None  # the one Redis connection (tests read its client name)
+        # What was heard, for a poll that learns its node only after its first query (mark/rang_since):
+        self.generation = 0  # subscriptions made so far
+        self.rings = 0  # rings heard so far
+        self.last_ring: dict[str, int] = {}  # node id -> the number of its latest ring (bounded by the fleet)
+
+    def mark(self) -> tuple[int, int] | None:
+        """Where the listener stands now; None while it hears nothing (not subscribed)."""
+        return (self.generation, self.rings) if self.subscribed.is_set() else None
+
+    def rang_since(self, mark: tuple[int, int] | None, node_id: str) -> bool:
+        """Whether a ring for the node may have come since `mark`: yes when it did, and whenever
+        the listener did not hear throughout (not subscribed then or now, or subscribed anew)."""
+        if mark is None or not self.subscribed.is_set() or mark[0] != self.generation:
+            return True
+        return self.last_ring.get(node_id, 0) > mark[1]
 
     def add(self, node_id: str) -> Waiter:
         waiter = Waiter(self, node_id)
@@ -86,6 +103,8 @@ class Listener:
             self.subscribed.clear()
 
     def _ring(self, node_id: str) -> None:
+        self.rings += 1
+        self.last_ring[node_id] = self.rings
         for waiter in self.waiters.get(node_id, ()):
             waiter.rung.set()
 
@@ -102,6 +121,7 @@ class Listener:
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel())
+                self.generation += 1
                 self.subscribed.set()
                 # Rings sent before the subscription took are lost: let every waiter query once more.
                 self._ring_all()
@@ -139,7 +159,7 @@ def listener() -> Listener:
 
 @asynccontextmanager
 async def waiting(node_id: str) -> AsyncIterator[Waiter]:
-    """Register a waiter for the node for the block's duration (register first, then query)."""
+    """Register a waiter for the node for the block's duration (a poll that queried before: Listener.rang_since)."""
     current = listener()
     waiter = current.add(node_id)
     try:

@@ -12,6 +12,7 @@ import asyncio
 import os
 import re
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from django.utils import timezone
 
 from console import asgi, db_pool
 from console.asgi import application
-from console.fleet import actions, doorbell
+from console.fleet import actions, agent_api, doorbell
 from console.fleet.models import AgentCommand, Node
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -155,4 +156,64 @@ async def test_without_redis_the_poll_falls_back_to_querying(settings: Any) -> N
         await _until(lambda: _waiting() == 1)
         await sync_to_async(_issue)("n0000")
         resp = await asyncio.wait_for(poll, timeout=DEADLINE_S)
+    assert [c["kind"] for c in resp.json()["commands"]] == ["prepare_plan"]
+
+
+def test_the_listener_says_whether_a_node_may_have_rung_since_a_mark() -> None:
+    bell = doorbell.Listener()
+    assert bell.rang_since(bell.mark(), "a")  # hearing nothing, it cannot say no
+    bell.subscribed.set()
+    bell.generation = 1
+    mark = bell.mark()
+    bell._ring("b")
+    assert not bell.rang_since(mark, "a")
+    assert bell.rang_since(mark, "b")
+    bell._ring("a")
+    assert bell.rang_since(mark, "a")
+    later = bell.mark()
+    assert not bell.rang_since(later, "a")
+    bell.generation += 1  # subscribed anew: what rang in the gap was not heard
+    assert bell.rang_since(later, "a")
+    bell.subscribed.clear()
+    assert bell.rang_since(bell.mark(), "a")
+
+
+def test_an_idle_poll_answers_in_the_last_fifth_of_its_wait_spread_out() -> None:
+    answers = [agent_api._idle_answer_s(30.0) for _ in range(2000)]
+    assert all(24.0 <= a <= 30.0 for a in answers)
+    assert min(answers) < 24.5 and max(answers) > 29.5  # spread over the fifth, not bunched at one point
+
+
+async def test_a_ring_between_the_polls_first_query_and_its_wait_wakes_it(monkeypatch: Any) -> None:
+    tokens = await sync_to_async(_nodes)(2)
+    first_query = agent_api._poll_start
+    bell: list[doorbell.Listener] = []
+
+    def query_then_ring(request: Any, after: int) -> Any:
+        node, found = first_query(request, after)
+        if node.node_id == "n0001":  # the query found nothing; the command comes before the waiter is registered
+            heard = bell[0].last_ring.get("n0001", 0)
+            _issue("n0001")
+            end = time.monotonic() + DEADLINE_S
+            while bell[0].last_ring.get("n0001", 0) == heard:  # the listener heard the ring
+                assert time.monotonic() < end, "the ring never came"
+                time.sleep(0.01)
+        return node, found
+
+    monkeypatch.setattr(agent_api, "_poll_start", query_then_ring)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver",
+                                 timeout=DEADLINE_S) as client:
+        def poll(node_id: str) -> Any:
+            return client.get("/agent/v1/commands", params={"after": 0, "wait": 30},
+                              headers={"Authorization": f"Bearer {tokens[node_id]}"})
+
+        keeper = asyncio.ensure_future(poll("n0000"))  # holds the listener's subscription
+        await _until(lambda: _waiting() == 1 and doorbell.listener().subscribed.is_set())
+        bell.append(doorbell.listener())
+        try:
+            resp = await asyncio.wait_for(poll("n0001"), timeout=DEADLINE_S)
+        finally:
+            for stop in list(asgi._live):
+                stop.set()
+            await asyncio.wait_for(keeper, timeout=DEADLINE_S)
     assert [c["kind"] for c in resp.json()["commands"]] == ["prepare_plan"]

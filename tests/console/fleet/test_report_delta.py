@@ -48,6 +48,26 @@ class TestWritesFollowTheChange:
         assert node.reported_at is not None and node.prev_reported_at is not None
         assert Gpu.objects.get(uuid="GPU-b1-3").mem_used_bytes == 33 * GIB
 
+    def test_each_changed_gpu_gets_its_own_values_in_every_field(self, client: Client) -> None:
+        # console/fleet/writes.py writes the rows in plain SQL, one parameter set per row: a value
+        # must land in its own row and column, and the rows the report repeats keep theirs
+        agent = enroll(client, "w1", gpus=8)
+        assert agent.post("/agent/v1/report", report_body("w1", seq=1, gpus=8)).status_code == 200
+        before = {g.uuid: g for g in Gpu.objects.filter(node__node_id="w1")}
+        body = report_body("w1", seq=2, gpus=8)
+        body["gpus"][1].update(mem_used_bytes=11 * GIB, sm_util=0.11, temperature_c=41.0)
+        body["gpus"][2].update(healthy=False, xid_errors=79)
+        body["gpus"][6].update(allocatable=False, ecc_errors=3, mem_used_bytes=66 * GIB)
+        assert agent.post("/agent/v1/report", body).status_code == 200
+        after = {g.uuid: g for g in Gpu.objects.filter(node__node_id="w1")}
+        fields = ("mem_used_bytes", "sm_util", "temperature_c", "healthy", "allocatable", "xid_errors", "ecc_errors")
+        for i, sent in enumerate(body["gpus"]):
+            row = after[f"GPU-w1-{i}"]
+            assert {f: getattr(row, f) for f in fields} == {f: sent[f] for f in fields}, i
+            moved = row.updated_at != before[row.uuid].updated_at
+            assert moved == (i in (1, 2, 6)), i
+        assert after["GPU-w1-1"].updated_at == Node.objects.get(node_id="w1").reported_at
+
     def test_a_report_that_repeats_the_last_one_writes_no_gpu_row(self, client: Client) -> None:
         agent = enroll(client, "r1", gpus=8)
         assert agent.post("/agent/v1/report", report_body("r1", seq=1, gpus=8)).status_code == 200
