@@ -20,6 +20,7 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from console import db_pool  # noqa: E402
+from console.agent_http import AgentApiHandler  # noqa: E402
 from console.dashboard.origin import SameOriginValidator  # noqa: E402
 from console.routing import websocket_urlpatterns  # noqa: E402
 
@@ -145,9 +146,18 @@ class StopOnCancel:
             _live.pop(stop, None)
 
 
+agent_asgi_app = AgentApiHandler()
+
+
+async def _http(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Agent protocol v1 behind its short middleware chain (console/agent_http.py), the rest behind the whole one."""
+    app = agent_asgi_app if is_agent_api(str(scope.get("path", ""))) else django_asgi_app
+    await app(scope, receive, send)
+
+
 application = ProtocolTypeRouter(
     {
-        "http": StopOnCancel(django_asgi_app, pooled=is_agent_api),
+        "http": StopOnCancel(_http, pooled=is_agent_api),
         "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -123,6 +123,13 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# Agent protocol v1's paths run behind this chain only (console/agent_http.py: the browser chain
+# above costs an agent's request a dozen thread hops and gives it nothing it needs).
+FLEXPIPE_AGENT_MIDDLEWARE = [
+    "console.api.errors.JsonErrors",
+    "console.agent_http.AgentWire",
+]
+
 # Which process this is (module docstring): the gateway's own process routes only its own URLs.
 FLEXPIPE_PROCESS = os.environ.get("FLEXPIPE_PROCESS", "all").strip().lower()
 if FLEXPIPE_PROCESS not in {"all", "console", "gateway"}:
