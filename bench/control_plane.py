@@ -20,6 +20,7 @@ is measured for --step-s. Per step:
 
     report_p50_ms / report_p99_ms   POST /agent/v1/report, sent to answered (this process's clock)
     errors                          reports, registrations and polls that failed (non-2xx or no answer)
+    enroll_s                        how long the step's new agents took to enroll (8 at a time)
     push_p99_ms / push_coverage     a report's marker seen on /ws/cluster/: delay from sending the
                                     report; coverage = reports whose marker (or a later one of the
                                     same GPU: a coalesced push) arrived by the end of the step + 5 s
@@ -368,7 +369,10 @@ async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url
             async with sem:
                 return await a.enroll(stats)
 
+        enroll0 = time.monotonic()
         ok = await asyncio.gather(*(enroll(a) for a in new))
+        enroll_s = time.monotonic() - enroll0
+        print(f"{len(new)} agents enrolled in {enroll_s:.1f} s; measuring in {args.interval_s:g} s", flush=True)
         for a, good in zip(new, ok, strict=True):
             if not good:
                 continue
@@ -391,6 +395,7 @@ async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url
         reports = len(stats.report_ms)
         step = {
             "agents": len(agents), "gpus": len(agents) * args.gpus_per_agent, "reports": reports,
+            "enroll_s": round(enroll_s, 2),  # the new agents' registrations, 8 at a time
             "report_p50_ms": _pct(stats.report_ms, 0.5), "report_p99_ms": _pct(stats.report_ms, 0.99),
             "report_mean_ms": statistics.fmean(stats.report_ms) if stats.report_ms else None,
             "errors": sum(stats.errors.values()), "error_kinds": dict(stats.errors),

@@ -52,10 +52,12 @@ def do_observe_blocks(snapshot: Snapshot, *, now: datetime) -> FragmentHistory:
         return before
     try:
         with transaction.atomic():
-            for block_id, points in after.trajectories.items():
-                if before.trajectories.get(block_id) != points:
-                    BlockTrajectory.objects.update_or_create(block_id=block_id, defaults={
-                        "points": [[t, n] for t, n in points], "updated_at": now})
+            changed = [BlockTrajectory(block_id=block_id, points=[[t, n] for t, n in points], updated_at=now)
+                       for block_id, points in after.trajectories.items()
+                       if before.trajectories.get(block_id) != points]
+            # one upsert, not a query or two per block: a fleet coming up changes a thousand at once
+            BlockTrajectory.objects.bulk_create(changed, update_conflicts=True, unique_fields=["block_id"],
+                                                update_fields=["points", "updated_at"], batch_size=500)
             gone = set(before.trajectories) - set(after.trajectories)
             if gone:
                 BlockTrajectory.objects.filter(block_id__in=gone).delete()

@@ -247,18 +247,14 @@ class FleetView:
 
 
 def fleet_view(now: datetime | None = None, *, with_blocks: bool = True) -> FleetView:
-    from console.fleet.models import Gpu, Node
+    from console.fleet.models import Gpu
     from console.gearbox.snapshot import fleet_snapshot
     from scheduler.topology import partition
 
     now = now or timezone.now()
     gpus = {g.uuid: {"node": g.node.node_id, "index": g.index, "model": g.model, "state": g.state}
             for g in Gpu.objects.filter(present=True).select_related("node").order_by("node__node_id", "index")}
-    engines: dict[str, list[dict[str, Any]]] = {}
-    for node_id, reports, seen in Node.objects.exclude(engines=[]).values_list("node_id", "engines", "last_seen_at"):
-        for e in reports if isinstance(reports, list) else []:
-            if isinstance(e, dict) and e.get("plan_id"):
-                engines.setdefault(str(e["plan_id"]), []).append({**e, "node": node_id, "reported_at": iso(seen)})
+    engines = engine_reports()
     blocks: list[dict[str, Any]] | None = None
     block_of: dict[str, str] = {}
     excluded: dict[str, str] = {}
@@ -280,9 +276,24 @@ def fleet_view(now: datetime | None = None, *, with_blocks: bool = True) -> Flee
     return FleetView(gpus, blocks, block_of, excluded, engines, error, snapshot)
 
 
-def serving(plan_ids: Iterable[str], fleet: FleetView) -> dict[str, Any] | None:
-    """What the engines of these plans last reported, summed (rates, queues) or worst (latencies)."""
-    reports = [r for p in plan_ids for r in fleet.engines.get(p, [])]
+def engine_reports() -> dict[str, list[dict[str, Any]]]:
+    """The engines' latest reports by plan id, each with its node and when it reported (FleetView.engines).
+
+    Alone, for the tick: it reads only the nodes' engine lists, not the fleet's GPUs."""
+    from console.fleet.models import Node
+
+    engines: dict[str, list[dict[str, Any]]] = {}
+    for node_id, reports, seen in Node.objects.exclude(engines=[]).values_list("node_id", "engines", "last_seen_at"):
+        for e in reports if isinstance(reports, list) else []:
+            if isinstance(e, dict) and e.get("plan_id"):
+                engines.setdefault(str(e["plan_id"]), []).append({**e, "node": node_id, "reported_at": iso(seen)})
+    return engines
+
+
+def serving(plan_ids: Iterable[str], engines: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """What the engines of these plans last reported (`engines`: engine_reports()), summed (rates,
+    queues) or worst (latencies)."""
+    reports = [r for p in plan_ids for r in engines.get(p, [])]
     if not reports:
         return None
 
@@ -443,7 +454,7 @@ def deployment_payload(dep: Deployment, ctx: DeploymentContext) -> dict[str, Any
     from console.gearbox.present_controls import emergency_payload
 
     active = ctx.active.get(dep.pk)
-    served = serving(routed_plan_ids(dep), ctx.fleet)
+    served = serving(routed_plan_ids(dep), ctx.fleet.engines)
     names = ctx.fleet.names
     return {
         "name": dep.name, "model_name": dep.model_name, "model_version": ctx.versions.get(dep.pk),

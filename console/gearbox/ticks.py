@@ -58,7 +58,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         return {"skipped": str(exc)}
     jobs = admission.settle(base, now)  # done, crashed, past their deadline: before anyone decides
     held = held_gpus()
-    engines = present.fleet_view(now, with_blocks=False)  # the engines' latest reports: serving history
+    engines = present.engine_reports()  # the engines' latest reports: serving history
     history = fragments.do_observe_blocks(base, now=now)  # every decision of this tick reads it
     decided, started, waiting = [], [], []
     deps = Deployment.objects.order_by("-priority", "name")
