@@ -1,4 +1,4 @@
-"""HTTP client side of agent protocol v1 (see agents/protocol.py), used by every agent."""
+"""HTTP client side of agent protocol v1 (see agents/protocol/), used by every agent."""
 
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def save_token(path: Path, token: str) -> None:
     os.replace(tmp, path)
 
 
-FULL_REPORT_EVERY = 10  # a full report after at most this many (agents/protocol.py, delta reports)
+FULL_REPORT_EVERY = 10  # a full report after at most this many (agents/protocol/, delta reports)
 
 
 class DeltaReports:
-    """Turns an agent's full reports into delta ones (agents/protocol.py, delta reports).
+    """Turns an agent's full reports into delta ones (agents/protocol/, delta reports).
 
     It remembers the GPU states of the last report the controller accepted; `shape` lists only what
     differs from them, and says "full" after a registration (a new epoch), after a failure

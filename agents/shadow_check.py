@@ -1,7 +1,7 @@
 """The checks a shadow plan passes before it is ready: the version it loads can be tokenized and warms up.
 
 prepare_plan may name the registry version a plan loads (`model_version`: id, version, tokenizer,
-warmup_tokens; agents/protocol.py). Before an agent acks the prepare ok it loads that tokenizer -
+warmup_tokens; agents/protocol/). Before an agent acks the prepare ok it loads that tokenizer -
 the one the gateway tokenizes this version's requests with - encodes a warm-up prompt, and checks
 that every id lies inside the model's vocabulary (an id past the embedding table is what crashes an
 engine at its first forward pass: a tokenizer of another model). Then it generates `warmup_tokens`.

@@ -8,7 +8,7 @@ and beat, on PostgreSQL when one answers at 127.0.0.1:5432 (a fresh database,
 flexpipe_bench_cp or $FLEXPIPE_BENCH_DB, dropped first; SQLite otherwise) and Redis
 (scripts/services.py; FLEXPIPE_CHANNEL_PREFIX and FLEXPIPE_QUEUE keep two benches apart) - and drives
 simulated agents against it over HTTP from this process, as agent protocol v1 says
-(agents/protocol.py): each agent enrolls with the join token, holds one long poll
+(agents/protocol/): each agent enrolls with the join token, holds one long poll
 (GET /agent/v1/commands?wait=...) at all times, and sends a full report of its GPUs every
 --interval-s (the seed's 15 s; not compressed: the step runs --step-s of real time instead). A
 report changes --changed-gpus of its GPUs (GPU 0's memory carries a marker), the rest repeat.

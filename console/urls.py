@@ -37,7 +37,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("", include("console.api.urls")),
-    # agent protocol v1 (agents/protocol.py)
+    # agent protocol v1 (agents/protocol/)
     path("agent/v1/register", agent_api.register, name="agent-register"),
     path("agent/v1/report", agent_api.report, name="agent-report"),
     path("agent/v1/commands", agent_api.commands, name="agent-commands"),

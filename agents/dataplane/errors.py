@@ -1,7 +1,7 @@
 """Why the data plane refuses something; each maps to one HTTP status and one ack reason (its `code`).
 
 Each is a `scheduler.refusal.Refused`: `code` is the word of the answer's and the ack's `reason`
-(agents/protocol.py), `reason` the words.
+(agents/protocol/), `reason` the words.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from scheduler.refusal import Refused as _Refused
 
 
 class DataPlaneError(_Refused):
-    """Base class: `code` is the word agents/protocol.py uses in a failed ack."""
+    """Base class: `code` is the word agents/protocol/ uses in a failed ack."""
 
     code = "failed"
 

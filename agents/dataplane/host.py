@@ -377,7 +377,7 @@ class PlanHost(DrainThenHandOver):
     def move(self, moves: list[dict[str, Any]], routing_version: int) -> dict[str, Any]:
         """move_sequences: hand sequences over in order (active first, lazy ones after).
 
-        Returns the ack result of agents/protocol.py: {plan_id, moved: [...]}, plus `reason`
+        Returns the ack result of agents/protocol/: {plan_id, moved: [...]}, plus `reason`
         when any hand-over failed (the agent then acks failed).
         """
         from agents.dataplane.client import send_state  # the wire format lives with the server

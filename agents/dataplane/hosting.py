@@ -1,7 +1,7 @@
 """What a DataServer needs of a running plan: the face PlanHost (torch) and VllmPlanHost share.
 
 The transition commands (freeze, thaw, move, release, report) are called by the node agent, not
-by the server; both hosts have them with the same ack shapes (agents/protocol.py).
+by the server; both hosts have them with the same ack shapes (agents/protocol/).
 """
 
 from __future__ import annotations

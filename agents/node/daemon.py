@@ -15,7 +15,7 @@ Invariants:
   nothing else. A command still running is not started twice.
 - The registration and every report list the plans this node holds (`running_plans`). A plan whose
   engine failed for good is given up by the main loop (`_give_up_failed`): stopped, unbooked, not
-  listed again - the controller replaces it (agents/protocol.py: what runs).
+  listed again - the controller replaces it (agents/protocol/: what runs).
 - Every ok-ack's result passes agents.protocol.check_result before it leaves; a result that would
   break the protocol is sent as a failed ack instead (reason "failed"), never half right.
 - Reports show booked memory as used (the static probe's GPUs have no real memory to measure; NVML

@@ -1,4 +1,4 @@
-"""The node commands of a node agent (agents/protocol.py: verify_weights, probe_links,
+"""The node commands of a node agent (agents/protocol/: verify_weights, probe_links,
 apply_hints) and their side in each main-loop pass: hints that lapse, links probed again.
 
 NodeCommands is a mixin of NodeAgent (agents/node/daemon.py): the daemon pulls each command once,
@@ -48,7 +48,7 @@ class NodeCommands:
     _pool: ThreadPoolExecutor
 
     def _verify_weights(self, p: dict[str, Any]) -> _Outcome:
-        """verify_weights: hash the weights this node holds for model `name` (agents/protocol.py).
+        """verify_weights: hash the weights this node holds for model `name` (agents/protocol/).
 
         Ok with the digest whether or not it is the registry's (the console decides: verified or
         quarantined); failed when this node holds no such weights, naming the model and the folder.

@@ -1,4 +1,4 @@
-"""The plan commands of a node agent (agents/protocol.py: prepare_plan, abort_plan, freeze_plan,
+"""The plan commands of a node agent (agents/protocol/: prepare_plan, abort_plan, freeze_plan,
 thaw_plan, move_sequences, release_plan) and what they keep: the plans this node holds, the memory
 booked for them, their engines and stage workers.
 
@@ -11,7 +11,7 @@ Invariants:
   prepare of a prepared plan acks ok at once; abort, thaw and release of a plan this node does not
   hold ack ok with `noop: true`; freeze of one acks no sequences; move names each sequence "gone".
 - A plan whose engine failed for good is given up by the main loop (`_give_up_failed`): stopped,
-  unbooked, not listed again - the controller replaces it (agents/protocol.py: what runs).
+  unbooked, not listed again - the controller replaces it (agents/protocol/: what runs).
 - A plan's GPUs keep its reserve_bytes booked from prepare until abort or release; a prepare that
   fails books nothing. A prepare that would book more than 92% of a GPU beside what is used and
   booked there is refused (reason out_of_memory, scheduler.booking's words); one whose plan this

@@ -1,6 +1,6 @@
 """Probes: what an agent knows about its node's GPUs.
 
-A probe answers two questions, matching the two agent messages of agents/protocol.py:
+A probe answers two questions, matching the two agent messages of agents/protocol/:
 `gpus()` — the static facts sent once at registration (`GpuInfo`), and `report()` — the
 changing state sent with every report (`GpuReport`). Two kinds exist:
 

@@ -39,7 +39,7 @@ from agents.protocol import GpuInfo, GpuReport
 from agents.schema import ObjectReader, SchemaError, read_document
 
 _MAX_GPUS = 64
-_MAX_MEM_BYTES = 4 * 1024**4  # as agents/protocol.py: catches GiB-vs-bytes slips
+_MAX_MEM_BYTES = 4 * 1024**4  # as agents/protocol/: catches GiB-vs-bytes slips
 
 
 def _read_file(path: Path) -> Any:

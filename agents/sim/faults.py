@@ -33,7 +33,7 @@ class Fault:
     """Make the next matching command misbehave."""
 
     node: str  # which agent
-    kind: str  # which command kind (agents/protocol.py), or "*"
+    kind: str  # which command kind (agents/protocol/), or "*"
     action: FaultAction
     times: int = 1  # how many matching commands it hits
     gpus: int = 0  # lose_gpus: how many (0: every GPU of the command's plan on that node)

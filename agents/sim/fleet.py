@@ -347,7 +347,7 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
 
     def add_deployment(self, deployment: str, model: ModelSpec, slo: Slo, *, priority: int = 0) -> DeploymentRuntime:
         """A deployment the scenario does not list, from the shape and SLO a PREPARE carried (the
-        live fleet: one created in the console; agents/protocol.py prepare_plan). It has no scenario
+        live fleet: one created in the console; agents/protocol/ prepare_plan). It has no scenario
         baseline and no workload of its own: it serves what is submitted to it. The same one again
         is a no-op; the same name with another model is a ValueError naming `model_spec`."""
         dep = self.deployments.get(deployment)

@@ -1,4 +1,4 @@
-"""The global correction's hints on the simulated fleet (agents/protocol.py: `apply_hints`;
+"""The global correction's hints on the simulated fleet (agents/protocol/: `apply_hints`;
 scheduler/control/correction.py: the rules). A node keeps its hints in its own HintBook; each plan
 it leads reads the batch-token threshold there on its local loop (LocalHints, asked by
 agents/sim/engine.py every round), and the fleet's routing (the live fleet's gateway side:

@@ -201,7 +201,7 @@ class SimAgents:
         self.ack(cmd, ok, detail, self._complete(cmd, out) if ok else out)
 
     def _complete(self, cmd: CommandIntent, result: dict[str, object]) -> dict[str, object]:
-        """The parts of an ok result that this node's agent adds (agents/protocol.py): the memory
+        """The parts of an ok result that this node's agent adds (agents/protocol/): the memory
         a prepare reserved and a release freed on this node's GPUs."""
         if cmd.kind not in (CommandKind.PREPARE_PLAN, CommandKind.RELEASE_PLAN) or result.get("noop"):
             return result
@@ -291,7 +291,7 @@ class SimAgents:
 
     def _new_deployment(self, cmd: CommandIntent, plan: Plan) -> str | None:
         """A PREPARE for a deployment the simulator was not configured with (one created in the
-        console) runs it from the model_spec and slo it carries (agents/protocol.py); why not, or None.
+        console) runs it from the model_spec and slo it carries (agents/protocol/); why not, or None.
         Once added it stays known, with that shape, even when this prepare is then refused (its
         memory, its GPUs): a later prepare of it is checked the same way, a different shape refused."""
         where = f"deployment {cmd.deployment_id!r} is not one this fleet was configured with"

@@ -1,4 +1,4 @@
-"""HTTP endpoints of agent protocol v1 (agents/protocol.py has the messages and the rules).
+"""HTTP endpoints of agent protocol v1 (agents/protocol/ has the messages and the rules).
 
 Agent tokens are accepted here and nowhere else; user sessions are not accepted here. Every
 refusal is JSON: {"errors": {field path: reason}} with a 4xx status, and stores nothing.

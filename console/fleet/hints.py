@@ -1,4 +1,4 @@
-"""The global correction's hints as agent commands (agents/protocol.py: `apply_hints`).
+"""The global correction's hints as agent commands (agents/protocol/: `apply_hints`).
 
 `do_send_hints` queues one `apply_hints` per leader node, each payload checked with
 agents.protocol.check_payload first: a bad hint is refused (Rejected 400, naming the field) and

@@ -9,7 +9,7 @@
   settings (FLEXPIPE_INTRA_RACK_GBPS / FLEXPIPE_INTER_RACK_GBPS); `link_table(now)` lists every
   pair with its source - measured (when, how) or *assumed* - for the Overview page.
 * `request_probes(node)` asks a node that just registered to measure its links to every other
-  node, and each of those to measure theirs to it (probe_links commands, agents/protocol.py).
+  node, and each of those to measure theirs to it (probe_links commands, agents/protocol/).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GET /agent/v1/routing: the deployments' routing tables, for gateways and the simulated fleet.
 
-Agent protocol v1 (agents/protocol.py), agent token required. The answer:
+Agent protocol v1 (agents/protocol/), agent token required. The answer:
 
     {"deployments": [{"name": "chat-8b", "model": "Llama-3-8B", "version": 7,
                       "routes": [{"plan_id": "p-...", "weight": 0.9, "frozen": false,

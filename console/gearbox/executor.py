@@ -36,7 +36,7 @@ def version_load(rec: TransitionRecord) -> dict[str, object] | None:
     deployment's own at its start, or the one a rollout rolls out), its SHA-256 - the agent refuses
     other weights, even for a quarantined version: never loaded unchecked - and what the agent checks
     on the shadow plan (tokenizer, warm-up); and the deployment's SLO, which a simulated agent runs a
-    deployment it was not configured with by (agents/protocol.py, prepare_plan). No weights digest nor
+    deployment it was not configured with by (agents/protocol/, prepare_plan). No weights digest nor
     model_version: the deployment has no registry version; None: no such transition row."""
     row = (Transition.objects.filter(deployment__name=rec.deployment_id, seq=rec.seq)
            .select_related("model_version", "deployment__model_version").first())

@@ -49,7 +49,7 @@ that the console's own evaluation of the rules (console/metrics/alerts.py) needs
                                                                process (console/gateway/routing.py)
     flexpipe_kv_pool_free_ratio{deployment, plan_id, node}     free share of a plan's KV cache on a node:
                                                                1 - the kv_usage its engine last reported
-                                                               (agents/protocol.py EngineReport), for the
+                                                               (agents/protocol/ EngineReport), for the
                                                                plans of the deployment's current gear
 
 Token-weighted utilisation (scheduler/pool/twu.py; console/gearbox/present_twu.py reads it from the

@@ -8,7 +8,7 @@ The fleet sends `command_acked` on commit of the ack; this receiver turns it int
 `do_record_weights_check` (match -> verified, mismatch -> quarantined), in its own transaction.
 
 The same holds for a `prepare_plan` ack: the agent hashes the weights before loading them and
-reports the digest (agents/protocol.py), so a remote version is checked by every agent that loads it.
+reports the digest (agents/protocol/), so a remote version is checked by every agent that loads it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Three loops, each slower than the one below it (seed 003, "independent decisions
 * the **global correction** (FLEXPIPE_GLOBAL_LOOP_S, default 500 ms): `GlobalCorrection.step`
   reads every plan of a deployment and sends each a `Hint` - a router weight multiplier and a
   scale of the engine's batch-token threshold - over the agent protocol (`apply_hints`,
-  agents/protocol.py);
+  agents/protocol/);
 * the **gear loop** (FLEXPIPE_TICK_S, 15 s: scheduler/control/loop.py), which changes plans.
 
 Seed 003 corollary 4: the global loop runs at most 5x slower than the local one (100 ms / 500 ms);
@@ -154,7 +154,7 @@ class PlanSignal:
 
 @dataclass(frozen=True)
 class Hint:
-    """One plan's correction: the wire form is `apply_hints`' plans[i] (agents/protocol.py)."""
+    """One plan's correction: the wire form is `apply_hints`' plans[i] (agents/protocol/)."""
 
     plan_id: str
     direction: Direction

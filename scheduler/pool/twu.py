@@ -49,7 +49,7 @@ stated meaning is "effective tokens per unit of GPU time as a share of the theor
 * The ceiling is the plan's own modelled capacity (its model, its GPUs, its TP/PP, under the
   observed request shape), not a baseline model's: a Phi-3-mini ceiling would make a 72B plan
   look idle at full load, and two different models could not share one scale rule.
-* Tokens come from the engines' reports (agents/protocol.py EngineReport): D = tokens_per_s x T,
+* Tokens come from the engines' reports (agents/protocol/ EngineReport): D = tokens_per_s x T,
   P = arrivals x prompt_tokens_mean - the prompts admitted in the window. A sequence re-prefilled
   after a hand-over (replay) and prefix-cache hits are not in these counts; the window is the
   report interval.

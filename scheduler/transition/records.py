@@ -102,7 +102,7 @@ class CommandIntent:
     key: str  # "<deployment>/<seq>/<step>/<attempt>/<node>/<plan_id>"
     node_id: str  # the agent that executes it
     kind: CommandKind
-    payload: JsonDict  # agents/protocol.py documents it per kind
+    payload: JsonDict  # agents/protocol/ documents it per kind
     deployment_id: str
     seq: int
     step: Step
@@ -266,7 +266,7 @@ class MoveStats:
 
     @classmethod
     def from_ack(cls, result: Mapping[str, object]) -> MoveStats:
-        """Totals of one `move_sequences` ack (agents/protocol.py: MOVE result)."""
+        """Totals of one `move_sequences` ack (agents/protocol/: MOVE result)."""
         out = cls()
         moved = result.get("moved", [])
         if not isinstance(moved, list):

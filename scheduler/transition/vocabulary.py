@@ -70,7 +70,7 @@ class StepState(enum.StrEnum):
 
 
 class CommandKind(enum.StrEnum):
-    """Agent protocol v1 commands a transition sends (payloads: agents/protocol.py)."""
+    """Agent protocol v1 commands a transition sends (payloads: agents/protocol/)."""
 
     PREPARE_PLAN = "prepare_plan"
     ABORT_PLAN = "abort_plan"

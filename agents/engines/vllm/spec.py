@@ -1,7 +1,7 @@
 """What one vLLM server of a plan needs, and the command line and environment that start it.
 
 The controller sends a plan as the payload of a `prepare_plan` command; `VllmPlanSpec.from_dict`
-validates it (every bad key named, as agents/protocol.py does) and `build_command` / `build_env`
+validates it (every bad key named, as agents/protocol/ does) and `build_command` / `build_env`
 turn it into the process the supervisor (engine.py) runs:
 
     <python> -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME

@@ -2,7 +2,7 @@
 
 The console creates deployments the scenario never listed (POST /api/v1/deployments), of registry
 models outside the built-in catalog too; its prepare_plan carries the model's shape (model_spec)
-and the deployment's SLO (agents/protocol.py). SimAgents on FleetSim - what the live fleet of
+and the deployment's SLO (agents/protocol/). SimAgents on FleetSim - what the live fleet of
 `make run` runs - serves such a deployment with that shape, books its memory by the same 92% rule,
 and refuses a prepare that lacks either piece naming the field, booking nothing.
 """

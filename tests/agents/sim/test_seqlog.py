@@ -147,7 +147,7 @@ def test_a_command_delivered_twice_runs_once_and_is_answered_once() -> None:
     agents.execute(prep)
     sim.advance_to(30)
     assert len(acks["p1"]) == 1 and acks["p1"][0][0]
-    assert acks["p1"][0][1]["reserved_bytes"]  # what the node's agent reserved (agents/protocol.py)
+    assert acks["p1"][0][1]["reserved_bytes"]  # what the node's agent reserved (agents/protocol/)
     assert len([e for e in sim.plans("d") if e.plan.plan_id == plan.plan_id]) == 1
 
 

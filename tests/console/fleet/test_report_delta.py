@@ -1,4 +1,4 @@
-"""Issue 19: a report writes what it changed, and agents send delta reports (agents/protocol.py)."""
+"""Issue 19: a report writes what it changed, and agents send delta reports (agents/protocol/)."""
 
 from __future__ import annotations
 

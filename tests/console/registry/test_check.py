@@ -1,5 +1,5 @@
 """POST /api/v1/models/{id}/check: an admin asks one node's agent to hash its copy of a version's
-weights before any deployment loads them (a `verify_weights` command, agents/protocol.py).
+weights before any deployment loads them (a `verify_weights` command, agents/protocol/).
 
 The round trips drive a real NodeAgent (agents/node/daemon.py, torch backend, its own model store)
 through the console's agent endpoints, as in production: issued by the API, pulled, handled, acked.
