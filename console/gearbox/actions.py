@@ -36,7 +36,7 @@ from console.audit.chain import actor_of, record
 from console.fleet import fragments
 from console.fleet.actions import Rejected
 from console.fleet.models import AgentCommand, Node
-from console.gearbox import live, repeats
+from console.gearbox import live, lost_release, repeats
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, GpuReservation, Transition
 from console.gearbox.snapshot import KEEP_LOAD_S, decision_snapshot, fleet_snapshot, gear_gpus, load_window
@@ -242,7 +242,8 @@ def lost_plans(dep: Deployment) -> dict[str, list[str]]:
 def drop_lost_plans(deployment: Deployment | str, *, now: datetime, actor: str = GEARBOX) -> list[str]:
     """Take the plans an agent no longer runs (it came back without them, or its report says they
     died under it: lost_plans) out of the deployment's gear and routing, and free what they had
-    booked; returns their ids.
+    booked - but on a node of theirs that still runs its stage, which is told to release it and
+    keeps its GPUs booked until it answers (console/gearbox/lost_release.py); returns their ids.
 
     Their sequences died with the engines; what is left of the gear keeps serving with
     the weights renormalised, and the decision that follows (a topology event) replaces what was
@@ -270,16 +271,17 @@ def drop_lost_plans(deployment: Deployment | str, *, now: datetime, actor: str =
                      tuple(w / total if total > 0 else 1.0 / len(kept) for _, w in kept))
                 if current is not None and kept else None)
         before = {"version": row.routing_version, "current_gear_id": current.gear_id if current else None}
+        # the plans' other nodes still hold their stages: told to release them, booked until they answer
+        told = lost_release.do_release_lost_plans(row, lost, version=row.routing_version + 1, now=now, actor=actor)
         row.routing, row.routing_version = routes, row.routing_version + 1
         row.current_gear = gear.to_dict() if gear is not None else None
         row.updated_at = now
         row.save(update_fields=["routing", "routing_version", "current_gear", "updated_at"])
-        GpuReservation.objects.filter(deployment=row, plan_id__in=list(lost)).delete()
         where = ", ".join(f"{p} on {'/'.join(n)}" for p, n in sorted(lost.items()))
         left = f"{gear.shape()} keeps serving" if gear is not None else "nothing serves until a new gear is up"
         record("gearbox.plans_lost", actor=actor, at=now, deployment=name,
                summary=f"{name}: dropped {len(lost)} plan(s) their agent no longer runs ({where}); {left}",
-               data={"plans": {p: n for p, n in sorted(lost.items())}},
+               data={"plans": {p: n for p, n in sorted(lost.items())}, "released_on": told},
                before=before,
                after={"version": row.routing_version, "current_gear_id": gear.gear_id if gear else None})
     transaction.on_commit(lambda: live.push_routing(name))

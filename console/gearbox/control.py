@@ -6,7 +6,8 @@
   book and the transitions that ended since it was folded, its staged switch, the transition
   that runs, whether the agents reported what the last one left, a pending emergency. Plans an
   agent no longer runs (it came back without them, or reports they died under it) are dropped first (actions.drop_lost_plans: the routing table is ours
-  to write), and the loop is told (its rule 2);
+  to write), and the loop is told (its rule 2); the GPUs such a plan's other nodes still hold
+  until they answer its release are kept off it (console/gearbox/lost_release.py);
 * step: scheduler.control.ControlLoop (the rules, in order, are in its docstring);
 * persist: each step through the existing actions (`persist`): the folded back-off, the end of a
   staged path, the decision (actions.do_record_decision), its transition (actions._start), the
@@ -31,7 +32,7 @@ from django.db import transaction
 
 from console.fleet import fragments
 from console.fleet.models import AgentCommand, Node
-from console.gearbox import actions, admission, zero  # (called through the module: tests patch its actions)
+from console.gearbox import actions, admission, lost_release, zero  # (tests patch them here)
 from console.gearbox.actions import GEARBOX, Decided
 from console.gearbox.executor import build_executor
 from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
@@ -153,7 +154,8 @@ def observe(name: str, base: Snapshot, now: datetime, index: int = 0) -> Observe
         idle_to_zero_s=dep.idle_to_zero_s, min_replicas=dep.min_replicas,
         up_since_s=up.timestamp() if up is not None else None, at_zero=resting,
         waiting=1 if resting and dep.wake_requested_at is not None else 0,
-        keep_off=zero.kept_off(dep, now) if resting else frozenset())
+        # (and the GPUs a lost plan's other nodes still hold until they answer its release)
+        keep_off=(zero.kept_off(dep, now) if resting else frozenset()) | lost_release.kept_booked(dep))
     return Observed(dep, state, seen)
 
 

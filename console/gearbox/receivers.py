@@ -13,7 +13,7 @@ from django.dispatch import receiver
 
 from console.dashboard import groups
 from console.fleet.signals import command_acked, topology_changed
-from console.gearbox import live
+from console.gearbox import live, lost_release
 
 groups.add_router("cluster.delta", live.fleet_delta_groups)
 groups.add_router("audit.entry", live.audit_entry_groups)
@@ -27,6 +27,9 @@ def on_command_acked(sender: Any, command: Any, **kwargs: Any) -> None:
         tasks.enqueue(tasks.advance, deployment=command.deployment, seq=command.transition_seq)
     elif command.key.startswith("gearbox.delete/") and command.deployment:
         tasks.enqueue(tasks.tick, trigger="periodic", deployment=command.deployment)  # it may be deleted now
+    elif command.key.startswith(f"{lost_release.KEY}/") and command.deployment:
+        # a lost plan's stage is released (or its agent gave up): the tick frees what it held
+        tasks.enqueue(tasks.tick, trigger="periodic", deployment=command.deployment)
 
 
 @receiver(topology_changed)

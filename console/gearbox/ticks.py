@@ -19,7 +19,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from console.fleet import fragments
-from console.gearbox import admission, present
+from console.gearbox import admission, lost_release, present
 from console.gearbox.actions import do_record_load, do_record_serving, held_gpus
 from console.gearbox.control import decide_all
 from console.gearbox.lifecycle import finish_deletions
@@ -57,6 +57,7 @@ def tick(*, trigger: str = "periodic", deployment: str | None = None, now: datet
         log.warning("gearbox tick skipped: the fleet does not make a valid snapshot (%s)", exc)
         return {"skipped": str(exc)}
     jobs = admission.settle(base, now)  # done, crashed, past their deadline: before anyone decides
+    lost_release.do_free_released_bookings(now=now, deployment=deployment)  # what lost plans' answered releases held
     held = held_gpus()
     engines = present.engine_reports()  # the engines' latest reports: serving history
     history = fragments.do_observe_blocks(base, now=now)  # every decision of this tick reads it
