@@ -45,7 +45,9 @@ The rules, in order, for each deployment, highest priority first (then `index`):
     (nothing admitted is lost: held requests wait for rule 9's wake-up) and frees its GPUs.
 10. With `skip_cooldown_stays` (the simulator), a valid, serving gear inside its cooldown on a
     periodic step, with no staged second stage owed, stays without a call (gearbox rule 3 makes
-    that call a STAY whatever the candidates are); nothing is recorded.
+    that call a STAY whatever the candidates are); nothing is recorded - unless the gearbox says
+    the gear is overloaded (`gearbox.overloaded`: its queue grows), for the cooldown holds no
+    upshift out of an overloaded gear: then the step goes on to rules 11-12.
 11. TWU (seed 004 section 3.2; scheduler/pool/autoscale.py). On a periodic step with no staged
     second stage owed, the deployment's TWU samples (`twu`; None: its load window priced over
     the current gear's plans, `autoscale.gear_twu_samples` - what both drivers pass) go through
@@ -289,7 +291,9 @@ class ControlLoop:
                         backoff=book, gives_to=giving.taker, release=release, given=giving.given_by(name))
         until = cooldown_until(state.deployment, cfg.gearbox)
         if (cfg.skip_cooldown_stays and staged is None and state.serving and trigger is Trigger.PERIODIC
-                and until is not None and now_s < until):  # rule 10
+                and until is not None and now_s < until
+                and not gearbox.overloaded(state.current, state.model, fleet.snapshot, state.load, now_s,
+                                           state.deployment.slo, cfg.gearbox)):  # rule 10
             return Step(name, trigger, clear_staged=clear, backoff=book)
         signal = self._twu_signal(state, fleet, now_s) if trigger is Trigger.PERIODIC and staged is None else None
         ask = _ASKS.get(signal.direction) if signal is not None else None  # rule 11

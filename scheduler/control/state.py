@@ -38,7 +38,8 @@ class LoopConfig:
 
     gearbox: GearboxConfig = DEFAULT_CONFIG  # hysteresis, cooldowns, windows (scheduler.gearbox)
     # rule 10: a valid, serving gear inside its cooldown stays on a periodic step whatever the
-    # candidates are (gearbox rule 3), so the call is skipped and nothing is recorded. The
+    # candidates are (gearbox rule 3) - unless it is overloaded (`gearbox.overloaded`: the
+    # cooldown holds no upshift out of it) - so the call is skipped and nothing is recorded. The
     # console keeps every "stay" (its page and audit show them: False); the simulator only
     # needs the switches and blocks (True: the replay calls the planner far less)
     skip_cooldown_stays: bool = False

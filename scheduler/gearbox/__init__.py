@@ -27,7 +27,10 @@ Rules, in the order they apply:
    - within the cooldown after a switch: STAY (the cooldown is longer after two switches
      within `flap_window_s`: anti-flapping, seed 000 section 5.3). Only switches the gearbox
      chose count (`record_switch`): a forced move - off a gear that lost GPUs, or an
-     emergency downshift - is being pushed, not flapping, and starts no cooldown;
+     emergency downshift - is being pushed, not flapping, and starts no cooldown. The cooldown
+     is asymmetric: out of an overloaded gear (`overloaded`: the offered load at or above its
+     capacity, its queue grows) an upshift - more modelled capacity - is weighed as below and
+     nothing else is eligible; a downshift is held, so nothing flaps;
    - otherwise switch to the best candidate only if gain > cost x hysteresis and the gain
      per second is at least `min_relative_gain` of the offered output tokens/s.
    - a LOAD decision the control loop asks for more or less capacity (its TWU rule,
@@ -57,7 +60,9 @@ serves the same load with fewer GPUs is worth more). While the current gear miss
 no rent is charged in its gain: reaching the SLO is not traded against GPUs, and among the
 standing candidates the one worth most after rent ranks first. Gain = (value_new -
 value_old) x (horizon - time until the new gear carries the load). Cost =
-`costmodel.switch_cost(...).tokens`.
+`costmodel.switch_cost(...).tokens`. Out of an overloaded current gear (goodput 0: its queue
+grows, and so does that of every candidate overloaded too) the gain per second is at least the
+throughput the new gear serves beyond it - what it leaves unserved that the new gear takes on.
 
 Load: `LoadWindow` holds samples; the offered load is the larger of the short- and
 long-window means (never plan below a dip), plus the backlog: requests waiting at the end
@@ -89,6 +94,7 @@ from scheduler.gearbox.measures import (
     gear_footprint,
     margin_load,
     offered_load,
+    overloaded,
     planned_load,
     record_switch,
     safe_rank,
@@ -113,5 +119,5 @@ from scheduler.gearbox.weighing import MAX_VIAS
 __all__ = [
     "CandidateEval", "CapacityAsk", "DEFAULT_CONFIG", "Decision", "Deployment", "GearboxConfig", "LoadSample",
     "LoadWindow", "MAX_VIAS", "Mode", "Outcome", "Planned", "Trend", "Trigger", "cooldown_until", "decide",
-    "gear_footprint", "margin_load", "offered_load", "planned_load", "record_switch", "safe_rank", "standing",
+    "gear_footprint", "margin_load", "offered_load", "overloaded", "planned_load", "record_switch", "safe_rank", "standing",
 ]

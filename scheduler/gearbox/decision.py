@@ -13,7 +13,8 @@ rent, and the memos the steps share - and runs the steps in order; each either r
    `_load_trigger` (both windows over or under the watermarks), `_silent` (no load samples),
    `_weigh_candidates` (the planner's gears, priced with the path that reaches each, backed
    off, ranked), `_move_off_invalid` (the current gear lost GPUs), `_waiting` (back-off
-   hold, cooldown) and `_switch_if_worth_it` (gain against cost x hysteresis).
+   hold, cooldown - which lets an upshift out of an overloaded gear) and `_switch_if_worth_it`
+   (gain against cost x hysteresis).
 
 Every `Decision` is built by `Weighing.finish`, with the reasons the steps gathered.
 """
@@ -191,6 +192,8 @@ def _automatic(w: Weighing) -> Decision:
     waiting = _waiting(w, evals)
     if waiting is not None:
         return waiting
+    if w.cooling and w.overloaded:  # in its cooldown (`_waiting`): only an upshift may leave it
+        evals = [w.upshift_only(e) for e in evals]
     return _switch_if_worth_it(w, evals, cands)
 
 
@@ -320,7 +323,9 @@ def _move_off_invalid(w: Weighing, evals: list[CandidateEval], cands: Candidates
 
 
 def _waiting(w: Weighing, evals: list[CandidateEval]) -> Decision | None:
-    """STAY while the deployment backs off after refused PREPAREs, or within its cooldown."""
+    """STAY while the deployment backs off after refused PREPAREs, or within its cooldown - unless
+    its gear is overloaded: the cooldown is asymmetric, it holds no upshift out of a gear whose
+    queue grows (a downshift it still holds, so nothing flaps; `Weighing.upshift_only`)."""
     backoff = w.backoff
     holding = backoff.holding(w.now_s) if backoff is not None else None
     if holding is not None:
@@ -328,7 +333,14 @@ def _waiting(w: Weighing, evals: list[CandidateEval]) -> Decision | None:
             f"backing off until t={holding:.0f} s after {backoff.streak if backoff else 0} refused transition(s)"
             " in a row (scheduler.backoff): no automatic switch before then"])
     cool_until = w.cool_until
-    if w.cur.valid and cool_until is not None and w.now_s < cool_until and not w.ignore_cooldown:
+    if w.cooling and w.overloaded:
+        est = w.cur.estimate
+        assert cool_until is not None and est is not None  # noqa: S101 - cooling and overloaded say so
+        offered = w.window_load.rate_rps if w.window_load is not None else 0.0
+        w.reasons.append(f"cooldown until t={cool_until:.0f} s, but the gear is overloaded (offered {offered:.2f}"
+                         f" req/s, capacity {est.capacity_rps:.2f}): an upshift may leave it now, nothing else")
+        return None
+    if w.cooling:
         return w.finish(Outcome.STAY, None, evals, w.reasons + [
             f"cooldown: no automatic switch until t={cool_until:.0f} s"
             + (" (long cooldown: two switches within the flap window)" if _flapping(w.deployment, w.config) else "")])

@@ -1,6 +1,6 @@
 """What a decision measures: the offered load, the cooldown, whether a gear stands (meets its
-SLOs with room to spare), the current gear as it is on the snapshot, a gear's value, and the
-orders candidates are ranked in."""
+SLOs with room to spare) or is overloaded (its queue grows), the current gear as it is on the
+snapshot, a gear's value, and the orders candidates are ranked in."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler.costmodel import (
+    DEFAULT_EFFICIENCY,
     Efficiency,
     Estimate,
     PlanProfile,
@@ -150,6 +151,24 @@ def standing(est: Estimate | None, workload: Workload, config: GearboxConfig = D
                                   < config.standing_attainment * at_margin.throughput_tokens_s):
         return False
     return est.goodput_tokens_s >= config.standing_attainment * est.throughput_tokens_s
+
+
+def overloaded(gear: Gear | None, model: ModelSpec, snapshot: Snapshot, window: LoadWindow, now_s: float,
+               slo: Slo, config: GearboxConfig = DEFAULT_CONFIG, eff: Efficiency = DEFAULT_EFFICIENCY, *,
+               profiles: Mapping[Plan, PlanProfile] | None = None) -> bool:
+    """Whether `gear` (valid on `snapshot`) is overloaded: the offered load (`offered_load`: the
+    level, backlog included - not the trend's forecast, which is a guess) is at or above what it
+    can serve, so its queue grows. Such a gear is left by an upshift whatever the cooldown (the
+    gearbox's `_waiting`; the control loop's cooldown short-cut asks this first), and the gain of
+    leaving it counts the throughput it leaves unserved (`Weighing.gain`). No gear, or no load
+    samples (silence is not load): False. `profiles`: the plans' profiles already built."""
+    level = offered_load(window, now_s, config)
+    if gear is None or level is None or level.rate_rps <= 0:
+        return False
+    known = profiles or {}
+    ests = [estimate_plan(known.get(p) or PlanProfile.build(p, model, snapshot, eff), level.scaled(w), slo)
+            for p, w in zip(gear.plans, gear.weights, strict=True)]
+    return combine_estimates(ests, gear.weights, level).overloaded
 
 
 def gear_footprint(gear: Gear, model: ModelSpec, snapshot: Snapshot) -> dict[str, int]:

@@ -30,6 +30,7 @@ from scheduler.gearbox.measures import (
     cooldown_until,
     gear_footprint,
     margin_load,
+    overloaded,
     planned_load,
     safe_rank,
     standing,
@@ -118,6 +119,10 @@ class Weighing:
         self.cur_standing = (cur.valid and current_gear is not None and cur.estimate is not None
                              and self.stands(current_gear, cur.estimate, cur.profiles))
         self.cool_until = cooldown_until(deployment, config)
+        # the current gear's queue grows at the offered load: an upshift leaves it whatever the
+        # cooldown (`decision._waiting`)
+        self.overloaded = cur.valid and overloaded(current_gear, spec, snapshot, load_window, now_s, deployment.slo,
+                                                   config, eff, profiles=cur.profiles)
         self.reasons: list[str] = [r] if (r := planned.reason(config)) else []
         self.left_out: list[str] = []  # the planner's exclusions (engine capabilities), for the candidate list
         self.unplaced: list[str] = []  # why the planner found no gear at all (weigh_all), for the reasons
@@ -167,10 +172,20 @@ class Weighing:
     # --- gain against cost ---------------------------------------------------------------------
     def gain(self, est: Estimate, cost: SwitchCost) -> float:
         """(value - current value) x the horizon left once the new gear carries the load; rent only
-        trades GPUs against tokens once the SLOs are met (package docstring)."""
+        trades GPUs against tokens once the SLOs are met (package docstring). Leaving an overloaded
+        gear gains at least the throughput it leaves unserved that the new gear serves.
+
+        NOTE(overload): an overloaded gear's queue grows without bound, so its modelled TTFT is
+        infinite and its goodput 0 - and so is that of every candidate overloaded too. By value
+        alone, a gear that serves four times as much then gains nothing, and the gear stays
+        where it is while the backlog (offered load) grows past every gear: stuck. What the
+        bigger gear does serve of that load is what leaving is worth at least."""
         charged = self.rent if self.cur_standing else 0.0
-        return (_value(est, charged) - _value(self.cur.estimate, charged)) * max(0.0, self.config.horizon_s
-                                                                                 - cost.time_to_effect_s)
+        cur = self.cur.estimate
+        per_s = _value(est, charged) - _value(cur, charged)
+        if cur is not None and cur.overloaded:
+            per_s = max(per_s, est.throughput_tokens_s - cur.throughput_tokens_s)
+        return per_s * max(0.0, self.config.horizon_s - cost.time_to_effect_s)
 
     def evaluate(self, gear: Gear, est: Estimate, note: str,
                  profiles: Mapping[Plan, PlanProfile] | None = None, *, cost: SwitchCost | None = None,
@@ -256,6 +271,22 @@ class Weighing:
         note = f"backing off until t={until:.0f} s (a PREPARE of it was refused: {hit[0].reason[:120]})"
         return replace(e, passes=False, note=f"{e.note}; {note}" if e.note else note,
                        path=SwitchPath("blocked", conflicts=e.path.conflicts if e.path else (), note=note))
+
+    @property
+    def cooling(self) -> bool:
+        """Within the cooldown after the last chosen switch, with a valid gear it applies to."""
+        until = self.cool_until
+        return self.cur.valid and until is not None and self.now_s < until and not self.ignore_cooldown
+
+    def upshift_only(self, e: CandidateEval) -> CandidateEval:
+        """`e` made ineligible unless it is an upshift (more modelled capacity than the current
+        gear): what the cooldown lets out of an overloaded gear."""
+        cur = self.cur.estimate
+        if cur is None or e.estimate.capacity_rps > cur.capacity_rps:
+            return e
+        note = (f"not now: cooldown until t={self.cool_until:.0f} s, and only an upshift leaves the overloaded gear"
+                f" ({e.estimate.capacity_rps:.2f} req/s, the current gear {cur.capacity_rps:.2f})")
+        return replace(e, passes=False, note=f"{e.note}; {note}" if e.note else note)
 
     def against_ask(self, e: CandidateEval) -> CandidateEval:
         """`e` made ineligible when it goes against the capacity ask: MORE, no more modelled capacity

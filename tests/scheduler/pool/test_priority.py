@@ -48,8 +48,10 @@ def step(*states: DeploymentState, config: LoopConfig = EXCLUSIVE, snapshot: Sna
 
 
 def busy() -> DeploymentState:
-    # 40 rps of chat on the 70B: more than any gear on one H100 node serves within the SLOs
-    return dep("hi", M70.name, tp(M70.name, "a1", 8), rate=40.0, priority=10)
+    # 40 rps of chat on the 70B: more than any gear on one H100 node serves within the SLOs - on
+    # the one that serves the most there (an overloaded gear shifts up on its own GPUs first)
+    halves = [tp_plan(M70.name, [f"a1-g{i}" for i in range(k, k + 4)], kv_tokens=327_680) for k in (0, 4)]
+    return dep("hi", M70.name, Gear(M70.name, tuple(halves), (0.5, 0.5)), rate=40.0, priority=10)
 
 
 def lower(current: Gear | None = None, switches: tuple[float, ...] = (NOW - 60,), **changes: object) -> DeploymentState:
