@@ -260,7 +260,8 @@ def test_a_reader_that_goes_away_aborts_its_request_in_vllm(nodes: tuple[VllmNod
     for _ in range(16):
         assert _eventually(lambda: a.host.engine.server_load() == 0)  # what earlier tests left has ended
         sid = new_seq_id("gone")
-        with httpx.Client() as client, client.stream("POST", f"http://{a.addr}/data/v1/generate",
+        # (httpx's default 5 s read timeout is a speed assumption: CI once timed out on the first token)
+        with httpx.Client(timeout=60.0) as client, client.stream("POST", f"http://{a.addr}/data/v1/generate",
                                                      json=gen_body(a.host, sid, LONG)) as resp:
             lines = resp.iter_lines()
             assert "token" in next(lines) and "token" in next(lines)
