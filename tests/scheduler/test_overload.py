@@ -12,7 +12,6 @@ from scheduler.control import ControlLoop, DeploymentState, FleetState, LoopConf
 from scheduler.gearbox import (
     DEFAULT_CONFIG,
     Deployment,
-    LoadSample,
     LoadWindow,
     Outcome,
     decide,
@@ -20,8 +19,8 @@ from scheduler.gearbox import (
 )
 from scheduler.modelspec import model_spec
 from scheduler.plan import Gear
-from scheduler.topology import Snapshot
-from tests.scheduler.builders import CHAT_SLO, NodeSpec, make_fleet, one_plan_gear, tp_plan
+from tests.scheduler.builders import CHAT_SLO
+from tests.scheduler.test_gearbox import deployment, fleet, tp8, window  # the same fleet and deployment
 
 M70 = model_spec("Llama-3-70B")
 NOW = 1000.0
@@ -30,23 +29,6 @@ NOW = 1000.0
 HEAVY_RPS = 18.0  # over the high watermark, under the capacity: not overloaded
 OVER_RPS = 40.0  # over the TP8 gear's capacity, within the fleet's
 BEYOND_RPS = 200.0  # over what any gear of the fleet can serve
-
-
-def fleet() -> Snapshot:
-    return make_fleet([NodeSpec("a1", "H100-SXM"), NodeSpec("a2", "H100-SXM"), NodeSpec("b1", "A100-80G", rack="B")])
-
-
-def tp8(node: str = "a1") -> Gear:
-    return one_plan_gear(tp_plan(M70, [f"{node}-g{i}" for i in range(8)], kv_tokens=100_000))
-
-
-def deployment(**changes: object) -> Deployment:
-    base = Deployment(id="chat", model=M70.name, slo=CHAT_SLO, baseline=tp8("a2"))
-    return replace(base, **changes)  # type: ignore[arg-type]
-
-
-def window(rate: float, now: float = NOW, span: float = 300.0) -> LoadWindow:
-    return LoadWindow(tuple(LoadSample(now - span + 15 * i, rate, 512, 200, 0.8, 0.6) for i in range(int(span // 15) + 1)))
 
 
 def in_cooldown() -> Deployment:

@@ -17,22 +17,14 @@ from console.fleet.models import AgentCommand, Node
 from console.gearbox import lost_release, tasks, ticks
 from console.gearbox.actions import held_gpus
 from console.gearbox.models import Deployment, GpuReservation, Transition
-from scheduler.plan import Gear, Plan, Stage
-from tests.console.gearbox.harness import M8, FleetReporter, SimAgents, enroll_fleet, make_deployment, uuid
+from scheduler.plan import Gear
+from tests.console.gearbox.harness import FleetReporter, SimAgents, enroll_fleet, make_deployment, uuid
 from tests.console.gearbox.ops import drive
+from tests.console.gearbox.test_worker_crash import two_node_gear  # PP2 over b1 (GPUs 0-1) and a1 (4-5)
 
 pytestmark = pytest.mark.django_db
 
 STAGE_ON_A1 = {uuid("a1", 4), uuid("a1", 5)}  # the stage the node that keeps running holds
-
-
-def two_node_gear() -> Gear:
-    """A PP2 plan: layers 0-15 on b1's GPUs 0-1, the rest on a1's GPUs 4-5."""
-    half = M8.num_layers // 2
-    plan = Plan(M8.name, "colocated", (Stage(0, half, (uuid("b1", 0), uuid("b1", 1))),
-                                       Stage(half, M8.num_layers, (uuid("a1", 4), uuid("a1", 5)))),
-                kv_reserve_tokens=200_000)
-    return Gear(M8.name, (plan,), (1.0,))
 
 
 def restart_agent(node_id: str) -> None:
