@@ -2,12 +2,12 @@
 
 The REST API (api.py), the pages (views.py), their websockets (consumers.py) and the metrics
 (console/metrics/gearbox.py) all read through these functions, so a page and the API never
-disagree on a field. Read-only: nothing here writes.
+disagree on a field. Read-only: nothing here writes. This module holds the times, the fleet, the
+deployments and what each page and websocket sends; the gears and plans (present_gears.py), the
+transitions (present_transitions.py), the decisions (present_decisions.py), TWU (present_twu.py)
+and the operator controls (present_controls.py) live beside it, and it re-exports the first four,
+so callers import only `console.gearbox.present`.
 
-* Gears and plans are values inside rows (a deployment's baseline / current / pinned gear, a
-  transition's from / to gear, a decision's target), not rows of their own. `known_gears()`
-  gathers them, keyed by their content id (scheduler.plan: equal content, equal id), with the
-  roles each deployment gives them.
 * `FleetView` is the fleet as these payloads need it, read once per request or push: each GPU's
   node and index, the atomic blocks (scheduler.topology.partition over the gearbox's own
   fleet -> Snapshot conversion) and why each left-out GPU is out, and the engines' latest reports
@@ -15,31 +15,23 @@ disagree on a field. Read-only: nothing here writes.
 * A deployment's `health` is one of idle (nothing runs yet), ok, switching (a transition runs) or
   degraded (its gear lost GPUs, its engines report P95 latencies above the SLO, or an emergency
   downshift is pending), with the reasons in words.
-* A transition's `phases` are spans on the wall clock built from its step rows: a phase starts
-  with its first step (PREPARE with the transition itself) and ends where the next one starts,
-  or when the transition finished; the running phase has no end yet.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db.models import Prefetch
 from django.utils import timezone
 
-from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Job, Transition, TransitionStep
-from console.gearbox.names import GpuNames, distinct, gear_name, load_names, names_from, plan_name, readable
+from console.gearbox.models import ACTIVE_PHASES, Decision, Deployment, Job, Transition
+from console.gearbox.names import load_names, names_from, readable
 from scheduler.plan import Gear, Plan
 from scheduler.topology import Snapshot
-from scheduler.transition import STEP_DEFS, Step
 
-SHADOW_STATUSES = ("none", "preparing", "ready", "canary", "promoted", "rolling_back")
 HEALTH_STATES = ("idle", "scaled to zero", "ok", "switching", "degraded")
-MIGRATE_STEPS = ("move", "rb_move")
 
 
 # --- times -----------------------------------------------------------------------------------------
@@ -51,176 +43,6 @@ def seconds_between(start: datetime | None, end: datetime | None) -> float | Non
     if start is None or end is None:
         return None
     return round(max(0.0, (end - start).total_seconds()), 3)
-
-
-# --- gears and plans -------------------------------------------------------------------------------
-def parse_gear(raw: object) -> Gear | None:
-    """The gear a row stores, or None (null, or a value that no longer parses: shown as missing)."""
-    if not raw:
-        return None
-    try:
-        return Gear.from_dict(raw)
-    except ValueError:
-        return None
-
-
-def gear_id_of(raw: object) -> str | None:
-    gear = parse_gear(raw)
-    return gear.gear_id if gear is not None else None
-
-
-def gear_summary(raw: object, names: GpuNames | None = None) -> dict[str, Any] | None:
-    """Id, shape, name (shape and placement: console/gearbox/names.py) and plans (id, shape, weight)
-    of a stored gear: what lists show."""
-    gear = parse_gear(raw)
-    if gear is None:
-        return None
-    names = load_names() if names is None else names
-    return {"gear_id": gear.gear_id, "shape": gear.shape(), "name": gear_name(gear, names),
-            "gpu_count": len(gear.gpu_uuids),
-            "plans": [{"plan_id": p.plan_id, "shape": p.shape(), "name": plan_name(p, names), "weight": w}
-                      for p, w in zip(gear.plans, gear.weights, strict=True)]}
-
-
-def plan_detail(plan: Plan, fleet: FleetView | None = None) -> dict[str, Any]:
-    """A plan with its stages on GPUs (node, index, model, and whether the GPU is in a block now)."""
-    stages = []
-    for pipeline, chain in (("main" if plan.mode == "colocated" else "prefill", plan.stages),
-                            ("decode", plan.decode_stages)):
-        for i, stage in enumerate(chain):
-            stages.append({"pipeline": pipeline, "index": i, "layers": [stage.layer_start, stage.layer_end],
-                           "tp": stage.tp, "gpus": [_gpu(u, fleet) for u in stage.gpu_uuids]})
-    return {"plan_id": plan.plan_id, "model": plan.model, "mode": plan.mode, "shape": plan.shape(), "pp": plan.pp,
-            "kv_reserve_tokens": plan.kv_reserve_tokens, "kv_partition": plan.kv_partition,
-            "gpu_count": len(plan.gpu_uuids), "stages": stages}
-
-
-def gear_detail(gear: Gear, fleet: FleetView | None = None) -> dict[str, Any]:
-    return {"gear_id": gear.gear_id, "model": gear.model, "shape": gear.shape(), "gpu_count": len(gear.gpu_uuids),
-            "weights": list(gear.weights), "plans": [{**plan_detail(p, fleet), "weight": w}
-                                                     for p, w in zip(gear.plans, gear.weights, strict=True)]}
-
-
-def _gpu(uuid: str, fleet: FleetView | None) -> dict[str, Any]:
-    info = fleet.gpus.get(uuid) if fleet is not None else None
-    if info is None:
-        return {"uuid": uuid, "node": None, "index": None, "model": None, "in_block": None, "out_reason": None}
-    known = fleet is not None and fleet.blocks is not None  # blocks unknown: say so, not "out"
-    return {"uuid": uuid, "node": info["node"], "index": info["index"], "model": info["model"],
-            "in_block": uuid in fleet.block_of if known and fleet is not None else None,
-            "out_reason": fleet.excluded.get(uuid) if fleet is not None else None}
-
-
-@dataclass
-class KnownGear:
-    """One gear as the gearbox's rows know it, and what each deployment uses it for."""
-
-    gear: Gear
-    roles: dict[str, set[str]] = field(default_factory=dict)  # deployment -> GEAR_ROLES
-    transitions: dict[str, list[int]] = field(default_factory=dict)  # deployment -> seqs that came from / went to it
-    last_at: datetime | None = None  # the newest row that names it
-
-    def note(self, deployment: str, role: str, at: datetime | None, seq: int | None = None) -> None:
-        self.roles.setdefault(deployment, set()).add(role)
-        if seq is not None and seq not in self.transitions.setdefault(deployment, []):
-            self.transitions[deployment].append(seq)
-        if at is not None and (self.last_at is None or at > self.last_at):
-            self.last_at = at
-
-
-GEAR_ROLES = ("baseline", "current", "pinned", "source", "target", "proposed")
-
-
-def known_gears(deployment: str | None = None) -> dict[str, KnownGear]:
-    """Every gear a deployment runs, ran, was asked to run or was advised, by gear id.
-
-    Sources: deployments (baseline, current, pinned), transitions (source = from, target = to)
-    and decisions that named a target (proposed: to switch to, or advised). Each stored value is parsed once.
-    """
-    out: dict[str, KnownGear] = {}
-    parsed: dict[str, Gear | None] = {}
-
-    def add(raw: object, name: str, role: str, at: datetime | None, seq: int | None = None) -> None:
-        if not raw:
-            return
-        key = json.dumps(raw, sort_keys=True)
-        if key not in parsed:
-            parsed[key] = parse_gear(raw)
-        gear = parsed[key]
-        if gear is None:
-            return
-        entry = out.get(gear.gear_id)
-        if entry is None:
-            entry = out[gear.gear_id] = KnownGear(gear)
-        entry.note(name, role, at, seq)
-
-    deps = Deployment.objects.all()
-    transitions = Transition.objects.select_related("deployment")
-    decisions = Decision.objects.exclude(target_gear_id="").select_related("deployment")
-    if deployment is not None:
-        deps = deps.filter(name=deployment)
-        transitions = transitions.filter(deployment__name=deployment)
-        decisions = decisions.filter(deployment__name=deployment)
-    for d in deps:
-        add(d.baseline_gear, d.name, "baseline", d.updated_at)
-        add(d.current_gear, d.name, "current", d.updated_at)
-        add(d.pinned_gear, d.name, "pinned", d.updated_at)
-    for t in transitions.only("deployment__name", "seq", "from_gear", "to_gear", "updated_at").order_by("id"):
-        add(t.from_gear, t.deployment.name, "source", t.updated_at, t.seq)
-        add(t.to_gear, t.deployment.name, "target", t.updated_at, t.seq)
-    for dec in decisions.only("deployment__name", "decision", "at").order_by("id"):
-        raw = dec.decision.get("target") if isinstance(dec.decision, dict) else None
-        add(raw, dec.deployment.name, "proposed", dec.at)
-    return out
-
-
-def known_gear_payload(entry: KnownGear, fleet: FleetView | None = None, *, detail: bool = False) -> dict[str, Any]:
-    body = gear_detail(entry.gear, fleet) if detail else {
-        "gear_id": entry.gear.gear_id, "model": entry.gear.model, "shape": entry.gear.shape(),
-        "gpu_count": len(entry.gear.gpu_uuids), "weights": list(entry.gear.weights),
-        "plans": [{"plan_id": p.plan_id, "shape": p.shape(), "weight": w}
-                  for p, w in zip(entry.gear.plans, entry.gear.weights, strict=True)]}
-    body["deployments"] = [{"deployment": name, "roles": [r for r in GEAR_ROLES if r in roles],
-                            "transitions": sorted(entry.transitions.get(name, []))}
-                           for name, roles in sorted(entry.roles.items())]
-    body["last_seen_at"] = iso(entry.last_at)
-    return body
-
-
-@dataclass
-class KnownPlan:
-    plan: Plan
-    gears: set[str] = field(default_factory=set)
-    deployments: set[str] = field(default_factory=set)
-
-
-def known_plans(gears: Mapping[str, KnownGear]) -> dict[str, KnownPlan]:
-    out: dict[str, KnownPlan] = {}
-    for gear_id, entry in gears.items():
-        for plan in entry.gear.plans:
-            known = out.setdefault(plan.plan_id, KnownPlan(plan))
-            known.gears.add(gear_id)
-            known.deployments.update(entry.roles)
-    return out
-
-
-def known_plan_payload(entry: KnownPlan, routing: Mapping[str, list[dict[str, Any]]],
-                       fleet: FleetView | None = None) -> dict[str, Any]:
-    """A plan, the gears it belongs to, and where routing tables send requests to it now."""
-    return {**plan_detail(entry.plan, fleet), "gears": sorted(entry.gears),
-            "deployments": sorted(entry.deployments), "routes": routing.get(entry.plan.plan_id, [])}
-
-
-def routes_by_plan() -> dict[str, list[dict[str, Any]]]:
-    """plan id -> [{deployment, version, weight, frozen, nodes}] from every routing table."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for name, version, routes in Deployment.objects.values_list("name", "routing_version", "routing"):
-        for r in routes if isinstance(routes, list) else []:
-            if isinstance(r, dict) and r.get("plan_id"):
-                out.setdefault(str(r["plan_id"]), []).append({
-                    "deployment": name, "version": version, "weight": r.get("weight"), "frozen": bool(r.get("frozen")),
-                    "nodes": list(r.get("nodes") or [])})
-    return out
 
 
 # --- the fleet -------------------------------------------------------------------------------------
@@ -500,114 +322,6 @@ def load_history(dep: Deployment) -> list[dict[str, Any]]:
     return out
 
 
-# --- transitions -----------------------------------------------------------------------------------
-def transitions_with_steps() -> Any:
-    return Transition.objects.select_related("deployment", "decision").prefetch_related(
-        Prefetch("steps", queryset=TransitionStep.objects.order_by("id")))
-
-
-def phase_spans(t: Transition, steps: Sequence[TransitionStep], now: datetime | None = None) -> list[dict[str, Any]]:
-    """The phases a transition went through, with start, end and duration (module docstring)."""
-    starts: list[tuple[str, datetime]] = [("prepare", t.created_at)]
-    for s in steps:
-        if s.phase != starts[-1][0] and s.phase not in {p for p, _ in starts}:
-            starts.append((s.phase, s.started_at))
-    if t.active and t.phase not in {p for p, _ in starts}:
-        starts.append((t.phase, max(t.updated_at, starts[-1][1])))
-    now = now or timezone.now()
-    spans = []
-    for i, (phase, start) in enumerate(starts):
-        end = starts[i + 1][1] if i + 1 < len(starts) else t.finished_at
-        running = end is None
-        spans.append({"phase": phase, "started_at": iso(start), "ended_at": iso(end), "running": running,
-                      "duration_s": seconds_between(start, end if end is not None else now)})
-    return spans
-
-
-def moved_payload(t: Transition) -> dict[str, Any]:
-    record = t.record if isinstance(t.record, dict) else {}
-    forward = record.get("moved") if isinstance(record.get("moved"), dict) else {}
-    back = record.get("moved_back") if isinstance(record.get("moved_back"), dict) else {}
-    return {"kv_bytes_migrated": t.kv_bytes_migrated, "tokens_replayed": t.tokens_replayed,
-            "seqs_migrated": t.seqs_migrated, "seqs_replayed": t.seqs_replayed, "seqs_finished": t.seqs_finished,
-            "seqs_failed": t.seqs_failed, "stall_s_max": t.stall_s_max, "forward": forward, "back": back}
-
-
-def transition_payload(t: Transition, *, detail: bool = False, fleet: FleetView | None = None,
-                       now: datetime | None = None, names: GpuNames | None = None) -> dict[str, Any]:
-    steps = list(t.steps.all())
-    now = now or timezone.now()
-    names = (fleet.names if fleet is not None else load_names()) if names is None else names
-    source, target = gear_summary(t.from_gear, names), gear_summary(t.to_gear, names)
-    if source is not None and target is not None:  # two distinct gears never read the same
-        source["name"], target["name"] = distinct((source["name"], source["gear_id"]),
-                                                  (target["name"], target["gear_id"]))
-    body: dict[str, Any] = {
-        "id": t.pk, "deployment": t.deployment.name, "seq": t.seq, "kind": t.kind, "phase": t.phase,
-        "active": t.active, "step": t.step, "attempt": t.attempt, "actor": t.actor, "decision": t.decision_id,
-        "from_gear": source, "to_gear": target,
-        "created_at": iso(t.created_at), "updated_at": iso(t.updated_at), "finished_at": iso(t.finished_at),
-        "duration_s": seconds_between(t.created_at, t.finished_at or now), "error": readable(t.error, names),
-        "abort_reason": t.abort_reason, "phases": phase_spans(t, steps, now), "moved": moved_payload(t),
-    }
-    if detail:
-        body["steps"] = [step_payload(s, now) for s in steps]
-        target = parse_gear(t.to_gear)
-        source = parse_gear(t.from_gear)
-        body["to_gear_detail"] = gear_detail(target, fleet) if target is not None else None
-        body["from_gear_detail"] = gear_detail(source, fleet) if source is not None else None
-        body["decision_summary"] = decision_payload(t.decision, names=names) if t.decision is not None else None
-    return body
-
-
-def step_payload(s: TransitionStep, now: datetime) -> dict[str, Any]:
-    try:
-        does = STEP_DEFS[Step(s.step)].does
-    except ValueError:
-        does = ""
-    return {"step": s.step, "phase": s.phase, "attempt": s.attempt, "state": s.state,
-            "started_at": iso(s.started_at), "finished_at": iso(s.finished_at),
-            "duration_s": seconds_between(s.started_at, s.finished_at or now), "note": s.note, "error": s.error,
-            "reason": s.reason, "commands": len(s.commands) if isinstance(s.commands, list) else 0,
-            "result": s.result if isinstance(s.result, dict) else {}, "does": does}
-
-
-def shadow_status(t: Transition | None) -> str:
-    """The shadow plan (the new plans PREPARE brings up before any request reaches them), by the
-    running transition: none, preparing, ready (prepared, not routed yet), canary (a share of new
-    requests), promoted (the flip gave it all new requests), rolling_back."""
-    if t is None or not t.active:
-        return "none"
-    if t.phase == "rollback":
-        return "rolling_back"
-    if t.phase == "prepare":
-        return "ready" if _step_ok(t, "prepare") else "preparing"
-    if t.phase == "switch" and t.step == "canary":
-        return "canary"
-    return "promoted"
-
-
-def _step_ok(t: Transition, step: str) -> bool:
-    return TransitionStep.objects.filter(transition=t, step=step, state="ok").exists()
-
-
-def migration_queue(t: Transition | None) -> int:
-    """KV migrations waiting: sequences the running move step hands over by migration whose
-    command the leaving plan's agent has not acknowledged yet (0 outside a move step)."""
-    from console.fleet.models import AgentCommand
-
-    if t is None or not t.active or t.step not in MIGRATE_STEPS:
-        return 0
-    step = TransitionStep.objects.filter(transition=t, step=t.step, attempt=t.attempt).first()
-    keys = step.commands if step is not None and isinstance(step.commands, list) else []
-    waiting = 0
-    for payload in AgentCommand.objects.filter(key__in=keys, kind="move_sequences",
-                                               state__in=AgentCommand.OPEN_STATES).values_list("payload", flat=True):
-        moves = payload.get("moves", []) if isinstance(payload, dict) else []
-        waiting += sum(1 for m in moves if isinstance(m, dict) and m.get("action") == "migrate")
-    return waiting
-
-
 # --- what pages and their websockets send ------------------------------------------------------------
 RECENT_SWITCHES = 12
 PAGE_ROWS = 25
@@ -706,6 +420,33 @@ def decision_detail(pk: int, fleet: FleetView | None = None) -> dict[str, Any] |
     return decision_payload(d, detail=True, fleet=fleet or fleet_view()) if d is not None else None
 
 
-# the decisions' shapes live in present_decisions.py (imported last: it builds on the helpers above)
+# the decisions', gears', transitions' and TWU's shapes live in their own modules, re-exported here
+# (imported last: they build on the helpers above)
 from console.gearbox.present_decisions import decision_payload, decisions_with_links  # noqa: E402
+from console.gearbox.present_gears import (  # noqa: E402, F401 - re-exported
+    GEAR_ROLES,
+    KnownGear,
+    KnownPlan,
+    gear_detail,
+    gear_id_of,
+    gear_summary,
+    known_gear_payload,
+    known_gears,
+    known_plan_payload,
+    known_plans,
+    parse_gear,
+    plan_detail,
+    routes_by_plan,
+)
+from console.gearbox.present_transitions import (  # noqa: E402, F401 - re-exported
+    MIGRATE_STEPS,
+    SHADOW_STATUSES,
+    migration_queue,
+    moved_payload,
+    phase_spans,
+    shadow_status,
+    step_payload,
+    transition_payload,
+    transitions_with_steps,
+)
 from console.gearbox.present_twu import TwuView, twu_view  # noqa: E402

@@ -11,7 +11,8 @@ from django.db.models import Prefetch
 
 from console.gearbox.models import Decision, Transition
 from console.gearbox.names import GpuNames, gear_name, load_names, readable
-from console.gearbox.present import FleetView, gear_detail, iso, parse_gear
+from console.gearbox.present import FleetView, iso
+from console.gearbox.present_gears import gear_detail, parse_gear
 
 
 def decision_payload(d: Decision, *, detail: bool = False, fleet: FleetView | None = None,

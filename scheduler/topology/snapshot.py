@@ -1,4 +1,9 @@
-"""The cluster as the agents last reported it, its atomic blocks, and how blocks change over time.
+"""The cluster as the agents last reported it: nodes, GPUs, links, and their plain-JSON shape.
+
+`NodeState`, `GpuState`, `LinkState` and `Snapshot` are the facts every decision reads; the
+snapshot's lookups (specs, link bandwidths and latencies, measured collective curves), its
+validation and its JSON reading and writing (`_Reader` names the path of every bad key) live
+here. Atomic blocks are in `blocks`, their history over time in `history`.
 
 A `Snapshot` is built by the console (from agents' reports) and by the simulator (from a
 scenario); both go through the same plain-JSON shape (`Snapshot.from_dict` / `to_dict`):
@@ -34,34 +39,22 @@ names the path of the offending key (`gpus[3].mem_used_bytes: ...`).
 Link bandwidths between nodes are in gigabits per second (`*_gbps`, as measured by the
 agents' probes and as scenarios state them); everything inside the scheduler uses bytes per
 second (`*_bytes_per_s`).
-
-Atomic blocks: GPUs of one node that share an NVLink group form one block; a node's PCIe-only
-GPUs form one block when their host link is fast enough for tensor parallelism, else each is
-a block of its own. Only healthy, schedulable GPUs of schedulable nodes with a fresh
-heartbeat and fewer than `max_failed_checks` failed checks are in a block. Block ids derive
-from the node and the domain (`a1/nvl0`, `a1/pcie`, `a1/gpu3`), so they are stable across
-snapshots and `FragmentHistory` can follow a block as it shrinks and grows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
-from operator import attrgetter
 from types import MappingProxyType
-from typing import Literal
 
-from scheduler._lazy import check_plain_dataclass, make_frozen
 from scheduler.capabilities import EngineCaps
 from scheduler.collectives import CollectiveCurve, index
 from scheduler.hardware import CATALOG as GPU_CATALOG
 from scheduler.hardware import GpuSpec, gpu_spec
 
 GBPS_TO_BYTES_PER_S = 1e9 / 8  # 1 Gb/s in bytes per second
-
-LinkKind = Literal["nvlink", "pcie", "single"]
 
 
 # --- snapshot types ------------------------------------------------------------------------
@@ -493,283 +486,3 @@ class _Reader:
         if not isinstance(value, list):
             raise ValueError(f"{self.path}.{key}: must be a list, got {type(value).__name__}")
         return value
-
-
-# --- atomic blocks -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class BlockPolicy:
-    """Which GPUs may enter a block, and when PCIe peers are good enough for TP."""
-
-    heartbeat_timeout_s: float = 60.0  # a GPU or node not heard from for longer is out
-    max_failed_checks: int = 3  # this many consecutive failed checks puts a GPU out
-    min_pcie_tp_bytes_per_s: float = 20e9  # PCIe peers of one node form one block at or above this
-
-
-DEFAULT_POLICY = BlockPolicy()
-
-
-@dataclass(frozen=True)
-class AtomicBlock:
-    """GPUs good enough for tensor parallelism among themselves (one NVLink domain, or PCIe peers)."""
-
-    id: str  # stable across snapshots: node id + domain ("a1/nvl0", "a1/pcie", "a1/gpu3")
-    node_id: str  # the node it lies in
-    rack: str  # that node's rack
-    gpu_model: str  # every GPU of a block is the same model
-    gpu_uuids: tuple[str, ...]  # its GPUs, by index
-    mem_total_bytes: tuple[int, ...]  # capacity per GPU, same order
-    mem_free_bytes: tuple[int, ...]  # total - used per GPU, same order
-    link_kind: LinkKind  # what connects its GPUs
-    tp_link_bytes_per_s: float  # slowest GPU-to-GPU path inside it, per direction (0 if single)
-
-    @property
-    def size(self) -> int:
-        return len(self.gpu_uuids)
-
-
-check_plain_dataclass(AtomicBlock, field_names=("id", "node_id", "rack", "gpu_model", "gpu_uuids", "mem_total_bytes",
-                                                "mem_free_bytes", "link_kind", "tp_link_bytes_per_s"))
-
-
-@dataclass(frozen=True)
-class Partition:
-    """The blocks of a snapshot, and why each left-out GPU is out."""
-
-    blocks: tuple[AtomicBlock, ...]  # sorted by id
-    excluded: Mapping[str, str]  # uuid -> reason
-
-
-def exclusion_reason(gpu: GpuState, node: NodeState | None, now_s: float, policy: BlockPolicy) -> str | None:
-    """Why this GPU may not be planned on, or None when it may."""
-    if node is None:
-        return f"node {gpu.node_id!r} unknown"
-    if not node.schedulable:
-        return f"node {node.id} is not schedulable"
-    if now_s - node.last_seen_s > policy.heartbeat_timeout_s:
-        return f"node {node.id} heartbeat is {now_s - node.last_seen_s:.0f} s old"
-    if now_s - gpu.last_seen_s > policy.heartbeat_timeout_s:
-        return f"heartbeat is {now_s - gpu.last_seen_s:.0f} s old"
-    if not gpu.healthy:
-        return "unhealthy"
-    if gpu.failed_checks >= policy.max_failed_checks:
-        return f"{gpu.failed_checks} failed checks in a row"
-    if not gpu.schedulable:
-        return "not schedulable"
-    return None
-
-
-def partition(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> Partition:
-    """Split the usable GPUs of a snapshot into atomic blocks (see the module docstring).
-
-    Cost: one pass over the GPUs plus a sort per block. A snapshot never changes, so the
-    result is kept on it per policy: every deployment decided on one snapshot shares it.
-    """
-    memo: dict[BlockPolicy, Partition] = snapshot.__dict__.setdefault("_partitions", {})
-    hit = memo.get(policy)
-    if hit is None:
-        hit = memo[policy] = _partition(snapshot, policy)
-    return hit
-
-
-def _partition(snapshot: Snapshot, policy: BlockPolicy) -> Partition:
-    excluded: dict[str, str] = {}
-    domains: dict[tuple[str, str], list[GpuState]] = {}
-    pcie: dict[tuple[str, str], list[GpuState]] = {}
-    nodes = snapshot.node_by_id
-    now_s = snapshot.now_s
-    timeout = policy.heartbeat_timeout_s
-    max_failed = policy.max_failed_checks
-    # per GPU model named in the snapshot (`_specs` holds those: no second walk of the GPUs)
-    has_nvlink = {m: spec.intra_link_bytes_per_s > 0 for m, spec in snapshot._specs.items()}
-    # nodes whose GPUs may be used at all (known, schedulable, heard from in time)
-    node_ok = {n.id for n in snapshot.nodes if n.schedulable and now_s - n.last_seen_s <= timeout}
-    for gpu in snapshot.gpus:
-        # the common case (all fine) is decided without building a reason
-        if (
-            gpu.node_id not in node_ok or not gpu.healthy or not gpu.schedulable
-            or gpu.failed_checks >= max_failed or now_s - gpu.last_seen_s > timeout
-        ):
-            reason = exclusion_reason(gpu, nodes.get(gpu.node_id), now_s, policy)
-            if reason is not None:
-                excluded[gpu.uuid] = reason
-                continue
-        if gpu.nvlink_group is not None and has_nvlink[gpu.model]:
-            key = (gpu.node_id, gpu.nvlink_group)
-            group = domains.get(key)
-            if group is None:
-                domains[key] = [gpu]
-            else:
-                group.append(gpu)
-        else:
-            key = (gpu.node_id, gpu.model)
-            group = pcie.get(key)
-            if group is None:
-                pcie[key] = [gpu]
-            else:
-                group.append(gpu)
-
-    blocks: list[AtomicBlock] = []
-    for (node_id, group_name), members in domains.items():
-        spec = snapshot.spec(members[0].model)
-        kind: LinkKind = "nvlink" if len(members) > 1 else "single"
-        bw = spec.intra_link_bytes_per_s if len(members) > 1 else 0.0
-        blocks.append(_block(f"{node_id}/nvl{group_name}", nodes[node_id], members, kind, bw))
-    pcie_models_per_node: dict[str, int] = {}
-    for node_id, _model in pcie:
-        pcie_models_per_node[node_id] = pcie_models_per_node.get(node_id, 0) + 1
-    for (node_id, model), members in pcie.items():
-        spec = snapshot.spec(model)
-        suffix = "" if pcie_models_per_node[node_id] == 1 else f"-{model}"
-        if len(members) > 1 and spec.host_link_bytes_per_s >= policy.min_pcie_tp_bytes_per_s:
-            blocks.append(
-                _block(f"{node_id}/pcie{suffix}", nodes[node_id], members, "pcie", spec.host_link_bytes_per_s)
-            )
-        else:
-            for g in sorted(members, key=_BY_INDEX):
-                blocks.append(_block(f"{node_id}/gpu{g.index}", nodes[node_id], [g], "single", 0.0))
-    blocks.sort(key=_block_id)
-    return Partition(blocks=tuple(blocks), excluded=MappingProxyType(excluded))
-
-
-def _block_id(block: AtomicBlock) -> str:
-    return block.id
-
-
-def _block(block_id: str, node: NodeState, members: list[GpuState], kind: LinkKind, bw: float) -> AtomicBlock:
-    if len(members) > 1:
-        members.sort(key=_BY_INDEX)
-    totals = tuple([g.mem_total_bytes for g in members])
-    return make_frozen(AtomicBlock, {
-        "id": block_id,
-        "node_id": node.id,
-        "rack": node.rack,
-        "gpu_model": members[0].model,
-        "gpu_uuids": tuple([g.uuid for g in members]),
-        "mem_total_bytes": totals,
-        "mem_free_bytes": tuple([g.mem_total_bytes - g.mem_used_bytes if g.mem_used_bytes < g.mem_total_bytes else 0
-                                 for g in members]),
-        "link_kind": kind,
-        "tp_link_bytes_per_s": bw,
-    })
-
-
-_BY_INDEX = attrgetter("index")
-
-
-def atomic_blocks(snapshot: Snapshot, policy: BlockPolicy = DEFAULT_POLICY) -> list[AtomicBlock]:
-    """The atomic blocks of a snapshot, sorted by id (see `partition` for the left-out GPUs)."""
-    return list(partition(snapshot, policy).blocks)
-
-
-def block_of(blocks: Iterable[AtomicBlock]) -> dict[str, str]:
-    """uuid -> block id, for the GPUs in `blocks`."""
-    return {u: b.id for b in blocks for u in b.gpu_uuids}
-
-
-# --- fragment history ----------------------------------------------------------------------
-Trajectory = tuple[tuple[float, int], ...]  # ((t_s, size), ...), increasing t_s
-
-
-@dataclass(frozen=True)
-class FragmentHistory:
-    """Per block, a bounded record of its size over time, and a stability score.
-
-    Only changes are stored (a point when the size differs from the last one), so a block
-    that never changes costs one point. Points older than `horizon_s` are dropped, except the
-    last one before the cutoff (it is the block's size at the start of the horizon), and at
-    most `max_points` are kept per block. A block that disappears is recorded at size 0;
-    blocks unseen for longer than the horizon are forgotten. Pure: `observe` returns a new
-    history.
-    """
-
-    horizon_s: float = 4 * 3600.0  # how far back trajectories reach
-    max_points: int = 256  # per block
-    trajectories: Mapping[str, Trajectory] = field(default_factory=dict)  # block id -> points
-
-    def observe(self, blocks: Iterable[AtomicBlock], now_s: float) -> FragmentHistory:
-        """The history after seeing `blocks` at `now_s` (older than every stored point)."""
-        current = {b.id: b.size for b in blocks}
-        cutoff = now_s - self.horizon_s
-        out: dict[str, Trajectory] = {}
-        for block_id in sorted(set(self.trajectories) | set(current)):
-            points = list(self.trajectories.get(block_id, ()))
-            if points and now_s < points[-1][0]:
-                raise ValueError(f"now_s: {now_s} is older than the last observation {points[-1][0]}")
-            size = current.get(block_id, 0)
-            if not points or points[-1][1] != size:
-                points.append((now_s, size))
-            # keep the last point at or before the cutoff: it is the size at the window start
-            first = 0
-            while first + 1 < len(points) and points[first + 1][0] <= cutoff:
-                first += 1
-            points = points[first:][-self.max_points :]
-            if size == 0 and points[-1][0] <= cutoff:
-                continue  # gone for longer than the horizon: forget it
-            out[block_id] = tuple(points)
-        return FragmentHistory(self.horizon_s, self.max_points, MappingProxyType(out))
-
-    def sizes(self, block_id: str) -> Trajectory:
-        return self.trajectories.get(block_id, ())
-
-    def stability(self, block_id: str, now_s: float, window_s: float = 3600.0) -> float:
-        """1.0 for a block that has not shrunk within `window_s`; lower the more, the larger and
-        the more recent its shrinks were; 0.0 when it is gone now.
-
-        score = 1 / (1 + sum over shrinks of (lost / previous size) x (1 - age / window))
-
-        A block never seen has no evidence against it and scores 1.0.
-        """
-        points = self.trajectories.get(block_id, ())
-        if not points:
-            return 1.0
-        if points[-1][1] == 0:
-            return 0.0
-        penalty = 0.0
-        for (_, before), (t_s, after) in zip(points, points[1:], strict=False):
-            age = now_s - t_s
-            if after < before and age < window_s:
-                penalty += (before - after) / before * (1.0 - max(0.0, age) / window_s)
-        return 1.0 / (1.0 + penalty)
-
-    def stabilities(self, now_s: float, window_s: float = 3600.0) -> dict[str, float]:
-        return {b: self.stability(b, now_s, window_s) for b in self.trajectories}
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "horizon_s": self.horizon_s,
-            "max_points": self.max_points,
-            "trajectories": {b: [[t, s] for t, s in pts] for b, pts in sorted(self.trajectories.items())},
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, object]) -> FragmentHistory:
-        r = _Reader(d, "history", required=("trajectories",), optional=("horizon_s", "max_points"))
-        raw = r.raw("trajectories")
-        if not isinstance(raw, Mapping):
-            raise ValueError("history.trajectories: must be an object of block id -> [[t_s, size], ...]")
-        out: dict[str, Trajectory] = {}
-        for block_id, points in raw.items():
-            path = f"history.trajectories[{block_id!r}]"
-            if not isinstance(points, list):
-                raise ValueError(f"{path}: must be a list of [t_s, size]")
-            parsed: list[tuple[float, int]] = []
-            for j, point in enumerate(points):
-                ok = (
-                    isinstance(point, list | tuple)
-                    and len(point) == 2
-                    and isinstance(point[0], int | float)
-                    and isinstance(point[1], int)
-                    and not isinstance(point[1], bool)
-                    and point[1] >= 0
-                )
-                if not ok:
-                    raise ValueError(f"{path}[{j}]: must be [t_s, size >= 0], got {point!r}")
-                if parsed and point[0] < parsed[-1][0]:
-                    raise ValueError(f"{path}[{j}]: times must not decrease")
-                parsed.append((float(point[0]), int(point[1])))
-            out[str(block_id)] = tuple(parsed)
-        return cls(
-            horizon_s=r.number("horizon_s", 4 * 3600.0),
-            max_points=r.integer("max_points", 256),
-            trajectories=MappingProxyType(out),
-        )
