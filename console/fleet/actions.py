@@ -8,7 +8,6 @@ across I/O.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from django.db import transaction
 from django.db.models import F
 
 from agents.protocol import CommandKind, NodeCommandKind, RegisterRequest, Report, SchemaError, check_result
+from console.accounts.auth import hash_token
 from console.audit.chain import actor_of, record
 from console.fleet import doorbell, links, live, writes
 from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
@@ -32,10 +32,6 @@ class Rejected(Exception):
         self.status = status
         self.errors = errors
         super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def new_agent_token() -> str:
