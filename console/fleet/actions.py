@@ -46,7 +46,8 @@ def enroll_token_matches(token: str) -> bool:
 def node_for_token(token: str) -> Node | None:
     if not token:
         return None
-    return Node.objects.filter(token_hash=hash_token(token)).first()
+    # No ORDER BY (first() would sort the one match by pk): every agent call starts here (issue 19)
+    return next(iter(Node.objects.filter(token_hash=hash_token(token)).order_by()[:1]), None)
 
 
 @dataclass(frozen=True)
