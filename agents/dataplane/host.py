@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from agents.dataplane.errors import DataPlaneError, Frozen, Refused, Saturated, StaleLease
 from agents.dataplane.hosting import DrainThenHandOver, put_back
-from agents.dataplane.stream import SeqStream
+from agents.dataplane.stream import SeqStream, check_slo_ms, slo_misses
 from agents.engines.torch.engine import EngineError, KVCacheFullError, KVState, StepOutput, TorchEngine
 from agents.engines.torch.layout import Layout, StageSpec
 from agents.engines.torch.remote import Placement
@@ -96,9 +96,7 @@ class PlanHost(DrainThenHandOver):
         deployment's (TTFT, TPOT) objectives prepare_plan carried, against which each report counts
         its finished sequences' misses (EngineReport.slo_violations, what the global correction
         reads); None: none counted."""
-        if slo_ms is not None and not (len(slo_ms) == 2 and all(v > 0 for v in slo_ms)):
-            raise ValueError(f"slo_ms: must be (ttft_ms, tpot_ms), both > 0; got {slo_ms!r}")
-        self.slo_ms = slo_ms
+        self.slo_ms = check_slo_ms(slo_ms)
         self.verified_sha256 = verified_sha256
         self.host_kv_bytes = host_kv_bytes
         if not isinstance(warmup_tokens, int) or isinstance(warmup_tokens, bool) or warmup_tokens < 0:
@@ -494,17 +492,10 @@ class PlanHost(DrainThenHandOver):
             live = self._live()
         ttft = [1000.0 * (s.token_s[0] - s.admitted_s) for s in finished if s.first_local == 0 and s.token_s]
         tpot = []
-        violations = 0
         for s in finished:
             local = s.token_s[s.first_local:]
-            s_tpot = 1000.0 * (local[-1] - local[0]) / (len(local) - 1) if len(local) > 1 else None
-            if s_tpot is not None:
-                tpot.append(s_tpot)
-            if self.slo_ms is not None:
-                # TTFT only where the first token was made here (a handed-over sequence's came elsewhere)
-                s_ttft = 1000.0 * (s.token_s[0] - s.admitted_s) if s.first_local == 0 and s.token_s else None
-                violations += int((s_ttft is not None and s_ttft > self.slo_ms[0])
-                                  or (s_tpot is not None and s_tpot > self.slo_ms[1]))
+            if len(local) > 1:
+                tpot.append(1000.0 * (local[-1] - local[0]) / (len(local) - 1))
         kv_usage = 0.0
         if self.engine is not None and self.state == "ready":
             free = self.engine.num_free_blocks()
@@ -520,7 +511,7 @@ class PlanHost(DrainThenHandOver):
             tpot_p50_ms=_percentile(tpot, 0.5),
             tpot_p95_ms=_percentile(tpot, 0.95),
             finished=len(finished),
-            slo_violations=violations,
+            slo_violations=slo_misses(finished, self.slo_ms),
             arrivals=arrivals,
             prompt_tokens_mean=statistics.fmean(prompts) if prompts else None,
             output_tokens_mean=statistics.fmean([s.generated for s in finished]) if finished else None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,3 +84,28 @@ class SeqStream:
             if end is not None and i >= len(self.tokens):
                 yield dict(end)
                 return
+
+
+def check_slo_ms(slo_ms: tuple[float, float] | None) -> tuple[float, float] | None:
+    """A plan host's `slo_ms` argument: the deployment's (TTFT, TPOT) objectives in ms, or None."""
+    if slo_ms is not None and not (len(slo_ms) == 2 and all(v > 0 for v in slo_ms)):
+        raise ValueError(f"slo_ms: must be (ttft_ms, tpot_ms), both > 0; got {slo_ms!r}")
+    return slo_ms
+
+
+def slo_misses(finished: Iterable[SeqStream], slo_ms: tuple[float, float] | None) -> int:
+    """How many of these finished streams missed the (TTFT, TPOT) objectives `slo_ms` (ms; None:
+    nothing counted) - EngineReport.slo_violations, what the global correction reads.
+
+    Each is judged on what this node did: its TTFT only where its first token was made here
+    (admission to first token; a handed-over sequence's came elsewhere), its TPOT over the tokens
+    made here (the mean gap, first to last local token). A stream with neither is no miss."""
+    if slo_ms is None:
+        return 0
+    misses = 0
+    for s in finished:
+        local = s.token_s[s.first_local:]
+        ttft = 1000.0 * (s.token_s[0] - s.admitted_s) if s.first_local == 0 and s.token_s else None
+        tpot = 1000.0 * (local[-1] - local[0]) / (len(local) - 1) if len(local) > 1 else None
+        misses += int((ttft is not None and ttft > slo_ms[0]) or (tpot is not None and tpot > slo_ms[1]))
+    return misses

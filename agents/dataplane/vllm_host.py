@@ -43,7 +43,7 @@ import torch
 
 from agents.dataplane.errors import DataPlaneError, Frozen, Refused, Saturated, StaleLease
 from agents.dataplane.hosting import DrainThenHandOver, put_back
-from agents.dataplane.stream import SeqStream
+from agents.dataplane.stream import SeqStream, check_slo_ms, slo_misses
 from agents.engines.torch.engine import KVState
 from agents.engines.torch.sampling import SamplingParams
 from agents.engines.torch.weights import WEIGHTS_FILE, sha256_file
@@ -126,9 +126,14 @@ class VllmPlanHost(DrainThenHandOver):
         policy: RestartPolicy | None = None,
         engine_options: dict[str, Any] | None = None,
         warmup_tokens: int = 1,
+        slo_ms: tuple[float, float] | None = None,
     ) -> None:
         """`warmup_tokens`: generated once the server is up, before it is served (the registry's
-        warm-up for the model; 0: none)."""
+        warm-up for the model; 0: none). `slo_ms`: the deployment's (TTFT, TPOT) objectives
+        prepare_plan carried; each report counts the sequences that finished here and missed them
+        (EngineReport.slo_violations), from this host's own token clock - vLLM's /metrics has
+        histograms, not per-request misses. None: none counted."""
+        self.slo_ms = check_slo_ms(slo_ms)
         if not isinstance(warmup_tokens, int) or isinstance(warmup_tokens, bool) or warmup_tokens < 0:
             raise ValueError(f"warmup_tokens: must be an integer >= 0, got {warmup_tokens!r}")
         self.warmup_tokens = warmup_tokens
@@ -160,6 +165,7 @@ class VllmPlanHost(DrainThenHandOver):
         self._win_start_s = clock()
         self._win_prompt: list[int] = []
         self._win_arrivals = 0
+        self._win_finished: list[SeqStream] = []  # ended done here since the last report
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -318,7 +324,10 @@ class VllmPlanHost(DrainThenHandOver):
         with run.lock:
             if run.abandoned or run.attempt != attempt:
                 return
-            run.stream.close(end, self.clock())
+            closed = run.stream.close(end, self.clock())
+        if closed and "done" in end:
+            with self._lock:
+                self._win_finished.append(run.stream)
 
     def _deliver(self, run: _Run, attempt: int, token_ids: list[int]) -> bool:
         """Append tokens; False once this request was stopped (abandoned, or a hand-over began)."""
@@ -577,13 +586,23 @@ class VllmPlanHost(DrainThenHandOver):
     def report(self) -> EngineReport:
         """Serving metrics over the interval since the previous report, from vLLM's /metrics.
 
-        Arrivals and the mean prompt come from this host's own count (vLLM counts a replayed
-        sequence as a new request with a longer prompt); the rest is vLLM's.
+        Arrivals, the mean prompt and the SLO misses come from this host's own count (vLLM counts
+        a replayed sequence as a new request with a longer prompt, and counts no misses); the rest
+        is vLLM's.
         """
         rep = self.engine.report()
         with self._lock:
             arrivals, self._win_arrivals = self._win_arrivals, 0
             prompts, self._win_prompt = self._win_prompt, []
+            finished, self._win_finished = self._win_finished, []
             self._win_start_s = self.clock()
-        return replace(rep, plan_id=self.plan_id, arrivals=arrivals,
+        # vLLM's count of finished requests and ours are read a moment apart: a sequence that ended in
+        # between is in ours and not yet in vLLM's. It is judged in the next interval, so the report
+        # keeps its rule (slo_violations <= finished).
+        if len(finished) > rep.finished:
+            with self._lock:
+                self._win_finished[:0] = finished[rep.finished:]
+            finished = finished[:rep.finished]
+        misses = slo_misses(finished, self.slo_ms)
+        return replace(rep, plan_id=self.plan_id, arrivals=arrivals, slo_violations=misses,
                        prompt_tokens_mean=sum(prompts) / len(prompts) if prompts else None)

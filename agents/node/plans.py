@@ -420,17 +420,17 @@ class VllmBackend:
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
              peers: dict[str, str] | None = None, warmup_tokens: int = 1,
              slo_ms: tuple[float, float] | None = None) -> PlanEngine:
-        """(`stages`, `peers`: unused - a vLLM plan runs on its leader's machine; `slo_ms`: unused -
-        its reports are vLLM's own histograms, which count no per-request misses)"""
+        """(`stages`, `peers`: unused - a vLLM plan runs on its leader's machine; `slo_ms`: the
+        host counts its finished sequences' misses, as a torch plan's does)"""
         co = self.models.checkout(model, weights_sha256)
         try:
-            return self._make(deployment, plan, plan_id, model, co, warmup_tokens)
+            return self._make(deployment, plan, plan_id, model, co, warmup_tokens, slo_ms)
         except BaseException:
             co.release()
             raise
 
     def _make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, co: Checkout,
-              warmup_tokens: int) -> PlanEngine:
+              warmup_tokens: int, slo_ms: tuple[float, float] | None) -> PlanEngine:
         from agents.dataplane import VllmPlanHost
         from agents.engines.vllm import RestartPolicy
 
@@ -446,7 +446,7 @@ class VllmBackend:
                                             "pipeline_parallel_size": spec.pipeline_parallel_size,
                                             "dtype": spec.dtype, "enforce_eager": spec.enforce_eager,
                                             "env": spec.env},
-                            warmup_tokens=warmup_tokens)
+                            warmup_tokens=warmup_tokens, slo_ms=slo_ms)
         if host.plan_id != plan_id:
             raise Refused(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})", field="plan_id")
         return _Served(host, self.server(), co)

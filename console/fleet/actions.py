@@ -8,7 +8,6 @@ across I/O.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from django.db import transaction
 from django.db.models import F
 
 from agents.protocol import CommandKind, NodeCommandKind, RegisterRequest, Report, SchemaError, check_result
+from console.accounts.auth import hash_token
 from console.audit.chain import actor_of, record
 from console.fleet import doorbell, links, live, writes
 from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
@@ -34,10 +34,6 @@ class Rejected(Exception):
         super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
 
 
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def new_agent_token() -> str:
     return "fpa_" + secrets.token_urlsafe(32)
 
@@ -50,7 +46,8 @@ def enroll_token_matches(token: str) -> bool:
 def node_for_token(token: str) -> Node | None:
     if not token:
         return None
-    return Node.objects.filter(token_hash=hash_token(token)).first()
+    # No ORDER BY (first() would sort the one match by pk): every agent call starts here (issue 19)
+    return next(iter(Node.objects.filter(token_hash=hash_token(token)).order_by()[:1]), None)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """/api/v1/jobs: fine-tune and batch jobs on the pool (console/gearbox/jobs.py). Viewers read;
 operators create (POST) and delete (DELETE /api/v1/jobs/<name>), as with /api/v1/deployments. A
 job's runner reads its job (where it runs, whether to yield and by when) and acknowledges its
-checkpoints (POST /api/v1/jobs/<name>/checkpointed, as an operator: console/gearbox/admission.py)."""
+checkpoints (POST /api/v1/jobs/<name>/checkpointed: console/gearbox/admission.py) with the job's own
+runner token, which the create answers once (console/gearbox/runner.py); an operator may do both
+too, and issue the job a new runner token."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from rest_framework import serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 
 from console.accounts.auth import IsOperator, IsViewer
 from console.api.serializers import StrictSerializer, refused_response
@@ -22,6 +25,12 @@ from console.gearbox.admission import do_checkpointed
 from console.gearbox.api_lifecycle import request_data
 from console.gearbox.jobs import do_create_job, do_delete_job, job_payload
 from console.gearbox.models import Job
+from console.gearbox.runner import (
+    IsJobRunner,
+    JobRunnerAuthentication,
+    RunnerPrincipal,
+    do_issue_runner_token,
+)
 
 FIELDS = ("name", "gpus", "gpu_model", "priority", "grace_s", "checkpoint_s", "work_gpu_s")
 
@@ -56,8 +65,15 @@ class JobViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
     lookup_field = "name"
     lookup_value_regex = r"[A-Za-z0-9._-]{1,64}"
 
+    # a job's runner token first: it is valid on this viewset only (console/gearbox/runner.py)
+    authentication_classes = [JobRunnerAuthentication, *api_settings.DEFAULT_AUTHENTICATION_CLASSES]
+
     def get_permissions(self) -> list[Any]:
-        return [IsOperator()] if self.action in ("create", "destroy", "checkpointed") else [IsViewer()]
+        if self.action == "checkpointed":
+            return [(IsOperator | IsJobRunner)()]
+        if self.action == "retrieve":
+            return [(IsViewer | IsJobRunner)()]
+        return [IsOperator()] if self.action in ("create", "destroy", "runner_token") else [IsViewer()]
 
     def get_queryset(self) -> QuerySet[Job]:
         return Job.objects.select_related("created_by").order_by("created_at", "name")
@@ -80,7 +96,9 @@ class JobViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
                        "name, gpus, work_gpu_s (its work in GPU-seconds), and optionally gpu_model (\"\": any), "
                        "priority (1; inference deployments run at 10 and may take its GPUs), grace_s (30, at most "
                        "300) and checkpoint_s (20). Every field is checked first: a bad or unknown one is a 400 "
-                       "naming it and nothing is stored; 409: the name is taken."))
+                       "naming it and nothing is stored; 409: the name is taken. The answer carries runner_token, "
+                       "shown this once: the job's runner reads its job and acknowledges its checkpoints with it "
+                       "(Authorization: Bearer fpr_...), on this job only."))
     def create(self, request: Request) -> Response:
         body = request_data(request)
         if not isinstance(body, dict):
@@ -92,12 +110,13 @@ class JobViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
             errors.update({k: "required" for k in missing})
             return refused_response(400, errors)
         try:
-            job = do_create_job(actor=request.user, **body)
+            job, token = do_create_job(actor=request.user, **body)
         except Rejected as exc:
             return refused_response(exc.status, exc.errors)
-        return Response(job_payload(job), status=status.HTTP_201_CREATED)
+        return Response({**job_payload(job), "runner_token": token}, status=status.HTTP_201_CREATED)
 
-    @extend_schema(summary="A job's runner acknowledges a checkpoint (operator)", request=CheckpointedSerializer,
+    @extend_schema(summary="A job's runner acknowledges a checkpoint (its runner token, or an operator)",
+                   request=CheckpointedSerializer,
                    responses={200: OpenApiTypes.OBJECT,
                               409: OpenApiResponse(description="the job holds no GPUs: the body names the field")},
                    description=(
@@ -108,11 +127,21 @@ class JobViewSet(viewsets.GenericViewSet):  # type: ignore[type-arg]
                        "yielding."))
     @action(detail=True, methods=["post"], url_path="checkpointed")
     def checkpointed(self, request: Request, name: str) -> Response:
+        who = request.user.username if isinstance(request.user, RunnerPrincipal) else request.user
         try:
-            job = do_checkpointed(name, request_data(request), actor=request.user)
+            job = do_checkpointed(name, request_data(request), actor=who)
         except Rejected as exc:
             return refused_response(exc.status, exc.errors)
         return Response(job_payload(job))
+
+    @extend_schema(summary="Issue a job a new runner token (operator)", request=None,
+                   responses={200: OpenApiTypes.OBJECT},
+                   description="The answer carries the new runner_token, shown this once; the job's previous "
+                               "runner token stops working at once. Audited.")
+    @action(detail=True, methods=["post"], url_path="runner-token")
+    def runner_token(self, request: Request, name: str) -> Response:
+        token = do_issue_runner_token(self.get_object(), actor=request.user)
+        return Response({"name": name, "runner_token": token})
 
     @extend_schema(summary="Delete a job (operator)", responses={204: None})
     def destroy(self, request: Request, name: str) -> Response:

@@ -18,6 +18,7 @@ from console.gearbox.actions import _who
 from console.gearbox.admission import to_state
 from console.gearbox.lifecycle import NEW_NAME_RE
 from console.gearbox.models import Job
+from console.gearbox.runner import new_runner_token
 from scheduler.hardware import known_gpus
 from scheduler.pool.jobs import JOB_PRIORITY
 from scheduler.pool.jobs import Job as JobSpec
@@ -63,13 +64,15 @@ def check_job(*, name: object, gpus: object, work_gpu_s: object, gpu_model: obje
     return values
 
 
-def do_create_job(*, actor: Any, **fields: object) -> Job:
-    """A new job, QUEUED until enough GPUs are free. 400 naming a bad field, 409 for a taken name;
+def do_create_job(*, actor: Any, **fields: object) -> tuple[Job, str]:
+    """A new job, QUEUED until enough GPUs are free, and its runner's token (shown once: the job
+    keeps its hash; console/gearbox/runner.py). 400 naming a bad field, 409 for a taken name;
     nothing stored either way."""
     who, user = _who(actor)
     values = check_job(**fields)  # type: ignore[arg-type]
     now = timezone.now()
-    job = Job(created_by=user, created_at=now, updated_at=now, **values)
+    token, digest = new_runner_token()
+    job = Job(created_by=user, created_at=now, updated_at=now, runner_token_hash=digest, **values)
     with transaction.atomic():
         try:
             with transaction.atomic():
@@ -79,7 +82,7 @@ def do_create_job(*, actor: Any, **fields: object) -> Job:
         record("gearbox.job_created", actor=who, user=user, at=now,
                summary=f"job {job.name}: {job.gpus} x {job.gpu_model or 'any GPU'}, {job.work_gpu_s:g} GPU-s, "
                        f"priority {job.priority}, grace {job.grace_s:g} s", after=values)
-    return job
+    return job, token
 
 
 def do_delete_job(job: Job, *, actor: Any) -> None:

@@ -266,6 +266,8 @@ class Job(models.Model):
     state = models.CharField(max_length=16, choices=STATES, default=QUEUED)
     gpu_uuids = models.JSONField(default=list)  # what it holds (running, yielding)
     yields = models.PositiveIntegerField(default=0)
+    # SHA-256 of its runner's token (console/gearbox/runner.py); the token itself is shown once
+    runner_token_hash = models.CharField(max_length=64, blank=True, default="", db_index=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")
     created_at = models.DateTimeField()

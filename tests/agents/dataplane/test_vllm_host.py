@@ -296,6 +296,29 @@ def test_report_counts_the_interval_from_vllm_metrics(nodes: tuple[VllmNode, Vll
     assert b.host.report().finished == 0
 
 
+def test_report_counts_the_sequences_that_missed_the_slo_on_this_host(nodes: tuple[VllmNode, VllmNode]) -> None:
+    _, b = nodes
+    assert _eventually(lambda: b.host.engine.server_load() == 0)
+    try:
+        b.host.report()
+        b.host.slo_ms = (1e-6, 1e-6)  # no sequence makes its first token in a nanosecond: each one misses
+        for _ in range(2):
+            no_switch(b, 6)
+        assert _eventually(lambda: b.host.engine.server_load() == 0)
+        missed = b.host.report()
+        b.host.slo_ms = (1e9, 1e9)  # a day each: none misses
+        no_switch(b, 6)
+        assert _eventually(lambda: b.host.engine.server_load() == 0)
+        kept = b.host.report()
+    finally:
+        b.host.slo_ms = None
+
+    assert (missed.finished, missed.slo_violations) == (2, 2)
+    assert (kept.finished, kept.slo_violations) == (1, 0)
+    with pytest.raises(ValueError, match=r"slo_ms: must be \(ttft_ms, tpot_ms\), both > 0"):
+        VllmPlanHost(deployment="t", plan=PLAN_PP2, model_dir="m", weights_sha256=None, port=1, slo_ms=(0, 5))
+
+
 def test_a_request_with_a_priority_runs_under_vllms_priority_scheduling(nodes: tuple[VllmNode, VllmNode]) -> None:
     a, _ = nodes
     a.host.thaw()  # the module's hosts are shared: a hand-over test before this one may have left it frozen

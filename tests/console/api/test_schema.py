@@ -38,7 +38,7 @@ OPERATIONS = {
     ("/api/v1/plans/{plan_id}", "get"), ("/api/v1/transitions", "get"), ("/api/v1/transitions/{id}", "get"),
     ("/api/v1/decisions", "get"), ("/api/v1/decisions/{id}", "get"), ("/api/v1/decisions/{id}/approve", "post"),
     ("/api/v1/jobs", "get"), ("/api/v1/jobs", "post"), ("/api/v1/jobs/{name}", "get"), ("/api/v1/jobs/{name}", "delete"),
-    ("/api/v1/jobs/{name}/checkpointed", "post"),
+    ("/api/v1/jobs/{name}/checkpointed", "post"), ("/api/v1/jobs/{name}/runner-token", "post"),
     ("/api/v1/users", "get"), ("/api/v1/users", "post"), ("/api/v1/users/{username}", "get"),
     ("/api/v1/users/{username}/role", "post"), ("/api/v1/users/{username}/active", "post"),
     ("/api/v1/users/{username}/tokens", "post"), ("/api/v1/users/{username}/revoke-token", "post"),

@@ -147,7 +147,7 @@ def test_bad_input_to_the_ack_is_a_400_naming_the_field_and_changes_nothing(oper
     assert (Job.objects.values().get(name="ft"), AuditEntry.objects.count()) == before
 
 
-def test_an_ack_needs_an_operator_and_a_job_that_holds_gpus(operator: Person, viewer: Person) -> None:
+def test_an_ack_needs_an_operator_or_the_runner_and_a_job_that_holds_gpus(operator: Person, viewer: Person) -> None:
     enroll_fleet({"a1": "A"}, gpus=4)
     assert submit(operator.api(), gpus=8).status_code == 201  # it does not fit: queued
     ticks.tick(now=timezone.now())
@@ -178,3 +178,45 @@ def test_a_job_is_done_when_its_work_is_and_falls_back_to_its_checkpoint_when_it
     nxt = Job.objects.get(name="next")
     assert nxt.state == Job.RUNNING and out["jobs"] == ["next:checkpointed", "next:running"], out
     assert nxt.lost_gpu_s == pytest.approx(2 * 10) and "lost 1 GPU(s)" in events("crashed")[0].summary
+
+
+def as_runner(token: str) -> Client:
+    return Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+
+def test_a_jobs_runner_token_reads_and_acks_its_own_job_and_nothing_else(operator: Person) -> None:
+    enroll_fleet({"a1": "A"}, gpus=4)
+    made = submit(operator.api())
+    token = made.json()["runner_token"]
+    assert made.status_code == 201 and token.startswith("fpr_")
+    assert "runner_token" not in operator.api().get("/api/v1/jobs/ft").json()  # shown once
+    other = submit(operator.api(), name="other", gpus=8).json()["runner_token"]
+    ticks.tick(now=timezone.now())
+    assert job().state == Job.RUNNING
+    runner = as_runner(token)
+
+    assert runner.get("/api/v1/jobs/ft").json()["gpu_uuids"] == A1
+    resp = ack(runner, {"progress_gpu_s": 5})
+    assert resp.status_code == 200, resp.json()
+    assert job().saved_gpu_s == 5 and events("checkpointed")[-1].actor == "runner:ft"
+    # another job's runner, and a runner anywhere but its own job: refused, nothing changes
+    assert ack(as_runner(other), {"progress_gpu_s": 6}).status_code == 403
+    assert as_runner(other).get("/api/v1/jobs/ft").status_code == 403
+    assert runner.get("/api/v1/jobs").status_code == 403  # the list is a viewer's
+    assert runner.delete("/api/v1/jobs/ft").status_code == 403
+    assert runner.get("/api/v1/deployments").status_code == 401  # no credential outside /api/v1/jobs
+    assert ack(as_runner("fpr_" + "x" * 43), {}).status_code == 401
+    assert job().saved_gpu_s == 5 and Job.objects.filter(name="ft").exists()
+
+
+def test_an_operator_issues_a_new_runner_token_and_the_old_one_stops_working(operator: Person,
+                                                                             viewer: Person) -> None:
+    old = submit(operator.api()).json()["runner_token"]
+    assert viewer.api().post("/api/v1/jobs/ft/runner-token").status_code == 403
+    assert as_runner(old).post("/api/v1/jobs/ft/runner-token").status_code == 403  # a runner cannot renew itself
+    resp = operator.api().post("/api/v1/jobs/ft/runner-token")
+    assert resp.status_code == 200, resp.json()
+    new = resp.json()["runner_token"]
+    assert new != old and as_runner(new).get("/api/v1/jobs/ft").status_code == 200
+    assert as_runner(old).get("/api/v1/jobs/ft").status_code == 401
+    assert len(events("runner_token_issued")) == 1
