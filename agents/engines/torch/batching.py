@@ -1,0 +1,187 @@
+"""The torch engine's batching: which tokens of which sequences the next step feeds.
+
+Continuous batching, group by group (agents/engines/torch/engine.py runs one `Batcher` over all
+its worker groups): every decoding sequence feeds its one token first, then prefill chunks take
+what is left of the step's token budget, first come first served (chunked prefill: a long prompt
+goes on over several steps). Every chunk has its KV blocks allocated before it is chosen.
+
+A decode that cannot get a block preempts the latest-arrived sequence of its group that is not
+already in the step (possibly itself): its blocks are freed and it is prefilled again later from
+its tokens (recompute preemption). Its sampler state - the seed and the count of draws - survives,
+so the tokens it goes on to produce are the ones it would have produced: a preempted sequence is
+late, never lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agents.engines.torch.kvcache import BlockAllocator
+from agents.engines.torch.model import SeqChunk
+from agents.engines.torch.sampling import SamplingParams, draws_after
+from agents.engines.torch.worker import StepPlan
+
+__all__ = ["Batch", "Batcher", "Chunk", "Seq", "check_length", "check_request", "sampling_params", "step_plan"]
+
+
+@dataclass
+class Seq:
+    seq_id: str
+    token_ids: list[int]
+    num_prompt: int
+    max_new_tokens: int
+    sampling: SamplingParams
+    draws: int
+    arrival: int  # admission order: FCFS for prefill, latest-first for preemption
+    group: str  # the worker group holding (or about to hold) its KV
+    num_computed: int = 0  # tokens whose KV is cached in `group`
+    paused: bool = False  # held still (KV kept, never scheduled) while it is being moved away
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to feed; 1 = decoding (only the last sampled token)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled: only the last sampled token is left to feed."""
+        return self.pending == 1 and self.num_computed > 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    def took(self, token: int, eos_token_ids: Iterable[int]) -> bool:
+        """Append the token a step sampled for it; whether the sequence is finished."""
+        self.token_ids.append(token)
+        self.draws = draws_after(self.sampling, self.num_generated)
+        return self.num_generated >= self.max_new_tokens or (
+            token in eos_token_ids and not self.sampling.ignore_eos
+        )
+
+
+Chunk = tuple[Seq, int, bool]  # a sequence, how many of its tokens the step feeds, whether it samples
+
+
+@dataclass
+class Batch:
+    """One group's share of a step."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Seq] = field(default_factory=list)  # lost their KV to make room; prefilled again later
+
+
+def check_request(prompt: Sequence[object], generated: Sequence[object], max_new_tokens: object,
+                  vocab_size: int) -> None:
+    """Refuse a new sequence's tokens and cap before anything changes (ValueError naming the field)."""
+    if not prompt:
+        raise ValueError("prompt_ids: must hold at least one token")
+    for name, ids in (("prompt_ids", prompt), ("generated_ids", generated)):
+        for i, t in enumerate(ids):
+            if not isinstance(t, int | np.integer) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise ValueError(f"{name}[{i}]: must be a token id in [0, {vocab_size}), got {t!r}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+    if len(generated) >= max_new_tokens:
+        raise ValueError(
+            f"generated_ids: {len(generated)} tokens already reach max_new_tokens {max_new_tokens}: nothing to do"
+        )
+
+
+def check_length(num_prompt: int, max_new_tokens: int, max_positions: int,
+                 allocators: Mapping[str, BlockAllocator]) -> None:
+    """Refuse a sequence that could never fit: past the model's positions, or more KV blocks than a
+    group holds in all."""
+    total = num_prompt + max_new_tokens
+    if total > max_positions:
+        raise ValueError(
+            f"max_new_tokens: prompt ({num_prompt}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+            f"max_position_embeddings {max_positions}"
+        )
+    for name, alloc in allocators.items():
+        if alloc.blocks_for(total) > alloc.num_blocks:
+            raise ValueError(
+                f"max_new_tokens: a sequence of {total} tokens needs {alloc.blocks_for(total)} KV blocks, "
+                f"group {name!r} has {alloc.num_blocks} in all (raise num_kv_blocks or shorten it)"
+            )
+
+
+def sampling_params(sampling: SamplingParams | dict[str, object] | None) -> SamplingParams:
+    """A request's sampling as SamplingParams (None: greedy defaults)."""
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, dict):
+        return SamplingParams.from_dict(sampling)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: must be SamplingParams, a dict or None, got {type(sampling).__name__}")
+    return sampling
+
+
+class Batcher:
+    """Chooses each group's chunks for the next step (module docstring)."""
+
+    def __init__(self, entry_group: str) -> None:
+        self.entry_group = entry_group  # where a preempted sequence is prefilled again
+
+    def schedule(self, name: str, seqs: Iterable[Seq], alloc: BlockAllocator, budget: int) -> Batch:
+        """Group `name`'s chunks within `budget` tokens: every decode first, then prefill chunks FCFS.
+
+        Invariants: a chunk's blocks are allocated (`alloc.ensure`) before it is chosen; a sequence
+        is chosen at most once; a preempted sequence holds no blocks and was not chosen.
+        """
+        mine = sorted((s for s in seqs if s.group == name and not s.paused), key=lambda s: s.arrival)
+        batch = Batch()
+        chosen: set[str] = set()
+        # A prefill group never decodes: its prefilled sequences wait for the hand-over.
+        if name != "prefill":
+            for seq in mine:
+                if not (seq.decoding and seq.group == name):
+                    continue
+                while not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
+                    victims = [s for s in mine if s.group == name and alloc.has(s.seq_id) and s.seq_id not in chosen]
+                    if not victims:
+                        break
+                    victim = max(victims, key=lambda s: s.arrival)
+                    self._preempt(victim, alloc, batch)
+                    if victim is seq:
+                        break
+                if seq.group != name or not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
+                    continue  # preempted itself, or everything else is already in this step
+                alloc.ensure(seq.seq_id, seq.num_computed + 1)
+                batch.chunks.append((seq, 1, True))
+                chosen.add(seq.seq_id)
+                budget -= 1
+        for seq in mine:
+            if seq.decoding or seq.group != name or seq.seq_id in chosen:
+                continue
+            if budget <= 0:
+                break
+            n = min(seq.pending, budget)
+            if not alloc.can_ensure(seq.seq_id, seq.num_computed + n):
+                break  # FCFS: a later prompt does not overtake one that waits for blocks
+            alloc.ensure(seq.seq_id, seq.num_computed + n)
+            batch.chunks.append((seq, n, n == seq.pending))
+            chosen.add(seq.seq_id)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Seq, alloc: BlockAllocator, batch: Batch) -> None:
+        alloc.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.group = self.entry_group
+        batch.preempted.append(seq)
+
+
+def step_plan(chunks: Sequence[Chunk], alloc: BlockAllocator, forget: tuple[str, ...]) -> StepPlan:
+    """What the group's workers run: each chunk's tokens, block table and sampler state."""
+    plan_chunks, token_ids, sampling = [], [], {}
+    for seq, n, sample in chunks:
+        start = seq.num_computed
+        plan_chunks.append(SeqChunk(seq.seq_id, start, n, alloc.block_table(seq.seq_id), sample))
+        token_ids.extend(seq.token_ids[start : start + n])
+        if sample:
+            sampling[seq.seq_id] = (seq.sampling, seq.draws)
+    return StepPlan(tuple(plan_chunks), tuple(token_ids), sampling, forget)
