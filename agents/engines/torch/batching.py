@@ -2,14 +2,18 @@
 
 Continuous batching, group by group (agents/engines/torch/engine.py runs one `Batcher` over all
 its worker groups): every decoding sequence feeds its one token first, then prefill chunks take
-what is left of the step's token budget, first come first served (chunked prefill: a long prompt
-goes on over several steps). Every chunk has its KV blocks allocated before it is chosen.
+what is left of the step's token budget in (priority, arrival) order - lower priority is more
+urgent, as in vLLM's priority policy - so within one class it is first come, first served
+(chunked prefill: a long prompt goes on over several steps). Every chunk has its KV blocks
+allocated before it is chosen.
 
-A decode that cannot get a block preempts the latest-arrived sequence of its group that is not
-already in the step (possibly itself): its blocks are freed and it is prefilled again later from
-its tokens (recompute preemption). Its sampler state - the seed and the count of draws - survives,
-so the tokens it goes on to produce are the ones it would have produced: a preempted sequence is
-late, never lost.
+Preemption (recompute): a decode that cannot get a block preempts a sequence of its group that is
+not already in the step - the least urgent class first, then the latest arrived; possibly itself,
+so never a more urgent one. A prefill that cannot get blocks preempts sequences of less urgent
+classes only (never its own class or a more urgent one), and only when that makes it fit. A
+preempted sequence's blocks are freed and it is prefilled again later from its tokens; its
+sampler state - the seed and the count of draws - survives, so the tokens it goes on to produce
+are the ones it would have produced: it is late, never lost.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from agents.engines.torch.kvcache import BlockAllocator
 from agents.engines.torch.model import SeqChunk
 from agents.engines.torch.sampling import SamplingParams, draws_after
 from agents.engines.torch.worker import StepPlan
+from scheduler.router.request import PRIORITY_MAX, PRIORITY_MIN
 
-__all__ = ["Batch", "Batcher", "Chunk", "Seq", "check_length", "check_request", "sampling_params", "step_plan"]
+__all__ = ["Batch", "Batcher", "Chunk", "Seq", "check_length", "check_priority", "check_request", "sampling_params", "step_plan"]
 
 
 @dataclass
@@ -35,8 +40,9 @@ class Seq:
     max_new_tokens: int
     sampling: SamplingParams
     draws: int
-    arrival: int  # admission order: FCFS for prefill, latest-first for preemption
+    arrival: int  # admission order: FCFS within a class for prefill, latest-first for preemption
     group: str  # the worker group holding (or about to hold) its KV
+    priority: int = 0  # the request's class: lower is more urgent (vLLM's priority policy)
     num_computed: int = 0  # tokens whose KV is cached in `group`
     paused: bool = False  # held still (KV kept, never scheduled) while it is being moved away
 
@@ -91,6 +97,13 @@ def check_request(prompt: Sequence[object], generated: Sequence[object], max_new
         )
 
 
+def check_priority(priority: object, name: str = "priority") -> int:
+    """A request's class: an integer, lower is more urgent (the data plane's range)."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"{name}: must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
+    return priority
+
+
 def check_length(num_prompt: int, max_new_tokens: int, max_positions: int,
                  allocators: Mapping[str, BlockAllocator]) -> None:
     """Refuse a sequence that could never fit: past the model's positions, or more KV blocks than a
@@ -127,24 +140,28 @@ class Batcher:
         self.entry_group = entry_group  # where a preempted sequence is prefilled again
 
     def schedule(self, name: str, seqs: Iterable[Seq], alloc: BlockAllocator, budget: int) -> Batch:
-        """Group `name`'s chunks within `budget` tokens: every decode first, then prefill chunks FCFS.
+        """Group `name`'s chunks within `budget` tokens: every decode first, then prefill chunks by
+        (priority, arrival).
 
         Invariants: a chunk's blocks are allocated (`alloc.ensure`) before it is chosen; a sequence
-        is chosen at most once; a preempted sequence holds no blocks and was not chosen.
+        is settled (chosen, or preempted for a prefill) at most once; a preempted sequence holds no blocks and is in no chunk; a
+        sequence is preempted only for one of its own class or a more urgent one, never for a less
+        urgent one.
         """
-        mine = sorted((s for s in seqs if s.group == name and not s.paused), key=lambda s: s.arrival)
+        mine = sorted((s for s in seqs if s.group == name and not s.paused), key=lambda s: (s.priority, s.arrival))
         batch = Batch()
-        chosen: set[str] = set()
+        chosen: set[str] = set()  # settled this step
         # A prefill group never decodes: its prefilled sequences wait for the hand-over.
         if name != "prefill":
             for seq in mine:
                 if not (seq.decoding and seq.group == name):
                     continue
                 while not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
+                    # the victim is never more urgent than seq: seq itself is a candidate
                     victims = [s for s in mine if s.group == name and alloc.has(s.seq_id) and s.seq_id not in chosen]
                     if not victims:
                         break
-                    victim = max(victims, key=lambda s: s.arrival)
+                    victim = max(victims, key=self._victim_order)
                     self._preempt(victim, alloc, batch)
                     if victim is seq:
                         break
@@ -161,12 +178,39 @@ class Batcher:
                 break
             n = min(seq.pending, budget)
             if not alloc.can_ensure(seq.seq_id, seq.num_computed + n):
-                break  # FCFS: a later prompt does not overtake one that waits for blocks
+                budget += self._make_room(seq, n, mine, alloc, batch, chosen)
+                if not alloc.can_ensure(seq.seq_id, seq.num_computed + n):
+                    break  # a later prompt does not overtake one that waits for blocks
             alloc.ensure(seq.seq_id, seq.num_computed + n)
             batch.chunks.append((seq, n, n == seq.pending))
             chosen.add(seq.seq_id)
             budget -= n
         return batch
+
+    def _victim_order(self, seq: Seq) -> tuple[int, int]:
+        """Preempted first: the largest - the least urgent class, then the latest arrived."""
+        return seq.priority, seq.arrival
+
+    def _make_room(self, seq: Seq, n: int, mine: list[Seq], alloc: BlockAllocator, batch: Batch,
+                   chosen: set[str]) -> int:
+        """Preempt sequences of less urgent classes until `seq`'s next `n` tokens fit - only when
+        they would: nobody loses its KV for a prefill that still waits. The budget it gives back
+        (the decodes of this step it took out)."""
+        victims = [s for s in mine if s.priority > seq.priority and s.group == seq.group and alloc.has(s.seq_id)
+                   and (s.seq_id not in chosen or s.decoding)]  # a chosen prefill chunk keeps its place
+        missing = alloc.missing_blocks(seq.seq_id, seq.num_computed + n)
+        if alloc.num_free_blocks + sum(len(alloc.block_table(s.seq_id)) for s in victims) < missing:
+            return 0
+        freed = 0
+        victims.sort(key=self._victim_order)
+        while not alloc.can_ensure(seq.seq_id, seq.num_computed + n):
+            victim = victims.pop()
+            if victim.seq_id in chosen:  # a decode of this step: out of it
+                batch.chunks = [c for c in batch.chunks if c[0] is not victim]
+                freed += 1
+            self._preempt(victim, alloc, batch)
+            chosen.add(victim.seq_id)  # and not prefilled again in the room it just left
+        return freed
 
     def _preempt(self, seq: Seq, alloc: BlockAllocator, batch: Batch) -> None:
         alloc.free(seq.seq_id)

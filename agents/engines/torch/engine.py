@@ -37,6 +37,7 @@ from agents.engines.torch.batching import (
     Chunk,
     Seq,
     check_length,
+    check_priority,
     check_request,
     sampling_params,
     step_plan,
@@ -80,6 +81,7 @@ class KVState:
     num_cached_tokens: int
     keys: torch.Tensor
     values: torch.Tensor
+    priority: int = 0  # the request's class, lower is more urgent (0: the default class)
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -237,15 +239,17 @@ class TorchEngine:
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         sampling: SamplingParams | dict[str, object] | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a new sequence; it joins the batch at the next step with room for it.
+        """Queue a new sequence; it joins the batch at the next step with room for it. `priority`:
+        its class, lower is more urgent (agents/engines/torch/batching.py orders and preempts by it).
 
         With a host tier, the longest held sequence whose cached tokens start this prompt lends it
         their KV (it leaves the tier): only the rest of the prompt is computed."""
         prompt = list(prompt_ids)
         hit = self.host_tier.longest_prefix(prompt) if self.host_tier is not None and prompt else None
         if hit is None:
-            self._admit(seq_id, prompt, [], max_new_tokens, sampling)
+            self._admit(seq_id, prompt, [], max_new_tokens, sampling, priority)
             return
         donor = self.host_tier.take(hit[0])  # type: ignore[union-attr]
         assert donor is not None  # noqa: S101 - longest_prefix named it
@@ -257,7 +261,8 @@ class TorchEngine:
             state = KVState(seq_id=seq_id, model_sha256=self.model_sha256, token_ids=tuple(int(t) for t in prompt),
                             num_prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, sampling=params,
                             sampler_draws=draws_after(params, 0), num_cached_tokens=n,
-                            keys=donor.keys[:, :n].contiguous(), values=donor.values[:, :n].contiguous())
+                            keys=donor.keys[:, :n].contiguous(), values=donor.values[:, :n].contiguous(),
+                            priority=check_priority(priority))
             self._check_length(len(prompt), max_new_tokens)
             self.import_kv(seq_id, state)
         except BaseException:
@@ -272,13 +277,14 @@ class TorchEngine:
         generated_ids: Sequence[int],
         max_new_tokens: int,
         sampling: SamplingParams | dict[str, object] | None = None,
+        priority: int = 0,
     ) -> None:
         """Continue a sequence from its tokens alone: re-prefill prompt + generated, then decode on.
 
         The sampler is rebuilt from the seed and the count of generated tokens, so the tokens
         that follow are the ones the original engine would have produced.
         """
-        self._admit(seq_id, list(prompt_ids), list(generated_ids), max_new_tokens, sampling)
+        self._admit(seq_id, list(prompt_ids), list(generated_ids), max_new_tokens, sampling, priority)
 
     def _admit(
         self,
@@ -287,11 +293,13 @@ class TorchEngine:
         generated: list[int],
         max_new_tokens: int,
         sampling: SamplingParams | dict[str, object] | None,
+        priority: int,
     ) -> Seq:
         self._check_open()
         params = sampling_params(sampling)
         self._check_seq_id(seq_id)
         check_request(prompt, generated, max_new_tokens, self.cfg.vocab_size)
+        check_priority(priority)
         self._check_length(len(prompt), max_new_tokens)
         seq = Seq(
             seq_id=seq_id,
@@ -302,6 +310,7 @@ class TorchEngine:
             draws=draws_after(params, len(generated)),
             arrival=next(self._arrivals),
             group=self._entry_group,
+            priority=priority,
         )
         self._seqs[seq_id] = seq
         return seq
@@ -436,6 +445,7 @@ class TorchEngine:
             num_cached_tokens=n,
             keys=torch.from_numpy(k),
             values=torch.from_numpy(v),
+            priority=seq.priority,
         )
 
     # -- warm-up and the host tier ---------------------------------------------------------------
@@ -505,6 +515,7 @@ class TorchEngine:
                 raise ValueError(
                     f"state.{name}: expected float32 {list(expected)}, got {t.dtype} {list(t.shape)}"
                 )
+        check_priority(state.priority, "state.priority")
         generated = n_tokens - state.num_prompt_tokens
         if generated >= state.max_new_tokens:
             raise ValueError(
@@ -536,6 +547,7 @@ class TorchEngine:
             arrival=next(self._arrivals),
             group=group_name,
             num_computed=state.num_cached_tokens,
+            priority=state.priority,
         )
 
     def pause(self, seq_id: str) -> None:
