@@ -45,6 +45,7 @@ from agents.engines.torch.batching import (
 from agents.engines.torch.comm import check_device, check_gpus
 from agents.engines.torch.group import EngineError, WorkerGroup
 from agents.engines.torch.kvcache import KVCacheFullError
+from agents.engines.torch.kvstate import KVState
 from agents.engines.torch.kvtier import HostKVTier
 from agents.engines.torch.layout import Layout
 from agents.engines.torch.model import ModelConfig
@@ -59,41 +60,6 @@ class StepOutput(NamedTuple):
     seq_id: str
     token_id: int
     finished: bool
-
-
-@dataclass(frozen=True)
-class KVState:
-    """One sequence, layout-independent: everything another engine needs to continue it.
-
-    keys/values hold the unsharded K/V of every layer for token_ids[:num_cached_tokens]
-    ([num_layers, num_cached_tokens, num_kv_heads, head_dim], float32, CPU). At a safe boundary
-    the last token is sampled but not yet fed, so num_cached_tokens == len(token_ids) - 1 for a
-    decoding sequence; fewer for one still in prefill, 0 for a replay-only export.
-    """
-
-    seq_id: str
-    model_sha256: str  # the weights the KV was computed with; import refuses any other
-    token_ids: tuple[int, ...]  # prompt + generated so far
-    num_prompt_tokens: int
-    max_new_tokens: int  # the cap on generated tokens, counted from the original prompt
-    sampling: SamplingParams
-    sampler_draws: int  # random draws made so far (the whole sampler state besides the seed)
-    num_cached_tokens: int
-    keys: torch.Tensor
-    values: torch.Tensor
-    priority: int = 0  # the request's class, lower is more urgent (0: the default class)
-
-    @property
-    def prompt_ids(self) -> tuple[int, ...]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def generated_ids(self) -> tuple[int, ...]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
 @dataclass
@@ -266,7 +232,7 @@ class TorchEngine:
             self._check_length(len(prompt), max_new_tokens)
             self.import_kv(seq_id, state)
         except BaseException:
-            self.host_tier.put(donor)  # type: ignore[union-attr] - refused: the donor stays held
+            self.host_tier.put(donor)  # type: ignore[union-attr]  # refused: the donor stays held
             raise
         self.stats.prefix_hit_tokens += n
 
@@ -494,38 +460,8 @@ class TorchEngine:
         """
         self._check_open()
         self._check_seq_id(seq_id)
-        cfg = self.cfg
-        if state.model_sha256 != self.model_sha256:
-            raise ValueError(
-                f"state.model_sha256: KV computed with weights {state.model_sha256[:12]}..., "
-                f"this engine runs {self.model_sha256[:12]}..."
-            )
+        state.check(self.cfg, self.model_sha256)
         n_tokens = len(state.token_ids)
-        if not 1 <= state.num_prompt_tokens <= n_tokens:
-            raise ValueError(f"state.num_prompt_tokens: {state.num_prompt_tokens} not in [1, {n_tokens}]")
-        if not 0 <= state.num_cached_tokens < n_tokens:
-            raise ValueError(
-                f"state.num_cached_tokens: {state.num_cached_tokens} not in [0, {n_tokens}) "
-                "(the last token is never cached at a safe boundary)"
-            )
-        expected = (cfg.num_layers, state.num_cached_tokens, cfg.num_kv_heads, cfg.head_dim)
-        for name in ("keys", "values"):
-            t = getattr(state, name)
-            if tuple(t.shape) != expected or t.dtype != torch.float32:
-                raise ValueError(
-                    f"state.{name}: expected float32 {list(expected)}, got {t.dtype} {list(t.shape)}"
-                )
-        check_priority(state.priority, "state.priority")
-        generated = n_tokens - state.num_prompt_tokens
-        if generated >= state.max_new_tokens:
-            raise ValueError(
-                f"state.max_new_tokens: the sequence already generated {generated}: it is finished"
-            )
-        if state.sampler_draws != draws_after(state.sampling, generated):
-            raise ValueError(
-                f"state.sampler_draws: {state.sampler_draws} draws do not match {generated} generated tokens "
-                f"with {'greedy' if state.sampling.greedy else 'seeded'} sampling"
-            )
         decoding = 0 < state.num_cached_tokens == n_tokens - 1
         group_name = "decode" if self.disaggregated and decoding else self._entry_group
         group = self._groups[group_name]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agents.engines.torch.engine import KVState
+from agents.engines.torch.kvstate import KVState
 from agents.engines.torch.sampling import SamplingParams
 
 MAGIC = b"FPKV"
