@@ -7,8 +7,15 @@ urgent, as in vLLM's priority policy - so within one class it is first come, fir
 (chunked prefill: a long prompt goes on over several steps). Every chunk has its KV blocks
 allocated before it is chosen.
 
+Length buckets (scheduler/buckets.py, the same semantics as the simulated engine): when the prompts
+being prefilled plus the first waiting one mix buckets past `LengthBuckets.split`, the step orders
+its prefills by (bucket, priority, arrival) and caps each bucket at `LengthBuckets.cap(b, budget)`,
+so short prompts queued behind a long one are prefilled at once and the long one goes on in the
+room they leave; alone, a bucket takes the whole budget.
+
 Preemption (recompute): a decode that cannot get a block preempts a sequence of its group that is
-not already in the step - the least urgent class first, then the latest arrived; possibly itself,
+not already in the step - the least urgent class first, then (with length buckets) its longest
+bucket, then the latest arrived; possibly itself,
 so never a more urgent one. A prefill that cannot get blocks preempts sequences of less urgent
 classes only (never its own class or a more urgent one), and only when that makes it fit. A
 preempted sequence's blocks are freed and it is prefilled again later from its tokens; its
@@ -27,6 +34,7 @@ from agents.engines.torch.kvcache import BlockAllocator
 from agents.engines.torch.model import SeqChunk
 from agents.engines.torch.sampling import SamplingParams, draws_after
 from agents.engines.torch.worker import StepPlan
+from scheduler.buckets import LengthBuckets
 from scheduler.router.request import PRIORITY_MAX, PRIORITY_MIN
 
 __all__ = ["Batch", "Batcher", "Chunk", "Seq", "check_length", "check_priority", "check_request", "sampling_params", "step_plan"]
@@ -136,12 +144,16 @@ def sampling_params(sampling: SamplingParams | dict[str, object] | None) -> Samp
 class Batcher:
     """Chooses each group's chunks for the next step (module docstring)."""
 
-    def __init__(self, entry_group: str) -> None:
+    def __init__(self, entry_group: str, length_buckets: LengthBuckets | None = None) -> None:
+        if length_buckets is not None and not isinstance(length_buckets, LengthBuckets):
+            raise ValueError(f"length_buckets: must be a LengthBuckets or None, got {type(length_buckets).__name__}")
         self.entry_group = entry_group  # where a preempted sequence is prefilled again
+        self.length_buckets = length_buckets  # batching split by prompt length; None: one queue
 
     def schedule(self, name: str, seqs: Iterable[Seq], alloc: BlockAllocator, budget: int) -> Batch:
         """Group `name`'s chunks within `budget` tokens: every decode first, then prefill chunks by
-        (priority, arrival).
+        (priority, arrival) - by (bucket, priority, arrival), each bucket within its cap, when the
+        step's prompts are split by length.
 
         Invariants: a chunk's blocks are allocated (`alloc.ensure`) before it is chosen; a sequence
         is settled (chosen, or preempted for a prefill) at most once; a preempted sequence holds no blocks and is in no chunk; a
@@ -149,6 +161,7 @@ class Batcher:
         urgent one.
         """
         mine = sorted((s for s in seqs if s.group == name and not s.paused), key=lambda s: (s.priority, s.arrival))
+        full = budget
         batch = Batch()
         chosen: set[str] = set()  # settled this step
         # A prefill group never decodes: its prefilled sequences wait for the hand-over.
@@ -171,12 +184,20 @@ class Batcher:
                 batch.chunks.append((seq, 1, True))
                 chosen.add(seq.seq_id)
                 budget -= 1
-        for seq in mine:
-            if seq.decoding or seq.group != name or seq.seq_id in chosen:
-                continue
+        prefills = [s for s in mine if not s.decoding and s.group == name and s.seq_id not in chosen]
+        room = self._split(prefills, full)
+        if room is not None:
+            prefills.sort(key=lambda s: (self._bucket(s), s.priority, s.arrival))
+        for seq in prefills:
+            if seq.seq_id in chosen:
+                continue  # preempted for a more urgent prefill of this step
             if budget <= 0:
                 break
             n = min(seq.pending, budget)
+            if room is not None:
+                n = min(n, room[self._bucket(seq)])
+                if n <= 0:
+                    continue  # its bucket's share of this step is spent
             if not alloc.can_ensure(seq.seq_id, seq.num_computed + n):
                 budget += self._make_room(seq, n, mine, alloc, batch, chosen)
                 if not alloc.can_ensure(seq.seq_id, seq.num_computed + n):
@@ -185,11 +206,31 @@ class Batcher:
             batch.chunks.append((seq, n, n == seq.pending))
             chosen.add(seq.seq_id)
             budget -= n
+            if room is not None:
+                room[self._bucket(seq)] -= n
         return batch
 
-    def _victim_order(self, seq: Seq) -> tuple[int, int]:
-        """Preempted first: the largest - the least urgent class, then the latest arrived."""
-        return seq.priority, seq.arrival
+    def _bucket(self, seq: Seq) -> int:
+        return self.length_buckets.of(seq.num_prompt) if self.length_buckets is not None else 0
+
+    def _split(self, prefills: list[Seq], full: int) -> list[int] | None:
+        """Each bucket's tokens this step when its prompts are split by length, else None (one
+        queue, the whole budget). The lengths are those of the prompts being prefilled and of the
+        first waiting one, as in the simulated engine (agents/sim/engine.py)."""
+        buckets = self.length_buckets
+        if buckets is None or not prefills:
+            return None
+        lengths = [s.num_prompt for s in prefills if s.num_computed]
+        waiting = [s.num_prompt for s in prefills if not s.num_computed]
+        lengths += waiting[:1]
+        if not buckets.split(min(lengths), max(lengths)):
+            return None
+        return [buckets.cap(b, full) for b in range(len(buckets.shares))]
+
+    def _victim_order(self, seq: Seq) -> tuple[int, int, int]:
+        """Preempted first: the largest - the least urgent class, then (with length buckets) its
+        longest bucket, whose KV frees the most room, then the latest arrived."""
+        return seq.priority, self._bucket(seq), seq.arrival
 
     def _make_room(self, seq: Seq, n: int, mine: list[Seq], alloc: BlockAllocator, batch: Batch,
                    chosen: set[str]) -> int:

@@ -52,6 +52,7 @@ from agents.engines.torch.model import ModelConfig
 from agents.engines.torch.remote import Placement
 from agents.engines.torch.sampling import SamplingParams, draws_after
 from agents.engines.torch.weights import WEIGHTS_FILE, sha256_file
+from scheduler.buckets import LengthBuckets
 
 __all__ = ["EngineError", "KVCacheFullError", "KVState", "StepOutput", "TorchEngine"]
 
@@ -93,12 +94,14 @@ class TorchEngine:
         placement: Mapping[str, Placement] | None = None,
         host_kv_bytes: int = 0,
         verified_sha256: str | None = None,
+        length_buckets: LengthBuckets | None = None,
     ) -> None:
         """`placement`: per group name (main, or prefill and decode), which of its ranks run here
         and which nodes to ask for the others (agents/engines/torch/remote.py). A group without
         an entry runs every rank on this node, as a one-node plan does. `host_kv_bytes`: the host
         tier's size (0: no host tier; module docstring). `verified_sha256`: the weights' digest when
-        the caller has hashed this very file already (not hashed again)."""
+        the caller has hashed this very file already (not hashed again). `length_buckets`: batching split
+        by prompt length (agents/engines/torch/batching.py); None: one queue by (priority, arrival)."""
         self.host_tier = HostKVTier(host_kv_bytes) if host_kv_bytes else None
         self.model_dir = str(model_dir)
         self.cfg = ModelConfig.from_dir(model_dir)
@@ -110,6 +113,7 @@ class TorchEngine:
             raise ValueError(f"max_tokens_per_step: must be a positive integer, got {max_tokens_per_step!r}")
         if not isinstance(timeout_s, int | float) or timeout_s <= 0:
             raise ValueError(f"timeout_s: must be positive, got {timeout_s!r}")
+        self.batcher = Batcher(self._entry_group, length_buckets)
         weights = Path(model_dir) / WEIGHTS_FILE
         if not weights.is_file():
             raise ValueError(f"model_dir: {model_dir} has no {WEIGHTS_FILE}")
@@ -126,7 +130,6 @@ class TorchEngine:
         self.last_step_end_s = time.perf_counter()  # when the latest step returned (stall clock)
         self._seqs: dict[str, Seq] = {}
         self._arrivals = itertools.count()
-        self.batcher = Batcher(self._entry_group)
         self._groups: dict[str, WorkerGroup] = {}
         self._forget: dict[str, list[str]] = {}
         # GPUs go round-robin over every worker of the engine, prefill group first, so a
