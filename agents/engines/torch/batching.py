@@ -178,12 +178,17 @@ class Batcher:
                     self._preempt(victim, alloc, batch)
                     if victim is seq:
                         break
-                if seq.group != name or not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
-                    continue  # preempted itself, or everything else is already in this step
+                # preempted itself (in a colocated engine it stays in this group, prefilled again
+                # later), or everything else is already in this step
+                if not seq.decoding or seq.group != name or not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
+                    continue
                 alloc.ensure(seq.seq_id, seq.num_computed + 1)
                 batch.chunks.append((seq, 1, True))
                 chosen.add(seq.seq_id)
                 budget -= 1
+        # Not prefilled again in the step that preempted it (vLLM does the same): it would take back
+        # the room just made for another and thrash.
+        chosen.update(s.seq_id for s in batch.preempted)
         prefills = [s for s in mine if not s.decoding and s.group == name and s.seq_id not in chosen]
         room = self._split(prefills, full)
         if room is not None:
