@@ -8,7 +8,7 @@ passes the split threshold (a longest over shortest prompt ratio) - so short pro
 and prefilled first and a long prefill goes on in the room they leave. Alone in a round a
 bucket takes the whole budget: splitting costs nothing when there is nothing to split.
 
-Used by the simulated engine (agents/sim/engine.py) and the torch engine
+Used by the simulated engine (agents/sim/pipe.py) and the torch engine
 (agents/engines/torch/batching.py) alike.
 
 Preemption: when the KV runs out, the engine preempts the least urgent priority class first

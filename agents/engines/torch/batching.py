@@ -221,7 +221,7 @@ class Batcher:
     def _split(self, prefills: list[Seq], full: int) -> list[int] | None:
         """Each bucket's tokens this step when its prompts are split by length, else None (one
         queue, the whole budget). The lengths are those of the prompts being prefilled and of the
-        first waiting one, as in the simulated engine (agents/sim/engine.py)."""
+        first waiting one, as in the simulated engine (agents/sim/pipe.py)."""
         buckets = self.length_buckets
         if buckets is None or not prefills:
             return None

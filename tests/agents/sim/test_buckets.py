@@ -1,4 +1,4 @@
-"""Issue 16 d2: batching split by prompt length in the simulated engine (scheduler/buckets.py, agents/sim/engine.py)."""
+"""Issue 16 d2: batching split by prompt length in the simulated engine (scheduler/buckets.py, agents/sim/pipe.py)."""
 
 from __future__ import annotations
 
