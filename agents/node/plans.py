@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from agents.engines.torch.weights import WEIGHTS_FILE, make_tiny_llama, sha256_file
 from agents.node.weightcache import HostWeightCache, Source
 from agents.protocol import EngineReport
+from scheduler.buckets import LengthBuckets
 from scheduler.refusal import Refused
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class TorchBackend:
     device: str = "cpu"  # "cuda" on a GPU node (--probe nvml)
     gpu_index: dict[str, int] = field(default_factory=dict)  # GPU uuid -> CUDA index (from the NVML probe)
     host_kv_bytes: int = 0  # per plan: its engine's host KV tier (agents/engines/torch/kvtier.py); 0: none
+    length_buckets: LengthBuckets | None = None  # per plan: batching split by prompt length; None: one queue
     _server: Any = None
     _members: Any = None  # agents.dataplane.stages.MemberRegistry, made with the server
 
@@ -225,7 +227,7 @@ class TorchBackend:
                             num_kv_blocks=self.num_kv_blocks, device=self.device,
                             gpus=self.cuda_indexes(plan) if self.device == "cuda" else None, placement=placement,
                             warmup_tokens=warmup_tokens, verified_sha256=co.digest, host_kv_bytes=self.host_kv_bytes,
-                            slo_ms=slo_ms)
+                            slo_ms=slo_ms, length_buckets=self.length_buckets)
             if host.plan_id != plan_id:
                 raise Refused(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})", field="plan_id")
         except BaseException:
