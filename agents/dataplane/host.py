@@ -88,6 +88,7 @@ class PlanHost(DrainThenHandOver):
         host_kv_bytes: int = 0,
         slo_ms: tuple[float, float] | None = None,
         length_buckets: LengthBuckets | None = None,
+        max_context: int | None = None,
     ) -> None:
         """`placement`: for a plan whose stages span nodes, which ranks of each worker group run
         here and which member nodes start the others (TorchEngine's argument); None: all here.
@@ -98,11 +99,14 @@ class PlanHost(DrainThenHandOver):
         deployment's (TTFT, TPOT) objectives prepare_plan carried, against which each report counts
         its finished sequences' misses (EngineReport.slo_violations, what the global correction
         reads); None: none counted. `length_buckets`: the engine's batching split by prompt length
-        (agents/engines/torch/batching.py); None: one queue."""
+        (agents/engines/torch/batching.py); None: one queue. `max_context`: the registered model
+        version's cap on prompt + max tokens (prepare_plan's model_version.max_context): the engine
+        refuses a longer sequence, naming max_tokens; None: the model's own positions."""
         self.slo_ms = check_slo_ms(slo_ms)
         self.verified_sha256 = verified_sha256
         self.host_kv_bytes = host_kv_bytes
         self.length_buckets = length_buckets
+        self.max_context = max_context
         if not isinstance(warmup_tokens, int) or isinstance(warmup_tokens, bool) or warmup_tokens < 0:
             raise ValueError(f"warmup_tokens: must be an integer >= 0, got {warmup_tokens!r}")
         self.warmup_tokens = warmup_tokens
@@ -155,7 +159,8 @@ class PlanHost(DrainThenHandOver):
             engine = TorchEngine(self.model_dir, self.layout, device=self.device, gpus=self.gpus,
                                  expected_sha256=self.weights_sha256, verified_sha256=self.verified_sha256,
                                  num_kv_blocks=self.num_kv_blocks, host_kv_bytes=self.host_kv_bytes,
-                                 placement=self.placement, length_buckets=self.length_buckets)
+                                 placement=self.placement, length_buckets=self.length_buckets,
+                                 max_context=self.max_context)
             try:
                 engine.warm_up(self.warmup_tokens, WARMUP_ID)
             except BaseException:

@@ -113,10 +113,16 @@ def check_priority(priority: object, name: str = "priority") -> int:
 
 
 def check_length(num_prompt: int, max_new_tokens: int, max_positions: int,
-                 allocators: Mapping[str, BlockAllocator]) -> None:
-    """Refuse a sequence that could never fit: past the model's positions, or more KV blocks than a
-    group holds in all."""
+                 allocators: Mapping[str, BlockAllocator], *, max_context: int | None = None) -> None:
+    """Refuse a sequence that could never fit: past the model's positions, past the registry's
+    max_context for the model version (`max_context`, when it is the lower), or more KV blocks than
+    a group holds in all."""
     total = num_prompt + max_new_tokens
+    if max_context is not None and max_context < max_positions and total > max_context:
+        raise ValueError(
+            f"max_new_tokens: prompt ({num_prompt}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+            f"the registered max_context {max_context}"
+        )
     if total > max_positions:
         raise ValueError(
             f"max_new_tokens: prompt ({num_prompt}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "

@@ -95,13 +95,20 @@ class TorchEngine:
         host_kv_bytes: int = 0,
         verified_sha256: str | None = None,
         length_buckets: LengthBuckets | None = None,
+        max_context: int | None = None,
     ) -> None:
         """`placement`: per group name (main, or prefill and decode), which of its ranks run here
         and which nodes to ask for the others (agents/engines/torch/remote.py). A group without
         an entry runs every rank on this node, as a one-node plan does. `host_kv_bytes`: the host
         tier's size (0: no host tier; module docstring). `verified_sha256`: the weights' digest when
         the caller has hashed this very file already (not hashed again). `length_buckets`: batching split
-        by prompt length (agents/engines/torch/batching.py); None: one queue by (priority, arrival)."""
+        by prompt length (agents/engines/torch/batching.py); None: one queue by (priority, arrival).
+        `max_context`: the registry's cap on prompt + max tokens for this model version (prepare_plan's
+        model_version.max_context); None: the model's own positions only."""
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 1):
+            raise ValueError(f"max_context: must be a positive integer, got {max_context!r}")
+        self.max_context = max_context
         self.host_tier = HostKVTier(host_kv_bytes) if host_kv_bytes else None
         self.model_dir = str(model_dir)
         self.cfg = ModelConfig.from_dir(model_dir)
@@ -286,7 +293,7 @@ class TorchEngine:
 
     def _check_length(self, num_prompt: int, max_new_tokens: int) -> None:
         allocators = {name: g.allocator for name, g in self._groups.items()}
-        check_length(num_prompt, max_new_tokens, self.cfg.max_positions, allocators)
+        check_length(num_prompt, max_new_tokens, self.cfg.max_positions, allocators, max_context=self.max_context)
 
     def _check_seq_id(self, seq_id: str) -> None:
         if not isinstance(seq_id, str) or not seq_id:
