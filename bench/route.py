@@ -61,11 +61,11 @@ from typing import Any
 
 import numpy as np
 
-from agents.sim.buckets import LengthBuckets
 from agents.sim.fleet import FleetSim, SimOptions
 from agents.sim.kvtiers import KvTierOptions
 from agents.sim.scenario import Scenario, parse_scenario
 from agents.sim.traces import Trace, read_trace
+from scheduler.buckets import LengthBuckets
 from scheduler.costmodel import PlanProfile, max_kv_tokens
 from scheduler.modelspec import model_spec
 from scheduler.plan import Plan, Stage
@@ -96,7 +96,7 @@ TARGET_ATTAINMENT = 0.8  # least-loaded meets the SLO for this share at the chos
 POLICIES = ("round-robin", "least-loaded", "prefix-only", "flexpipe")
 VARIANTS = {"learned": "flexpipe+learned", "buckets": "flexpipe+buckets", "kv_budget": "flexpipe+budget"}
 TIERS = "+tiers"  # --kv-tiers: a policy's run over engines with KV tiers
-SHORT_PROMPT_TOKENS = 2048  # the short bucket (agents/sim/buckets.py): ttft_p99_short_s
+SHORT_PROMPT_TOKENS = 2048  # the short bucket (scheduler/buckets.py): ttft_p99_short_s
 DECISION_SIZES = (8, 64)
 DECISION_SAMPLES = 4000
 DECISION_ROUNDS = 5
@@ -164,7 +164,7 @@ def learned_rollout(duration_s: float) -> RolloutConfig:
 def run_policy(trace: Trace, policy: str, factor: float, *, seed: int, shift_s: float | None = None,
                kv_tiers: KvTierOptions | None = None, spill_timeout_s: float | None = None) -> Run:
     """One policy over the whole trace at time scale `factor`, drained to the end. `flexpipe+buckets`
-    is flexpipe's router over engines that split batches by prompt length (agents/sim/buckets.py);
+    is flexpipe's router over engines that split batches by prompt length (scheduler/buckets.py);
     `shift_s` (a drift case: where the second trace begins, unscaled) splits the attainment in two;
     `spill_timeout_s`: a policy with KV spillover re-routes spilled requests after this (None: the
     default SpillConfig's, inf: never)."""
@@ -533,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     known = [*ROUTING_POLICIES, VARIANTS["buckets"]]
     ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated: {', '.join(known)}")
     ap.add_argument("--learned", action="store_true", help=f"add {VARIANTS['learned']} (scheduler/router/learned.py)")
-    ap.add_argument("--buckets", action="store_true", help=f"add {VARIANTS['buckets']} (agents/sim/buckets.py)")
+    ap.add_argument("--buckets", action="store_true", help=f"add {VARIANTS['buckets']} (scheduler/buckets.py)")
     ap.add_argument("--kv-budget", action="store_true", help=f"add {VARIANTS['kv_budget']} (scheduler/router/spillover.py)")
     ap.add_argument("--kv-tiers", action="store_true",
                     help=f"each policy also as <policy>{TIERS}: GPU -> host -> SSD KV tiers (agents/sim/kvtiers.py)")

@@ -33,6 +33,7 @@ from agents.engines.torch.layout import Layout, StageSpec
 from agents.engines.torch.remote import Placement
 from agents.engines.torch.sampling import SamplingParams
 from agents.protocol import EngineReport
+from scheduler.buckets import LengthBuckets
 from scheduler.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class PlanHost(DrainThenHandOver):
         verified_sha256: str | None = None,
         host_kv_bytes: int = 0,
         slo_ms: tuple[float, float] | None = None,
+        length_buckets: LengthBuckets | None = None,
+        max_context: int | None = None,
     ) -> None:
         """`placement`: for a plan whose stages span nodes, which ranks of each worker group run
         here and which member nodes start the others (TorchEngine's argument); None: all here.
@@ -95,10 +98,15 @@ class PlanHost(DrainThenHandOver):
         sequences' KV kept for the next turn of their conversation; 0: none). `slo_ms`: the
         deployment's (TTFT, TPOT) objectives prepare_plan carried, against which each report counts
         its finished sequences' misses (EngineReport.slo_violations, what the global correction
-        reads); None: none counted."""
+        reads); None: none counted. `length_buckets`: the engine's batching split by prompt length
+        (agents/engines/torch/batching.py); None: one queue. `max_context`: the registered model
+        version's cap on prompt + max tokens (prepare_plan's model_version.max_context): the engine
+        refuses a longer sequence, naming max_tokens; None: the model's own positions."""
         self.slo_ms = check_slo_ms(slo_ms)
         self.verified_sha256 = verified_sha256
         self.host_kv_bytes = host_kv_bytes
+        self.length_buckets = length_buckets
+        self.max_context = max_context
         if not isinstance(warmup_tokens, int) or isinstance(warmup_tokens, bool) or warmup_tokens < 0:
             raise ValueError(f"warmup_tokens: must be an integer >= 0, got {warmup_tokens!r}")
         self.warmup_tokens = warmup_tokens
@@ -151,7 +159,8 @@ class PlanHost(DrainThenHandOver):
             engine = TorchEngine(self.model_dir, self.layout, device=self.device, gpus=self.gpus,
                                  expected_sha256=self.weights_sha256, verified_sha256=self.verified_sha256,
                                  num_kv_blocks=self.num_kv_blocks, host_kv_bytes=self.host_kv_bytes,
-                                 placement=self.placement)
+                                 placement=self.placement, length_buckets=self.length_buckets,
+                                 max_context=self.max_context)
             try:
                 engine.warm_up(self.warmup_tokens, WARMUP_ID)
             except BaseException:
@@ -287,8 +296,9 @@ class PlanHost(DrainThenHandOver):
     def admit(self, seq_id: str, prompt_ids: Sequence[int], max_tokens: int,
               sampling: SamplingParams | dict[str, Any] | None, *, routing_version: int = 0,
               priority: int = 0) -> SeqStream:
-        """Queue a new sequence; its stream fills as the engine decodes. `priority` is accepted and
-        not used: the torch reference engine admits first come, first served.
+        """Queue a new sequence; its stream fills as the engine decodes. `priority`: its class, lower
+        first - the engine prefills by (priority, arrival) and preempts the least urgent class first
+        (agents/engines/torch/batching.py); a sequence handed over keeps it (KVState.priority).
 
         Raises Frozen (frozen, stopped), Saturated (waiting queue full), ValueError (bad input,
         naming the field).
@@ -311,7 +321,7 @@ class PlanHost(DrainThenHandOver):
             assert engine is not None  # noqa: S101 - state ready
 
             def add() -> None:
-                engine.add_request(seq_id, list(prompt_ids), max_tokens, params)
+                engine.add_request(seq_id, list(prompt_ids), max_tokens, params, priority=priority)
 
             fut = self._submit(add)
             self._streams[seq_id] = stream

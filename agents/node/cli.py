@@ -22,13 +22,28 @@ from agents.node.weightcache import DEFAULT_CACHE_ROOT, HostWeightCache, default
 from agents.probes import Probe
 from agents.protocol import NODE_ID_RE
 from agents.schema import SchemaError
+from scheduler.buckets import LengthBuckets
 
 PROG = "agents.node"
+DEFAULT_BUCKET_EDGES = ",".join(str(e) for e in LengthBuckets().edges)
 
 
 def _fail(message: str) -> int:
     print(f"{PROG}: {message}", file=sys.stderr)
     return 2
+
+
+def length_buckets(edges: str) -> LengthBuckets:
+    """--length-buckets: comma-separated token edges; each bucket past the first gets half the
+    share of the one before, as the default's 1, 1/2, 1/4 (scheduler/buckets.py)."""
+    try:
+        parsed = tuple(int(e) for e in edges.split(","))
+    except ValueError:
+        raise ValueError(f"--length-buckets {edges!r}: expected comma-separated token counts, e.g. 2048,32768") from None
+    try:
+        return LengthBuckets(edges=parsed, shares=tuple(0.5**i for i in range(len(parsed) + 1)))
+    except ValueError as exc:
+        raise ValueError(f"--length-buckets {edges!r}: {exc}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host-kv-bytes", type=int, default=2 << 30,
                    help="torch: each plan's host KV tier - finished sequences' KV kept in host memory for the next "
                         "turn of their conversation (default 2 GiB; 0: off)")
+    p.add_argument("--length-buckets", nargs="?", const=DEFAULT_BUCKET_EDGES, default=None, metavar="EDGES",
+                   help="torch: split batches by prompt length at these token edges (e.g. 2048,32768, the "
+                        "default when the flag is given alone; scheduler/buckets.py); off without the flag")
     p.add_argument("--weight-cache-dir", default=None,
                    help="where the cache keeps its copies: a RAM file system (default: /dev/shm/flexpipe-weights-NODE)")
     p.add_argument("--rack", default=None)
@@ -114,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     host, sep, port = data_addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return _fail(f"--data-addr {data_addr!r}: expected HOST:PORT")
+    buckets = None
+    if args.length_buckets is not None:
+        if args.backend != "torch":
+            return _fail("--length-buckets: only the torch backend splits batches by length (vLLM has one budget)")
+        try:
+            buckets = length_buckets(args.length_buckets)
+        except ValueError as exc:
+            return _fail(str(exc))
 
     probe: Probe
     if args.probe == "nvml":
@@ -158,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "torch":
         if args.host_kv_bytes < 0:
             return _fail(f"--host-kv-bytes: must be >= 0, got {args.host_kv_bytes}")
-        torch_backend = TorchBackend(models, data_addr, host_kv_bytes=args.host_kv_bytes)
+        torch_backend = TorchBackend(models, data_addr, host_kv_bytes=args.host_kv_bytes, length_buckets=buckets)
         if args.probe == "nvml":  # real GPUs: the engine's workers run on the plan's CUDA devices
             torch_backend.device = "cuda"
             torch_backend.gpu_index = {g.uuid: g.index for g in probe.gpus()}

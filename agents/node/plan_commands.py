@@ -87,12 +87,13 @@ class PlanCommands:
         t0 = self.clock()
         try:
             if slot.role == "leader":
+                version = p.get("model_version") or {}
                 if self.backend is None:
                     raise Refused(f"this node runs no engine backend ({self.backend_name})")
                 engine = self.backend.make(deployment, p["plan"], plan_id, str(p["model"]), p.get("weights_sha256"),
                                            stages=list(p.get("stages") or []), peers=dict(p.get("peers") or {}),
-                                           warmup_tokens=int((p.get("model_version") or {}).get("warmup_tokens", 1)),
-                                           slo_ms=_slo_ms(p))
+                                           warmup_tokens=int(version.get("warmup_tokens", 1)),
+                                           slo_ms=_slo_ms(p), max_context=version.get("max_context"))
                 slot.engine = engine
                 engine.start()
             elif self.backend is not None:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from agents.engines.torch.weights import WEIGHTS_FILE, make_tiny_llama, sha256_file
 from agents.node.weightcache import HostWeightCache, Source
 from agents.protocol import EngineReport
+from scheduler.buckets import LengthBuckets
 from scheduler.refusal import Refused
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class TorchBackend:
     device: str = "cpu"  # "cuda" on a GPU node (--probe nvml)
     gpu_index: dict[str, int] = field(default_factory=dict)  # GPU uuid -> CUDA index (from the NVML probe)
     host_kv_bytes: int = 0  # per plan: its engine's host KV tier (agents/engines/torch/kvtier.py); 0: none
+    length_buckets: LengthBuckets | None = None  # per plan: batching split by prompt length; None: one queue
     _server: Any = None
     _members: Any = None  # agents.dataplane.stages.MemberRegistry, made with the server
 
@@ -209,7 +211,7 @@ class TorchBackend:
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
              peers: dict[str, str] | None = None, warmup_tokens: int = 1,
-             slo_ms: tuple[float, float] | None = None) -> PlanEngine:
+             slo_ms: tuple[float, float] | None = None, max_context: int | None = None) -> PlanEngine:
         """The leader's engine. `stages` (this node's part, prepare_plan's) and `peers` place the
         ranks of other nodes there; without peers every rank runs here (a one-node plan, or a
         controller that names no peers)."""
@@ -225,7 +227,7 @@ class TorchBackend:
                             num_kv_blocks=self.num_kv_blocks, device=self.device,
                             gpus=self.cuda_indexes(plan) if self.device == "cuda" else None, placement=placement,
                             warmup_tokens=warmup_tokens, verified_sha256=co.digest, host_kv_bytes=self.host_kv_bytes,
-                            slo_ms=slo_ms)
+                            slo_ms=slo_ms, length_buckets=self.length_buckets, max_context=max_context)
             if host.plan_id != plan_id:
                 raise Refused(f"plan_id: {plan_id} does not match the plan's content ({host.plan_id})", field="plan_id")
         except BaseException:
@@ -396,7 +398,8 @@ class VllmBackend:
             self._server = _data_server(self.data_addr)
         return self._server
 
-    def spec(self, plan: dict[str, Any], plan_id: str, model: str, folder: Path) -> Any:
+    def spec(self, plan: dict[str, Any], plan_id: str, model: str, folder: Path,
+             max_context: int | None = None) -> Any:
         from agents.engines.vllm import VllmPlanSpec
         from scheduler.modelspec import model_spec
 
@@ -408,6 +411,8 @@ class VllmBackend:
             max_len = model_spec(model).max_context_tokens
         except (KeyError, ValueError):
             max_len = 2048
+        if max_context is not None:
+            max_len = min(max_len, max_context)  # the registry's cap on the version (prepare_plan's max_context)
         gpus = () if self.cpu else tuple(u for s in stages for u in s["gpus"])
         env = (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")) if self.cpu else (("HF_HUB_OFFLINE", "1"),)
         return VllmPlanSpec(plan_id=plan_id, model_dir=str(folder), served_model_name=model, port=port,
@@ -419,23 +424,24 @@ class VllmBackend:
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
              peers: dict[str, str] | None = None, warmup_tokens: int = 1,
-             slo_ms: tuple[float, float] | None = None) -> PlanEngine:
+             slo_ms: tuple[float, float] | None = None, max_context: int | None = None) -> PlanEngine:
         """(`stages`, `peers`: unused - a vLLM plan runs on its leader's machine; `slo_ms`: the
-        host counts its finished sequences' misses, as a torch plan's does)"""
+        host counts its finished sequences' misses, as a torch plan's does; `max_context`: the
+        server's --max-model-len, when below the model's own context)"""
         co = self.models.checkout(model, weights_sha256)
         try:
-            return self._make(deployment, plan, plan_id, model, co, warmup_tokens, slo_ms)
+            return self._make(deployment, plan, plan_id, model, co, warmup_tokens, slo_ms, max_context)
         except BaseException:
             co.release()
             raise
 
     def _make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, co: Checkout,
-              warmup_tokens: int, slo_ms: tuple[float, float] | None) -> PlanEngine:
+              warmup_tokens: int, slo_ms: tuple[float, float] | None, max_context: int | None) -> PlanEngine:
         from agents.dataplane import VllmPlanHost
         from agents.engines.vllm import RestartPolicy
 
         folder, digest = co.folder, co.digest
-        spec = self.spec(plan, plan_id, model, folder)
+        spec = self.spec(plan, plan_id, model, folder, max_context)
         # A VllmPlanHost behind the node's DataServer: the gateway streams from it and sequences
         # move agent to agent by replay, as with torch plans (agents/dataplane/vllm_host.py).
         host = VllmPlanHost(deployment=deployment, plan=plan, model_dir=str(folder), weights_sha256=digest,
@@ -472,7 +478,7 @@ class Backend(Protocol):
     def make(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str,
              weights_sha256: str | None, *, stages: list[dict[str, Any]] | None = None,
              peers: dict[str, str] | None = None, warmup_tokens: int = 1,
-             slo_ms: tuple[float, float] | None = None) -> PlanEngine: ...
+             slo_ms: tuple[float, float] | None = None, max_context: int | None = None) -> PlanEngine: ...
 
     def join(self, deployment: str, plan: dict[str, Any], plan_id: str, model: str, weights_sha256: str | None,
              *, stages: list[dict[str, Any]], node_id: str) -> Any: ...

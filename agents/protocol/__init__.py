@@ -79,8 +79,10 @@ A plan's **leader** is the node of its first stage's first GPU: it runs the plan
     Weights whose digest is not the registry's: ack failed with weights_sha256,
     the digest observed (the console quarantines that model version).
     Already prepared: ack ok at once. GPUs not ours: ack failed, reason "preempted".
-    Optional model_version ({id, version, tokenizer, warmup_tokens}: the registry version the
-    plan loads): an agent that can read that tokenizer checks the shadow plan with it before it
+    Optional model_version ({id, version, tokenizer, warmup_tokens, max_context?}: the registry
+    version the plan loads; max_context, when given, caps prompt + max tokens of every sequence
+    the plan takes, below the model's own context: the engine refuses a longer one, naming
+    max_tokens, as the gateway does): an agent that can read that tokenizer checks the shadow plan with it before it
     acks - it loads, and a warm-up prompt encodes to ids inside the model's vocabulary; otherwise
     ack failed, reason "tokenizer" (the transition rolls back; what served keeps serving). The
     simulated agents do (agents/shadow_check.py); the node daemon does not yet (its engines warm
@@ -227,6 +229,7 @@ from agents.protocol.rules import (
     COMMAND_KINDS,
     ENGINE_BACKENDS,
     FAILURE_REASONS,
+    MAX_CONTEXT_TOKENS,
     MAX_HINT_TTL_S,
     MAX_WARMUP_TOKENS,
     NODE_ID_RE,
@@ -271,5 +274,6 @@ __all__ = [
     "ENGINE_BACKENDS",
     "ACK_STATUSES",
     "WEIGHTS_SOURCES",
+    "MAX_CONTEXT_TOKENS",
     "MAX_WARMUP_TOKENS",
 ]

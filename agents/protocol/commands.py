@@ -14,6 +14,7 @@ from agents.protocol.rules import (
     _MAX_HINT_WEIGHT,
     _MAX_PLANS_PER_NODE,
     COMMAND_KINDS,
+    MAX_CONTEXT_TOKENS,
     MAX_HINT_TTL_S,
     MAX_WARMUP_TOKENS,
     NODE_ID_RE,
@@ -120,6 +121,7 @@ def _prepare(r: ObjectReader) -> None:
         version.str("version", max_len=64)
         version.str("tokenizer", max_len=1024)
         version.int("warmup_tokens", min=0, max=MAX_WARMUP_TOKENS)
+        version.int("max_context", None, min=1, max=MAX_CONTEXT_TOKENS)
         version.done()
     peers = r.raw("peers", {})
     if peers is not None and (not isinstance(peers, dict) or not all(isinstance(v, str) for v in peers.values())):

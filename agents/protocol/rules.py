@@ -33,6 +33,7 @@ FAILURE_REASONS = ("preempted", "failed", "conflict", "target_refused", "stale_l
                    "unsupported", "tokenizer")
 WEIGHTS_SOURCES = ("host_cache", "disk")  # prepare_plan's ack: where the node read the weights from
 MAX_WARMUP_TOKENS = 1_000_000  # the registry's bound on a model's warm-up (console/registry/api.py)
+MAX_CONTEXT_TOKENS = 10_000_000  # the registry's bound on a model version's max_context (console/registry/api.py)
 
 # Generous upper bounds that catch unit mistakes (bytes vs GiB) without limiting real hardware.
 _MAX_MEM_BYTES = 4 * 1024**4  # 4 TiB per GPU

@@ -59,7 +59,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from agents.sim.buckets import LengthBuckets
 from agents.sim.churn import Churn
 from agents.sim.cluster import US, Change, SimCluster
 from agents.sim.engine import (
@@ -81,6 +80,7 @@ from agents.sim.reports import IDLE_MEM_BYTES, Reports
 from agents.sim.scenario import BaselineSpec, ModelDeploymentSpec, Scenario, baseline_stage_nodes
 from agents.sim.workload import Arrival
 from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
+from scheduler.buckets import LengthBuckets
 from scheduler.control.correction import LOCAL_LOOP_S, HintBook
 from scheduler.costmodel import (
     COLD_START_S,
@@ -122,7 +122,7 @@ class SimOptions:
     disk_cold_start_s: float = COLD_START_S  # a plan started from disk (a restarted pod) also starts its process
     max_run_rounds: int = MAX_RUN_ROUNDS  # longest analytic run of identical rounds (1: simulate each round)
     prefix_block_tokens: int = BLOCK_TOKENS  # the engines' prefix cache block (a trace's hash block); 0: none
-    length_buckets: LengthBuckets | None = None  # batching split by prompt length (agents/sim/buckets.py); None: FCFS
+    length_buckets: LengthBuckets | None = None  # batching split by prompt length (scheduler/buckets.py); None: FCFS
     local_loop_s: float = LOCAL_LOOP_S  # how often an engine's local loop reads its hints (agents/sim/hints.py)
     kv_tiers: KvTierOptions | None = None  # GPU -> host -> SSD KV tiers (agents/sim/kvtiers.py); None: off
 

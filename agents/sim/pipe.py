@@ -266,7 +266,7 @@ class Pipe:
         is recomputed later."""
         buckets = self.engine.host.length_buckets
         if buckets is not None:
-            # the least urgent class, then its longest bucket (agents/sim/buckets.py), then the last admitted
+            # the least urgent class, then its longest bucket (scheduler/buckets.py), then the last admitted
             worst = max(r.priority for r in self.running.values())
             order = list(self.running.values())
             rid = max((i for i, r in enumerate(order) if r.priority == worst),
@@ -303,7 +303,7 @@ class Pipe:
         budget = full - n_dec if role == "both" else (full if role == "prefill" else 0)
         chunks: list[tuple[Request, int]] = []
         pre_tokens = pre_ctx = 0
-        # With length buckets (agents/sim/buckets.py) a round that mixes short and long prompts is
+        # With length buckets (scheduler/buckets.py) a round that mixes short and long prompts is
         # split: shorter buckets first, each bucket within its share of the budget.
         buckets = self.engine.host.length_buckets
         room: list[int] | None = None

@@ -48,7 +48,7 @@ def version_load(rec: TransitionRecord) -> dict[str, object] | None:
         return out
     out.update({"weights_sha256": version.sha256,
                 "model_version": {"id": version.pk, "version": version.version, "tokenizer": version.tokenizer,
-                                  "warmup_tokens": version.warmup_tokens}})
+                                  "warmup_tokens": version.warmup_tokens, "max_context": version.max_context}})
     return out
 
 

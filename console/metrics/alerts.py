@@ -196,14 +196,18 @@ def load_rules(path: Path = RULES_PATH) -> tuple[Rule, ...]:
     return parse_rules(yaml.safe_load(path.read_text()), path.name)
 
 
-def registry_samples(registry: Any = None) -> list[Sample]:
-    """The registry's samples now (the state collectors read the database: call from sync code)."""
+def registry_samples(registry: Any = None, names: Iterable[str] | None = None) -> list[Sample]:
+    """The registry's samples now (the state collectors read the database: call from sync code).
+    `names`: only these families, collected from only the collectors that yield them
+    (collectors.Described) - the rules' metrics, not the whole fleet's (issue 19)."""
     if registry is None:
         from console.metrics import REGISTRY
         from console.metrics.views import register_collectors
 
         register_collectors()
         registry = REGISTRY
+    if names is not None:
+        registry = registry.restricted_registry(list(names))
     return [Sample(s.name, dict(s.labels), float(s.value)) for fam in registry.collect() for s in fam.samples]
 
 
@@ -270,6 +274,6 @@ def with_since(actives: list[Active], now_s: float) -> list[AlertState]:
 def current(now_s: float) -> tuple[tuple[Rule, ...], list[AlertState]]:
     """The rules and what holds now over the console's metrics, firing first, then by name and labels."""
     rules = load_rules()
-    states = with_since(evaluate(rules, registry_samples()), now_s)
+    states = with_since(evaluate(rules, registry_samples(names={r.expr.metric for r in rules})), now_s)
     states.sort(key=lambda s: (s.state != "firing", s.active.rule.name, s.active.key))
     return rules, states

@@ -10,9 +10,25 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 
-class FleetCollector(Collector):
+class Described(Collector):
+    """A collector that names its families up front (`families`: (name, type) of what `collect`
+    yields). The registry maps each name to its collector, so a collection restricted to some names
+    runs only the collectors that yield them: the alert rules' evaluation (console/metrics/alerts.py)
+    reads the few families the rules reference, not the whole fleet's. A test checks that
+    `families` and `collect` agree."""
+
+    families: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> Iterator[Metric]:
+        for name, kind in self.families:
+            yield Metric(name, "", kind)
+
+
+class FleetCollector(Described):
+    families = (("flexpipe_agent_report_lag_seconds", "gauge"), ("flexpipe_node_schedulable", "gauge"))
+
     def collect(self) -> Iterator[Metric]:
-        from console.fleet.models import GPU_STATES, Gpu, Node, gpu_state
+        from console.fleet.models import Node
 
         now = timezone.now()
         lag = GaugeMetricFamily("flexpipe_agent_report_lag_seconds",
@@ -27,6 +43,13 @@ class FleetCollector(Collector):
         yield lag
         yield schedulable
 
+
+class GpuStateCollector(Described):
+    families = (("flexpipe_gpus", "gauge"),)
+
+    def collect(self) -> Iterator[Metric]:
+        from console.fleet.models import GPU_STATES, Gpu, gpu_state
+
         counts: Counter[str] = Counter(
             gpu_state(healthy=h, allocatable=a, node_schedulable=s)
             for h, a, s in Gpu.objects.filter(present=True).values_list("healthy", "allocatable", "node__schedulable"))
@@ -37,7 +60,9 @@ class FleetCollector(Collector):
         yield gpus
 
 
-class ModelRegistryCollector(Collector):
+class ModelRegistryCollector(Described):
+    families = (("flexpipe_registry_versions", "gauge"),)
+
     def collect(self) -> Iterator[Metric]:
         from django.db.models import Count
 
@@ -51,7 +76,9 @@ class ModelRegistryCollector(Collector):
         yield family
 
 
-class AuditCollector(Collector):
+class AuditCollector(Described):
+    families = (("flexpipe_audit_chain_length", "gauge"),)
+
     def collect(self) -> Iterator[Metric]:
         from console.audit.models import AuditHead
 

@@ -29,8 +29,9 @@ the same, and a restart loses nothing. One or two queries per family; a scrape s
     flexpipe_transition_kv_migrated_bytes_total{deployment}    what moved: KV bytes migrated ...
     flexpipe_transition_tokens_replayed_total{deployment}      ... against tokens replayed (all transitions)
 
-Inputs of the alert rules (deploy/prometheus/alerts.yml): gauges over a window the exporter fixes, so
-that the console's own evaluation of the rules (console/metrics/alerts.py) needs no history:
+Inputs of the alert rules (deploy/prometheus/alerts.yml; AlertInputsCollector, apart so the rules'
+evaluation collects only them): gauges over a window the exporter fixes, so that the console's own
+evaluation of the rules (console/metrics/alerts.py) needs no history:
     flexpipe_transition_overdue_seconds{deployment}            how far the running transition's current
                                                                step is past its deadline (its start, or
                                                                retry time, plus its timeout); 0 when idle
@@ -68,7 +69,8 @@ from typing import Any
 
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Max, Q, Sum
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+
+from console.metrics.collectors import Described
 
 SWITCH_DURATION_BUCKETS_S = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 SLO_WINDOW_S = 300.0  # the SLO violation ratio's window
@@ -76,15 +78,33 @@ SPILL_WINDOW_S = 300.0  # the spillover timeouts' window (the alert's "last 5 mi
 PHASE_VALUES = ("prepare", "switch", "cleanup", "rollback", "idle")
 
 
-class GearboxCollector(Collector):
+def _deployments() -> tuple[list[Any], dict[int, Any]]:
+    """The deployments (the columns the families read) and their running transitions."""
+    from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
+
+    deps = list(Deployment.objects.order_by("name").only(
+        "name", "mode", "current_gear", "routing_version", "last_transition_seq", "load_window", "model_name",
+        "model_version"))
+    return deps, {t.deployment_id: t for t in Transition.objects.filter(phase__in=ACTIVE_PHASES)}
+
+
+class GearboxCollector(Described):
+    """The gears, transitions, decisions and TWU (module docstring)."""
+
+    families = (("flexpipe_deployment_plan_info", "gauge"), ("flexpipe_deployment_gear", "gauge"),
+                ("flexpipe_deployment_pinned", "gauge"), ("flexpipe_deployment_routing_version", "gauge"),
+                ("flexpipe_transition_phase", "gauge"), ("flexpipe_migration_queue_length", "gauge"),
+                ("flexpipe_shadow_plan_status", "gauge"), ("flexpipe_router_rollout_share", "gauge"),
+                ("flexpipe_gpu_twu", "gauge"), ("flexpipe_deployment_twu", "gauge"),
+                ("flexpipe_switch_duration_seconds", "histogram"), ("flexpipe_decisions", "counter"),
+                ("flexpipe_decisions_pending_approval", "gauge"), ("flexpipe_transition_kv_migrated_bytes", "counter"),
+                ("flexpipe_transition_tokens_replayed", "counter"))
+
     def collect(self) -> Iterator[Metric]:
         from console.gearbox import present
-        from console.gearbox.models import ACTIVE_PHASES, Deployment, Transition
+        from console.gearbox.models import Deployment, Transition
 
-        deps = list(Deployment.objects.order_by("name").only(
-            "name", "mode", "current_gear", "routing_version", "last_transition_seq", "load_window", "model_name",
-            "model_version"))
-        active = {t.deployment_id: t for t in Transition.objects.filter(phase__in=ACTIVE_PHASES)}
+        deps, active = _deployments()
         latest_done = dict(Transition.objects.filter(phase="done").values("deployment_id")
                            .annotate(seq=Max("seq")).values_list("deployment_id", "seq"))
 
@@ -119,75 +139,11 @@ class GearboxCollector(Collector):
             for s in present.SHADOW_STATUSES:
                 shadow.add_metric([d.name, s], 1.0 if s == status else 0.0)
         yield from (info, gear, pinned, routing, phase, queue, shadow)
-        yield from self._alert_inputs(deps, active)
-        yield from self._rollout(deps)
-        yield self._spill_timeouts(deps)
+        yield _rollout(deps, rolled_back=False)
         yield from self._twu(deps, active)
         yield self._durations()
         yield from self._decisions(deps)
         yield from self._moved()
-
-    def _rollout(self, deps: list[Any]) -> Iterator[Metric]:
-        """The learned routing's stage per deployment that has one (console/gateway/learned.py)."""
-        from console.gateway import learned
-
-        share = GaugeMetricFamily("flexpipe_router_rollout_share", "Share of the deployment's requests its learned "
-                                  "routing weights route (newest stage change)", labels=["deployment"])
-        back = GaugeMetricFamily("flexpipe_router_rollback_active", "1 while the deployment's learned routing is "
-                                 "rolled back to round-robin", labels=["deployment"])
-        for name, row in learned.newest([d.name for d in deps]).items():
-            share.add_metric([name], float(row.get("share") or 0.0))
-            back.add_metric([name], 1.0 if row.get("after") == "rolled_back" else 0.0)
-        yield from (share, back)
-
-    def _spill_timeouts(self, deps: list[Any]) -> Metric:
-        from console.gateway import routing
-
-        g = GaugeMetricFamily("flexpipe_spillover_timeouts_recent", f"Spilled requests that timed out waiting at "
-                              f"the plan in the last {SPILL_WINDOW_S:.0f} s", labels=["deployment", "plan_id"])
-        for (name, plan_id), n in sorted(routing.spill_timeouts_recent([d.name for d in deps], SPILL_WINDOW_S).items()):
-            g.add_metric([name, plan_id], float(n))
-        return g
-
-    def _alert_inputs(self, deps: list[Any], active: dict[int, Any]) -> Iterator[Metric]:
-        from django.utils import timezone
-
-        from console.gearbox.models import ServingSample, Transition
-        from scheduler.gearbox import DEFAULT_CONFIG
-
-        now = timezone.now()
-        overdue = GaugeMetricFamily("flexpipe_transition_overdue_seconds",
-                                    "Seconds the running transition's current step is past its deadline "
-                                    "(0: idle or within it)", labels=["deployment"])
-        for d in deps:
-            t = active.get(d.pk)
-            deadline_s = _deadline_s(t) if t is not None else None
-            overdue.add_metric([d.name], max(0.0, now.timestamp() - deadline_s) if deadline_s is not None else 0.0)
-        yield overdue
-
-        window_s = DEFAULT_CONFIG.flap_window_s
-        started = dict(Transition.objects.filter(created_at__gte=now - timedelta(seconds=window_s))
-                       .values("deployment_id").annotate(n=Count("id")).values_list("deployment_id", "n"))
-        recent = GaugeMetricFamily("flexpipe_deployment_transitions_recent",
-                                   f"Transitions started in the last {window_s:.0f} s (the gearbox's flap window)",
-                                   labels=["deployment"])
-        for d in deps:
-            recent.add_metric([d.name], float(started.get(d.pk, 0)))
-        yield recent
-
-        yield self._kv_free(deps)
-
-        # Each serving sample holds the worst P95 over the deployment's routed plans (ticks.py).
-        late = Q(ttft_p95_ms__gt=F("deployment__ttft_ms")) | Q(tpot_p95_ms__gt=F("deployment__tpot_ms"))
-        rows = (ServingSample.objects.filter(at__gte=now - timedelta(seconds=SLO_WINDOW_S))
-                .values("deployment__name").annotate(n=Count("id"), late=Count("id", filter=late))
-                .order_by("deployment__name"))
-        ratio = GaugeMetricFamily("flexpipe_deployment_slo_violation_ratio",
-                                  f"Share of the serving samples of the last {SLO_WINDOW_S:.0f} s whose P95 TTFT or "
-                                  "TPOT was above the deployment's SLO", labels=["deployment"])
-        for row in rows:
-            ratio.add_metric([row["deployment__name"]], row["late"] / row["n"])
-        yield ratio
 
     def _twu(self, deps: list[Any], active: dict[int, Any]) -> Iterator[Metric]:
         from console.gearbox import present
@@ -208,25 +164,6 @@ class GearboxCollector(Collector):
             if value is not None:
                 family.add_metric([d.name], value)
         yield family
-
-    def _kv_free(self, deps: list[Any]) -> Metric:
-        from console.fleet.models import Node
-        from console.gearbox import present
-
-        owner: dict[str, str] = {}
-        for d in deps:
-            current = present.parse_gear(d.current_gear)
-            for plan in current.plans if current is not None else ():
-                owner[plan.plan_id] = d.name
-        family = GaugeMetricFamily("flexpipe_kv_pool_free_ratio", "Free share of the plan's KV cache on the node, "
-                                   "as its engine last reported (1 - kv_usage)", labels=["deployment", "plan_id", "node"])
-        for node_id, reports in Node.objects.exclude(engines=[]).order_by("node_id").values_list("node_id", "engines"):
-            for e in reports if isinstance(reports, list) else []:
-                kv = e.get("kv_usage") if isinstance(e, dict) else None
-                name = owner.get(str(e.get("plan_id"))) if isinstance(e, dict) else None
-                if name is not None and isinstance(kv, int | float) and not isinstance(kv, bool):
-                    family.add_metric([name, str(e["plan_id"]), node_id], 1.0 - min(1.0, max(0.0, float(kv))))
-        return family
 
     def _durations(self) -> Metric:
         from console.gearbox.models import Transition
@@ -281,6 +218,109 @@ class GearboxCollector(Collector):
             tokens.add_metric([row["deployment__name"]], float(row["tokens"] or 0))
         yield kv
         yield tokens
+
+
+class AlertInputsCollector(Described):
+    """The inputs of the alert rules (module docstring): a collector of their own, so the console's
+    evaluation of the rules (console/metrics/alerts.py) runs this one and the fleet's report lag,
+    not the gears, decisions and TWU of the whole fleet."""
+
+    families = (("flexpipe_transition_overdue_seconds", "gauge"), ("flexpipe_deployment_transitions_recent", "gauge"),
+                ("flexpipe_kv_pool_free_ratio", "gauge"), ("flexpipe_deployment_slo_violation_ratio", "gauge"),
+                ("flexpipe_router_rollback_active", "gauge"), ("flexpipe_spillover_timeouts_recent", "gauge"))
+
+    def collect(self) -> Iterator[Metric]:
+        deps, active = _deployments()
+        yield from self._alert_inputs(deps, active)
+        yield _rollout(deps, rolled_back=True)
+        yield self._spill_timeouts(deps)
+
+    def _spill_timeouts(self, deps: list[Any]) -> Metric:
+        from console.gateway import routing
+
+        g = GaugeMetricFamily("flexpipe_spillover_timeouts_recent", f"Spilled requests that timed out waiting at "
+                              f"the plan in the last {SPILL_WINDOW_S:.0f} s", labels=["deployment", "plan_id"])
+        for (name, plan_id), n in sorted(routing.spill_timeouts_recent([d.name for d in deps], SPILL_WINDOW_S).items()):
+            g.add_metric([name, plan_id], float(n))
+        return g
+
+    def _alert_inputs(self, deps: list[Any], active: dict[int, Any]) -> Iterator[Metric]:
+        from django.utils import timezone
+
+        from console.gearbox.models import ServingSample, Transition
+        from scheduler.gearbox import DEFAULT_CONFIG
+
+        now = timezone.now()
+        overdue = GaugeMetricFamily("flexpipe_transition_overdue_seconds",
+                                    "Seconds the running transition's current step is past its deadline "
+                                    "(0: idle or within it)", labels=["deployment"])
+        for d in deps:
+            t = active.get(d.pk)
+            deadline_s = _deadline_s(t) if t is not None else None
+            overdue.add_metric([d.name], max(0.0, now.timestamp() - deadline_s) if deadline_s is not None else 0.0)
+        yield overdue
+
+        window_s = DEFAULT_CONFIG.flap_window_s
+        started = dict(Transition.objects.filter(created_at__gte=now - timedelta(seconds=window_s))
+                       .values("deployment_id").annotate(n=Count("id")).values_list("deployment_id", "n"))
+        recent = GaugeMetricFamily("flexpipe_deployment_transitions_recent",
+                                   f"Transitions started in the last {window_s:.0f} s (the gearbox's flap window)",
+                                   labels=["deployment"])
+        for d in deps:
+            recent.add_metric([d.name], float(started.get(d.pk, 0)))
+        yield recent
+
+        yield self._kv_free(deps)
+
+        # Each serving sample holds the worst P95 over the deployment's routed plans (ticks.py).
+        late = Q(ttft_p95_ms__gt=F("deployment__ttft_ms")) | Q(tpot_p95_ms__gt=F("deployment__tpot_ms"))
+        rows = (ServingSample.objects.filter(at__gte=now - timedelta(seconds=SLO_WINDOW_S))
+                .values("deployment__name").annotate(n=Count("id"), late=Count("id", filter=late))
+                .order_by("deployment__name"))
+        ratio = GaugeMetricFamily("flexpipe_deployment_slo_violation_ratio",
+                                  f"Share of the serving samples of the last {SLO_WINDOW_S:.0f} s whose P95 TTFT or "
+                                  "TPOT was above the deployment's SLO", labels=["deployment"])
+        for row in rows:
+            ratio.add_metric([row["deployment__name"]], row["late"] / row["n"])
+        yield ratio
+
+    def _kv_free(self, deps: list[Any]) -> Metric:
+        from console.fleet.models import Node
+        from console.gearbox import present
+
+        owner: dict[str, str] = {}
+        for d in deps:
+            current = present.parse_gear(d.current_gear)
+            for plan in current.plans if current is not None else ():
+                owner[plan.plan_id] = d.name
+        family = GaugeMetricFamily("flexpipe_kv_pool_free_ratio", "Free share of the plan's KV cache on the node, "
+                                   "as its engine last reported (1 - kv_usage)", labels=["deployment", "plan_id", "node"])
+        for node_id, reports in Node.objects.exclude(engines=[]).order_by("node_id").values_list("node_id", "engines"):
+            for e in reports if isinstance(reports, list) else []:
+                kv = e.get("kv_usage") if isinstance(e, dict) else None
+                name = owner.get(str(e.get("plan_id"))) if isinstance(e, dict) else None
+                if name is not None and isinstance(kv, int | float) and not isinstance(kv, bool):
+                    family.add_metric([name, str(e["plan_id"]), node_id], 1.0 - min(1.0, max(0.0, float(kv))))
+        return family
+
+
+def _rollout(deps: list[Any], *, rolled_back: bool) -> Metric:
+    """The learned routing's stage per deployment that has one (console/gateway/learned.py): the
+    learned arm's share, or (`rolled_back`) 1 while it is rolled back - the alert's input."""
+    from console.gateway import learned
+
+    if rolled_back:
+        family = GaugeMetricFamily("flexpipe_router_rollback_active", "1 while the deployment's learned routing is "
+                                   "rolled back to round-robin", labels=["deployment"])
+    else:
+        family = GaugeMetricFamily("flexpipe_router_rollout_share", "Share of the deployment's requests its learned "
+                                   "routing weights route (newest stage change)", labels=["deployment"])
+    for name, row in learned.newest([d.name for d in deps]).items():
+        if rolled_back:
+            family.add_metric([name], 1.0 if row.get("after") == "rolled_back" else 0.0)
+        else:
+            family.add_metric([name], float(row.get("share") or 0.0))
+    return family
 
 
 def _deadline_s(t: Any) -> float | None:

@@ -31,8 +31,13 @@ from console.accounts.decorators import role_required
 from console.accounts.roles import VIEWER
 from console.metrics import REGISTRY
 from console.metrics import websockets as _websockets  # noqa: F401 - registers the websocket metrics
-from console.metrics.collectors import AuditCollector, FleetCollector, ModelRegistryCollector
-from console.metrics.gearbox import GearboxCollector
+from console.metrics.collectors import (
+    AuditCollector,
+    FleetCollector,
+    GpuStateCollector,
+    ModelRegistryCollector,
+)
+from console.metrics.gearbox import AlertInputsCollector, GearboxCollector
 
 _registered = False
 
@@ -41,7 +46,8 @@ def register_collectors() -> None:
     global _registered
     if _registered:
         return
-    for collector in (FleetCollector(), ModelRegistryCollector(), AuditCollector(), GearboxCollector()):
+    for collector in (FleetCollector(), GpuStateCollector(), ModelRegistryCollector(), AuditCollector(),
+                      GearboxCollector(), AlertInputsCollector()):
         REGISTRY.register(collector)
     ProcessCollector(registry=REGISTRY)
     _registered = True

@@ -18,7 +18,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from agents.protocol import MAX_WARMUP_TOKENS  # prepare_plan carries it: one bound for both
+from agents.protocol import MAX_CONTEXT_TOKENS, MAX_WARMUP_TOKENS  # prepare_plan carries both: one bound each
 from console.accounts.auth import ReadViewerWriteAdmin
 from console.api.params import QueryParams
 from console.api.serializers import StrictSerializer, refused_response
@@ -30,7 +30,6 @@ from console.registry.models import ModelVersion
 from console.registry.weights import parse_weights_uri
 
 MAX_GPU_MEM_BYTES = 4 * 1024**4  # the agent protocol's bound: catches GiB-for-bytes mistakes
-MAX_CONTEXT_TOKENS = 10_000_000
 
 
 @extend_schema_field({

@@ -165,8 +165,11 @@ def test_a_prepare_may_name_the_version_it_loads_and_each_bad_field_of_it_is_nam
     sent = dict(next(p for k, p, _ in commands_of_a_run(False) if k == "prepare_plan"))
     version = {"id": 7, "version": "v2", "tokenizer": "/models/llama/tokenizer.json", "warmup_tokens": 16}
     check_payload("prepare_plan", {**sent, "model_version": version})
+    check_payload("prepare_plan", {**sent, "model_version": {**version, "max_context": 8192}})
     for bad, field in (({**version, "id": 0}, "model_version.id"), ({**version, "tokenizer": ""}, "model_version.tokenizer"),
-                       ({**version, "colour": 1}, "model_version.colour"), ("v2", "model_version")):
+                       ({**version, "colour": 1}, "model_version.colour"), ("v2", "model_version"),
+                       ({**version, "max_context": 0}, "model_version.max_context"),
+                       ({**version, "max_context": "8k"}, "model_version.max_context")):
         with pytest.raises(SchemaError, match=field.replace(".", r"\.")):
             check_payload("prepare_plan", {**sent, "model_version": bad})
 

@@ -3,16 +3,17 @@
 Public API (see each module):
 
     TorchEngine(model_dir, layout, device="cpu", *, backend="auto", num_kv_blocks=256, block_size=16,
-                max_tokens_per_step=256, expected_sha256=None, timeout_s=120.0)
-      .add_request(seq_id, prompt_ids, max_new_tokens, sampling=None)
+                max_tokens_per_step=256, expected_sha256=None, timeout_s=120.0, length_buckets=None)
+      .add_request(seq_id, prompt_ids, max_new_tokens, sampling=None, priority=0)
       .step() -> list[StepOutput(seq_id, token_id, finished)]
       .export_kv(seq_id, *, include_kv=True) -> KVState
       .import_kv(seq_id, state)
-      .replay(seq_id, prompt_ids, generated_ids, max_new_tokens, sampling=None)
+      .replay(seq_id, prompt_ids, generated_ids, max_new_tokens, sampling=None, priority=0)
       .pause(seq_id) / .resume(seq_id)      # hold a sequence still while its KV is in flight
       .drop(seq_id) -> bool
       .shutdown()
-    Layout / StageSpec (layout.py), SamplingParams (sampling.py)
+    Layout / StageSpec (layout.py), SamplingParams (sampling.py), KVState (kvstate.py)
+    batching: which tokens each step feeds - priority classes, length buckets, preemption
     kvtransfer: encode_kv_state / decode_kv_state, KVReceiver, send_kv_states
     switch: switch_sequences(old, new, seq_ids, path="migrate"|"replay", link=...)
 

@@ -11,8 +11,9 @@
 
 The engine is a continuous-batching scheduler over one worker group (colocated) or two
 (disaggregated: a prefill group hands each sequence's KV to a decode group after its first
-token). Not thread-safe: drive it from one thread. Every public method runs between two steps,
-which is exactly the safe boundary a gear switch needs (the end of a decode iteration).
+token); which tokens each step feeds is agents/engines/torch/batching.py's choice. Not
+thread-safe: drive it from one thread. Every public method runs between two steps, which is
+exactly the safe boundary a gear switch needs (the end of a decode iteration).
 
 With `host_kv_bytes` > 0 the engine has a host tier (agents/engines/torch/kvtier.py): `offload`
 moves a sequence's KV off the GPU into host memory and `restore` brings it back, token-exact; a
@@ -29,19 +30,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
+from agents.engines.torch.batching import (
+    Batcher,
+    Chunk,
+    Seq,
+    check_length,
+    check_priority,
+    check_request,
+    sampling_params,
+    step_plan,
+)
 from agents.engines.torch.comm import check_device, check_gpus
 from agents.engines.torch.group import EngineError, WorkerGroup
 from agents.engines.torch.kvcache import KVCacheFullError
+from agents.engines.torch.kvstate import KVState
 from agents.engines.torch.kvtier import HostKVTier
 from agents.engines.torch.layout import Layout
-from agents.engines.torch.model import ModelConfig, SeqChunk
+from agents.engines.torch.model import ModelConfig
 from agents.engines.torch.remote import Placement
 from agents.engines.torch.sampling import SamplingParams, draws_after
 from agents.engines.torch.weights import WEIGHTS_FILE, sha256_file
-from agents.engines.torch.worker import StepPlan
+from scheduler.buckets import LengthBuckets
 
 __all__ = ["EngineError", "KVCacheFullError", "KVState", "StepOutput", "TorchEngine"]
 
@@ -50,68 +61,6 @@ class StepOutput(NamedTuple):
     seq_id: str
     token_id: int
     finished: bool
-
-
-@dataclass(frozen=True)
-class KVState:
-    """One sequence, layout-independent: everything another engine needs to continue it.
-
-    keys/values hold the unsharded K/V of every layer for token_ids[:num_cached_tokens]
-    ([num_layers, num_cached_tokens, num_kv_heads, head_dim], float32, CPU). At a safe boundary
-    the last token is sampled but not yet fed, so num_cached_tokens == len(token_ids) - 1 for a
-    decoding sequence; fewer for one still in prefill, 0 for a replay-only export.
-    """
-
-    seq_id: str
-    model_sha256: str  # the weights the KV was computed with; import refuses any other
-    token_ids: tuple[int, ...]  # prompt + generated so far
-    num_prompt_tokens: int
-    max_new_tokens: int  # the cap on generated tokens, counted from the original prompt
-    sampling: SamplingParams
-    sampler_draws: int  # random draws made so far (the whole sampler state besides the seed)
-    num_cached_tokens: int
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    @property
-    def prompt_ids(self) -> tuple[int, ...]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def generated_ids(self) -> tuple[int, ...]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-
-@dataclass
-class _Seq:
-    seq_id: str
-    token_ids: list[int]
-    num_prompt: int
-    max_new_tokens: int
-    sampling: SamplingParams
-    draws: int
-    arrival: int  # admission order: FCFS for prefill, latest-first for preemption
-    group: str  # the worker group holding (or about to hold) its KV
-    num_computed: int = 0  # tokens whose KV is cached in `group`
-    paused: bool = False  # held still (KV kept, never scheduled) while it is being moved away
-
-    @property
-    def pending(self) -> int:
-        """Tokens still to feed; 1 = decoding (only the last sampled token)."""
-        return len(self.token_ids) - self.num_computed
-
-    @property
-    def decoding(self) -> bool:
-        """Prefilled: only the last sampled token is left to feed."""
-        return self.pending == 1 and self.num_computed > 0
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt
 
 
 @dataclass
@@ -145,12 +94,21 @@ class TorchEngine:
         placement: Mapping[str, Placement] | None = None,
         host_kv_bytes: int = 0,
         verified_sha256: str | None = None,
+        length_buckets: LengthBuckets | None = None,
+        max_context: int | None = None,
     ) -> None:
         """`placement`: per group name (main, or prefill and decode), which of its ranks run here
         and which nodes to ask for the others (agents/engines/torch/remote.py). A group without
         an entry runs every rank on this node, as a one-node plan does. `host_kv_bytes`: the host
         tier's size (0: no host tier; module docstring). `verified_sha256`: the weights' digest when
-        the caller has hashed this very file already (not hashed again)."""
+        the caller has hashed this very file already (not hashed again). `length_buckets`: batching split
+        by prompt length (agents/engines/torch/batching.py); None: one queue by (priority, arrival).
+        `max_context`: the registry's cap on prompt + max tokens for this model version (prepare_plan's
+        model_version.max_context); None: the model's own positions only."""
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 1):
+            raise ValueError(f"max_context: must be a positive integer, got {max_context!r}")
+        self.max_context = max_context
         self.host_tier = HostKVTier(host_kv_bytes) if host_kv_bytes else None
         self.model_dir = str(model_dir)
         self.cfg = ModelConfig.from_dir(model_dir)
@@ -162,6 +120,7 @@ class TorchEngine:
             raise ValueError(f"max_tokens_per_step: must be a positive integer, got {max_tokens_per_step!r}")
         if not isinstance(timeout_s, int | float) or timeout_s <= 0:
             raise ValueError(f"timeout_s: must be positive, got {timeout_s!r}")
+        self.batcher = Batcher(self._entry_group, length_buckets)
         weights = Path(model_dir) / WEIGHTS_FILE
         if not weights.is_file():
             raise ValueError(f"model_dir: {model_dir} has no {WEIGHTS_FILE}")
@@ -176,7 +135,7 @@ class TorchEngine:
         self.max_tokens_per_step = max_tokens_per_step
         self.stats = EngineStats()
         self.last_step_end_s = time.perf_counter()  # when the latest step returned (stall clock)
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, Seq] = {}
         self._arrivals = itertools.count()
         self._groups: dict[str, WorkerGroup] = {}
         self._forget: dict[str, list[str]] = {}
@@ -256,31 +215,34 @@ class TorchEngine:
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         sampling: SamplingParams | dict[str, object] | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a new sequence; it joins the batch at the next step with room for it.
+        """Queue a new sequence; it joins the batch at the next step with room for it. `priority`:
+        its class, lower is more urgent (agents/engines/torch/batching.py orders and preempts by it).
 
         With a host tier, the longest held sequence whose cached tokens start this prompt lends it
         their KV (it leaves the tier): only the rest of the prompt is computed."""
         prompt = list(prompt_ids)
         hit = self.host_tier.longest_prefix(prompt) if self.host_tier is not None and prompt else None
         if hit is None:
-            self._admit(seq_id, prompt, [], max_new_tokens, sampling)
+            self._admit(seq_id, prompt, [], max_new_tokens, sampling, priority)
             return
         donor = self.host_tier.take(hit[0])  # type: ignore[union-attr]
         assert donor is not None  # noqa: S101 - longest_prefix named it
         n = hit[1]
-        params = self._sampling(sampling)
+        params = sampling_params(sampling)
         try:
             if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
                 raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
             state = KVState(seq_id=seq_id, model_sha256=self.model_sha256, token_ids=tuple(int(t) for t in prompt),
                             num_prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, sampling=params,
                             sampler_draws=draws_after(params, 0), num_cached_tokens=n,
-                            keys=donor.keys[:, :n].contiguous(), values=donor.values[:, :n].contiguous())
+                            keys=donor.keys[:, :n].contiguous(), values=donor.values[:, :n].contiguous(),
+                            priority=check_priority(priority))
             self._check_length(len(prompt), max_new_tokens)
             self.import_kv(seq_id, state)
         except BaseException:
-            self.host_tier.put(donor)  # type: ignore[union-attr] - refused: the donor stays held
+            self.host_tier.put(donor)  # type: ignore[union-attr]  # refused: the donor stays held
             raise
         self.stats.prefix_hit_tokens += n
 
@@ -291,13 +253,14 @@ class TorchEngine:
         generated_ids: Sequence[int],
         max_new_tokens: int,
         sampling: SamplingParams | dict[str, object] | None = None,
+        priority: int = 0,
     ) -> None:
         """Continue a sequence from its tokens alone: re-prefill prompt + generated, then decode on.
 
         The sampler is rebuilt from the seed and the count of generated tokens, so the tokens
         that follow are the ones the original engine would have produced.
         """
-        self._admit(seq_id, list(prompt_ids), list(generated_ids), max_new_tokens, sampling)
+        self._admit(seq_id, list(prompt_ids), list(generated_ids), max_new_tokens, sampling, priority)
 
     def _admit(
         self,
@@ -306,30 +269,15 @@ class TorchEngine:
         generated: list[int],
         max_new_tokens: int,
         sampling: SamplingParams | dict[str, object] | None,
-    ) -> _Seq:
+        priority: int,
+    ) -> Seq:
         self._check_open()
-        params = self._sampling(sampling)
+        params = sampling_params(sampling)
         self._check_seq_id(seq_id)
-        if not prompt:
-            raise ValueError("prompt_ids: must hold at least one token")
-        for name, ids in (("prompt_ids", prompt), ("generated_ids", generated)):
-            for i, t in enumerate(ids):
-                if (
-                    not isinstance(t, int | np.integer)
-                    or isinstance(t, bool)
-                    or not 0 <= t < self.cfg.vocab_size
-                ):
-                    raise ValueError(
-                        f"{name}[{i}]: must be a token id in [0, {self.cfg.vocab_size}), got {t!r}"
-                    )
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
-        if len(generated) >= max_new_tokens:
-            raise ValueError(
-                f"generated_ids: {len(generated)} tokens already reach max_new_tokens {max_new_tokens}: nothing to do"
-            )
+        check_request(prompt, generated, max_new_tokens, self.cfg.vocab_size)
+        check_priority(priority)
         self._check_length(len(prompt), max_new_tokens)
-        seq = _Seq(
+        seq = Seq(
             seq_id=seq_id,
             token_ids=[int(t) for t in prompt + generated],
             num_prompt=len(prompt),
@@ -338,35 +286,14 @@ class TorchEngine:
             draws=draws_after(params, len(generated)),
             arrival=next(self._arrivals),
             group=self._entry_group,
+            priority=priority,
         )
         self._seqs[seq_id] = seq
         return seq
 
     def _check_length(self, num_prompt: int, max_new_tokens: int) -> None:
-        total = num_prompt + max_new_tokens
-        if total > self.cfg.max_positions:
-            raise ValueError(
-                f"max_new_tokens: prompt ({num_prompt}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
-                f"max_position_embeddings {self.cfg.max_positions}"
-            )
-        for name, group in self._groups.items():
-            alloc = group.allocator
-            if alloc.blocks_for(total) > alloc.num_blocks:
-                raise ValueError(
-                    f"max_new_tokens: a sequence of {total} tokens needs {alloc.blocks_for(total)} KV blocks, "
-                    f"group {name!r} has {alloc.num_blocks} in all (raise num_kv_blocks or shorten it)"
-                )
-
-    def _sampling(self, sampling: SamplingParams | dict[str, object] | None) -> SamplingParams:
-        if sampling is None:
-            return SamplingParams()
-        if isinstance(sampling, dict):
-            return SamplingParams.from_dict(sampling)
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(
-                f"sampling: must be SamplingParams, a dict or None, got {type(sampling).__name__}"
-            )
-        return sampling
+        allocators = {name: g.allocator for name, g in self._groups.items()}
+        check_length(num_prompt, max_new_tokens, self.cfg.max_positions, allocators, max_context=self.max_context)
 
     def _check_seq_id(self, seq_id: str) -> None:
         if not isinstance(seq_id, str) or not seq_id:
@@ -391,15 +318,18 @@ class TorchEngine:
         self._check_open()
         if self.disaggregated:
             self._hand_over()  # anything that could not move last time for lack of blocks
-        scheduled: dict[str, list[tuple[_Seq, int, bool]]] = {}
-        for name in self._groups:
-            scheduled[name] = self._schedule(name)
+        scheduled: dict[str, list[Chunk]] = {}
+        for name, group in self._groups.items():
+            batch = self.batcher.schedule(name, self._seqs.values(), group.allocator, self.max_tokens_per_step)
+            scheduled[name] = batch.chunks
+            self.stats.preemptions += len(batch.preempted)
         submitted = []
         try:
             for name, work in scheduled.items():
                 if not work:
                     continue
-                self._groups[name].submit_step(self._plan(name, work))
+                forget, self._forget[name] = tuple(self._forget[name]), []
+                self._groups[name].submit_step(step_plan(work, self._groups[name].allocator, forget))
                 submitted.append(name)
             results = {name: self._groups[name].collect_step() for name in submitted}
         except EngineError:
@@ -415,12 +345,8 @@ class TorchEngine:
                 if not sample:
                     continue
                 token = int(results[name][seq.seq_id])
-                seq.token_ids.append(token)
-                seq.draws = draws_after(seq.sampling, seq.num_generated)
                 self.stats.tokens_generated += 1
-                finished = seq.num_generated >= seq.max_new_tokens or (
-                    token in self.cfg.eos_token_ids and not seq.sampling.ignore_eos
-                )
+                finished = seq.took(token, self.cfg.eos_token_ids)
                 if finished:
                     if self.host_tier is not None:
                         # its KV stays in host memory: the next turn of the conversation starts with it
@@ -432,76 +358,6 @@ class TorchEngine:
         self.stats.steps += 1
         self.last_step_end_s = time.perf_counter()
         return outputs
-
-    def _schedule(self, name: str) -> list[tuple[_Seq, int, bool]]:
-        """Pick this group's chunks: every decode first, then prefill chunks FCFS within the budget.
-
-        A decode that cannot get a block preempts the latest-arrived sequence of the group that is
-        not already scheduled (possibly itself): its blocks are freed and it re-prefills later
-        (recompute preemption; its sampler state survives, so its tokens do not change).
-        """
-        group = self._groups[name]
-        alloc = group.allocator
-        mine = sorted(
-            (s for s in self._seqs.values() if s.group == name and not s.paused), key=lambda s: s.arrival
-        )
-        chosen: list[tuple[_Seq, int, bool]] = []
-        chosen_ids: set[str] = set()
-        budget = self.max_tokens_per_step
-        # A prefill group never decodes: its prefilled sequences wait for the hand-over.
-        if name != "prefill":
-            for seq in mine:
-                if not (seq.decoding and seq.group == name):
-                    continue
-                while not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
-                    victims = [
-                        s
-                        for s in mine
-                        if s.group == name and alloc.has(s.seq_id) and s.seq_id not in chosen_ids
-                    ]
-                    if not victims:
-                        break
-                    victim = max(victims, key=lambda s: s.arrival)
-                    self._preempt(victim)
-                    if victim is seq:
-                        break
-                if seq.group != name or not alloc.can_ensure(seq.seq_id, seq.num_computed + 1):
-                    continue  # preempted itself, or everything else is already in this step
-                alloc.ensure(seq.seq_id, seq.num_computed + 1)
-                chosen.append((seq, 1, True))
-                chosen_ids.add(seq.seq_id)
-                budget -= 1
-        for seq in mine:
-            if seq.decoding or seq.group != name or seq.seq_id in chosen_ids:
-                continue
-            if budget <= 0:
-                break
-            n = min(seq.pending, budget)
-            if not alloc.can_ensure(seq.seq_id, seq.num_computed + n):
-                break  # FCFS: a later prompt does not overtake one that waits for blocks
-            alloc.ensure(seq.seq_id, seq.num_computed + n)
-            chosen.append((seq, n, n == seq.pending))
-            chosen_ids.add(seq.seq_id)
-            budget -= n
-        return chosen
-
-    def _preempt(self, seq: _Seq) -> None:
-        self._groups[seq.group].allocator.free(seq.seq_id)
-        seq.num_computed = 0
-        seq.group = self._entry_group
-        self.stats.preemptions += 1
-
-    def _plan(self, name: str, work: list[tuple[_Seq, int, bool]]) -> StepPlan:
-        alloc = self._groups[name].allocator
-        chunks, token_ids, sampling = [], [], {}
-        for seq, n, sample in work:
-            start = seq.num_computed
-            chunks.append(SeqChunk(seq.seq_id, start, n, alloc.block_table(seq.seq_id), sample))
-            token_ids.extend(seq.token_ids[start : start + n])
-            if sample:
-                sampling[seq.seq_id] = (seq.sampling, seq.draws)
-        forget, self._forget[name] = tuple(self._forget[name]), []
-        return StepPlan(tuple(chunks), tuple(token_ids), sampling, forget)
 
     def _hand_over(self) -> None:
         """Disaggregated: move every prefilled sequence's KV from the prefill to the decode group.
@@ -531,7 +387,7 @@ class TorchEngine:
             self.stats.handoffs += 1
             self.stats.handoff_bytes += k.nbytes + v.nbytes
 
-    def _remove(self, seq: _Seq) -> None:
+    def _remove(self, seq: Seq) -> None:
         self._groups[seq.group].allocator.free(seq.seq_id)
         self._forget[seq.group].append(seq.seq_id)
         del self._seqs[seq.seq_id]
@@ -547,7 +403,7 @@ class TorchEngine:
         seq = self._seq(seq_id)
         return self._state(seq, seq.num_computed if include_kv else 0)
 
-    def _state(self, seq: _Seq, n: int) -> KVState:
+    def _state(self, seq: Seq, n: int) -> KVState:
         """The sequence's tokens, sampler and its first `n` tokens' KV, read from its group's workers."""
         try:
             k, v = self._groups[seq.group].export_kv(seq.seq_id, n)
@@ -565,6 +421,7 @@ class TorchEngine:
             num_cached_tokens=n,
             keys=torch.from_numpy(k),
             values=torch.from_numpy(v),
+            priority=seq.priority,
         )
 
     # -- warm-up and the host tier ---------------------------------------------------------------
@@ -613,37 +470,8 @@ class TorchEngine:
         """
         self._check_open()
         self._check_seq_id(seq_id)
-        cfg = self.cfg
-        if state.model_sha256 != self.model_sha256:
-            raise ValueError(
-                f"state.model_sha256: KV computed with weights {state.model_sha256[:12]}..., "
-                f"this engine runs {self.model_sha256[:12]}..."
-            )
+        state.check(self.cfg, self.model_sha256)
         n_tokens = len(state.token_ids)
-        if not 1 <= state.num_prompt_tokens <= n_tokens:
-            raise ValueError(f"state.num_prompt_tokens: {state.num_prompt_tokens} not in [1, {n_tokens}]")
-        if not 0 <= state.num_cached_tokens < n_tokens:
-            raise ValueError(
-                f"state.num_cached_tokens: {state.num_cached_tokens} not in [0, {n_tokens}) "
-                "(the last token is never cached at a safe boundary)"
-            )
-        expected = (cfg.num_layers, state.num_cached_tokens, cfg.num_kv_heads, cfg.head_dim)
-        for name in ("keys", "values"):
-            t = getattr(state, name)
-            if tuple(t.shape) != expected or t.dtype != torch.float32:
-                raise ValueError(
-                    f"state.{name}: expected float32 {list(expected)}, got {t.dtype} {list(t.shape)}"
-                )
-        generated = n_tokens - state.num_prompt_tokens
-        if generated >= state.max_new_tokens:
-            raise ValueError(
-                f"state.max_new_tokens: the sequence already generated {generated}: it is finished"
-            )
-        if state.sampler_draws != draws_after(state.sampling, generated):
-            raise ValueError(
-                f"state.sampler_draws: {state.sampler_draws} draws do not match {generated} generated tokens "
-                f"with {'greedy' if state.sampling.greedy else 'seeded'} sampling"
-            )
         decoding = 0 < state.num_cached_tokens == n_tokens - 1
         group_name = "decode" if self.disaggregated and decoding else self._entry_group
         group = self._groups[group_name]
@@ -655,7 +483,7 @@ class TorchEngine:
         except EngineError:
             self.shutdown()
             raise
-        self._seqs[seq_id] = _Seq(
+        self._seqs[seq_id] = Seq(
             seq_id=seq_id,
             token_ids=list(state.token_ids),
             num_prompt=state.num_prompt_tokens,
@@ -665,6 +493,7 @@ class TorchEngine:
             arrival=next(self._arrivals),
             group=group_name,
             num_computed=state.num_cached_tokens,
+            priority=state.priority,
         )
 
     def pause(self, seq_id: str) -> None:
@@ -687,7 +516,7 @@ class TorchEngine:
         self._remove(seq)
         return True
 
-    def _seq(self, seq_id: str) -> _Seq:
+    def _seq(self, seq_id: str) -> Seq:
         try:
             return self._seqs[seq_id]
         except KeyError:

@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agents.engines.torch.engine import KVState
+    from agents.engines.torch.kvstate import KVState
 
 
 def replay_only(state: KVState) -> KVState:

@@ -12,7 +12,8 @@ Frame (all integers little-endian):
     payload_len                         u64  bytes of K then V that follow the header
     meta   UTF-8 JSON: seq_id, model_sha256, token_ids, num_prompt_tokens, max_new_tokens,
            sampling, sampler_draws, num_cached_tokens, dtype ("float32"), shape
-           [layers, tokens, kv_heads, head_dim], checksum_sha256
+           [layers, tokens, kv_heads, head_dim], checksum_sha256; priority only when it is not 0
+           (the default class), so a frame of the default class reads as it always did
     payload  K then V, C order, little-endian float32
 
 checksum_sha256 = sha256(canonical JSON of the header without the checksum + payload): a
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agents.engines.torch.engine import KVState
+from agents.engines.torch.kvstate import KVState
 from agents.engines.torch.sampling import SamplingParams
 
 MAGIC = b"FPKV"
@@ -55,6 +56,7 @@ _META_KEYS = {
     "shape",
     "checksum_sha256",
 }
+_OPTIONAL_META_KEYS = {"priority"}
 
 
 class KVTransferError(ValueError):
@@ -100,6 +102,8 @@ def frame_parts(state: KVState) -> list[bytes | memoryview]:
         "dtype": "float32",
         "shape": list(keys.shape),
     }
+    if state.priority:
+        meta["priority"] = state.priority
     meta["checksum_sha256"] = _checksum(meta, payload)
     meta_bytes = _canonical(meta)
     payload_len = keys.nbytes + values.nbytes
@@ -134,7 +138,7 @@ def _decode(
         raise KVTransferError(f"frame.meta: not valid JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise KVTransferError("frame.meta: must be a JSON object")
-    missing, unknown = _META_KEYS - set(meta), set(meta) - _META_KEYS
+    missing, unknown = _META_KEYS - set(meta), set(meta) - _META_KEYS - _OPTIONAL_META_KEYS
     if missing or unknown:
         raise KVTransferError(f"frame.meta: missing {sorted(missing)}, unknown {sorted(unknown)}")
     if _checksum(meta, [memoryview(payload)]) != meta["checksum_sha256"]:
@@ -172,6 +176,7 @@ def _decode(
         num_cached_tokens=int(meta["num_cached_tokens"]),
         keys=keys,
         values=values,
+        priority=int(meta.get("priority", 0)),
     )
 
 

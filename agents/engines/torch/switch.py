@@ -105,6 +105,7 @@ def switch_sequences(
                 received.generated_ids,
                 received.max_new_tokens,
                 received.sampling,
+                received.priority,
             )
             recomputed = len(received.token_ids) - 1
         old.drop(seq_id)  # only now: `new` holds it

@@ -10,7 +10,7 @@ turn it into the process the supervisor (engine.py) runs:
         --scheduling-policy priority ...
     env: CUDA_VISIBLE_DEVICES=<the plan's GPUs> CUDA_DEVICE_ORDER=PCI_BUS_ID HF_HUB_OFFLINE=1
 
-Length buckets (issue 16, agents/sim/buckets.py) in vLLM: what it exposes is one token budget per
+Length buckets (issue 16, scheduler/buckets.py) in vLLM: what it exposes is one token budget per
 step (`max_num_batched_tokens`) and one cap on a long prompt's prefill chunk while other requests
 share the step (`long_prefill_token_threshold`: vllm/config/scheduler.py of the pinned 0.32 - "the
 cap is not applied when the request is the only one in the batch"), with priority scheduling

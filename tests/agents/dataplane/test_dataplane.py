@@ -13,6 +13,7 @@ import pytest
 from agents.dataplane import Frozen, NotHere, PlanHost, StaleLease
 from agents.dataplane.client import send_state, stream_tokens
 from agents.engines.torch.sampling import SamplingParams
+from scheduler.buckets import LengthBuckets
 from tests.agents.dataplane.conftest import PLAN_PP2, PLAN_TP1, PLAN_TP2, Node, TinyModel, new_seq_id
 
 GREEDY = SamplingParams(ignore_eos=True)
@@ -343,3 +344,24 @@ def test_a_hinted_batch_scale_sets_the_torch_engine_s_tokens_per_step_and_none_r
     assert seen.ends == [{"done": True, "finish_reason": "length"}] and len(seen.tokens) == 4
     host.set_batch_scale(None)  # the hint lapsed
     assert host.engine.max_tokens_per_step == own
+
+
+def test_a_torch_host_hands_the_request_s_priority_and_its_length_buckets_to_the_engine(
+        tiny_model: TinyModel, make_node: Callable[[], Node]) -> None:
+    buckets = LengthBuckets(edges=(16, 64))
+    host = make_node().run(tiny_model, PLAN_TP1, length_buckets=buckets)
+    engine = host.engine
+    assert engine is not None and engine.batcher.length_buckets == buckets
+    asked: list[object] = []
+    add = engine.add_request
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        asked.append(kwargs.get("priority"))
+        add(*args, **kwargs)
+
+    engine.add_request = spy  # type: ignore[method-assign]
+    stream = host.admit(new_seq_id(), PROMPT, 4, GREEDY, priority=3)
+    ends = [e for e in stream.events(0, idle_timeout_s=30) if "token" not in e]
+    assert asked == [3] and ends == [{"done": True, "finish_reason": "length"}]
+    with pytest.raises(ValueError, match="priority: must be an integer"):
+        host.admit(new_seq_id(), PROMPT, 4, GREEDY, priority=5000)

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from agents.node.cli import DEFAULT_BUCKET_EDGES, length_buckets, parser
 from agents.node.gpuspec import is_spec, spec_document
 from agents.probes.static import parse_static
 from agents.sim.cluster import SimCluster
 from agents.sim.scenario import load_scenario
+from scheduler.buckets import LengthBuckets
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -34,6 +36,9 @@ def test_nvml_without_a_gpu_exits_2_with_one_line() -> None:
     (["--probe", "static"], "--probe static needs --static-gpus"),
     (["--probe", "static", "--static-gpus", "no/such/file.json"], "neither a spec"),
     (["--probe", "static", "--static-gpus", "1xA100-80G", "--data-addr", "nohost"], "--data-addr 'nohost'"),
+    (["--probe", "static", "--static-gpus", "1xA100-80G", "--length-buckets", "16,x"], "--length-buckets '16,x'"),
+    (["--probe", "static", "--static-gpus", "1xA100-80G", "--length-buckets", "64,16"],
+     "--length-buckets '64,16': edges: must be increasing"),
 ])
 def test_a_bad_start_exits_2_naming_the_option(args: list[str], says: str) -> None:
     done = run_node("--token", "fpj_x", "--backend", "torch", *args)
@@ -60,3 +65,11 @@ def test_a_spec_is_told_apart_from_a_file() -> None:
     assert not is_spec("node.yaml") and not is_spec("") and not is_spec("2x")
     two = spec_document("2xA100-80G,1xL40S", "n")["gpus"]
     assert [g["nvlink_group"] if "nvlink_group" in g else None for g in two] == ["n-nvl0", "n-nvl0", None]
+
+
+def test_length_buckets_alone_are_the_default_ones_and_edges_halve_the_share_per_bucket() -> None:
+    args = parser().parse_args(["--controller", "http://c", "--backend", "torch", "--probe", "static",
+                                "--length-buckets"])
+    assert length_buckets(args.length_buckets) == LengthBuckets() and args.length_buckets == DEFAULT_BUCKET_EDGES
+    assert length_buckets("16,64,256") == LengthBuckets(edges=(16, 64, 256), shares=(1.0, 0.5, 0.25, 0.125))
+    assert parser().parse_args(["--controller", "http://c", "--backend", "torch", "--probe", "static"]).length_buckets is None

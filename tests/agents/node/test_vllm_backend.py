@@ -27,6 +27,9 @@ def test_a_plan_becomes_a_cpu_vllm_server_on_its_own_port(models_dir: Path) -> N
     assert argv[argv.index("--model") + 1] == str(folder) and argv[argv.index("--dtype") + 1] == "float32"
     assert "--enforce-eager" in argv and first.gpu_ids == () and first.max_model_len == 512
     assert dict(first.env)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # the registry's max_context for the version caps the server's context when it is the lower
+    assert backend.spec(plan.to_dict(), plan.plan_id, "tiny-llama", folder, 300).max_model_len == 300
+    assert backend.spec(plan.to_dict(), plan.plan_id, "tiny-llama", folder, 4096).max_model_len == 512
 
 
 def test_on_gpus_the_plan_s_parallelism_and_devices_go_to_vllm(models_dir: Path) -> None:

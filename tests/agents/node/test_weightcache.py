@@ -111,7 +111,7 @@ def test_prepare_plan_loads_from_the_cache_the_second_time_and_its_ack_says_so(
         for gpu, slo in zip(gpus("n1", 2), slos, strict=True):  # two plans of the model, one after the other
             plan = tiny_plan([[gpu]])
             payload = {**prepare_payload(plan, "n1"), "model_version": {"id": 1, "version": "1", "tokenizer": "t",
-                                                                        "warmup_tokens": 3}}
+                                                                        "warmup_tokens": 3, "max_context": 100}}
             if slo is not None:
                 payload["slo"] = slo
             ack = agent.handle(command("prepare_plan", payload))
@@ -123,6 +123,10 @@ def test_prepare_plan_loads_from_the_cache_the_second_time_and_its_ack_says_so(
             assert Path(host.model_dir).parent == tmp_path / "cache", "the engine loaded the cache's copy"
             assert host.engine.stats.tokens_generated == 3, "the warm-up ran its tokens before serving"
             assert host.slo_ms == (None if slo is None else (250.0, 40.0)), "its reports count misses against it"
+            # the registry's max_context for the version binds below the model's own positions
+            with pytest.raises(ValueError, match="the registered max_context 100"):
+                host.admit(f"long-{gpu}", [1] * 90, 20, None)
+            host.admit(f"fits-{gpu}", [1] * 90, 10, None)
         assert sources == ["disk", "host_cache"]
         assert cache.holds(backend.models.resolve(MODEL, None)[1])
         for key in list(agent.plans):

@@ -1,4 +1,4 @@
-"""Issue 16 d2: batching split by prompt length in the simulated engine (agents/sim/buckets.py)."""
+"""Issue 16 d2: batching split by prompt length in the simulated engine (scheduler/buckets.py, agents/sim/pipe.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from agents.sim.buckets import LengthBuckets
 from agents.sim.fleet import FleetSim, SimOptions
+from scheduler.buckets import LengthBuckets
 from scheduler.plan import Plan
 from tests.agents.sim.worlds import one_deployment
 

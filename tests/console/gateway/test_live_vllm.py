@@ -188,8 +188,14 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
             finally:
                 connection.close()
 
-        text, ids, finish, _ = self.stream(n, release)
-
+        # On a loaded machine the whole stream can end before the watcher sees 5 of its tokens on A
+        # (vLLM decodes the tiny model very fast): that try released nothing and is simply checked;
+        # up to five tries to catch one under way, as test_vllm_host's release test does.
+        for _ in range(5):
+            text, ids, finish, _ = self.stream(n, release)
+            assert (ids, text, finish) == (ids0, text0, "length")
+            if "result" in box:
+                break
+        assert "result" in box, "five streams ended before a release could catch one under way"
         assert len(box["result"]["handed_over"]) == 1 and box["result"]["failed"] == []
-        assert (ids, text, finish) == (ids0, text0, "length")
         assert self.a.state == "stopped"

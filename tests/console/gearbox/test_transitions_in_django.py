@@ -169,7 +169,8 @@ def test_prepare_names_the_version_the_deployment_serves_not_the_newest_register
     prepare = AgentCommand.objects.get(kind="prepare_plan")
     assert prepare.payload["weights_sha256"] == "a" * 64
     assert prepare.payload["model_version"] == {"id": served.pk, "version": "1",
-                                                "tokenizer": "/models/llama/tokenizer.json", "warmup_tokens": 8}
+                                                "tokenizer": "/models/llama/tokenizer.json", "warmup_tokens": 8,
+                                                "max_context": 8192}
 
 
 def test_a_deployment_without_a_version_prepares_without_a_digest_whatever_the_registry_holds() -> None:

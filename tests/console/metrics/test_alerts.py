@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import redis as redis_lib
 import yaml
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from console.fleet.models import Node
@@ -19,6 +21,7 @@ from console.gearbox.actions import do_record_serving, do_request_gear
 from console.gearbox.executor import build_executor
 from console.gearbox.models import Deployment, Transition
 from console.metrics import REGISTRY, alerts
+from console.metrics.collectors import Described
 from console.metrics.views import register_collectors
 from tests.console.conftest import enroll
 from tests.console.gearbox.conftest import _fast_transitions  # noqa: F401 - short dwells here too
@@ -65,6 +68,32 @@ def test_every_metric_a_rule_reads_is_exported_or_declared_planned() -> None:
             assert m not in exported, f"{m} is exported now: drop it from alerts.PLANNED_METRICS"
         else:
             assert m in exported, f"alert {rule.name} reads {m}, which no collector exports"
+
+
+@pytest.mark.django_db
+def test_each_collector_names_exactly_the_families_it_yields() -> None:
+    running_deployment()
+    register_collectors()
+    for collector in list(REGISTRY._collector_to_names):
+        if not isinstance(collector, Described):
+            continue
+        assert [f.name for f in collector.describe()] == [f.name for f in collector.collect()], collector
+
+
+@pytest.mark.django_db
+def test_the_rules_are_evaluated_over_their_own_metrics_without_reading_the_whole_fleet() -> None:
+    running_deployment()
+    names = {r.expr.metric for r in alerts.load_rules()}
+    everything = [s for s in alerts.registry_samples() if s.name in names]
+    with CaptureQueriesContext(connection) as queries:
+        restricted = alerts.registry_samples(names=names)
+    def seen(samples: list[alerts.Sample]) -> list[tuple[Any, ...]]:  # (a report's lag grows with the clock)
+        return sorted((s.name, sorted(s.labels.items()), None if "lag" in s.name else s.value) for s in samples)
+
+    assert seen(restricted) == seen(everything) and restricted
+    read = " ".join(q["sql"] for q in queries.captured_queries)
+    # the GPUs by state, the decisions and the engines' TWU (the fleet view) are not the rules' inputs
+    assert '"fleet_gpu"' not in read and '"gearbox_decision"' not in read, read
 
 
 @pytest.mark.parametrize("expr", [

@@ -8,8 +8,11 @@ passes the split threshold (a longest over shortest prompt ratio) - so short pro
 and prefilled first and a long prefill goes on in the room they leave. Alone in a round a
 bucket takes the whole budget: splitting costs nothing when there is nothing to split.
 
+Used by the simulated engine (agents/sim/pipe.py) and the torch engine
+(agents/engines/torch/batching.py) alike.
+
 Preemption: when the KV runs out, the engine preempts the least urgent priority class first
-(vLLM's priority policy, agents/sim/engine.py), and within it the longest bucket first - a long
+(vLLM's priority policy), and within it the longest bucket first - a long
 prompt's KV frees the most room, and its recompute is paid by the request whose TTFT is already
 long - then the most recently admitted. A preempted sequence is queued again and recomputed,
 never lost.
