@@ -43,11 +43,14 @@ def enroll_token_matches(token: str) -> bool:
     return bool(expected) and hmac.compare_digest(token.encode(), expected.encode())
 
 
-def node_for_token(token: str) -> Node | None:
+def node_for_token(token: str, *, only: tuple[str, ...] = ()) -> Node | None:
+    """The node whose agent token this is. `only`: just these columns (the long poll needs its id
+    alone; a field left out is read with a query of its own when touched)."""
     if not token:
         return None
     # No ORDER BY (first() would sort the one match by pk): every agent call starts here (issue 19)
-    return next(iter(Node.objects.filter(token_hash=hash_token(token)).order_by()[:1]), None)
+    rows = Node.objects.filter(token_hash=hash_token(token)).order_by()
+    return next(iter((rows.only(*only) if only else rows)[:1]), None)
 
 
 @dataclass(frozen=True)

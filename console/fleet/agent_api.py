@@ -59,11 +59,11 @@ def _json_body(request: HttpRequest) -> Any:
     return body
 
 
-def _authenticated_node(request: HttpRequest) -> Node:
+def _authenticated_node(request: HttpRequest, *, only: tuple[str, ...] = ()) -> Node:
     token = _bearer(request)
     if not token:
         raise actions.Rejected(401, {"Authorization": "missing; send 'Authorization: Bearer <agent token>'"})
-    node = actions.node_for_token(token)
+    node = actions.node_for_token(token, only=only)
     if node is None:
         raise actions.Rejected(401, {"Authorization": "unknown agent token"})
     return node
@@ -135,9 +135,14 @@ def _idle_answer_s(wait_s: float) -> float:
     return wait_s * random.uniform(1.0 - IDLE_JITTER, 1.0)  # noqa: S311 - spreading load, not a secret
 
 
+POLL_NODE_FIELDS = ("id", "node_id")
+
+
 def _poll_start(request: HttpRequest, after: int) -> tuple[Node, list[dict[str, Any]]]:
-    """The poll's first database call: the agent's node and its open commands, in one borrowed thread."""
-    node = _authenticated_node(request)
+    """The poll's first database call: the agent's node and its open commands, in one borrowed thread.
+    The poll needs its node's id and name only: not the row's engine reports and capabilities,
+    read and parsed for every poll of a thousand agents (issue 19)."""
+    node = _authenticated_node(request, only=POLL_NODE_FIELDS)
     return node, _deliver(node, after)
 
 

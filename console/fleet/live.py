@@ -55,7 +55,9 @@ def cluster_state(node_pks: list[int] | None = None) -> dict[str, Any]:
     from console.fleet.models import Gpu, Node
 
     nodes = Node.objects.all()
-    gpus = Gpu.objects.filter(present=True).select_related("node")
+    # each GPU's node for its id only: not its engines and capabilities JSON, once per GPU (issue 19)
+    gpus = Gpu.objects.filter(present=True).select_related("node").only(
+        *(f.name for f in Gpu._meta.concrete_fields), "node__node_id")
     if node_pks is not None:
         nodes = nodes.filter(pk__in=node_pks)
         gpus = gpus.filter(node__pk__in=node_pks)

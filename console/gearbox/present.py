@@ -69,13 +69,18 @@ class FleetView:
 
 
 def fleet_view(now: datetime | None = None, *, with_blocks: bool = True) -> FleetView:
-    from console.fleet.models import Gpu
+    from console.fleet.models import Gpu, gpu_state
     from console.gearbox.snapshot import fleet_snapshot
     from scheduler.topology import partition
 
     now = now or timezone.now()
-    gpus = {g.uuid: {"node": g.node.node_id, "index": g.index, "model": g.model, "state": g.state}
-            for g in Gpu.objects.filter(present=True).select_related("node").order_by("node__node_id", "index")}
+    # Columns, not model instances with their node's whole row (its engines JSON included): at 8,000
+    # GPUs building those was most of an Overview rebuild (issue 19, py-spy on the web process)
+    rows = (Gpu.objects.filter(present=True).order_by("node__node_id", "index")
+            .values_list("uuid", "node__node_id", "index", "model", "healthy", "allocatable", "node__schedulable"))
+    gpus = {uuid: {"node": node, "index": index, "model": model,
+                   "state": gpu_state(healthy=healthy, allocatable=allocatable, node_schedulable=schedulable)}
+            for uuid, node, index, model, healthy, allocatable, schedulable in rows}
     engines = engine_reports()
     blocks: list[dict[str, Any]] | None = None
     block_of: dict[str, str] = {}
