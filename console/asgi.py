@@ -15,6 +15,10 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 django_asgi_app = get_asgi_application()  # before importing consumers: it sets up the app registry
 
+from console import gctune  # noqa: E402
+
+gctune.apply()  # a web process's full collections were its report p99 at 1,000 agents (gctune.py)
+
 from asgiref.sync import ThreadSensitiveContext  # noqa: E402
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
