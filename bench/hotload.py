@@ -131,8 +131,8 @@ def run(layers: int, repeat: int, warmup_tokens: int, starts: int, requests: int
     load: dict[str, Any] = {}
     for source, r in rows.items():
         start = statistics.median(r["start_s"])
-        load[source] = {"read_gbps": round(statistics.median(r["read_gbps"]), 3), "start_s": round(start, 3),
-                        "start_gbps": round(size / start / 1e9, 3), "start_s_all": [round(x, 3) for x in r["start_s"]]}
+        load[source] = {"read_gbps": round(statistics.median(r["read_gbps"]), 3), "start_s": round(start, 6),
+                        "start_gbps": round(size / start / 1e9, 3), "start_s_all": [round(x, 6) for x in r["start_s"]]}
     warm: dict[str, Any] = {}
     for tokens in (0, warmup_tokens):
         firsts, alls = [], []

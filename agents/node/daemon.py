@@ -269,6 +269,8 @@ class NodeAgent(PlanCommands, NodeCommands):
                     log.debug("%s: command poll failed (%s)", self.node_id, exc)
                     self._stop.wait(1.0)
                     continue
+                if self._stop.is_set():
+                    return  # closing: the pool takes nothing new; the console's step timeout resends them
                 for c in cmds:
                     self.state.after_command = max(self.state.after_command, c.id)
                     self.submit(c)

@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from agents.sim.baselines import Baselines
 from agents.sim.churn import Churn
 from agents.sim.cluster import US, Change, SimCluster
 from agents.sim.engine import (
@@ -77,7 +78,7 @@ from agents.sim.jobs import Jobs
 from agents.sim.kvtiers import KvTierOptions, KvTiers, TierView
 from agents.sim.metrics import Recorder, check_conservation
 from agents.sim.reports import IDLE_MEM_BYTES, Reports
-from agents.sim.scenario import BaselineSpec, ModelDeploymentSpec, Scenario, baseline_stage_nodes
+from agents.sim.scenario import BaselineSpec, ModelDeploymentSpec, Scenario
 from agents.sim.workload import Arrival
 from scheduler.booking import REFUSAL_REASON, plan_memory, refuse_booking
 from scheduler.buckets import LengthBuckets
@@ -90,13 +91,12 @@ from scheduler.costmodel import (
     PlanProfile,
     Slo,
     Workload,
-    max_kv_tokens,
     switch_cost,
 )
 from scheduler.hardware import gpu_spec
 from scheduler.invariants import EventLog, LogEvent
 from scheduler.modelspec import ModelSpec, model_spec
-from scheduler.plan import Gear, Plan, Stage
+from scheduler.plan import Gear, Plan
 from scheduler.pool.sharing import MAX_MODELS_PER_GPU
 from scheduler.refusal import Refused
 from scheduler.router import (
@@ -185,7 +185,7 @@ class EngineHost(Protocol):
         ...
 
 
-class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
+class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs, Baselines):
     """The simulator (module docstring). Deterministic: the scenario seed drives the cluster's
     draws; nothing reads a wall clock or a global random state."""
 
@@ -595,54 +595,3 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs):
     def _plan_nodes(self, plan: Plan) -> list[str]:
         """The node of each stage, in pipeline order (prefill stages, then decode stages)."""
         return [self._gpu_home[st.gpu_uuids[0]][0] for st in plan.all_stages]
-
-    # ======================================================================================
-    # baselines
-    # ======================================================================================
-    def baseline_plan(self, deployment: str, taken: Mapping[str, set[int]] | None = None) -> Plan:
-        """The deployment's baseline plan on the GPUs that are ours now: its stages fill the
-        listed nodes in order on their first free GPUs (as agents/sim/live.py places it), layers
-        split evenly, KV reserve = all that fits under 92% of each GPU."""
-        dep = self._dep(deployment)
-        base = dep.spec.baseline
-        if not base.nodes:
-            raise ValueError(f"deployment: {deployment!r} has no scenario baseline (it came with a PREPARE)")
-        taken = taken or {}
-        free = {n: [g.index for g in self.cluster.our_gpus(n) if g.index not in taken.get(n, set())]
-                for n in base.nodes}
-        stage_nodes = baseline_stage_nodes(base, {n: len(v) for n, v in free.items()})
-        path = f"models[{dep.index}].baseline"
-        if stage_nodes is None:
-            raise ValueError(f"{path}: {base.pp} stage(s) of tp={base.tp} do not fit on the free GPUs of"
-                             f" {', '.join(base.nodes)} now")
-        model = dep.model
-        per_stage = [model.num_layers // base.pp + (1 if i < model.num_layers % base.pp else 0)
-                     for i in range(base.pp)]
-        used_here: dict[str, int] = {}
-        stages: list[Stage] = []
-        start = 0
-        for node_id, n_layers in zip(stage_nodes, per_stage, strict=True):
-            k = used_here.get(node_id, 0)
-            idx = free[node_id][k:k + base.tp]
-            used_here[node_id] = k + base.tp
-            stages.append(Stage(start, start + n_layers, tuple(self.cluster.gpu_uuid(node_id, i) for i in idx)))
-            start += n_layers
-        kv = max_kv_tokens(stages, model, self.snapshot())
-        if kv < model.max_context_tokens // 4:
-            raise ValueError(f"{path}: tp={base.tp} x pp={base.pp} of {model.name} leaves {kv} tokens of KV cache"
-                             f" on {', '.join(base.nodes)} (weights barely fit); raise tp or pp")
-        return Plan(model.name, "colocated", tuple(stages), kv_reserve_tokens=kv)
-
-    def start_baselines(self) -> dict[str, PlanEngine]:
-        """Every deployment's baseline plan, warm and serving now (what runs before the scenario
-        starts). Deployments are placed in file order, each on GPUs the earlier ones left."""
-        taken: dict[str, set[int]] = {}
-        out: dict[str, PlanEngine] = {}
-        for name, dep in self.deployments.items():
-            plan = self.baseline_plan(name, taken)
-            dep.baseline = plan
-            for u in plan.gpu_uuids:
-                node, index = self._gpu_home[u]
-                taken.setdefault(node, set()).add(index)
-            out[name] = self.launch(name, plan, source="warm", accepting=True)
-        return out

@@ -54,13 +54,13 @@ class RunnerPrincipal:
 
     def __init__(self, job: str) -> None:
         self.job = job
-        self.username = actor(job)
+        self.username = runner_actor(job)
 
     def get_username(self) -> str:
         return self.username
 
 
-def actor(job: str) -> str:
+def runner_actor(job: str) -> str:
     """The audit actor of a job's runner."""
     return f"runner:{job}"
 
@@ -104,5 +104,5 @@ def do_issue_runner_token(job: Job, *, actor: Any) -> str:
     return token
 
 
-__all__ = ["IsJobRunner", "JobRunnerAuthentication", "RunnerPrincipal", "TOKEN_PREFIX", "actor",
-           "do_issue_runner_token", "new_runner_token"]
+__all__ = ["IsJobRunner", "JobRunnerAuthentication", "RunnerPrincipal", "TOKEN_PREFIX",
+           "do_issue_runner_token", "new_runner_token", "runner_actor"]

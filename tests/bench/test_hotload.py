@@ -21,7 +21,7 @@ def test_it_measures_both_sources_and_both_warm_ups_and_writes_consistent_ratios
     assert r["weights_bytes"] > 0 and set(load) == {"disk", "host_cache"}
     for x in load.values():
         assert x["read_gbps"] > 0 and x["start_s"] > 0
-        assert x["start_gbps"] == pytest.approx(r["weights_bytes"] / x["start_s"] / 1e9, rel=0.05)  # start_s is rounded
+        assert x["start_gbps"] == pytest.approx(r["weights_bytes"] / x["start_s"] / 1e9, rel=0.05)  # start_s is rounded to the microsecond
     assert r["ratios"]["read_gbps_host_over_disk"] == pytest.approx(
         load["host_cache"]["read_gbps"] / load["disk"]["read_gbps"], rel=0.01)
     assert set(r["warmup"]["by_warmup_tokens"]) == {"0", "4"}
