@@ -119,19 +119,21 @@ def test_drain_stops_admission_and_waits_for_running_requests(vllm_engine: VllmE
     body = {"model": SERVED, "prompt": list(range(3, 60)), "max_tokens": 400, "temperature": 0,
             "ignore_eos": True}
     outputs: list[Completion] = []
-    streaming = threading.Event()
+    # each request's own "it streams": the drain starts once all three run in vLLM (on a loaded
+    # machine a thread's request could reach vLLM only after a drain that began on the first one)
+    streaming = [threading.Event() for _ in range(3)]
 
-    def run() -> None:
+    def run(started: threading.Event) -> None:
         with httpx.Client(timeout=300) as client:
             outputs.append(stream_completion(client, vllm_engine.base_url, body,
-                                             on_tokens=lambda _ids: streaming.set()))
+                                             on_tokens=lambda _ids: started.set()))
 
     finished_before = vllm_engine.scrape().finished
-    threads = [threading.Thread(target=run) for _ in range(3)]
+    threads = [threading.Thread(target=run, args=(e,)) for e in streaming]
     for t in threads:
         t.start()
     try:
-        assert streaming.wait(120), "no request produced a token"
+        assert all(e.wait(120) for e in streaming), "not every request produced a token"
         done = vllm_engine.drain(deadline_s=300)
         # Drained means every request ended in the engine, whole: nothing was cut.
         assert done.drained and (done.running, done.waiting, done.in_flight) == (0, 0, 0)
