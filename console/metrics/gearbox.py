@@ -139,7 +139,7 @@ class GearboxCollector(Described):
             for s in present.SHADOW_STATUSES:
                 shadow.add_metric([d.name, s], 1.0 if s == status else 0.0)
         yield from (info, gear, pinned, routing, phase, queue, shadow)
-        yield _rollout(deps, rolled_back=False)
+        yield _rollout_share(deps)
         yield from self._twu(deps, active)
         yield self._durations()
         yield from self._decisions(deps)
@@ -232,7 +232,7 @@ class AlertInputsCollector(Described):
     def collect(self) -> Iterator[Metric]:
         deps, active = _deployments()
         yield from self._alert_inputs(deps, active)
-        yield _rollout(deps, rolled_back=True)
+        yield _rollback_active(deps)
         yield self._spill_timeouts(deps)
 
     def _spill_timeouts(self, deps: list[Any]) -> Metric:
@@ -304,22 +304,25 @@ class AlertInputsCollector(Described):
         return family
 
 
-def _rollout(deps: list[Any], *, rolled_back: bool) -> Metric:
-    """The learned routing's stage per deployment that has one (console/gateway/learned.py): the
-    learned arm's share, or (`rolled_back`) 1 while it is rolled back - the alert's input."""
+def _rollout_share(deps: list[Any]) -> Metric:
+    """The learned routing's share per deployment that has one (console/gateway/learned.py)."""
     from console.gateway import learned
 
-    if rolled_back:
-        family = GaugeMetricFamily("flexpipe_router_rollback_active", "1 while the deployment's learned routing is "
-                                   "rolled back to round-robin", labels=["deployment"])
-    else:
-        family = GaugeMetricFamily("flexpipe_router_rollout_share", "Share of the deployment's requests its learned "
-                                   "routing weights route (newest stage change)", labels=["deployment"])
+    family = GaugeMetricFamily("flexpipe_router_rollout_share", "Share of the deployment's requests its learned "
+                               "routing weights route (newest stage change)", labels=["deployment"])
     for name, row in learned.newest([d.name for d in deps]).items():
-        if rolled_back:
-            family.add_metric([name], 1.0 if row.get("after") == "rolled_back" else 0.0)
-        else:
-            family.add_metric([name], float(row.get("share") or 0.0))
+        family.add_metric([name], float(row.get("share") or 0.0))
+    return family
+
+
+def _rollback_active(deps: list[Any]) -> Metric:
+    """1 while a deployment's learned routing is rolled back (the alert's input)."""
+    from console.gateway import learned
+
+    family = GaugeMetricFamily("flexpipe_router_rollback_active", "1 while the deployment's learned routing is "
+                               "rolled back to round-robin", labels=["deployment"])
+    for name, row in learned.newest([d.name for d in deps]).items():
+        family.add_metric([name], 1.0 if row.get("after") == "rolled_back" else 0.0)
     return family
 
 
