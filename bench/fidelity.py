@@ -26,246 +26,61 @@ and separately for any other GPU or model found ("out of sample"), plus the two 
 decode anchors measured with vLLM. `--fit` re-runs the least-error grid search that produced
 `costmodel.DEFAULT_EFFICIENCY` and prints the factors it finds. Folder names that map to no
 catalog GPU are reported and skipped.
+
+This module holds the report (`report`, the issue-13 groups in `resolution`, `targets`, the decode
+anchors) and the command line; the rows and their readers live in bench._fidelity_rows, the fit in
+bench._fidelity_fit, and every name is importable from here as before.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path as FsPath
 
 import numpy as np
 
+from bench._fidelity_fit import fit, fit_compute, fit_links, fit_p2p, leave_one_model_out
+from bench._fidelity_rows import (
+    GPU_FOLDERS,
+    IN_SAMPLE_GPUS,
+    IN_SAMPLE_MODELS,
+    IN_SAMPLE_SETUPS,
+    NETWORK_SETUPS,
+    OPS,
+    Row,
+    predict,
+    read_compute,
+    read_measured,
+    read_network,
+    rel_errors,
+    row_path,
+    summary,
+)
 from scheduler import costmodel
-from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency, Path
+from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency
 from scheduler.hardware import CATALOG
 from scheduler.modelspec import model_spec
 
-# Vidur's GPU folder names -> our catalog (calibration/README.md)
-GPU_FOLDERS = {"a100": "A100-80G", "h100": "H100-SXM", "h200": "H200", "l40s": "L40S", "a10g": "A10G"}
-# network setups: (catalog GPU, GPUs per NVLink domain, network cards per node for the
-# cluster fabric). DGX A100: 8 single-port ConnectX-6 200 Gb/s cards, one per GPU (NVIDIA DGX
-# A100 User Guide DU-09821-001, section 1.1.1; https://developer.nvidia.com/blog/defining-ai-innovation-with-dgx-a100).
-# DGX H100: 8 single-port ConnectX-7 behind 4 OSFP cages (NVIDIA DGX H100 User Guide, "Hardware
-# Overview"). Pair-NVLink hosts are not profiled across nodes; one card is assumed.
-NETWORK_SETUPS = {
-    "a100_dgx": ("A100-80G", 8, 8),
-    "a100_pairwise_nvlink": ("A100-80G", 2, 1),
-    "a100_pair_nvlink": ("A100-80G", 2, 1),
-    "h100_dgx": ("H100-SXM", 8, 8),
-    "h100_pair_nvlink": ("H100-SXM", 2, 1),
-}
-# the set the factors were fitted on
-IN_SAMPLE_GPUS = {"A100-80G"}
-IN_SAMPLE_MODELS = {"Meta-Llama-3-8B", "Meta-Llama-3-70B"}
-IN_SAMPLE_SETUPS = {"a100_dgx", "a100_pairwise_nvlink"}
+# everything bench.fidelity offered before the rows and the fit moved out (tests and
+# bench.gpu_check's docs name bench.fidelity), the re-exported names with this module's own
+__all__ = [
+    "GPU_FOLDERS", "IN_SAMPLE_GPUS", "IN_SAMPLE_MODELS", "IN_SAMPLE_SETUPS", "NETWORK_SETUPS", "OPS", "Row",
+    "fit", "fit_compute", "fit_links", "fit_p2p", "leave_one_model_out", "predict", "read_compute",
+    "read_measured", "read_network", "rel_errors", "row_path", "summary",
+    "ANCHOR_CONTEXT_TOKENS", "DECODE_ANCHORS", "RESOLUTION_TARGETS", "SIZE_RANGES", "TOKEN_RANGES",
+    "curve_errors", "decode_anchors", "main", "plan_row", "report", "resolution", "targets",
+]
 
-OPS = {
-    "attn_pre_proj": "QKV",
-    "attn_post_proj": "O",
-    "mlp_up_proj": "MLP up",
-    "mlp_down_proj": "MLP down",
-}
 TOKEN_RANGES = ((1, 64), (64, 512), (512, 4096), (4096, 1 << 30))
 SIZE_RANGES = ((0, 1 << 20), (1 << 20, 16 << 20), (16 << 20, 1 << 40))
 
 # Single-stream decode, Llama-3-8B BF16, measured with vLLM (issue 3): seconds per token.
 DECODE_ANCHORS = (("H100-SXM", 6.5e-3), ("A100-40G", 13.0e-3))
 ANCHOR_CONTEXT_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class Row:
-    group: str  # QKV, O, MLP up, MLP down, all_reduce, send_recv
-    source: str  # gpu/model or setup
-    in_sample: bool
-    x: int  # tokens or bytes
-    tp: int  # TP degree or number of workers
-    measured_s: float
-    # compute rows
-    flops: float = 0.0
-    bytes_moved: float = 0.0
-    spec_name: str = ""
-    # network rows
-    workers: int = 0
-    link: Path | None = None  # nominal link; across nodes the probed path (latency: see `probe_latency_s`)
-    collective: str = ""
-    probe_latency_s: float = 0.0  # across nodes: the probe's whole small-message time
-    lanes: int = 1  # across nodes: network cards the ranks of one node drive in parallel
-
-
-def _gemm_shapes(h: int, heads: int, kv_heads: int, inter: int, gated: bool, tp: int) -> dict[str, tuple[int, int]]:
-    hd = h // heads
-    kv = kv_heads * hd // min(tp, kv_heads)
-    return {
-        "attn_pre_proj": (h, heads * hd // tp + 2 * kv),
-        "attn_post_proj": (heads * hd // tp, h),
-        "mlp_up_proj": (h, (2 if gated else 1) * inter // tp),
-        "mlp_down_proj": (inter // tp, h),
-    }
-
-
-def read_compute(root: FsPath, skipped: list[str]) -> list[Row]:
-    rows: list[Row] = []
-    for path in sorted(root.glob("**/compute/*/*/*/mlp.csv")):
-        gpu_folder = path.parts[-4]
-        model_name = path.parts[-2]
-        spec_name = GPU_FOLDERS.get(gpu_folder)
-        if spec_name is None:
-            skipped.append(f"{path}: GPU folder {gpu_folder!r} maps to no catalog GPU")
-            continue
-        in_sample = spec_name in IN_SAMPLE_GPUS and model_name in IN_SAMPLE_MODELS
-        with path.open() as f:
-            for rec in csv.DictReader(f):
-                tokens = int(rec["num_tokens"])
-                tp = int(rec["num_tensor_parallel_workers"])
-                h, heads = int(rec["n_embd"]), int(rec["n_head"])
-                kv_heads, inter = int(rec["n_kv_head"]), int(rec["n_expanded_embd"])
-                gated = rec["use_gated_mlp"].strip().lower() == "true"
-                for op, (k, n) in _gemm_shapes(h, heads, kv_heads, inter, gated, tp).items():
-                    key = f"time_stats.{op}.median"
-                    if key not in rec or not rec[key]:
-                        continue
-                    rows.append(
-                        Row(
-                            group=OPS[op],
-                            source=f"{spec_name}/{model_name}",
-                            in_sample=in_sample,
-                            x=tokens,
-                            tp=tp,
-                            measured_s=float(rec[key]) * 1e-3,
-                            flops=2.0 * tokens * k * n,
-                            bytes_moved=2.0 * (k * n + tokens * k + tokens * n),
-                            spec_name=spec_name,
-                        )
-                    )
-    return rows
-
-
-def read_measured(root: FsPath, skipped: list[str]) -> list[dict[str, object]]:
-    """Whole engine steps measured by this project (bench.gpu_check's measured/<gpu>/steps.csv),
-    each predicted again with the cost model as it is now: out-of-sample rows (the factors were
-    never fitted on them)."""
-    from bench.gpu_check import predict, shape_model
-
-    out: list[dict[str, object]] = []
-    for path in sorted(root.glob("**/measured/*/steps.csv")):
-        with path.open() as fh:
-            for i, rec in enumerate(csv.DictReader(fh)):
-                try:
-                    model = shape_model(rec["model"], int(rec["layers"]))
-                    pre, dec, _ = predict(model, rec["gpu"], int(rec["batch"]), int(rec["prompt_tokens"]),
-                                          int(rec["context_tokens"]) or int(rec["prompt_tokens"]))
-                    measured = float(rec["measured_s"])
-                except (KeyError, ValueError) as exc:
-                    skipped.append(f"{path} row {i + 2}: {exc}")
-                    continue
-                predicted = pre if rec["phase"] == "prefill" else dec
-                out.append({"gpu": rec["gpu"], "model": rec["model"], "phase": rec["phase"], "batch": int(rec["batch"]),
-                            "measured_s": measured, "predicted_s": predicted, "date": rec.get("date", ""),
-                            "error": (predicted - measured) / measured})
-    return out
-
-
-def _probe(path: FsPath) -> Path | None:
-    """Emulate the agents' link probe from the 2-node send/recv: large-message bandwidth,
-    small-message latency."""
-    f = path.parent / "send_recv.csv"
-    if not f.exists():
-        return None
-    pts = []
-    with f.open() as fh:
-        for rec in csv.DictReader(fh):
-            if int(rec["num_workers"]) == 2 and int(rec["devices_per_node"]) == 1:
-                pts.append((int(rec["size"]), float(rec["time_stats.send_recv.median"]) * 1e-3))
-    if len(pts) < 2:
-        return None
-    pts.sort()
-    small_size, small_s = pts[0]
-    big_size, big_s = pts[-1]
-    return Path(bytes_per_s=big_size / big_s, latency_s=small_s, measured=True)
-
-
-def read_network(root: FsPath, skipped: list[str]) -> list[Row]:
-    rows: list[Row] = []
-    for path in sorted(root.glob("**/network/*/*.csv")):
-        setup = path.parts[-2]
-        collective = path.stem
-        if collective not in ("all_reduce", "send_recv"):
-            continue
-        if setup not in NETWORK_SETUPS:
-            skipped.append(f"{path}: setup {setup!r} maps to no catalog GPU")
-            continue
-        spec_name, domain, nics = NETWORK_SETUPS[setup]
-        spec = CATALOG[spec_name]
-        probe = _probe(path)
-        with path.open() as f:
-            for rec in csv.DictReader(f):
-                n = int(rec["num_workers"])
-                per_node = int(rec["devices_per_node"])
-                probe_latency_s, lanes = 0.0, 1
-                if n > per_node:
-                    if probe is None:
-                        continue
-                    # one card per GPU up to the node's cards: NCCL spreads its ring channels
-                    # over the cards nearest to the GPUs it uses
-                    link = Path(probe.bytes_per_s, None, True)
-                    probe_latency_s, lanes = probe.latency_s or 0.0, max(1, min(per_node, nics))
-                elif n <= domain:
-                    link = Path(spec.intra_link_bytes_per_s)
-                else:
-                    link = Path(spec.host_link_bytes_per_s)
-                rows.append(
-                    Row(
-                        group=collective,
-                        source=setup,
-                        in_sample=setup in IN_SAMPLE_SETUPS,
-                        x=int(rec["size"]),
-                        tp=n,
-                        measured_s=float(rec[f"time_stats.{collective}.median"]) * 1e-3,
-                        workers=n,
-                        link=link,
-                        collective=collective,
-                        probe_latency_s=probe_latency_s,
-                        lanes=lanes,
-                    )
-                )
-    return rows
-
-
-def row_path(row: Row, eff: Efficiency) -> Path:
-    """The path as an agent would report it. Across nodes the probe's latency is its whole
-    small-message time, of which the model's own fixed cost of a transfer is a part."""
-    assert row.link is not None
-    if not row.link.measured:
-        return row.link
-    beyond = row.probe_latency_s - eff.kernel_overhead_s - eff.p2p_latency_s - eff.link_latency_s
-    return replace(row.link, latency_s=max(0.0, beyond))
-
-
-def predict(row: Row, eff: Efficiency) -> float:
-    if row.collective == "all_reduce":
-        spec = CATALOG[NETWORK_SETUPS[row.source][0]]
-        return costmodel.allreduce_time_s(row.workers, row.x, row_path(row, eff), eff, spec.hbm_bytes_per_s,
-                                          lanes=row.lanes)
-    if row.collective == "send_recv":
-        return costmodel.transfer_time_s(row.x, row_path(row, eff), eff)
-    return costmodel.kernel_time_s(row.flops, row.bytes_moved, CATALOG[row.spec_name], eff)
-
-
-def rel_errors(rows: Sequence[Row], eff: Efficiency) -> np.ndarray:
-    return np.array([abs(predict(r, eff) - r.measured_s) / r.measured_s for r in rows])
-
-
-def summary(errors: np.ndarray) -> dict[str, float]:
-    if errors.size == 0:
-        return {"n": 0, "median": math.nan, "p90": math.nan}
-    return {"n": int(errors.size), "median": float(np.median(errors)), "p90": float(np.percentile(errors, 90))}
 
 
 def _range_label(lo: int, hi: int, unit: str) -> str:
@@ -435,147 +250,8 @@ def targets(res: dict[str, object], out_res: dict[str, object] | None) -> dict[s
     return out
 
 
-# --- the fit -----------------------------------------------------------------------------------
-def fit_compute(comp: Sequence[Row]) -> tuple[float, float, float]:
-    """(mfu, mbu, kernel_overhead_s) with the least median + p90 relative error on `comp`."""
-    flops = np.array([r.flops for r in comp])
-    nbytes = np.array([r.bytes_moved for r in comp])
-    peak = np.array([CATALOG[r.spec_name].bf16_flops for r in comp])
-    hbm = np.array([CATALOG[r.spec_name].hbm_bytes_per_s for r in comp])
-    meas = np.array([r.measured_s for r in comp])
-    best: tuple[float, float, float, float] | None = None
-    for mfu in np.arange(0.60, 0.85, 0.005):
-        tc = flops / (mfu * peak)
-        for mbu in np.arange(0.60, 0.95, 0.01):
-            tm = nbytes / (mbu * hbm)
-            base = np.sqrt(tc * tc + tm * tm)
-            for overhead in np.arange(0.0, 10.5e-6, 0.5e-6):
-                e = np.abs(base + overhead - meas) / meas
-                score = float(np.median(e) + np.percentile(e, 90))
-                if best is None or score < best[0]:
-                    best = (score, float(mfu), float(mbu), float(overhead))
-    assert best is not None
-    return best[1], best[2], best[3]
-
-
-def _score(errors: np.ndarray) -> float:
-    return float(np.median(errors) + np.percentile(errors, 90))
-
-
-def fit_p2p(net: Sequence[Row], kernel_overhead_s: float, link_latency_s: float) -> tuple[float, float]:
-    """(p2p_link_efficiency, p2p_latency_s) with the least median + p90 relative error on the
-    in-node send/recv rows (a copy over the datasheet link: no ring, no reduction)."""
-    p2p = [r for r in net if r.collective == "send_recv" and r.link is not None and not r.link.measured]
-    if not p2p:
-        return DEFAULT_EFFICIENCY.p2p_link_efficiency, DEFAULT_EFFICIENCY.p2p_latency_s
-    size = np.array([r.x for r in p2p], dtype=float)
-    bw = np.array([r.link.bytes_per_s for r in p2p if r.link is not None])
-    meas = np.array([r.measured_s for r in p2p])
-    best: tuple[float, float, float] | None = None
-    for p2p_eff in np.arange(0.60, 1.0, 0.01):
-        for lat in np.arange(0.0, 20.1e-6, 0.5e-6):
-            pred = kernel_overhead_s + link_latency_s + lat + size / (p2p_eff * bw)
-            score = _score(np.abs(pred - meas) / meas)
-            if best is None or score < best[0]:
-                best = (score, float(p2p_eff), float(lat))
-    assert best is not None
-    return best[1], best[2]
-
-
-def fit_links(net: Sequence[Row], comp_errors: np.ndarray, mbu: float,
-              kernel_overhead_s: float | None = None, p2p: tuple[float, float] | None = None
-              ) -> tuple[float, float, float]:
-    """(link_efficiency, link_latency_s, allreduce_latency_s) with the least median + p90
-    relative error over the network rows together with the operator rows' errors (so the
-    score is the one the report prints for all rows), by a coarse grid and then a fine one."""
-    size = np.array([r.x for r in net], dtype=float)
-    workers = np.array([r.workers for r in net], dtype=float)
-    is_ar = np.array([r.collective == "all_reduce" for r in net])
-    measured = np.array([r.link is not None and r.link.measured for r in net])
-    bw = np.array([r.link.bytes_per_s if r.link is not None else 0.0 for r in net])
-    lanes = np.array([r.lanes for r in net], dtype=float)
-    probe = np.array([r.probe_latency_s for r in net])
-    meas = np.array([r.measured_s for r in net])
-    hbm = np.array([CATALOG[NETWORK_SETUPS[r.source][0]].hbm_bytes_per_s for r in net])
-    share = (workers - 1) / workers * size
-    reduce_s = costmodel.REDUCE_HBM_TOUCHES * share / (mbu * hbm)
-
-    launch = DEFAULT_EFFICIENCY.kernel_overhead_s if kernel_overhead_s is None else kernel_overhead_s
-    p2p_eff, p2p_lat = p2p if p2p is not None else (DEFAULT_EFFICIENCY.p2p_link_efficiency,
-                                                     DEFAULT_EFFICIENCY.p2p_latency_s)
-
-    def errors(link_eff: float, lat: float, ar_lat: float) -> np.ndarray:
-        # one hop over the path (Path.latency of row_path's path); a copy adds one kernel launch
-        # and the send/recv handshake
-        hop = lat + np.where(measured, np.maximum(0.0, probe - launch - p2p_lat - lat), 0.0)
-        copy = launch + p2p_lat + hop + size / np.where(measured, bw, p2p_eff * bw)
-        ar = ar_lat + 2 * (workers - 1) * hop + 2 * share / (link_eff * lanes * bw) + reduce_s
-        pred = np.where(is_ar, ar, copy)
-        return np.concatenate([comp_errors, np.abs(pred - meas) / meas])
-
-    def search(effs: np.ndarray, lats: np.ndarray, ar_lats: np.ndarray) -> tuple[float, float, float, float]:
-        best: tuple[float, float, float, float] | None = None
-        for link_eff in effs:
-            for lat in lats:
-                for ar_lat in ar_lats:
-                    score = _score(errors(float(link_eff), float(lat), float(ar_lat)))
-                    if best is None or score < best[0]:
-                        best = (score, float(link_eff), float(lat), float(ar_lat))
-        assert best is not None
-        return best
-
-    _, e0, l0, a0 = search(np.arange(0.50, 1.0, 0.04), np.arange(0.0, 31e-6, 3e-6), np.arange(0.0, 91e-6, 6e-6))
-    _, e1, l1, a1 = search(np.arange(max(0.3, e0 - 0.04), min(1.0, e0 + 0.041), 0.01),
-                           np.arange(max(0.0, l0 - 3e-6), l0 + 3.1e-6, 1e-6),
-                           np.arange(max(0.0, a0 - 6e-6), a0 + 6.1e-6, 1e-6))
-    return e1, l1, a1
-
-
-def fit(rows: Sequence[Row]) -> Efficiency:
-    """Least (median + p90) relative error over the in-sample rows, by grid search: compute
-    factors on the operator rows, then link factors on the collective rows (scored together
-    with the operator rows, as the report scores all rows)."""
-    comp = [r for r in rows if r.in_sample and not r.collective]
-    net = [r for r in rows if r.in_sample and r.collective and r.link is not None]
-    mfu, mbu, overhead = fit_compute(comp)
-    compute_eff = replace(DEFAULT_EFFICIENCY, mfu=mfu, mbu=mbu, kernel_overhead_s=overhead)
-    p2p = fit_p2p(net, overhead, DEFAULT_EFFICIENCY.link_latency_s)
-    link_eff, lat, ar_lat = fit_links(net, rel_errors(comp, compute_eff), mbu, overhead, p2p)
-    return replace(
-        compute_eff,
-        mfu=round(mfu, 3),
-        mbu=round(mbu, 3),
-        kernel_overhead_s=round(overhead, 7),
-        link_efficiency=round(link_eff, 3),
-        link_latency_s=round(lat, 7),
-        allreduce_latency_s=round(ar_lat, 7),
-        p2p_link_efficiency=round(p2p[0], 3),
-        p2p_latency_s=round(p2p[1], 7),
-    )
-
 
 # --- printing ----------------------------------------------------------------------------------
-def leave_one_model_out(rows: Sequence[Row]) -> list[dict[str, object]]:
-    """Fit the compute factors on one in-sample model, predict the other(s): a check that the
-    factors carry to a model they were not fitted on."""
-    comp = [r for r in rows if r.in_sample and not r.collective]
-    models = sorted({r.source for r in comp})
-    out: list[dict[str, object]] = []
-    if len(models) < 2:
-        return out
-    print("\nleave one model out (compute factors fitted on one model, errors on the other):")
-    for held in models:
-        train = [r for r in comp if r.source != held]
-        test = [r for r in comp if r.source == held]
-        mfu, mbu, overhead = fit_compute(train)
-        eff = replace(DEFAULT_EFFICIENCY, mfu=mfu, mbu=mbu, kernel_overhead_s=overhead)
-        s = summary(rel_errors(test, eff))
-        print(f"  held out {held:<36} fit mfu {mfu:.3f} mbu {mbu:.3f} overhead {overhead * 1e6:.1f} us"
-              f" -> median {s['median']:.1%}  p90 {s['p90']:.1%}")
-        out.append({"held_out": held, "mfu": mfu, "mbu": mbu, "kernel_overhead_s": overhead, **s})
-    return out
-
-
 def _print_report(title: str, rep: dict[str, object]) -> None:
     print(f"\n{title}")
     overall = rep["overall"]
