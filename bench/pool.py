@@ -26,7 +26,10 @@ with GearboxConfig.scale_in_on_twu_band on (the default): when TWU asks for less
 smaller gear must stand below the high watermark, the TWU band being the scale-in's band, not also
 below the gearbox's shrink watermark (0.65), which vetoed every such ask (--no-twu-band: off);
 and with GearboxConfig.trend on (the default: the load window's trend, scheduler.gearbox.planned_load;
---no-trend: the level alone).
+--no-trend: the level alone), and with the soft limits of loop rule 14 (--weights NAME=W,...; default
+seed 004's example, its Qwen2-72B weight on this bench's Llama-3-70B; "": none). They reorder only
+deployments of one priority while the pool's TWU is over 0.8, and here the file order is already the
+lightest first: the default run's JSON is the same with and without them.
 
 Per policy (JSON `policies.<name>`): gpu_hours_held (GPU-hours held by plans, launch to release,
 over the simulated span), slo_attainment (share of all models' finished requests that met both
@@ -52,7 +55,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -67,11 +70,15 @@ from agents.sim.rateseries import WINDOW_S, read_rate_series, traces_dir
 from agents.sim.run import run_policy
 from agents.sim.workload import build_workload
 from scheduler.gearbox import DEFAULT_CONFIG
+from scheduler.pool.autoscale import parse_weights
 from scheduler.pool.jobs import Job
 
 TRACES = traces_dir()
 DEFAULT_RATES = (("Phi-3-mini", "servegen-m-small-rate-week1.csv"), ("Llama-3-8B", "servegen-m-mid-rate-week1.csv"),
                  ("Llama-3-70B", "servegen-m-large-rate-week1.csv"))
+# flexpipe's soft-limit weights (loop rule 14): seed 004 section 3.2's example, its Qwen2-72B's weight given
+# to this bench's Llama-3-70B, the heavy model in the same place (70B against 72B parameters)
+DEFAULT_WEIGHTS = {"Phi-3-mini": 1.0, "Llama-3-8B": 2.3, "Llama-3-70B": 8.7}
 TARGETS = {"flexpipe_over_dedicated_gpu_hours_max": 0.5, "flexpipe_over_reactive_gpu_hours_max": 0.8,
            "attainment_below_dedicated_max_points": 1.0, "lost_max": 0}
 
@@ -115,11 +122,13 @@ def pool_figures(sim: FleetSim, bin_s: float) -> dict[str, Any]:
 
 
 def run(built: BuiltPool, policies: Sequence[str], *, on_policy: Any = None, twu_band: bool = True,
-        trend: bool = True) -> dict[str, Any]:
+        trend: bool = True, weights: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Every policy on the same requests; the result (module docstring). `twu_band`: flexpipe's
     gearbox scales in on the TWU rule's band (GearboxConfig.scale_in_on_twu_band); `trend`: it
-    plans for the load window's trend too (GearboxConfig.trend)."""
-    options = PolicyOptions(gearbox=replace(DEFAULT_CONFIG, scale_in_on_twu_band=twu_band, trend=trend))
+    plans for the load window's trend too (GearboxConfig.trend); `weights`: flexpipe's soft-limit
+    weights (loop rule 14; None: DEFAULT_WEIGHTS, {}: none)."""
+    options = PolicyOptions(gearbox=replace(DEFAULT_CONFIG, scale_in_on_twu_band=twu_band, trend=trend),
+                            model_weights=dict(DEFAULT_WEIGHTS if weights is None else weights))
     scenario = built.scenario
     tp = {m.spec.deployment: m.spec.tp for m in built.models}
     for name in policies:
@@ -330,10 +339,13 @@ def main(argv: Iterable[str] | None = None) -> int:
                         help="flexpipe plans for the load's level alone (GearboxConfig.trend off)")
     parser.add_argument("--no-twu-band", action="store_true",
                         help="flexpipe keeps the gearbox's shrink watermark under TWU's scale-in asks")
+    parser.add_argument("--weights", default=",".join(f"{k}={v:g}" for k, v in DEFAULT_WEIGHTS.items()),
+                        help="flexpipe's soft-limit weights, NAME=W,... (loop rule 14; \"\": none)")
     parser.add_argument("--no-timing", action="store_true", help="leave wall_s/cpu_s out of the JSON")
     args = parser.parse_args(list(argv) if argv is not None else None)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
+        weights = parse_weights(args.weights, "--weights")
         built = build_from_args(args)
         for name in names:
             make_pool_policy(name, {m.spec.deployment: m.spec.tp for m in built.models})
@@ -349,7 +361,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"  {name:10} done: {r['finished']} finished, {r['gpu_hours_held']} GPU-h"
               f" ({time.process_time() - cpu0:.0f} s CPU so far)", file=sys.stderr)
 
-    result = run(built, names, on_policy=done, twu_band=not args.no_twu_band, trend=not args.no_trend)
+    result = run(built, names, on_policy=done, twu_band=not args.no_twu_band, trend=not args.no_trend,
+                 weights=weights)
     print(table(result))
     if not args.no_timing:
         result["wall_s"] = round(time.perf_counter() - wall0, 3)

@@ -48,8 +48,9 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_INTRA_RACK_GBPS       assumed node-to-node bandwidth inside a rack without a measurement (25)
     FLEXPIPE_INTER_RACK_GBPS       ... across racks (10)
     FLEXPIPE_FRAGMENT_HORIZON_S    how far back the blocks' trajectories reach (14400)
-    FLEXPIPE_POOL_MODEL_WEIGHTS    model=weight,... soft-limit weights of the shared pool (scheduler/pool/autoscale.py;
-                                   default seed 004's example: Phi-3-mini=1.0,Llama-3-8B=2.3,Qwen2-72B=8.7)
+    FLEXPIPE_POOL_MODEL_WEIGHTS    model=weight,... soft-limit weights of the shared pool (scheduler/pool/autoscale.py,
+                                   the control loop's rule 14; default seed 004's example:
+                                   Phi-3-mini=1.0,Llama-3-8B=2.3,Qwen2-72B=8.7; "" turns the soft limits off)
     FLEXPIPE_POOL_HIGH_TWU / FLEXPIPE_POOL_LOW_TWU / FLEXPIPE_POOL_SOFT_LIMIT_TWU
                                    the TWU scale rule's watermarks (0.85 / 0.4) and the pool TWU above which
                                    admission shares shrink (0.8)
@@ -315,10 +316,23 @@ FLEXPIPE_GATEWAY_TOKENIZERS = dict(item.split("=", 1) for item in os.environ.get
 # The shared pool (scheduler/pool/autoscale.py): the TWU scale rule's watermarks (seed 004 §3.2: scale out above
 # 0.85, in below 0.4) and the per-model soft limits - weights that shrink a heavy model's admission share when
 # the pool's TWU is over the soft limit, rather than rejecting it (the seed's example weights by default).
-FLEXPIPE_POOL_MODEL_WEIGHTS = {
-    name.strip(): float(weight) for name, weight in (
-        item.split("=", 1) for item in os.environ.get(
-            "FLEXPIPE_POOL_MODEL_WEIGHTS", "Phi-3-mini=1.0,Llama-3-8B=2.3,Qwen2-72B=8.7").split(",") if "=" in item)}
+
+
+def _model_weights(raw: str) -> dict[str, float]:
+    """"model=weight,..." -> {model: weight}; "" -> {} (no soft limits). A bad item stops the start, named."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from scheduler.pool.autoscale import parse_weights
+
+    try:
+        return parse_weights(raw, "FLEXPIPE_POOL_MODEL_WEIGHTS")
+    except ValueError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
+# The control loop's rule 14 reads them (console/gearbox/control.loop_config); "" turns the soft limits off.
+FLEXPIPE_POOL_MODEL_WEIGHTS = _model_weights(
+    os.environ.get("FLEXPIPE_POOL_MODEL_WEIGHTS", "Phi-3-mini=1.0,Llama-3-8B=2.3,Qwen2-72B=8.7"))
 FLEXPIPE_POOL_SCALE = {
     "high_watermark": float(os.environ.get("FLEXPIPE_POOL_HIGH_TWU", "0.85")),
     "low_watermark": float(os.environ.get("FLEXPIPE_POOL_LOW_TWU", "0.4")),

@@ -6,7 +6,10 @@ prompts that arrive just after it wait for its whole prefill. With length bucket
 its own share of a round's token budget when the round mixes buckets - the batch's length spread
 passes the split threshold (a longest over shortest prompt ratio) - so short prompts are admitted
 and prefilled first and a long prefill goes on in the room they leave. Alone in a round a
-bucket takes the whole budget: splitting costs nothing when there is nothing to split.
+bucket takes the whole budget: splitting costs nothing when there is nothing to split. Admission
+goes by bucket as well, split or not: within a priority class the shorter bucket's waiting prompts
+are admitted first (agents/sim/queues.WaitQueue, the torch Batcher's prefill order), so a short
+prompt that arrives behind a queue of 5K-token ones does not wait for all of them.
 
 Used by the simulated engine (agents/sim/pipe.py) and the torch engine
 (agents/engines/torch/batching.py) alike.

@@ -81,7 +81,8 @@ class FlexPipePolicy(Policy):
         self._sim = sim
         opts = self.options
         most = opts.max_models_per_gpu or sim.scenario.max_models_per_gpu or self.loop.config.max_models_per_gpu
-        self.loop = ControlLoop(replace(self.loop.config, max_models_per_gpu=most, take_from_lower=opts.take_from_lower))
+        self.loop = ControlLoop(replace(self.loop.config, max_models_per_gpu=most, take_from_lower=opts.take_from_lower,
+                                        model_weights=opts.model_weights))
         sim.max_models_per_gpu = most
         self.driver = TransitionDriver(sim, config=self.options.transition, on_finished=self._done)
         self.driver.world.store.max_models_per_gpu = most

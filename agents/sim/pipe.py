@@ -71,7 +71,7 @@ class Pipe:
         self.kv_bytes_per_token = kv_bytes_per_token  # over all GPUs of the pipe (for memory use)
         self.gpus = gpus
         self.max_run = engine.host.max_run_rounds  # longest analytic run (1: every round simulated)
-        self.waiting = WaitQueue()  # by priority class, then deadline, then arrival (queues.py)
+        self.waiting = WaitQueue(engine.host.length_buckets)  # by priority class, bucket, deadline, arrival
         self.running: dict[int, Request] = {}  # admission order: the last one is preempted first
         # (within the least urgent priority class once any other class has run here)
         self.mixed_priorities = False
@@ -457,7 +457,7 @@ class Pipe:
         out.extend(self.waiting)
         self.running = {}
         self.prefilling = []
-        self.waiting = WaitQueue()
+        self.waiting = WaitQueue(self.engine.host.length_buckets)
         self.kv_pre = 0
         self.fin = []
         self.chunks = []

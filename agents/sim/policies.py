@@ -27,7 +27,7 @@ import bisect
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agents.sim.cluster import Change
@@ -69,6 +69,8 @@ class PolicyOptions:
     # `max_models_per_gpu`, else the loop's default, 2 - seed 004 section 4.2; 1: exclusive GPUs)
     max_models_per_gpu: int | None = None
     take_from_lower: bool = True  # flexpipe: loop rule 13 (a higher priority takes GPUs from a lower one)
+    # flexpipe: loop rule 14's soft-limit weights by model name (seed 004 section 3.2; empty: none)
+    model_weights: Mapping[str, float] = field(default_factory=dict)
 
 
 DEFAULT_POLICY_OPTIONS = PolicyOptions()

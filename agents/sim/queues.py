@@ -1,11 +1,16 @@
 """What a simulated engine keeps besides its batch: the queue of sequences waiting for admission,
 in priority order, and the prefix cache of KV blocks it computed.
 
-`WaitQueue` orders waiting sequences by priority class (lower first, vLLM's convention), then
-earliest deadline (absolute: arrival + the request's deadline; none is latest), then the order
-they came in - with `appendleft` (a preempted sequence, recomputed before anything newer of its
-class and deadline) ahead of every `append`. With every request at the default priority and no
-deadline this is exactly the FIFO deque it replaces. It also keeps the prompt tokens its
+`WaitQueue` orders waiting sequences by priority class (lower first, vLLM's convention), then -
+with length buckets (scheduler/buckets.py) - by bucket, shortest first, then earliest deadline
+(absolute: arrival + the request's deadline; none is latest), then the order they came in - with
+`appendleft` (a preempted sequence, recomputed before anything newer of its class and deadline)
+ahead of every `append`. Buckets in the queue as well as in the round: a short prompt that arrives
+behind a queue of 5K-token ones is admitted before them, not only prefilled beside them once they
+are in (on the Azure code trace most of the short prompts' TTFT tail is that wait). Within a class
+the long prompts wait while shorter ones keep coming; a class of its own (priority) is what orders
+past that. With every request at the default priority, no deadline and no buckets this is exactly
+the FIFO deque it replaces. It also keeps the prompt tokens its
 sequences still have to prefill, in total and of low-priority requests (what the router's queue
 estimate reads, without a walk over the queue per decision).
 
@@ -31,24 +36,27 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from agents.sim.request import Request
+    from scheduler.buckets import LengthBuckets
 
 
 class WaitQueue:
     """A pipe's waiting sequences (module docstring). Supports the deque operations the engine
     and the executor use: append, appendleft, popleft, [0], remove, clear, len, iteration."""
 
-    __slots__ = ("_heap", "_n", "tokens", "low_tokens")
+    __slots__ = ("_heap", "_n", "tokens", "low_tokens", "buckets")
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+    def __init__(self, buckets: LengthBuckets | None = None) -> None:
+        self._heap: list[tuple[int, int, float, int, Request]] = []
         self._n = 0
+        self.buckets = buckets  # None: one queue whatever the prompt's length
         self.tokens = 0  # prompt tokens still to prefill, over the queue
         self.low_tokens = 0  # ... of low-priority (priority > 0) sequences
 
     def _push(self, req: Request, front: bool) -> None:
         self._n += 1
         deadline = req.deadline_at if req.deadline_at is not None else math.inf
-        heapq.heappush(self._heap, (req.priority, deadline, -self._n if front else self._n, req))
+        bucket = self.buckets.of(req.prompt) if self.buckets is not None else 0
+        heapq.heappush(self._heap, (req.priority, bucket, deadline, -self._n if front else self._n, req))
         left = req.need - req.done
         self.tokens += left
         if req.priority > 0:
@@ -67,18 +75,18 @@ class WaitQueue:
             self.low_tokens -= left
 
     def popleft(self) -> Request:
-        req = heapq.heappop(self._heap)[3]
+        req = heapq.heappop(self._heap)[-1]
         self._took(req)
         return req
 
     def __getitem__(self, i: int) -> Request:
         if i != 0:
             raise IndexError("WaitQueue: only [0], the next to admit")
-        return self._heap[0][3]
+        return self._heap[0][-1]
 
     def remove(self, req: Request) -> None:
         for k, entry in enumerate(self._heap):
-            if entry[3] is req:
+            if entry[-1] is req:
                 self._heap[k] = self._heap[-1]
                 self._heap.pop()
                 heapq.heapify(self._heap)
@@ -98,7 +106,7 @@ class WaitQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """In admission order."""
-        return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
+        return (entry[-1] for entry in sorted(self._heap, key=lambda e: e[:4]))
 
 
 class PrefixCache:

@@ -52,6 +52,7 @@ from scheduler.control import (
 )
 from scheduler.gearbox import Outcome, Trigger
 from scheduler.plan import Gear
+from scheduler.pool.autoscale import ScaleConfig
 from scheduler.pool.jobs import JobState
 from scheduler.topology import FragmentHistory, Snapshot
 from scheduler.transition import Kind, TransitionRecord
@@ -159,12 +160,21 @@ def observe(name: str, base: Snapshot, now: datetime, index: int = 0) -> Observe
     return Observed(dep, state, seen)
 
 
+def loop_config() -> LoopConfig:
+    """The loop's knobs from settings: GPU sharing, the TWU watermarks and the soft-limit weights
+    (FLEXPIPE_MAX_MODELS_PER_GPU, FLEXPIPE_POOL_SCALE, FLEXPIPE_POOL_MODEL_WEIGHTS). A bad value is an
+    error naming its key."""
+    return LoopConfig(max_models_per_gpu=int(settings.FLEXPIPE_MAX_MODELS_PER_GPU),
+                      scale=ScaleConfig.from_dict(settings.FLEXPIPE_POOL_SCALE, "FLEXPIPE_POOL_SCALE"),
+                      model_weights=dict(settings.FLEXPIPE_POOL_MODEL_WEIGHTS))
+
+
 def decide_all(names: Sequence[str], *, trigger: Trigger, now: datetime, base: Snapshot,
                held: Mapping[str, set[str]], history: FragmentHistory | None = None,
                actor: str = GEARBOX) -> dict[str, Decided]:
     """One loop step over these deployments (module docstring); what each step did, by name."""
     observed = [o for i, n in enumerate(names) if (o := observe(n, base, now, i)) is not None]
-    loop = ControlLoop(LoopConfig(max_models_per_gpu=int(settings.FLEXPIPE_MAX_MODELS_PER_GPU)))
+    loop = ControlLoop(loop_config())
     jobs = admission.job_states(base)
     loop.observe([o.state for o in observed], FleetState(
         snapshot=base, history=history if history is not None else fragments.load_history(),

@@ -59,6 +59,13 @@ engines' latest reports, the same figures the Overview's heatmap and the deploym
                                                                (plans sharing a GPU summed)
     flexpipe_deployment_twu{deployment}                        GPU-weighted TWU of the deployment's plans;
                                                                no series while none of them has reported
+    flexpipe_pool_twu                                          mean TWU over the pool's GPUs (twu.pool_gpus:
+                                                               a free GPU counts 0); the soft limits' input
+    flexpipe_pool_admission_share{model}                       each served model's admission share under the
+                                                               soft limits (FLEXPIPE_POOL_MODEL_WEIGHTS;
+                                                               autoscale.admission_shares, the loop's rule 14)
+    flexpipe_pool_weight_factor{model}                         ... and the factor its weight is scaled by now
+                                                               (1 at or under the soft limit)
 """
 
 from __future__ import annotations
@@ -95,7 +102,8 @@ class GearboxCollector(Described):
                 ("flexpipe_deployment_pinned", "gauge"), ("flexpipe_deployment_routing_version", "gauge"),
                 ("flexpipe_transition_phase", "gauge"), ("flexpipe_migration_queue_length", "gauge"),
                 ("flexpipe_shadow_plan_status", "gauge"), ("flexpipe_router_rollout_share", "gauge"),
-                ("flexpipe_gpu_twu", "gauge"), ("flexpipe_deployment_twu", "gauge"),
+                ("flexpipe_gpu_twu", "gauge"), ("flexpipe_deployment_twu", "gauge"), ("flexpipe_pool_twu", "gauge"),
+                ("flexpipe_pool_admission_share", "gauge"), ("flexpipe_pool_weight_factor", "gauge"),
                 ("flexpipe_switch_duration_seconds", "histogram"), ("flexpipe_decisions", "counter"),
                 ("flexpipe_decisions_pending_approval", "gauge"), ("flexpipe_transition_kv_migrated_bytes", "counter"),
                 ("flexpipe_transition_tokens_replayed", "counter"))
@@ -164,6 +172,36 @@ class GearboxCollector(Described):
             if value is not None:
                 family.add_metric([d.name], value)
         yield family
+        yield from self._pool(deps, view, fleet)
+
+    @staticmethod
+    def _pool(deps: list[Any], view: Any, fleet: Any) -> Iterator[Metric]:
+        """The pool's TWU and the soft limits' shares, as the control loop's rule 14 prices them."""
+        from django.conf import settings
+
+        from scheduler.pool.autoscale import ScaleConfig, admission_shares
+        from scheduler.pool.twu import pool_gpus, pool_twu
+
+        twu = pool_twu(view.gpus, pool_gpus(fleet.snapshot, view.gpus))
+        pool = GaugeMetricFamily("flexpipe_pool_twu", "Token-weighted utilisation of the pool: the mean over its GPUs "
+                                 "(healthy, schedulable or ours; a free one counts 0)")
+        if twu is not None:
+            pool.add_metric([], twu)
+        yield pool
+        share = GaugeMetricFamily("flexpipe_pool_admission_share", "The model's share of the pool's admission under "
+                                  "the soft limits (FLEXPIPE_POOL_MODEL_WEIGHTS)", labels=["model"])
+        factor = GaugeMetricFamily("flexpipe_pool_weight_factor", "The factor the model's soft-limit weight is scaled "
+                                   "by at the pool's TWU (1 at or under the soft limit)", labels=["model"])
+        weights = settings.FLEXPIPE_POOL_MODEL_WEIGHTS
+        models = sorted({d.model_name for d in deps if view.plans_of.get(d.pk)})
+        if weights and models:
+            got = admission_shares({m: weights.get(m, 1.0) for m in models}, twu,
+                                   config=ScaleConfig.from_dict(settings.FLEXPIPE_POOL_SCALE, "FLEXPIPE_POOL_SCALE"))
+            for m in models:
+                share.add_metric([m], got.shares[m])
+                factor.add_metric([m], got.factors[m])
+        yield share
+        yield factor
 
     def _durations(self) -> Metric:
         from console.gearbox.models import Transition

@@ -86,6 +86,20 @@ The rules, in order, for each deployment, highest priority first (then `index`):
     otherwise see them free before the taker's). The taker switches onto the given GPUs at a
     later step, once they are free.
 
+14. Soft limits (seed 004 section 3.2; scheduler/pool/autoscale.py `admission_shares`). Before
+    anyone decides, the step prices the pool's TWU: each deployment's mean TWU over the short
+    window (rule 11's samples, computed once per step) on each GPU of its gear, summed where
+    plans share a GPU, averaged over the pool's GPUs (healthy ones that are schedulable or that
+    an observed deployment holds; a free GPU counts 0, another tenant's is not the pool's:
+    twu.pool_twu). Over the soft limit (`scale.soft_limit_twu`, 0.8) the heavier models' weights
+    (`model_weights`) shrink, and deployments of one priority decide in the order of their
+    model's weight factor, highest first, then `index`: a heavy model's scheduling priority is
+    lowered, so the light ones' scale-outs get free GPUs first - nobody is refused, the heavy one
+    plans on what is left, and its requests wait in its queue. A deployment decided after a
+    lighter one for that reason says so in its decision (the last reason). At or under the soft
+    limit every factor is 1 and the order is priority then `index`, as before. The output carries
+    the pool's TWU and the shares (`ControlOutput.pool_twu`, `shares`).
+
 Across deployments (scheduler/pool/sharing.py): up to `max_models_per_gpu` deployments (seed
 004 section 4.2: 2; LoopConfig) share a GPU by memory fraction. Each decision's snapshot shows a
 GPU another deployment holds as partly used - its reported use, at least what the others booked
@@ -118,10 +132,20 @@ from scheduler.control.state import (
 )
 from scheduler.gearbox import CapacityAsk, Mode, Outcome, Trigger, cooldown_until, standing
 from scheduler.plan import Gear
-from scheduler.pool.autoscale import Direction, ScaleSignal, gear_twu_samples, scale_signal
+from scheduler.pool.autoscale import (
+    AdmissionShares,
+    Direction,
+    ScaleSignal,
+    TwuSample,
+    admission_shares,
+    gear_twu_samples,
+    scale_signal,
+    window_mean,
+)
 from scheduler.pool.jobs import decide_around_jobs
 from scheduler.pool.priority import Holder, Takeover, choose_givers
 from scheduler.pool.sharing import shared_snapshot
+from scheduler.pool.twu import pool_gpus, pool_twu
 from scheduler.pool.zero import idle_signal, never_to_zero, quiet_since_s, wake_reason
 from scheduler.topology import Snapshot
 from scheduler.transition import Kind, Phase, lost_gpus
@@ -198,6 +222,7 @@ class ControlLoop:
         self._deployments: tuple[DeploymentState, ...] = ()
         self._fleet: FleetState | None = None
         self.calls = 0  # gearbox.decide calls (the replay reports them)
+        self._samples: dict[str, tuple[TwuSample, ...]] = {}  # this step's TWU samples by deployment (rules 11, 14)
 
     def observe(self, deployments: Iterable[DeploymentState], fleet: FleetState) -> None:
         """What the next step decides on (replaces the previous observation)."""
@@ -222,10 +247,17 @@ class ControlLoop:
                 pool.booked[name] = _merge_max(pool.booked.get(name, {}), plans_memory(d.current.plans, d.model))
         steps: list[Step] = []
         wakes: list[float] = []
-        for state in sorted(self._deployments, key=lambda d: (-d.deployment.priority, d.index)):
+        self._samples = {}
+        pool_twu, shares = self._soft_limits(fleet, now_s)  # rule 14
+        factor = shares.factors if shares is not None and pool_twu is not None else {}
+        order = sorted(self._deployments,
+                       key=lambda d: (-d.deployment.priority, -factor.get(d.deployment.model, 1.0), d.index))
+        for state in order:
             if state.deleting:  # rule 1
                 continue
             step = self._one(state, fleet, pool, now_s, trigger)
+            if step.decision is not None and pool_twu is not None and shares is not None:
+                step = self._after_lighter(step, state, order, factor, pool_twu)
             steps.append(step)
             name = state.deployment.id
             if step.start is not None:
@@ -244,7 +276,46 @@ class ControlLoop:
                 for u in step.takes.target.gpu_uuids:
                     pool.reserved.setdefault(u, name)
             wakes += self._wakes(state, step, now_s)
-        return ControlOutput(now_s, tuple(steps), min(wakes) if wakes else None)
+        return ControlOutput(now_s, tuple(steps), min(wakes) if wakes else None, pool_twu=pool_twu, shares=shares)
+
+    # --- rule 14 ----------------------------------------------------------------------------
+    def _soft_limits(self, fleet: FleetState, now_s: float) -> tuple[float | None, AdmissionShares | None]:
+        """The pool's TWU and each model's admission share (rule 14); (None, None) without weights
+        or with fewer than two models."""
+        cfg = self.config
+        live = [d for d in self._deployments if not d.deleting]
+        models = {d.deployment.model for d in live}
+        if not cfg.model_weights or len(models) < 2:
+            return None, None
+        held = set().union(*fleet.held.values()) if fleet.held else set()
+        per_gpu: dict[str, float] = {}
+        for d in live:
+            if d.current is None:
+                continue
+            mean = window_mean(self._twu_samples(d, fleet, now_s), now_s, cfg.gearbox.short_window_s)
+            if mean is None:  # silence: its GPUs count 0, as a GPU nothing reports on
+                continue
+            for u in d.current.gpu_uuids:
+                per_gpu[u] = per_gpu.get(u, 0.0) + mean
+                held.add(u)
+        twu = pool_twu(per_gpu, pool_gpus(fleet.snapshot, held))
+        demand = {d.deployment.model: 1.0 for d in live if d.current is not None or d.waiting > 0}
+        weights = {m: cfg.model_weights.get(m, 1.0) for m in models}
+        return twu, admission_shares(weights, twu, demand=demand, config=cfg.scale)
+
+    @staticmethod
+    def _after_lighter(step: Step, state: DeploymentState, order: list[DeploymentState], factor: Mapping[str, float],
+                       twu: float) -> Step:
+        """Rule 14: the step of a deployment decided after a lighter one of its priority says why."""
+        mine = factor.get(state.deployment.model, 1.0)
+        before = [d.deployment.id for d in order[:order.index(state)]
+                  if d.deployment.priority == state.deployment.priority and d.index > state.index
+                  and factor.get(d.deployment.model, 1.0) > mine]
+        if not before or step.decision is None:
+            return step
+        why = (f"pool TWU {twu:.2f} over the soft limit: its model {state.deployment.model} weighs x {mine:.2f} "
+               f"now, so it decided after lighter {', '.join(before)} (seed 004 soft limit; nothing refused)")
+        return replace(step, decision=replace(step.decision, reasons=(*step.decision.reasons, why)))
 
     # --- one deployment ---------------------------------------------------------------------
     def _one(self, state: DeploymentState, fleet: FleetState, pool: _Pool, now_s: float,
@@ -411,12 +482,21 @@ class ControlLoop:
             return None
         return choose_givers(name, state.deployment.priority, holders, try_with)
 
+    def _twu_samples(self, state: DeploymentState, fleet: FleetState, now_s: float) -> tuple[TwuSample, ...]:
+        """Rules 11 and 14: the deployment's TWU samples - given, else its load window priced over its
+        current gear - once per step."""
+        assert state.current is not None  # noqa: S101 - callers checked
+        name = state.deployment.id
+        if name not in self._samples:
+            self._samples[name] = state.twu if state.twu is not None else gear_twu_samples(
+                state.load, state.current, state.model, fleet.snapshot, now_s, self.config.gearbox)
+        return self._samples[name]
+
     def _twu_signal(self, state: DeploymentState, fleet: FleetState, now_s: float) -> ScaleSignal:
         """Rule 11: the TWU scale signal of a deployment with a gear."""
         assert state.current is not None  # noqa: S101 - rule 9 came first
         cfg = self.config
-        samples = state.twu if state.twu is not None else gear_twu_samples(
-            state.load, state.current, state.model, fleet.snapshot, now_s, cfg.gearbox)
+        samples = self._twu_samples(state, fleet, now_s)
         planned = gearbox.planned_load(state.load, now_s, cfg.gearbox)  # the trend: OUT sooner, no IN into a rise
         return scale_signal(samples, now_s, state.deployment, config=cfg.scale, gearbox=cfg.gearbox,
                             rise=planned.rise, slope_t=planned.slope_t)

@@ -8,6 +8,7 @@ the loop reads nothing else (no clock, no I/O).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from scheduler.gearbox import DEFAULT_CONFIG, Decision, Deployment, GearboxConfi
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear
 from scheduler.planner import PlannerOptions
-from scheduler.pool.autoscale import DEFAULT_SCALE, ScaleConfig, TwuSample
+from scheduler.pool.autoscale import DEFAULT_SCALE, AdmissionShares, ScaleConfig, TwuSample
 from scheduler.pool.jobs import JobState
 from scheduler.pool.priority import Takeover
 from scheduler.pool.sharing import MAX_MODELS_PER_GPU, check_max_models
@@ -48,9 +49,16 @@ class LoopConfig:
     # section 4.2: 2). 1: every GPU another deployment holds is unschedulable (exclusive GPUs)
     max_models_per_gpu: int = MAX_MODELS_PER_GPU
     take_from_lower: bool = True  # rule 13: a deployment that cannot stand takes GPUs from lower priorities
+    # rule 14: the soft-limit weights by model name (seed 004 section 3.2: Phi-3-mini 1.0, Llama-3-8B 2.3,
+    # Qwen2-72B 8.7; the console's FLEXPIPE_POOL_MODEL_WEIGHTS). A model not named weighs 1.0; empty: no
+    # soft limits, deployments of one priority decide in `index` order whatever the pool's TWU
+    model_weights: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_max_models(self.max_models_per_gpu)
+        for name, w in self.model_weights.items():
+            if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0):
+                raise ValueError(f"model_weights.{name}: must be a finite number > 0, got {w!r}")
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,9 @@ class ControlOutput:
     steps: tuple[Step, ...]
     next_wake_s: float | None = None  # the earliest time a step could decide differently without
     # a new observation (a cooldown or a back-off ending); None: only a new observation
+    pool_twu: float | None = None  # rule 14: the pool's TWU this step decided under (None: not computed -
+    # no soft-limit weights, or one model only)
+    shares: AdmissionShares | None = None  # rule 14: each model's admission share and weight factor
 
     def by_id(self) -> dict[str, Step]:
         return {s.deployment_id: s for s in self.steps}

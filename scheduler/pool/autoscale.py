@@ -39,7 +39,11 @@ heaviest model is at 0.6 x its weight at full pressure (the seed's x 0.6 for Qwe
 light ones hardly move; the shares are renormalised, so lighter models gain what the heavy one
 gives up. Nobody is rejected: a share is never 0, and what a model cannot admit now waits in its
 queue. The seed switches at 0.8 in one step; we ramp, so the shares do not jump back and forth
-as the pool's TWU wanders around 0.8.
+as the pool's TWU wanders around 0.8. The control loop applies them as the seed says - "lower the
+heavy model's scheduling priority": within one priority, deployments decide in the order of their
+model's factor, so the light ones' scale-outs get free GPUs first (scheduler/control/loop.py rule
+14); /metrics shows the shares (console/metrics/gearbox.py). `parse_weights` reads the
+"model=weight,..." form of the setting and of bench.pool's --weights.
 """
 
 from __future__ import annotations
@@ -241,6 +245,21 @@ class AdmissionShares:
     reason: str = ""
 
 
+def parse_weights(raw: str, source: str) -> dict[str, float]:
+    """"model=weight,..." (a setting, a flag: `source` names it in errors) -> {model: weight}; "" -> {}."""
+    out: dict[str, float] = {}
+    for item in filter(None, (i.strip() for i in raw.split(","))):
+        name, _, weight = (part.strip() for part in item.partition("="))
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not name or not 0 < value < math.inf:
+            raise ValueError(f"{source}: {item!r} is not model=weight with a finite weight > 0")
+        out[name] = value
+    return out
+
+
 def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
                      demand: Mapping[str, float] | None = None,
                      config: ScaleConfig = DEFAULT_SCALE) -> AdmissionShares:
@@ -275,4 +294,5 @@ def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
 
 
 __all__ = ["AdmissionShares", "DEFAULT_SCALE", "Direction", "SEED_004_WEIGHTS", "ScaleConfig", "ScaleSignal",
-           "TwuSample", "admission_shares", "gear_twu_samples", "load_twu_samples", "scale_signal", "window_mean"]
+           "TwuSample", "admission_shares", "gear_twu_samples", "load_twu_samples", "parse_weights", "scale_signal",
+           "window_mean"]

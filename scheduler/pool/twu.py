@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 from scheduler.costmodel import PlanProfile, Workload, steady_state
 from scheduler.plan import Plan
+from scheduler.topology import Snapshot
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,14 @@ def deployment_twu(plans: Sequence[PlanTwu | None]) -> float | None:
     return weighted / gpus if gpus else None
 
 
+def pool_gpus(snapshot: Snapshot, held: Iterable[str] = ()) -> list[str]:
+    """The pool's GPUs, as `pool_twu` averages over them: healthy ones that are schedulable or that one
+    of our deployments holds (`held`). Another tenant's or a cordoned GPU nobody of ours holds is not
+    the pool's; a failed one serves nothing."""
+    ours = set(held)
+    return [g.uuid for g in snapshot.gpus if g.healthy and (g.schedulable or g.uuid in ours)]
+
+
 def pool_twu(per_gpu: Mapping[str, float], pool_gpus: Iterable[str]) -> float | None:
     """Mean TWU over the pool's GPUs (one nothing reports on counts 0); None for an empty pool."""
     uuids = list(dict.fromkeys(pool_gpus))
@@ -181,4 +190,4 @@ def _number(value: object) -> float:
     return max(0.0, float(value))
 
 
-__all__ = ["PlanTokens", "PlanTwu", "TokenCosts", "deployment_twu", "gpu_twu", "plan_twu", "pool_twu"]
+__all__ = ["PlanTokens", "PlanTwu", "TokenCosts", "deployment_twu", "gpu_twu", "plan_twu", "pool_gpus", "pool_twu"]

@@ -96,3 +96,5 @@ def test_bad_input_is_refused_naming_the_flag(tmp_path: Path, capsys: pytest.Cap
     assert "unknown" in capsys.readouterr().err
     assert main(["--rates", f"Phi-3-mini={series}", "--policies", "fastest"]) == 2
     assert "policy: unknown 'fastest'" in capsys.readouterr().err
+    assert main(["--rates", f"Phi-3-mini={series}", "--weights", "Phi-3-mini=heavy"]) == 2
+    assert "--weights: 'Phi-3-mini=heavy' is not model=weight" in capsys.readouterr().err

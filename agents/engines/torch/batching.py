@@ -158,8 +158,8 @@ class Batcher:
 
     def schedule(self, name: str, seqs: Iterable[Seq], alloc: BlockAllocator, budget: int) -> Batch:
         """Group `name`'s chunks within `budget` tokens: every decode first, then prefill chunks by
-        (priority, arrival) - by (bucket, priority, arrival), each bucket within its cap, when the
-        step's prompts are split by length.
+        (priority, arrival) - with length buckets by (priority, bucket, arrival), and by (bucket,
+        priority, arrival), each bucket within its cap, when the step's prompts are split by length.
 
         Invariants: a chunk's blocks are allocated (`alloc.ensure`) before it is chosen; a sequence
         is settled (chosen, or preempted for a prefill) at most once; a preempted sequence holds no blocks and is in no chunk; a
@@ -199,6 +199,8 @@ class Batcher:
         room = self._split(prefills, full)
         if room is not None:
             prefills.sort(key=lambda s: (self._bucket(s), s.priority, s.arrival))
+        elif self.length_buckets is not None:  # the shorter bucket first within a class, as the simulator's queue
+            prefills.sort(key=lambda s: (s.priority, self._bucket(s), s.arrival))
         for seq in prefills:
             if seq.seq_id in chosen:
                 continue  # preempted for a more urgent prefill of this step

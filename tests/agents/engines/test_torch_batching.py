@@ -85,6 +85,19 @@ def test_a_waiting_prefill_preempts_only_a_less_urgent_class_and_only_when_that_
     assert batch.preempted == [] and [s.seq_id for s, _, _ in batch.chunks] == ["run0", "run1", "run2"]
 
 
+def test_with_buckets_a_shorter_bucket_is_prefilled_first_within_its_class_even_unsplit() -> None:
+    # 15 and 17 tokens: buckets 0 and 1, a spread under the split ratio - no caps, only the order
+    def step(buckets: LengthBuckets | None) -> list[str]:
+        alloc = BlockAllocator(64, 4)
+        seqs = [_seq(alloc, "medium", 17, 0, generated=0, computed=0),
+                _seq(alloc, "short", 15, 1, generated=0, computed=0),
+                _seq(alloc, "urgent-medium", 17, 2, priority=-1, generated=0, computed=0)]
+        return [s.seq_id for s, _, _ in Batcher("main", buckets).schedule("main", seqs, alloc, 40).chunks]
+
+    assert step(BUCKETS) == ["urgent-medium", "short", "medium"]  # the class first, then the bucket
+    assert step(None) == ["urgent-medium", "medium", "short"]  # one queue: arrival order
+
+
 # --- on worker processes ----------------------------------------------------------------------------
 
 
@@ -147,9 +160,10 @@ def test_short_prompts_behind_a_long_one_get_their_first_token_sooner_and_the_sa
     first_fcfs, out_fcfs = first_token_steps(fcfs)
     first_split, out_split = first_token_steps(bucketed)
     shorts = [f"short{k}" for k in range(len(SHORTS))]
-    # one queue: every short prompt waits for the long prefill (7 steps); split: the step after it starts
+    # one queue: every short prompt waits for the long prefill (7 steps); with buckets the shorter
+    # bucket is prefilled first, in the very first step (all queued: the long one is not begun yet)
     assert min(first_fcfs[s] for s in shorts) == 7
-    assert max(first_split[s] for s in shorts) == 2
+    assert max(first_split[s] for s in shorts) == 1
     assert first_split["long"] <= first_fcfs["long"] + 1  # the long one pays one step, not more
     assert out_split == out_fcfs  # greedy: the split changes when tokens come, never which
     assert out_split["long"] == tiny_model.reference(LONG, 4, GREEDY)

@@ -45,6 +45,22 @@ def test_short_prompts_are_not_held_behind_a_long_prefill() -> None:
     assert split_long < fcfs_long * 1.5  # and the long prompt pays little for it
 
 
+def _behind_a_queue(buckets: LengthBuckets | None) -> float:
+    sim, done = _sim(buckets)
+    for _ in range(12):  # 60K prompt tokens waiting: many rounds of prefill
+        sim.submit("d", 5_000, 16)
+    sim.advance_to(0.01)
+    short = sim.submit("d", 200, 16)
+    sim.run_to_completion()
+    return done[short][0]
+
+
+def test_a_short_prompt_is_admitted_before_a_queue_of_longer_ones() -> None:
+    # buckets order the waiting queue too, not only the round: the short prompt that came last does
+    # not wait for the twelve 5K-token prompts queued before it
+    assert _behind_a_queue(LengthBuckets()) < _behind_a_queue(None) / 4
+
+
 def test_a_round_of_one_bucket_is_not_split() -> None:
     b = LengthBuckets()
     assert not b.split(200, 1500) and not b.split(3000, 20000) and b.split(200, 30_000)

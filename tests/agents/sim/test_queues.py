@@ -1,4 +1,5 @@
-"""A pipe's waiting queue (priority, then deadline, then arrival; preempted first in its class)
+"""A pipe's waiting queue (priority, then length bucket if any, then deadline, then arrival; preempted first in
+its class)
 and its prefix cache (LRU bounded by the KV reserve, head kept longest)."""
 
 from __future__ import annotations
@@ -31,6 +32,24 @@ def test_priority_classes_first_then_earliest_deadline_then_arrival() -> None:
     q.append(r(5, priority=-1))  # urgent
     q.appendleft(r(6, priority=1))  # a preempted low-priority one: first of its class only
     assert [q.popleft().rid for _ in range(6)] == [5, 4, 3, 2, 6, 1]
+
+
+def test_with_length_buckets_a_shorter_bucket_goes_first_within_its_priority_class() -> None:
+    from scheduler.buckets import LengthBuckets
+
+    q = WaitQueue(LengthBuckets())
+    q.append(r(1, prompt=5000))  # 2K-32K
+    q.append(r(2, prompt=40_000))  # > 32K
+    q.append(r(3, prompt=300))  # < 2K: comes in last, admitted first
+    q.append(r(4, prompt=6000))
+    q.append(r(5, prompt=9000, priority=-1))  # an urgent class still comes before any bucket
+    q.appendleft(r(6, prompt=7000))  # a preempted one: first of its class and bucket only
+    assert [x.rid for x in q] == [5, 3, 6, 1, 4, 2]
+    assert [q.popleft().rid for _ in range(6)] == [5, 3, 6, 1, 4, 2]
+    fifo = WaitQueue()  # no buckets: arrival order whatever the lengths
+    for req in (r(1, prompt=5000), r(3, prompt=300)):
+        fifo.append(req)
+    assert [x.rid for x in fifo] == [1, 3]
 
 
 def test_it_counts_the_prompt_tokens_left_to_prefill_in_total_and_of_low_priority() -> None:

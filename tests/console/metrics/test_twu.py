@@ -70,6 +70,41 @@ def test_a_report_with_known_token_counts_gives_the_same_twu_in_metrics_and_on_t
     assert idle[("flexpipe_deployment_twu", (("deployment", "chat"),))] == 0.0
 
 
+def test_the_pools_twu_and_the_soft_limits_shares_are_in_metrics(viewer: Person, settings: Any) -> None:
+    world = running_deployment(moved=False)
+    report(world, tokens_per_s=900.0, arrivals=42)
+    want = expected_twu(900.0, 42, 410.0, 180.0)
+    pool = [g for g in fleet_snapshot(timezone.now()).gpus if g.healthy and g.schedulable]
+    m = scrape(viewer.api())
+    # the plan's two GPUs at its TWU, every other GPU of the pool free: 0
+    assert m[("flexpipe_pool_twu", ())] == pytest.approx(want * 2 / len(pool), rel=1e-6)
+    # one model served: all of the admission, its weight unscaled (the pool is far under 0.8)
+    assert m[("flexpipe_pool_admission_share", (("model", "Llama-3-8B"),))] == pytest.approx(1.0)
+    assert m[("flexpipe_pool_weight_factor", (("model", "Llama-3-8B"),))] == pytest.approx(1.0)
+    settings.FLEXPIPE_POOL_MODEL_WEIGHTS = {}  # soft limits off: no shares to show
+    off = scrape(viewer.api())
+    assert ("flexpipe_pool_twu", ()) in off and not [k for k in off if k[0] == "flexpipe_pool_admission_share"]
+
+
+def test_the_loop_reads_the_pool_settings_and_a_bad_one_is_named(settings: Any) -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from console.gearbox.control import loop_config
+    from console.settings import _model_weights
+
+    settings.FLEXPIPE_POOL_SCALE = {**settings.FLEXPIPE_POOL_SCALE, "high_watermark": 0.9}
+    settings.FLEXPIPE_POOL_MODEL_WEIGHTS = {"Llama-3-8B": 2.0}
+    config = loop_config()
+    assert config.scale.high_watermark == 0.9 and dict(config.model_weights) == {"Llama-3-8B": 2.0}
+    settings.FLEXPIPE_POOL_SCALE = {**settings.FLEXPIPE_POOL_SCALE, "high_watermark": 0.3}
+    with pytest.raises(ValueError, match="low_watermark/high_watermark"):
+        loop_config()
+    assert _model_weights("") == {} and _model_weights(" a=1, b=2.5 ") == {"a": 1.0, "b": 2.5}
+    for bad in ("a=0", "a=-1", "a=x", "=2", "a", "a=inf"):
+        with pytest.raises(ImproperlyConfigured, match="FLEXPIPE_POOL_MODEL_WEIGHTS"):
+            _model_weights(bad)
+
+
 def test_a_plan_without_reports_is_unknown_not_idle(viewer: Person) -> None:
     world = running_deployment(moved=False)
     world.report_engines("a1")  # a report that carries no engine metrics
