@@ -23,16 +23,16 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.core.exceptions import DisallowedHost
-from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpRequest, HttpResponse
 
 from console.api.errors import error_response
+from console.handler import Handler
 
 security_log = logging.getLogger("django.security.DisallowedHost")
 
 
-class AgentApiHandler(ASGIHandler):
-    """An ASGIHandler whose middleware is settings.FLEXPIPE_AGENT_MIDDLEWARE, not MIDDLEWARE."""
+class AgentApiHandler(Handler):
+    """An ASGIHandler (console.handler's, no garbage cycle per request) whose middleware is settings.FLEXPIPE_AGENT_MIDDLEWARE, not MIDDLEWARE."""
 
     def load_middleware(self, is_async: bool = False) -> None:
         # BaseHandler.load_middleware reads settings.MIDDLEWARE; it runs once, when the handler is built.

@@ -10,10 +10,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.core.asgi import get_asgi_application
+import django
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
-django_asgi_app = get_asgi_application()  # before importing consumers: it sets up the app registry
+django.setup(set_prefix=False)  # what get_asgi_application does, before importing consumers: the app registry
+from console.handler import Handler  # noqa: E402
+
+django_asgi_app = Handler()  # Django's ASGIHandler without a garbage cycle per request (console/handler.py)
 
 from console import gctune  # noqa: E402
 

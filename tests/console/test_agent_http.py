@@ -97,3 +97,48 @@ async def test_refusals_on_the_agent_stack_are_json_naming_what_is_wrong(
     assert missing.status_code == 404 and "application/json" in missing.headers["content-type"]
     crashing = await http.post("/agent/v1/report", content=b"{", headers={"Authorization": f"Bearer {token}"})
     assert crashing.status_code == 400 and "application/json" in crashing.headers["content-type"]
+
+
+async def _cyclic_garbage(app: Any, token: str, seqs: range) -> dict[str, int]:
+    """What the cyclic collector finds after a report of each seq through `app` (nothing else
+    collected meanwhile), by type name."""
+    import collections
+    import gc
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
+        await c.get("/healthz")  # imports, caches and connections made once, before counting
+        gc.collect()
+        gc.disable()
+        try:
+            for seq in seqs:
+                resp = await c.post("/agent/v1/report", json=report_body("h1", seq=seq, gpus=2),
+                                    headers={"Authorization": f"Bearer {token}"})
+                assert resp.status_code == 200, resp.text
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            return dict(collections.Counter(type(o).__qualname__ for o in gc.garbage))
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+
+
+async def test_a_request_leaves_no_garbage_cycle_behind(token: str) -> None:
+    # Django's own ASGIHandler: its disconnect listener's RequestAborted keeps each request's frame,
+    # and with it the request, in a cycle (console/handler.py) that only a collection frees
+    from django.core.handlers.asgi import ASGIHandler
+
+    from console.agent_http import AgentApiHandler
+    from console.handler import Handler
+
+    async def run(handler: Any, first: int) -> dict[str, int]:
+        return await _cyclic_garbage(asgi.StopOnCancel(handler, pooled=asgi.is_agent_api), token, range(first, first + 10))
+
+    theirs = await run(ASGIHandler(), 1)
+    assert theirs.get("ASGIRequest") == 10 and theirs.get("frame", 0) >= 10, theirs  # the premise
+    agents = await run(AgentApiHandler(), 11)
+    assert not agents.get("ASGIRequest") and not agents.get("frame"), agents  # (what is left is the client's)
+    # the pages' chain: no frame kept either; its requests stay in the cycle Django's authentication
+    # middleware makes (request.user's lazy closure over the request), few next to the agents'
+    pages = await run(Handler(), 21)
+    assert not pages.get("frame"), pages
