@@ -28,7 +28,8 @@ prints and writes. Definitions (all latencies in seconds):
   compute_util: model FLOPs utilisation - the linear layers' FLOPs of every token our plans
   computed (prompt chunks, recomputes and decode steps) over the dense BF16 peak of the GPUs we
   hold. (Not NVML's "a kernel ran" share, which rewards spreading thin batches over many GPUs.)
-  Both over [0, duration_s]. gpu_hours_held: GPU-hours our plans held (from launch to release).
+  Both over [0, duration_s]. gpu_hours_held: GPU-hours our plans held (from launch to release),
+  each GPU counted once while any of our plans holds it (two plans sharing it are one GPU held).
 """
 
 from __future__ import annotations

@@ -197,7 +197,8 @@ class Reports:
     def _mark_duration(self: FleetSim, t: float, _: object) -> list[Event]:
         """At duration_s: freeze the utilisation figures (the drain does not count)."""
         self._account_availability(t)
-        flop = kv_byte_s = weight_byte_s = gpu_s = 0.0
+        flop = kv_byte_s = weight_byte_s = 0.0
+        held: dict[str, list[tuple[float, float]]] = {}  # GPU -> the spans our plans held it
         for engine in self.engines.values():
             per_token = float(engine.model.linear_flops_per_token)
             for pipe in engine.pipes:
@@ -209,11 +210,15 @@ class Reports:
                 weight_byte_s += engine.weight_bytes * (end - up)
             # GPUs held: from launch (memory is held while loading) to release, within [0, t]
             held_end = min(self._ended_s.get(engine.engine_id, t), t)
-            gpu_s += len(engine.plan.gpu_uuids) * max(0.0, held_end - engine.launched_s)
+            if held_end > engine.launched_s:
+                for u in engine.plan.gpu_uuids:
+                    held.setdefault(u, []).append((engine.launched_s, held_end))
         mem = (weight_byte_s + kv_byte_s) / self._avail_mem_byte_s if self._avail_mem_byte_s else 0.0
         compute = flop / self._avail_flop if self._avail_flop else 0.0
         self.recorder.util = (min(1.0, mem), min(1.0, compute))
-        self.recorder.gpu_hours = gpu_s / 3600
+        # a GPU two plans share (two models by memory fraction, or a switch's old and new plan) is one
+        # GPU held: each GPU's spans are merged before they are summed
+        self.recorder.gpu_hours = sum(_union_s(spans) for spans in held.values()) / 3600
         return []
 
 
@@ -246,3 +251,13 @@ def _expected_output(scenario: Scenario, deployment: str) -> float:
             if w.trace:
                 return sum(r.output_tokens for r in w.trace) / len(w.trace)
     return 128.0
+
+
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of [start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total

@@ -108,3 +108,15 @@ def test_a_giver_with_nowhere_to_go_unloads_its_requests_wait_and_it_comes_back_
     assert lo["lost"] == 0 and lo["finished"] == lo["admitted"] and out["lost"] == 0
     assert out["transition_invariant_violations"] == [] and out["sequence_violations"] == []
     assert out["memory_violations"] == []
+
+
+def test_a_gpu_two_plans_share_is_one_gpu_held() -> None:
+    sim = two_on_one_node()
+    free = [g.uuid for g in sim.snapshot().gpus if g.uuid not in sim.booked_bytes() and g.model == "A100-80G"][:4]
+    sim.launch("sum", tp_plan("Llama-3-70B", free, kv_tokens=4096))
+    sim.launch("chat", tp_plan("Llama-3-8B", free[:2], kv_tokens=4096))  # on two of the same four GPUs
+    plans = [len(e.plan.gpu_uuids) for e in sim.live.values()]
+    distinct = {u for e in sim.live.values() for u in e.plan.gpu_uuids}
+    assert sum(plans) == len(distinct) + 2
+    sim.advance_to(sim.scenario.duration_s + 1)
+    assert sim.recorder.gpu_hours == pytest.approx(len(distinct) * sim.scenario.duration_s / 3600)
