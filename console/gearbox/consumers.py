@@ -17,7 +17,9 @@ Messages (JSON, "type" first):
     snapshot      on connect and on {"type": "resync"}: the whole state (present.overview_state /
                   present.deployment_state)
     deployments   /ws/gearbox/: every deployment's payload, which GPUs each holds and each GPU's TWU
-    fleet         /ws/gearbox/: atomic blocks and left-out GPUs, after a report
+                  (after a report only when it differs from what the socket last got)
+    fleet         /ws/gearbox/: atomic blocks and left-out GPUs, after a report that changed what the
+                  page draws of them (`fleet_shape`; a block's free memory alone is not sent)
     switch        /ws/gearbox/: one transition (summary), as it moves
     deployment    /ws/deployments/<name>/: the deployment and the gears its page draws
     transition    /ws/deployments/<name>/: one of its transitions, with steps (present.transition_detail)
@@ -67,13 +69,26 @@ class _GearboxLive(LiveConsumer):
 class GearboxConsumer(_GearboxLive):
     page = "gearbox"
 
+    # what this socket last got of the fleet (fleet_shape) and of the deployments: a fleet push sends
+    # only what changed since (issue 19: what the page draws, not the whole fleet at every report)
+    _fleet_shape: Any = None
+    _deployments: dict[str, Any] | None = None
+
     async def on_accepted(self) -> None:
         await self.join_all()
-        await self.send_json({"type": "snapshot", **await database_sync_to_async(present.overview_state)()})
+        snap = await database_sync_to_async(present.overview_state)()
+        self._fleet_shape = fleet_shape(snap)
+        self._deployments = {k: snap[k] for k in ("deployments", "holders", "gpu_twu")}
+        await self.send_json({"type": "snapshot", **snap})
+
+    async def _send_deployments(self, state: dict[str, Any], *, always: bool = True) -> None:
+        if always or state != self._deployments:
+            self._deployments = state
+            await self.send_json({"type": "deployments", **state})
 
     async def gearbox_event(self, event: dict[str, Any]) -> None:
         ev = event["event"]
-        await self.send_json({"type": "deployments", **await database_sync_to_async(present.deployments_state)()})
+        await self._send_deployments(await database_sync_to_async(present.deployments_state)())
         if ev.get("kind") == "transition":
             switch = await database_sync_to_async(_switch)(ev["deployment"], ev["seq"])
             if switch is not None:
@@ -88,14 +103,29 @@ class GearboxConsumer(_GearboxLive):
         self._fleet_push.poke()
 
     async def _send_fleet(self) -> None:
+        # A report changes GPU cells (the cluster socket's deltas draw them); the blocks the heatmap
+        # is grouped by, and the deployments' holders and TWU, change far less often: each is sent
+        # when it differs from what this socket last got - at 1,000 nodes the blocks alone are ~300 KB
         fleet = await database_sync_to_async(present.fleet_view)()
-        await self.send_json({"type": "fleet", **present.fleet_payload(fleet)})
-        await self.send_json({"type": "deployments",
-                              **await database_sync_to_async(present.deployments_state)(fleet)})
+        payload = present.fleet_payload(fleet)
+        shape = fleet_shape(payload)
+        if shape != self._fleet_shape:
+            self._fleet_shape = shape
+            await self.send_json({"type": "fleet", **payload})
+        await self._send_deployments(await database_sync_to_async(present.deployments_state)(fleet), always=False)
 
     async def audit_entry(self, event: dict[str, Any]) -> None:
         if event["entry"].get("event_type") in OPERATOR_EVENTS:
-            await self.send_json({"type": "deployments", **await database_sync_to_async(present.deployments_state)()})
+            await self._send_deployments(await database_sync_to_async(present.deployments_state)())
+
+
+def fleet_shape(payload: dict[str, Any]) -> Any:
+    """The blocks as the Overview uses them: every field of each block but its free memory, the GPUs
+    out and why, the error. A block's free memory moves with every report and the page does not draw
+    it from here (static/js/cluster.js blockShape), so it is no reason to send the blocks again."""
+    blocks = payload.get("blocks")
+    kept = None if blocks is None else [{k: v for k, v in b.items() if k != "mem_free_bytes"} for b in blocks]
+    return kept, payload.get("excluded"), payload.get("fleet_error")
 
 
 def _switch(deployment: str, seq: int) -> dict[str, Any] | None:

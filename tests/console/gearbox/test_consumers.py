@@ -19,7 +19,7 @@ from console.dashboard.groups import deployment_group
 from console.gearbox import live, ticks
 from console.gearbox.actions import do_set_mode
 from tests.conftest import TEST_REDIS_URL
-from tests.console.gearbox.harness import enroll_fleet, gear, make_deployment
+from tests.console.gearbox.harness import enroll_fleet, gear, make_deployment, uuid
 from tests.console.gearbox.ops import MOVED, World, engine_report, running_deployment
 from tests.console.people import Person, make_person
 
@@ -201,3 +201,29 @@ async def test_a_deployment_page_hears_nothing_of_another_deployments_changes() 
     finally:
         for comm in (chat, other):
             await comm.disconnect()
+
+
+async def test_a_report_that_changes_only_gpu_memory_sends_no_blocks_again() -> None:
+    # the cluster socket's deltas draw the cells; the gearbox socket sends the blocks again only when
+    # what the page draws of them changes (console.gearbox.consumers.fleet_shape), and the
+    # deployments only when they differ from what it last sent
+    world: World = await database_sync_to_async(running_deployment)()
+    vera = await database_sync_to_async(make_person)("vera", "viewer")
+    comm = communicator("/ws/gearbox/", vera.user)
+    connected, _ = await comm.connect()
+    assert connected
+    try:
+        assert (await comm.receive_json_from(timeout=5))["type"] == "snapshot"
+        for k in (1, 2):  # a GPU nothing runs on fills a little: memory moves, the blocks do not
+            world.reporter.extra[uuid("b1", 6)] = k * 2**30
+            await database_sync_to_async(world.reporter.report)("b1")
+        got = []
+        while not await comm.receive_nothing(timeout=1.5):
+            got.append((await comm.receive_json_from())["type"])
+        assert "fleet" not in got, got
+        world.reporter.gone = {"GPU-b1-5"}  # now a GPU leaves its block: the blocks come again
+        await database_sync_to_async(world.reporter.report)("b1")
+        fleet = await until(comm, lambda m: m["type"] == "fleet")
+        assert fleet["excluded"] == {"GPU-b1-5": "not schedulable"}
+    finally:
+        await comm.disconnect()
