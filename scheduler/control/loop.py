@@ -248,16 +248,16 @@ class ControlLoop:
         steps: list[Step] = []
         wakes: list[float] = []
         self._samples = {}
-        pool_twu, shares = self._soft_limits(fleet, now_s)  # rule 14
-        factor = shares.factors if shares is not None and pool_twu is not None else {}
+        twu, shares = self._soft_limits(fleet, now_s)  # rule 14
+        factor = shares.factors if shares is not None and twu is not None else {}
         order = sorted(self._deployments,
                        key=lambda d: (-d.deployment.priority, -factor.get(d.deployment.model, 1.0), d.index))
         for state in order:
             if state.deleting:  # rule 1
                 continue
             step = self._one(state, fleet, pool, now_s, trigger)
-            if step.decision is not None and pool_twu is not None and shares is not None:
-                step = self._after_lighter(step, state, order, factor, pool_twu)
+            if step.decision is not None and twu is not None and shares is not None:
+                step = self._after_lighter(step, state, order, factor, twu)
             steps.append(step)
             name = state.deployment.id
             if step.start is not None:
@@ -276,7 +276,7 @@ class ControlLoop:
                 for u in step.takes.target.gpu_uuids:
                     pool.reserved.setdefault(u, name)
             wakes += self._wakes(state, step, now_s)
-        return ControlOutput(now_s, tuple(steps), min(wakes) if wakes else None, pool_twu=pool_twu, shares=shares)
+        return ControlOutput(now_s, tuple(steps), min(wakes) if wakes else None, pool_twu=twu, shares=shares)
 
     # --- rule 14 ----------------------------------------------------------------------------
     def _soft_limits(self, fleet: FleetState, now_s: float) -> tuple[float | None, AdmissionShares | None]:
