@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.costmodel import PlanProfile
@@ -260,6 +260,11 @@ def parse_weights(raw: str, source: str) -> dict[str, float]:
     return out
 
 
+def model_weights(weights: Mapping[str, float], models: Iterable[str]) -> dict[str, float]:
+    """The soft-limit weight of each of `models`: its configured one, 1.0 for a model not named."""
+    return {m: weights.get(m, 1.0) for m in models}
+
+
 def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
                      demand: Mapping[str, float] | None = None,
                      config: ScaleConfig = DEFAULT_SCALE) -> AdmissionShares:
@@ -294,5 +299,5 @@ def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
 
 
 __all__ = ["AdmissionShares", "DEFAULT_SCALE", "Direction", "SEED_004_WEIGHTS", "ScaleConfig", "ScaleSignal",
-           "TwuSample", "admission_shares", "gear_twu_samples", "load_twu_samples", "parse_weights", "scale_signal",
-           "window_mean"]
+           "TwuSample", "admission_shares", "gear_twu_samples", "load_twu_samples", "model_weights", "parse_weights",
+           "scale_signal", "window_mean"]
