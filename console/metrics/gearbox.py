@@ -179,10 +179,11 @@ class GearboxCollector(Described):
         """The pool's TWU and the soft limits' shares, as the control loop's rule 14 prices them."""
         from django.conf import settings
 
-        from scheduler.pool.autoscale import ScaleConfig, admission_shares
+        from scheduler.pool.autoscale import ScaleConfig, admission_shares, model_weights
         from scheduler.pool.twu import pool_gpus, pool_twu
 
-        twu = pool_twu(view.gpus, pool_gpus(fleet.snapshot, view.gpus))
+        # no valid snapshot (the fleet view says why): no pool to average over, and no TWU either
+        twu = pool_twu(view.gpus, pool_gpus(fleet.snapshot, view.gpus)) if fleet.snapshot is not None else None
         pool = GaugeMetricFamily("flexpipe_pool_twu", "Token-weighted utilisation of the pool: the mean over its GPUs "
                                  "(healthy, schedulable or ours; a free one counts 0)")
         if twu is not None:
@@ -195,7 +196,7 @@ class GearboxCollector(Described):
         weights = settings.FLEXPIPE_POOL_MODEL_WEIGHTS
         models = sorted({d.model_name for d in deps if view.plans_of.get(d.pk)})
         if weights and models:
-            got = admission_shares({m: weights.get(m, 1.0) for m in models}, twu,
+            got = admission_shares(model_weights(weights, models), twu,
                                    config=ScaleConfig.from_dict(settings.FLEXPIPE_POOL_SCALE, "FLEXPIPE_POOL_SCALE"))
             for m in models:
                 share.add_metric([m], got.shares[m])

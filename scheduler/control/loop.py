@@ -139,6 +139,7 @@ from scheduler.pool.autoscale import (
     TwuSample,
     admission_shares,
     gear_twu_samples,
+    model_weights,
     scale_signal,
     window_mean,
 )
@@ -300,8 +301,7 @@ class ControlLoop:
                 held.add(u)
         twu = pool_twu(per_gpu, pool_gpus(fleet.snapshot, held))
         demand = {d.deployment.model: 1.0 for d in live if d.current is not None or d.waiting > 0}
-        weights = {m: cfg.model_weights.get(m, 1.0) for m in models}
-        return twu, admission_shares(weights, twu, demand=demand, config=cfg.scale)
+        return twu, admission_shares(model_weights(cfg.model_weights, models), twu, demand=demand, config=cfg.scale)
 
     @staticmethod
     def _after_lighter(step: Step, state: DeploymentState, order: list[DeploymentState], factor: Mapping[str, float],

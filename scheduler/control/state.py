@@ -8,7 +8,6 @@ the loop reads nothing else (no clock, no I/O).
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -17,7 +16,7 @@ from scheduler.gearbox import DEFAULT_CONFIG, Decision, Deployment, GearboxConfi
 from scheduler.modelspec import ModelSpec
 from scheduler.plan import Gear
 from scheduler.planner import PlannerOptions
-from scheduler.pool.autoscale import DEFAULT_SCALE, AdmissionShares, ScaleConfig, TwuSample
+from scheduler.pool.autoscale import DEFAULT_SCALE, AdmissionShares, ScaleConfig, TwuSample, check_weights
 from scheduler.pool.jobs import JobState
 from scheduler.pool.priority import Takeover
 from scheduler.pool.sharing import MAX_MODELS_PER_GPU, check_max_models
@@ -56,9 +55,7 @@ class LoopConfig:
 
     def __post_init__(self) -> None:
         check_max_models(self.max_models_per_gpu)
-        for name, w in self.model_weights.items():
-            if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0):
-                raise ValueError(f"model_weights.{name}: must be a finite number > 0, got {w!r}")
+        check_weights(self.model_weights, "model_weights")
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.costmodel import PlanProfile
@@ -260,6 +260,18 @@ def parse_weights(raw: str, source: str) -> dict[str, float]:
     return out
 
 
+def check_weights(weights: Mapping[str, float], path: str = "weights") -> None:
+    """Each soft-limit weight a finite number > 0; the error names the model."""
+    for name, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0):
+            raise ValueError(f"{path}.{name}: must be a finite number > 0, got {w!r}")
+
+
+def model_weights(weights: Mapping[str, float], models: Iterable[str]) -> dict[str, float]:
+    """The soft-limit weight of each of `models`: its configured one, 1.0 for a model not named."""
+    return {m: weights.get(m, 1.0) for m in models}
+
+
 def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
                      demand: Mapping[str, float] | None = None,
                      config: ScaleConfig = DEFAULT_SCALE) -> AdmissionShares:
@@ -268,9 +280,7 @@ def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
     `demand` (model -> requests waiting or arriving): models with none get no share and theirs
     goes to the others; a model with demand but no weight is an error naming it. `pool_twu` None
     (no reports) is no pressure."""
-    for name, w in weights.items():
-        if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w > 0):
-            raise ValueError(f"weights.{name}: must be a finite number > 0, got {w!r}")
+    check_weights(weights)
     models = list(weights) if demand is None else [m for m, d in demand.items() if d > 0]
     missing = [m for m in models if m not in weights]
     if missing:
@@ -294,5 +304,5 @@ def admission_shares(weights: Mapping[str, float], pool_twu: float | None, *,
 
 
 __all__ = ["AdmissionShares", "DEFAULT_SCALE", "Direction", "SEED_004_WEIGHTS", "ScaleConfig", "ScaleSignal",
-           "TwuSample", "admission_shares", "gear_twu_samples", "load_twu_samples", "parse_weights", "scale_signal",
-           "window_mean"]
+           "TwuSample", "admission_shares", "check_weights", "gear_twu_samples", "load_twu_samples", "model_weights",
+           "parse_weights", "scale_signal", "window_mean"]

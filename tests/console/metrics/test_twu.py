@@ -86,6 +86,17 @@ def test_the_pools_twu_and_the_soft_limits_shares_are_in_metrics(viewer: Person,
     assert ("flexpipe_pool_twu", ()) in off and not [k for k in off if k[0] == "flexpipe_pool_admission_share"]
 
 
+def test_without_a_valid_snapshot_the_pool_has_no_twu_and_the_scrape_stands() -> None:
+    from types import SimpleNamespace
+
+    from console.gearbox.present_twu import TwuView
+    from console.metrics.gearbox import GearboxCollector
+
+    families = {f.name: f for f in GearboxCollector._pool([], TwuView(), SimpleNamespace(snapshot=None))}
+    assert set(families) == {"flexpipe_pool_twu", "flexpipe_pool_admission_share", "flexpipe_pool_weight_factor"}
+    assert all(not f.samples for f in families.values())
+
+
 def test_the_loop_reads_the_pool_settings_and_a_bad_one_is_named(settings: Any) -> None:
     from django.core.exceptions import ImproperlyConfigured
 
