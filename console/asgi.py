@@ -80,7 +80,8 @@ def _on_server_stopping() -> Any:
 
 
 def _hook_server_shutdown() -> None:
-    """Under daphne, learn that the server stops from Twisted's shutdown trigger (once).
+    """Under daphne, learn that the server stops from Twisted's shutdown trigger (once), and start
+    the garbage collector's freezer (console/gctune.py).
 
     Only when daphne has installed its reactor already: importing Twisted's reactor here first
     would install the wrong one, and other servers (tests' communicators) have none.
@@ -91,6 +92,7 @@ def _hook_server_shutdown() -> None:
 
     reactor.addSystemEventTrigger("before", "shutdown", _on_server_stopping)  # type: ignore[attr-defined]
     _hook_server_shutdown.done = True  # type: ignore[attr-defined]
+    gctune.start_freezer()  # a server's process: freeze what survives (console/gctune.py)
 
 
 class StopOnCancel:

@@ -32,6 +32,8 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_GATEWAY_URL           where clients reach the gateway process (the console's 421 names it)
     FLEXPIPE_GC_THRESHOLDS         the web and gateway processes' garbage-collector thresholds (50000,20,100;
                                    python: Python's own): console/gctune.py says why
+    FLEXPIPE_GC_FREEZE             freeze_s,sweep_s: freeze the tracked objects every freeze_s, collect all
+                                   every sweep_s (1,300; off): console/gctune.py
     FLEXPIPE_MODEL_ROOTS           folders the registry may read local weights and tokenizers from
                                    (os.pathsep-separated; default .run/models)
     FLEXPIPE_SWEEP_S               period of the transition sweep on Celery beat: timeouts, dwells, and
@@ -287,6 +289,8 @@ FLEXPIPE_POLL_DB_THREADS = int(os.environ.get("FLEXPIPE_POLL_DB_THREADS", "4"))
 # The web and gateway processes' garbage-collector thresholds (console/gctune.py: measured there);
 # "python": Python's own.
 FLEXPIPE_GC_THRESHOLDS = os.environ.get("FLEXPIPE_GC_THRESHOLDS", "50000,20,100")
+# Freeze what survives every 1 s, unfreeze and collect all every 300 s (console/gctune.py); "off".
+FLEXPIPE_GC_FREEZE = os.environ.get("FLEXPIPE_GC_FREEZE", "1,300")
 FLEXPIPE_TICK_PENDING_TTL_S = float(os.environ.get("FLEXPIPE_TICK_PENDING_TTL_S", str(FLEXPIPE_TICK_S)))
 # Local weights files up to this size are hashed during the registration request; bigger ones by the
 # Celery task registry.verify_weights (the version says `verifying` meanwhile). ~0.1 s per 64 MiB.

@@ -114,7 +114,7 @@ class EngineCaps:
 # nodes over torch.distributed, KV export/import between plans (kvtransfer.py); it loads its own
 # copy of the weights for every plan (no in-place sharing).
 TORCH_CAPS = EngineCaps(backend="torch")
-# vLLM adapter (agents/dataplane/vllm_host.py, vllm_spec_for_plan): one server per plan on the
+# vLLM adapter (agents/dataplane/vllm_host.py; agents/engines/vllm/spec.py vllm_spec_for_plan): one server per plan on the
 # leader's machine, colocated only, one TP size for every stage, sequences move by replay (vLLM
 # cannot export or import KV); it preallocates `gpu_memory_utilization` of each GPU, 0.9 unless
 # set (vLLM's EngineArgs default, vllm/engine/arg_utils.py).

@@ -36,7 +36,8 @@ from agents.dataplane.host import PlanHost, layout_for_plan
 from agents.dataplane.hosting import HostedPlan
 from agents.dataplane.server import DataServer
 from agents.dataplane.stream import SeqStream
-from agents.dataplane.vllm_host import VllmPlanHost, vllm_spec_for_plan
+from agents.dataplane.vllm_host import VllmPlanHost
+from agents.engines.vllm.spec import vllm_spec_for_plan
 
 __all__ = [
     "DataPlaneError",

@@ -48,43 +48,13 @@ from agents.engines.torch.engine import KVState
 from agents.engines.torch.sampling import SamplingParams
 from agents.engines.torch.weights import WEIGHTS_FILE, sha256_file
 from agents.engines.vllm.engine import EngineError, EngineStatus, RestartPolicy, VllmEngine
-from agents.engines.vllm.spec import VllmPlanSpec
+from agents.engines.vllm.spec import vllm_spec_for_plan
 from agents.protocol import EngineReport
-from scheduler.plan import Plan
 
 log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 60.0  # vLLM answers a completion's headers once it has validated it
 ENDED_KEEP_S = 120.0  # an ended stream stays readable this long (a reader reconnecting late)
-
-
-def vllm_spec_for_plan(plan: dict[str, Any] | Plan, *, model_dir: str, served_model_name: str, port: int,
-                       max_model_len: int, gpus: Sequence[int | str] | None = None,
-                       **options: Any) -> VllmPlanSpec:
-    """The vLLM server of a scheduler Plan: PP = its stages, TP = their (common) TP size.
-
-    vLLM splits layers itself; a plan whose stages are uneven gets VLLM_PP_LAYER_PARTITION so the
-    server splits them the way the plan does. Raises ValueError for what vLLM cannot run.
-    """
-    p = plan if isinstance(plan, Plan) else Plan.from_dict({k: v for k, v in plan.items() if k != "plan_id"})
-    if p.mode != "colocated":
-        raise ValueError(f"plan.mode: vLLM serves colocated plans only, got {p.mode!r}")
-    tps = {s.tp for s in p.stages}
-    if len(tps) != 1:
-        raise ValueError(f"plan.stages: vLLM runs one tensor-parallel size for every stage, got {sorted(tps)}")
-    env = dict(options.pop("env", ()))
-    if len(p.stages) > 1:
-        env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(s.num_layers) for s in p.stages)
-    values: dict[str, Any] = {
-        "plan_id": p.plan_id, "model_dir": str(model_dir), "served_model_name": served_model_name, "port": port,
-        "max_model_len": max_model_len, "tensor_parallel_size": tps.pop(), "pipeline_parallel_size": len(p.stages),
-        "gpu_ids": tuple(str(g) for g in gpus) if gpus is not None else (),
-    }
-    # `options` may override the parallelism too: a CPU-only node runs any plan's model in one process
-    values.update(options, env=tuple(sorted(env.items())))
-    if values["pipeline_parallel_size"] == 1:
-        values["env"] = tuple((k, v) for k, v in values["env"] if k != "VLLM_PP_LAYER_PARTITION")
-    return VllmPlanSpec(**values)
 
 
 def _vocab_size(model_dir: str) -> int | None:

@@ -34,7 +34,8 @@ from agents.sim.cluster import Change
 from agents.sim.engine import PlanEngine
 from agents.sim.fleet import DeploymentRuntime, FleetSim
 from agents.sim.metrics import SwitchRecord
-from agents.sim.scenario import DistSpec, Scenario
+from agents.sim.scenario import Scenario
+from agents.sim.scenario_load import DistSpec
 from scheduler.costmodel import PlanProfile, Workload, estimate_plan
 from scheduler.gearbox import (
     DEFAULT_CONFIG,

@@ -23,7 +23,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agents.sim.scenario import DistSpec, Scenario, WorkloadSpec
+from agents.sim.scenario import Scenario
+from agents.sim.scenario_load import DistSpec, WorkloadSpec
 from scheduler.modelspec import model_spec
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from channels.db import database_sync_to_async
 
 from console.audit.live import AUDIT_GROUP
-from console.dashboard.coalesce import Coalescer
+from console.dashboard.coalesce import Coalescer, Shared
 from console.dashboard.consumers import LiveConsumer
 from console.dashboard.groups import deployment_group
 from console.fleet.live import CLUSTER_GROUP
@@ -43,6 +43,8 @@ from console.gearbox.live import GEARBOX_GROUP, OPERATOR_EVENTS
 from console.gearbox.models import Deployment
 
 FLEET_PUSH_BUSY_SHARE = 0.25  # the Overview's fleet view takes at most this share of the process per socket
+# The Overview's fleet view, built once for every Overview socket of the process that needs one (coalesce.Shared)
+FLEET_VIEW: Shared[present.FleetView] = Shared(database_sync_to_async(present.fleet_view))
 
 class _GearboxLive(LiveConsumer):
     """A live page that also hears fleet reports and operator verbs (module docstring)."""
@@ -105,8 +107,10 @@ class GearboxConsumer(_GearboxLive):
     async def _send_fleet(self) -> None:
         # A report changes GPU cells (the cluster socket's deltas draw them); the blocks the heatmap
         # is grouped by, and the deployments' holders and TWU, change far less often: each is sent
-        # when it differs from what this socket last got - at 1,000 nodes the blocks alone are ~300 KB
-        fleet = await database_sync_to_async(present.fleet_view)()
+        # when it differs from what this socket last got - at 1,000 nodes the blocks alone are ~300 KB.
+        # The view itself is one build for every Overview socket whose event came before it started.
+        assert self._fleet_push is not None  # it runs this
+        fleet = await FLEET_VIEW.get(newer_than=self._fleet_push.poked_at)
         payload = present.fleet_payload(fleet)
         shape = fleet_shape(payload)
         if shape != self._fleet_shape:

@@ -143,9 +143,17 @@ def _build(pks: list[int] | None) -> dict[int, _Built]:
                        gpus=tuple(by_node.get(pk, ()))) for pk, n in node_rows.items()}
 
 
-def fleet_snapshot(now: datetime, *, cached: bool = True) -> Snapshot:
-    """The fleet at `now` (module docstring); `cached=False` reads every row (the reference)."""
-    parts = _cache.parts() if cached else list(_build(None).values())
+def node_parts(*, cached: bool = True) -> list[_Built]:
+    """Every node's part as its rows say now, in node_id order (_NodeCache: only the changed nodes
+    read again); `cached=False` reads every row. For a caller that wants the GPUs as well as a
+    snapshot of them (present.fleet_view): one read for both."""
+    return _cache.parts() if cached else list(_build(None).values())
+
+
+def fleet_snapshot(now: datetime, *, cached: bool = True, parts: list[_Built] | None = None) -> Snapshot:
+    """The fleet at `now` (module docstring); `cached=False` reads every row (the reference);
+    `parts`: node_parts() the caller read already."""
+    parts = node_parts(cached=cached) if parts is None else parts
     customs: dict[str, GpuSpec] = {}
     gpu_states = []
     for part in parts:

@@ -1,8 +1,9 @@
-"""console/gctune.py: the web processes' garbage-collector thresholds from FLEXPIPE_GC_THRESHOLDS."""
+"""console/gctune.py: the web processes' garbage-collector thresholds (FLEXPIPE_GC_THRESHOLDS) and freezer (FLEXPIPE_GC_FREEZE)."""
 
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -36,3 +37,54 @@ def test_a_bad_value_stops_the_start_naming_the_setting_and_changes_nothing(raw:
                                                                       match="FLEXPIPE_GC_THRESHOLDS: must be three"):
         gctune.apply()
     assert gc.get_threshold() == (700, 10, 10)
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def _unfrozen() -> Iterator[None]:
+    gc.unfreeze()
+    yield
+    gc.unfreeze()  # nothing this test froze stays out of the collector's sight
+
+
+def test_a_freeze_hides_what_survives_from_collections_until_the_sweep(_unfrozen: None) -> None:
+    freezer = gctune.Freezer(freeze_s=1.0, sweep_s=300.0)
+    assert freezer.step(0.5) == ""
+    cycle = weakref.ref(_Cycle())
+    assert freezer.step(1.0) == "freeze"
+    assert gc.get_freeze_count() > 0
+    gc.collect()
+    assert cycle() is not None  # frozen: no collection visits it
+    assert freezer.step(1.5) == ""  # not due again yet
+    assert freezer.step(299.0) == "freeze"
+    assert freezer.step(300.0) == "sweep"
+    assert cycle() is None  # the sweep unfroze and collected everything
+    assert freezer.sweeps == 1
+    assert gc.get_freeze_count() > 0  # what survived the sweep is frozen again
+    assert freezer.step(300.5) == "" and freezer.step(301.0) == "freeze"
+
+
+def test_the_freeze_setting_off_keeps_python_s_collector_and_a_server_starts_the_thread() -> None:
+    assert gctune.freeze_periods("off") is None
+    assert gctune.freeze_periods(" 2, 600 ") == (2.0, 600.0)
+    with override_settings(FLEXPIPE_GC_FREEZE="off"):
+        gctune._freezer = None
+        gctune.apply()
+    assert gctune._freezer is None and gctune.start_freezer() is False
+    with override_settings(FLEXPIPE_GC_FREEZE="1,300"):
+        gctune.apply()
+    assert gctune._freezer is not None and gctune._freezer._thread is None  # not in a test process by itself
+    gctune._freezer = None
+
+
+@pytest.mark.parametrize("raw", ["1", "300,1", "0,300", "a,b", "1,1", "-1,300", "1,2,3"])
+def test_a_bad_freeze_value_stops_the_start_naming_the_setting(raw: str) -> None:
+    with override_settings(FLEXPIPE_GC_FREEZE=raw), pytest.raises(ImproperlyConfigured,
+                                                                  match="FLEXPIPE_GC_FREEZE: must be"):
+        gctune.apply()

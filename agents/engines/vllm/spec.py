@@ -2,7 +2,8 @@
 
 The controller sends a plan as the payload of a `prepare_plan` command; `VllmPlanSpec.from_dict`
 validates it (every bad key named, as agents/protocol/ does) and `build_command` / `build_env`
-turn it into the process the supervisor (engine.py) runs:
+turn it into the process the supervisor (engine.py) runs; `vllm_spec_for_plan` makes one from a
+scheduler Plan (its stages as PP, their TP):
 
     <python> -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
         --host H --port P --dtype D --max-model-len L
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agents.schema import read_document
+from scheduler.plan import Plan
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")  # vLLM's --dtype choices
@@ -272,3 +275,32 @@ def build_env(spec: VllmPlanSpec, base: dict[str, str] | None = None) -> dict[st
     env["DO_NOT_TRACK"] = "1"
     env.update(dict(spec.env))
     return env
+
+
+def vllm_spec_for_plan(plan: dict[str, Any] | Plan, *, model_dir: str, served_model_name: str, port: int,
+                       max_model_len: int, gpus: Sequence[int | str] | None = None,
+                       **options: Any) -> VllmPlanSpec:
+    """The vLLM server of a scheduler Plan: PP = its stages, TP = their (common) TP size.
+
+    vLLM splits layers itself; a plan whose stages are uneven gets VLLM_PP_LAYER_PARTITION so the
+    server splits them the way the plan does. Raises ValueError for what vLLM cannot run.
+    """
+    p = plan if isinstance(plan, Plan) else Plan.from_dict({k: v for k, v in plan.items() if k != "plan_id"})
+    if p.mode != "colocated":
+        raise ValueError(f"plan.mode: vLLM serves colocated plans only, got {p.mode!r}")
+    tps = {s.tp for s in p.stages}
+    if len(tps) != 1:
+        raise ValueError(f"plan.stages: vLLM runs one tensor-parallel size for every stage, got {sorted(tps)}")
+    env = dict(options.pop("env", ()))
+    if len(p.stages) > 1:
+        env["VLLM_PP_LAYER_PARTITION"] = ",".join(str(s.num_layers) for s in p.stages)
+    values: dict[str, Any] = {
+        "plan_id": p.plan_id, "model_dir": str(model_dir), "served_model_name": served_model_name, "port": port,
+        "max_model_len": max_model_len, "tensor_parallel_size": tps.pop(), "pipeline_parallel_size": len(p.stages),
+        "gpu_ids": tuple(str(g) for g in gpus) if gpus is not None else (),
+    }
+    # `options` may override the parallelism too: a CPU-only node runs any plan's model in one process
+    values.update(options, env=tuple(sorted(env.items())))
+    if values["pipeline_parallel_size"] == 1:
+        values["env"] = tuple((k, v) for k, v in values["env"] if k != "VLLM_PP_LAYER_PARTITION")
+    return VllmPlanSpec(**values)

@@ -6,7 +6,8 @@ import statistics
 
 import pytest
 
-from agents.sim.scenario import DistSpec, parse_scenario
+from agents.sim.scenario import parse_scenario
+from agents.sim.scenario_load import DistSpec
 from agents.sim.workload import build_workload, sample_tokens
 from scheduler.modelspec import model_spec
 from tests.agents.sim.worlds import LIVELY, lively, one_deployment

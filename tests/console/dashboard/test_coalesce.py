@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from console.dashboard.coalesce import Coalescer, Merged
+from console.dashboard.coalesce import Coalescer, Merged, Shared
 
 
 class Clock:
@@ -131,3 +131,97 @@ async def test_a_costly_push_spaces_the_next_ones_out_to_its_busy_share() -> Non
     assert c.gap_s == pytest.approx(1.6)
     with pytest.raises(ValueError, match="busy_share"):
         Coalescer(0.5, flush, busy_share=0)
+
+
+async def _settle() -> None:
+    """Let every task that can run, run (no clock moves)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+class _Builds:
+    """A build the test lets finish (`release`), recording the state it read when it started."""
+
+    def __init__(self, clock: Clock, state: list[int]) -> None:
+        self.clock, self.state = clock, state
+        self.started: list[int] = []
+        self.gate = asyncio.Event()
+        self.fail = False
+
+    async def __call__(self) -> int:
+        read = self.state[0]
+        self.started.append(read)
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("the database went away")
+        return read
+
+    async def release(self) -> None:
+        self.gate.set()
+        for _ in range(10):
+            await _settle()
+        self.gate.clear()
+
+
+@pytest.mark.asyncio
+async def test_sockets_poked_by_one_event_share_one_build_and_none_reads_older_than_its_event() -> None:
+    clock, state = Clock(), [1]
+    builds = _Builds(clock, state)
+    shared: Shared[int] = Shared(builds, gather_s=0, clock=clock)
+    clock.t = 10.0  # the event (a report) every Overview socket heard
+    readers = [asyncio.ensure_future(shared.get(newer_than=10.0)) for _ in range(3)]
+    await _settle()
+    await builds.release()
+    assert [await r for r in readers] == [1, 1, 1]
+    assert shared.builds == 1  # three browsers, one build
+
+    # an event after a build started is not in that build: its socket waits for the next one
+    clock.t = 11.0
+    early = asyncio.ensure_future(shared.get(newer_than=11.0))
+    await _settle()
+    assert shared.builds == 2
+    state[0], clock.t = 2, 12.0  # a report commits while the build runs
+    late = asyncio.ensure_future(shared.get(newer_than=12.0))
+    await _settle()
+    assert shared.builds == 2  # one build at a time: the newer one starts when this one ends
+    await builds.release()
+    assert await early == 1
+    await _settle()
+    assert shared.builds == 3 and builds.started == [1, 1, 2]
+    await builds.release()
+    assert await late == 2
+
+    # a failed build fails its callers; the next get builds again
+    builds.fail, clock.t = True, 13.0
+    failing = asyncio.ensure_future(shared.get(newer_than=13.0))
+    await _settle()
+    await builds.release()
+    with pytest.raises(RuntimeError, match="went away"):
+        await failing
+    builds.fail, clock.t = False, 14.0
+    again = asyncio.ensure_future(shared.get(newer_than=13.0))  # the failed build is new enough, but failed
+    await _settle()
+    await builds.release()
+    with pytest.raises(RuntimeError):
+        await again
+    fresh = asyncio.ensure_future(shared.get(newer_than=14.0))
+    await _settle()
+    await builds.release()
+    assert await fresh == 2 and shared.builds == 5
+
+
+@pytest.mark.asyncio
+async def test_sockets_that_hear_the_event_while_a_build_gathers_join_it() -> None:
+    clock, state = Clock(), [1]
+    builds = _Builds(clock, state)
+    shared: Shared[int] = Shared(builds, gather_s=0.02, clock=clock, sleep=clock.sleep)
+    clock.t = 10.0
+    first = asyncio.ensure_future(shared.get(newer_than=10.0))
+    await _settle()
+    state[0] = 2  # the next report commits before the build reads
+    second = asyncio.ensure_future(shared.get(newer_than=10.01))  # heard it a little later
+    await clock.advance(0.01)
+    await clock.advance(0.02)
+    assert builds.started == [2]  # started after both events: what both need
+    await builds.release()
+    assert (await first, await second) == (2, 2) and shared.builds == 1

@@ -16,7 +16,7 @@ from channels.testing import WebsocketCommunicator
 
 from console.asgi import application
 from console.dashboard.groups import deployment_group
-from console.gearbox import live, ticks
+from console.gearbox import consumers, live, ticks
 from console.gearbox.actions import do_set_mode
 from tests.conftest import TEST_REDIS_URL
 from tests.console.gearbox.harness import enroll_fleet, gear, make_deployment, uuid
@@ -227,3 +227,25 @@ async def test_a_report_that_changes_only_gpu_memory_sends_no_blocks_again() -> 
         assert fleet["excluded"] == {"GPU-b1-5": "not schedulable"}
     finally:
         await comm.disconnect()
+
+
+async def test_two_overview_sockets_share_one_fleet_view_per_report() -> None:
+    # every open Overview used to build the whole fleet's view for itself (issue 19: per report per
+    # browser); one report is now one build for all of them, and each gets the blocks it changed
+    world: World = await database_sync_to_async(running_deployment)()
+    vera = await database_sync_to_async(make_person)("vera", "viewer")
+    comms = [communicator("/ws/gearbox/", vera.user) for _ in range(2)]
+    try:
+        for comm in comms:
+            assert (await comm.connect())[0]
+            assert (await comm.receive_json_from(timeout=5))["type"] == "snapshot"
+        before = consumers.FLEET_VIEW.builds
+        world.reporter.gone = {"GPU-b1-5"}  # a GPU leaves its block
+        await database_sync_to_async(world.reporter.report)("b1")
+        for comm in comms:
+            fleet = await until(comm, lambda m: m["type"] == "fleet")
+            assert fleet["excluded"] == {"GPU-b1-5": "not schedulable"}
+        assert consumers.FLEET_VIEW.builds - before == 1
+    finally:
+        for comm in comms:
+            await comm.disconnect()
