@@ -35,15 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.sim.rateseries import WINDOW_S, series_points, span_of
-from agents.sim.scenario import (
-    BaselineSpec,
-    DistSpec,
-    ModelDeploymentSpec,
-    NetworkSpec,
-    NodeSpec,
-    Scenario,
-    WorkloadSpec,
-)
+from agents.sim.scenario import BaselineSpec, ModelDeploymentSpec, NetworkSpec, NodeSpec, Scenario
+from agents.sim.scenario_load import DistSpec, WorkloadSpec
 from scheduler.costmodel import PlanProfile, estimate_plan
 from scheduler.modelspec import model_spec
 from scheduler.planner import DEFAULT_OPTIONS as PLANNER_DEFAULTS
