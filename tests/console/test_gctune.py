@@ -70,17 +70,17 @@ def test_a_freeze_hides_what_survives_from_collections_until_the_sweep(_unfrozen
     assert freezer.step(300.5) == "" and freezer.step(301.0) == "freeze"
 
 
-def test_the_freeze_setting_off_keeps_python_s_collector_and_a_server_starts_the_thread() -> None:
+def test_the_freeze_setting_off_keeps_python_s_collector_and_the_thread_waits_for_a_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gctune, "_freezer", None)  # what the process had comes back after the test
     assert gctune.freeze_periods("off") is None
     assert gctune.freeze_periods(" 2, 600 ") == (2.0, 600.0)
     with override_settings(FLEXPIPE_GC_FREEZE="off"):
-        gctune._freezer = None
         gctune.apply()
     assert gctune._freezer is None and gctune.start_freezer() is False
     with override_settings(FLEXPIPE_GC_FREEZE="1,300"):
         gctune.apply()
     assert gctune._freezer is not None and gctune._freezer._thread is None  # not in a test process by itself
-    gctune._freezer = None
 
 
 @pytest.mark.parametrize("raw", ["1", "300,1", "0,300", "a,b", "1,1", "-1,300", "1,2,3"])
