@@ -1,10 +1,12 @@
 """The console under a fleet of agents: report latency, push delay and coverage, CPU per process.
 
     python -m bench.control_plane [--agents 50,200,1000] [--gpus-per-agent 8] [--interval-s 15]
-                                  [--step-s 45] [--changed-gpus 1] [--no-dashboard] [--json OUT]
+                                  [--step-s 45] [--changed-gpus 1] [--no-dashboard] [--one-process]
+                                  [--json OUT]
 
-It starts the console the way `make run` does - daphne (console.asgi), a Celery worker (threads)
-and beat, on PostgreSQL when one answers at 127.0.0.1:5432 (a fresh database,
+It starts the console the way `make run` does - daphne for the console (console.asgi), daphne for
+the agent API (console.agent_asgi: the agents report there; --one-process sends them to the
+console's process instead, as before the agent API had its own), a Celery worker (threads) and beat, on PostgreSQL when one answers at 127.0.0.1:5432 (a fresh database,
 flexpipe_bench_cp or $FLEXPIPE_BENCH_DB, dropped first; SQLite otherwise) and Redis
 (scripts/services.py; FLEXPIPE_CHANNEL_PREFIX and FLEXPIPE_QUEUE keep two benches apart) - and drives
 simulated agents against it over HTTP from this process, as agent protocol v1 says
@@ -89,22 +91,30 @@ def _services(env: dict[str, str]) -> tuple[str, str]:
     return redis_url, pg.rsplit("/", 1)[0] + "/" + DB_NAME
 
 
-def _free_port(env: dict[str, str]) -> int:
-    out = subprocess.run([PY, "scripts/services.py", "free-port"], cwd=ROOT, env=env, capture_output=True,
+def _free_port(env: dict[str, str], start: int | None = None) -> int:
+    out = subprocess.run([PY, "scripts/services.py", "free-port", *([] if start is None else [str(start)])], cwd=ROOT, env=env, capture_output=True,
                          text=True, check=True).stdout
     return int(out.strip())
 
 
 @dataclass
 class Console:
-    port: int
+    port: int  # the console's process: pages, websockets
+    agent_port: int | None  # the agent API's own process; None: the agents report to the console's
     env: dict[str, str]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def agents_at(self) -> int:
+        return self.port if self.agent_port is None else self.agent_port
 
     def start(self, logdir: Path) -> None:
         bin_ = Path(PY).parent
         cmds = {
             "web": [str(bin_ / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "console.asgi:application"],
+            **({} if self.agent_port is None else {
+                "agents": [str(bin_ / "daphne"), "-b", "127.0.0.1", "-p", str(self.agent_port),
+                           "console.agent_asgi:application"]}),
             "worker": [str(bin_ / "celery"), "-A", "console", "--quiet", "worker", "-P", "threads", "-c", "4",
                        "-Q", self.env.get("FLEXPIPE_QUEUE", "flexpipe"), "-l", "warning"],
             "beat": [str(bin_ / "celery"), "-A", "console", "--quiet", "beat", "-l", "warning",
@@ -342,26 +352,30 @@ async def _run(args: argparse.Namespace, console: Console, cookie: str, db_url: 
     return out
 
 
-async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url: str,
-                 counts: list[int], stats: Stats, state: dict[str, bool], tasks: list[asyncio.Task[None]],
-                 agents: list[Agent], out: dict[str, Any]) -> None:
+async def _wait_healthy(port: int) -> None:
     for _ in range(600):
         try:
-            probe = Connection("127.0.0.1", console.port)
+            probe = Connection("127.0.0.1", port)
             answered = (await probe.request("GET", "/healthz"))[0] == 200
             probe.close()
             if answered:
-                break
+                return
         except HttpError:
             pass
         await asyncio.sleep(0.2)
-    else:
-        raise SystemExit("the console did not answer /healthz")
+    raise SystemExit(f"the process on :{port} did not answer /healthz")
+
+
+async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url: str,
+                 counts: list[int], stats: Stats, state: dict[str, bool], tasks: list[asyncio.Task[None]],
+                 agents: list[Agent], out: dict[str, Any]) -> None:
+    for port in dict.fromkeys((console.port, console.agents_at)):
+        await _wait_healthy(port)
     if not args.no_dashboard:
         tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/gearbox/", cookie, stats, True)))
         tasks.append(asyncio.ensure_future(_watch(console.port, "/ws/cluster/", cookie, stats, False)))
     for n in counts:
-        new = [Agent(i, args.gpus_per_agent, "127.0.0.1", console.port, console.env["FLEXPIPE_ENROLL_TOKEN"])
+        new = [Agent(i, args.gpus_per_agent, "127.0.0.1", console.agents_at, console.env["FLEXPIPE_ENROLL_TOKEN"])
                for i in range(len(agents), n)]
         sem = asyncio.Semaphore(8)
 
@@ -430,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-s", type=float, default=45.0, help="measured time per step")
     ap.add_argument("--changed-gpus", type=int, default=1, help="GPUs whose state changes in each report")
     ap.add_argument("--no-dashboard", action="store_true", help="no websocket client subscribed")
+    ap.add_argument("--one-process", action="store_true",
+                    help="the agents report to the console's process (no agent API process of its own)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     if not 1 <= args.changed_gpus <= args.gpus_per_agent:
@@ -446,8 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
     cookie = _session_cookie(env)
     logdir = Path(tempfile.mkdtemp(prefix="fp-cp-logs-"))
-    console = Console(port=_free_port(env), env=env)
-    print(f"console on :{console.port}, database {db_url.rsplit('/', 1)[-1]}, redis {redis_url}; logs {logdir}",
+    port = _free_port(env)
+    console = Console(port=port, agent_port=None if args.one_process else _free_port(env, port + 1), env=env)
+    print(f"console on :{console.port}, agent API on :{console.agents_at}, database {db_url.rsplit('/', 1)[-1]}, redis {redis_url}; logs {logdir}",
           flush=True)
     console.start(logdir)
     try:
@@ -456,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         console.stop()
     report = {"bench": "control_plane", "interval_s": args.interval_s, "step_s": args.step_s,
               "gpus_per_agent": args.gpus_per_agent, "changed_gpus": args.changed_gpus,
-              "dashboard": not args.no_dashboard, "database": "postgresql" if db_url.startswith("postgres")
+              "dashboard": not args.no_dashboard,
+              "agent_api": "console's process" if args.one_process else "own process", "database": "postgresql" if db_url.startswith("postgres")
               else "sqlite", "cores": os.cpu_count(), "steps": steps}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -158,7 +158,7 @@ class StopOnCancel:
 agent_asgi_app = AgentApiHandler()
 
 
-async def _http(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def http_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Agent protocol v1 behind its short middleware chain (console/agent_http.py), the rest behind the whole one."""
     app = agent_asgi_app if is_agent_api(str(scope.get("path", ""))) else django_asgi_app
     await app(scope, receive, send)
@@ -166,7 +166,7 @@ async def _http(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 application = ProtocolTypeRouter(
     {
-        "http": StopOnCancel(_http, pooled=is_agent_api),
+        "http": StopOnCancel(http_app, pooled=is_agent_api),
         "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

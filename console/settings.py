@@ -28,7 +28,9 @@ Everything a deployment changes comes from the environment, with embedded defaul
     FLEXPIPE_PROCESS               what this web process serves (all): all - the console and the OpenAI API in one
                                    process (tests, one-process setups); console - the console without /v1, which
                                    answers 421 naming FLEXPIPE_GATEWAY_URL; gateway - only /v1, /healthz and
-                                   /metrics (console.gateway.asgi sets it: the data plane's own process)
+                                   /metrics (console.gateway.asgi sets it: the data plane's own process);
+                                   agents - only /agent/v1, /healthz and /metrics (console.agent_asgi sets it:
+                                   the agent API apart from the browsers' pages and sockets)
     FLEXPIPE_GATEWAY_URL           where clients reach the gateway process (the console's 421 names it)
     FLEXPIPE_GC_THRESHOLDS         the web and gateway processes' garbage-collector thresholds (50000,20,100;
                                    python: Python's own): console/gctune.py says why
@@ -137,12 +139,14 @@ FLEXPIPE_AGENT_MIDDLEWARE = [
 
 # Which process this is (module docstring): the gateway's own process routes only its own URLs.
 FLEXPIPE_PROCESS = os.environ.get("FLEXPIPE_PROCESS", "all").strip().lower()
-if FLEXPIPE_PROCESS not in {"all", "console", "gateway"}:
+_URLCONFS = {"all": "console.urls", "console": "console.urls", "gateway": "console.gateway.urls",
+             "agents": "console.agent_urls"}
+if FLEXPIPE_PROCESS not in _URLCONFS:
     from django.core.exceptions import ImproperlyConfigured
 
-    raise ImproperlyConfigured(f"FLEXPIPE_PROCESS: must be all, console or gateway, got {FLEXPIPE_PROCESS!r}")
+    raise ImproperlyConfigured(f"FLEXPIPE_PROCESS: must be all, console, gateway or agents, got {FLEXPIPE_PROCESS!r}")
 FLEXPIPE_GATEWAY_URL = os.environ.get("FLEXPIPE_GATEWAY_URL", "").strip().rstrip("/")
-ROOT_URLCONF = "console.gateway.urls" if FLEXPIPE_PROCESS == "gateway" else "console.urls"
+ROOT_URLCONF = _URLCONFS[FLEXPIPE_PROCESS]
 WSGI_APPLICATION = "console.wsgi.application"
 ASGI_APPLICATION = "console.asgi.application"
 

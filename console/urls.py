@@ -5,13 +5,12 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
+from console import agent_urls
 from console.accounts import views as accounts_pages
 from console.accounts.login import ThrottledAdminAuthenticationForm, ThrottledLoginView
 from console.audit import views as audit_pages
 from console.dashboard import views as dashboard
-from console.fleet import agent_api
 from console.gateway import urls as gateway
-from console.gearbox import agent_api as gearbox_agent_api
 from console.gearbox import views as gearbox_pages
 from console.metrics.views import MetricsView, alerts_page
 from console.registry import views as registry_pages
@@ -37,12 +36,8 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("", include("console.api.urls")),
-    # agent protocol v1 (agents/protocol/)
-    path("agent/v1/register", agent_api.register, name="agent-register"),
-    path("agent/v1/report", agent_api.report, name="agent-report"),
-    path("agent/v1/commands", agent_api.commands, name="agent-commands"),
-    path("agent/v1/commands/<int:command_id>/ack", agent_api.ack, name="agent-ack"),
-    path("agent/v1/routing", gearbox_agent_api.routing, name="agent-routing"),
+    # agent protocol v1 (agents/protocol/): here, and in the agent API's own process (console.agent_asgi)
+    *agent_urls.api,
     # the OpenAI-compatible gateway (docs/gateway.md): here only when this process serves it too;
     # its own process (console.gateway.asgi) serves it otherwise, and here every /v1 path says so
     *(gateway.api if settings.FLEXPIPE_PROCESS == "all" else gateway.elsewhere),

@@ -11,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-CONTROLLER="http://127.0.0.1:${FLEXPIPE_PORT:?FLEXPIPE_PORT is not set}"
+# The agent API's own process (console/agent_asgi.py); the console's port serves the agent API too.
+CONTROLLER="http://127.0.0.1:${FLEXPIPE_AGENT_PORT:-${FLEXPIPE_PORT:?FLEXPIPE_PORT is not set}}"
 ENGINE="${ENGINE:-sim}"
 
 case "$ENGINE" in

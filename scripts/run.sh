@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start the whole system in the foreground: web (daphne: the console), the gateway (daphne: the OpenAI
-# API, its own process), Celery worker and beat, the fleet
+# API, its own process), the agent API (daphne: agent protocol v1, its own process), Celery worker and beat, the fleet
 # (ENGINE=sim: the simulated fleet; ENGINE=torch|vllm: real engine agents, scripts/fleet.sh).
 # supervisord (scripts/supervisord.conf) runs them and restarts any that exits. Ctrl-C (or SIGTERM)
 # stops every process it started: supervisord stops its programs, then the private Redis (when no
@@ -25,6 +25,9 @@ export FLEXPIPE_PORT="$PORT"
 GATEWAY_PORT="${FLEXPIPE_GATEWAY_PORT:-$($PY scripts/services.py free-port $((PORT + 1)))}"
 export FLEXPIPE_GATEWAY_PORT="$GATEWAY_PORT"
 export FLEXPIPE_GATEWAY_URL="${FLEXPIPE_GATEWAY_URL:-http://127.0.0.1:${GATEWAY_PORT}}"
+# The agent API's own process (console/agent_asgi.py): the fleet reports there, apart from the pages.
+AGENT_PORT="${FLEXPIPE_AGENT_PORT:-$($PY scripts/services.py free-port $((GATEWAY_PORT + 1)))}"
+export FLEXPIPE_AGENT_PORT="$AGENT_PORT"
 # The join token the simulated agents enroll with: made once, kept under .run/.
 if [ -z "${FLEXPIPE_ENROLL_TOKEN:-}" ]; then
   [ -s .run/enroll-token ] || $PY -c "import secrets; print('fpj_' + secrets.token_urlsafe(24))" > .run/enroll-token
@@ -71,6 +74,7 @@ fi
 echo
 echo "  FlexPipe console:  http://127.0.0.1:${PORT}/   (Ctrl-C stops everything)"
 echo "  OpenAI gateway:    ${FLEXPIPE_GATEWAY_URL}/v1   (its own process)"
+echo "  Agent API:         http://127.0.0.1:${AGENT_PORT}/agent/v1   (its own process; the fleet reports here)"
 echo "  Redis:             ${REDIS_URL}"
 echo "  Fleet:             ${ENGINE} agents for ${SCENARIO}"
 echo "  Database:          ${DATABASE_URL}"

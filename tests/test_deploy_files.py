@@ -24,7 +24,7 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-APP_SERVICES = ("migrate", "web", "gateway", "worker", "beat", "fleet")
+APP_SERVICES = ("migrate", "web", "agents", "gateway", "worker", "beat", "fleet")
 
 
 def test_it_has_every_part_of_a_production_deployment(compose: dict[str, Any]) -> None:
@@ -43,6 +43,18 @@ def test_the_gateway_runs_apart_from_the_console_behind_one_address(compose: dic
     assert mount[0] == "./deploy/nginx/flexpipe.conf" and mount[1].startswith("/etc/nginx/conf.d/")
     assert re.search(r"location /v1/ \{\s*set \$gateway gateway:8001;", conf)
     assert re.search(r"location / \{\s*set \$web web:8000;", conf)
+
+
+def test_the_agent_api_runs_apart_from_the_pages_behind_the_same_address(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert services["agents"]["command"][-1] == "console.agent_asgi:application"
+    conf = (ROOT / "deploy" / "nginx" / "flexpipe.conf").read_text()
+    assert re.search(r"location /agent/v1/ \{\s*set \$agents agents:8002;", conf)
+    assert "agents" in services["edge"]["depends_on"]
+    # the simulated fleet reports through the edge, as agents on other hosts do
+    command = services["fleet"]["command"]
+    assert command[command.index("--controller") + 1] == "http://edge:8000"
+    assert "edge" in services["fleet"]["depends_on"]
 
 
 def test_app_services_share_the_image_and_reach_postgres_and_redis_by_service_name(compose: dict[str, Any]) -> None:
@@ -80,7 +92,7 @@ def test_every_command_starts_something_that_exists(compose: dict[str, Any]) -> 
     for name in APP_SERVICES:
         command = compose["services"][name]["command"]
         module = _module_of(command)
-        if module == "console.gateway.asgi":  # it must be the first to read the settings: its own process
+        if module in ("console.gateway.asgi", "console.agent_asgi"):  # the first to read the settings: its own process
             subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, check=True,
                            env={**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings"})
         elif module:
@@ -111,13 +123,16 @@ def supervised() -> dict[str, dict[str, str]]:
     return {name.split(":", 1)[1]: dict(conf[name]) for name in conf.sections() if name.startswith("program:")}
 
 
-def test_make_run_supervises_the_same_five_processes_and_restarts_each() -> None:
+def test_make_run_supervises_the_same_six_processes_and_restarts_each() -> None:
     programs = supervised()
-    assert set(programs) == {"web", "gateway", "worker", "beat", "fleet"}
+    assert set(programs) == {"web", "agents", "gateway", "worker", "beat", "fleet"}
     assert "console.asgi:application" in programs["web"]["command"]
     assert programs["web"]["environment"] == 'FLEXPIPE_PROCESS="console"'
     assert "console.gateway.asgi:application" in programs["gateway"]["command"]
     assert "$FLEXPIPE_GATEWAY_PORT" in programs["gateway"]["command"]
+    assert "console.agent_asgi:application" in programs["agents"]["command"]
+    assert "$FLEXPIPE_AGENT_PORT" in programs["agents"]["command"]
+    assert "FLEXPIPE_AGENT_PORT" in (ROOT / "scripts" / "fleet.sh").read_text()  # where the fleet reports
     # the fleet by ENGINE: the simulated one (sim) or real agent daemons (torch, vllm)
     assert shlex.split(programs["fleet"]["command"]) == ["scripts/fleet.sh"]
     fleet = (ROOT / "scripts" / "fleet.sh").read_text()
@@ -129,7 +144,7 @@ def test_make_run_supervises_the_same_five_processes_and_restarts_each() -> None
     assert "supervisord -c scripts/supervisord.conf" in (ROOT / "scripts" / "supervisor.sh").read_text()
 
 
-LONG_RUNNING = ("postgres", "redis", "edge", "web", "gateway", "worker", "beat", "fleet")
+LONG_RUNNING = ("postgres", "redis", "edge", "web", "agents", "gateway", "worker", "beat", "fleet")
 
 
 def test_every_long_running_service_restarts_and_has_a_health_check(compose: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ SIGKILLed in turn, then Ctrl-C.
 It runs scripts/run.sh (what `make run` runs once the venv is there) in a copy of this checkout
 with the project's venv linked in, so the SQLite database, .run/ and the private Redis it makes
 are the copy's. supervisord (scripts/supervisord.conf) must restart each killed process - web,
-gateway, worker, beat, fleet - and the console serve again (DESIGN.md invariant 9), and the transitions in
+agents, gateway, worker, beat, fleet - and the console serve again (DESIGN.md invariant 9), and the transitions in
 flight end done or rolled back (invariant 3). Ctrl-C is a SIGINT to the whole process group, as a
 terminal sends it; afterwards no process that the run started may be left, the private Redis
 included.
@@ -137,10 +137,11 @@ def test_it_starts_everything_restarts_what_is_killed_and_ctrl_c_leaves_nothing_
     with socket.socket() as s:  # a port where no Redis answers
         s.bind(("127.0.0.1", 0))
         dead_redis = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
-    port, gateway_port = free_port(), free_port()
+    port, gateway_port, agent_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items()
            if k not in {"DATABASE_URL", "FLEXPIPE_OPERATOR_PASSWORD", "FLEXPIPE_ENROLL_TOKEN", "DJANGO_SETTINGS_MODULE"}}
-    env.update(REDIS_URL=dead_redis, FLEXPIPE_PORT=str(port), FLEXPIPE_GATEWAY_PORT=str(gateway_port))
+    env.update(REDIS_URL=dead_redis, FLEXPIPE_PORT=str(port), FLEXPIPE_GATEWAY_PORT=str(gateway_port),
+               FLEXPIPE_AGENT_PORT=str(agent_port))
     log = (tmp_path / "run.log").open("w+")
     proc = subprocess.Popen(["scripts/run.sh"], cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -169,6 +170,11 @@ def test_it_starts_everything_restarts_what_is_killed_and_ctrl_c_leaves_nothing_
         assert f"http://127.0.0.1:{port}/" in printed
         assert f"OpenAI gateway:    http://127.0.0.1:{gateway_port}/v1" in printed
         assert answers(f"http://127.0.0.1:{port}/v1/models") == 421
+        # the fleet reports to the agent API's own process, which serves nothing of the console
+        assert f"Agent API:         http://127.0.0.1:{agent_port}/agent/v1" in printed
+        assert "POST /agent/v1/report" in (checkout / ".run" / "agents-access.log").read_text()
+        assert answers(f"http://127.0.0.1:{agent_port}/healthz") == 200
+        assert answers(f"http://127.0.0.1:{agent_port}/login/") == 404
         assert "Debug:             on, for this demo only" in printed
         # its own database: another scenario or engine would get another (a clean slate, nothing asked)
         assert (checkout / ".run" / "db-sim-demo.sqlite3").is_file() and not (checkout / "db.sqlite3").exists()
@@ -185,14 +191,15 @@ def test_it_starts_everything_restarts_what_is_killed_and_ctrl_c_leaves_nothing_
         wait_until(lambda: transitions(checkout), 120, "a first transition", run_log)
         in_flight = [(d, seq) for d, seq, phase in transitions(checkout) if phase in ACTIVE]
         took: dict[str, float] = {}
-        for name in ("worker", "web", "gateway", "beat", "fleet"):
+        for name in ("worker", "web", "agents", "gateway", "beat", "fleet"):
             old = supervised_pid(checkout, name)
             assert old > 0, name
             os.kill(old, signal.SIGKILL)
             def back(name: str = name, old: int = old) -> bool:
                 return (supervised_pid(checkout, name) not in (0, old)
                         and answers(f"http://127.0.0.1:{port}/healthz") == 200
-                        and answers(f"http://127.0.0.1:{gateway_port}/healthz") == 200)
+                        and answers(f"http://127.0.0.1:{gateway_port}/healthz") == 200
+                        and answers(f"http://127.0.0.1:{agent_port}/healthz") == 200)
             took[name] = wait_until(back, 90, f"{name} restarted and the console serving", run_log)
         print("\nSIGKILL -> restarted and /healthz 200: " + ", ".join(f"{n} {t:.1f} s" for n, t in took.items()))
         supervisor_log = (checkout / ".run" / "supervisord.log").read_text()
@@ -206,7 +213,7 @@ def test_it_starts_everything_restarts_what_is_killed_and_ctrl_c_leaves_nothing_
         assert "done" in ended.values(), ended
 
         started = descendants(proc.pid) | {redis_pid}
-        assert len(started) >= 8, started  # run.sh, supervisord, web, gateway, worker, beat, fleet, and the Redis
+        assert len(started) >= 9, started  # run.sh, supervisord, web, agents, gateway, worker, beat, fleet, the Redis
 
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         proc.wait(timeout=60)

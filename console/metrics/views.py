@@ -87,6 +87,18 @@ class MetricsView(APIView):
         return Response(generate_latest(REGISTRY), content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
+class ProcessMetricsView(MetricsView):
+    """GET /metrics of a process apart from the console's (the gateway's, the agent API's): its own events only.
+
+    The console's /metrics also collects the fleet, registry, audit and gearbox families from the
+    database; the other processes leave those to the console, or Prometheus, scraping all of them,
+    would count the fleet once more per process. The same auth: a viewer's API token.
+    """
+
+    def get(self, request: Request) -> Response:
+        return Response(generate_latest(REGISTRY), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
 ALERTS_REFRESH_S = 15  # the page reloads itself: Prometheus' default evaluation interval
 
 
