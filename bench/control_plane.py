@@ -21,6 +21,7 @@ The agent counts are steps of one run: the fleet grows to each count (new agents
 is measured for --step-s. Per step:
 
     report_p50_ms / report_p99_ms   POST /agent/v1/report, sent to answered (this process's clock)
+    report_max_ms_by_second         the slowest report sent in each second of the step (stalls)
     errors                          reports, registrations and polls that failed (non-2xx or no answer)
     enroll_s                        how long the step's new agents took to enroll (8 at a time)
     push_p99_ms / push_coverage     a report's marker seen on /ws/cluster/: delay from sending the
@@ -191,6 +192,7 @@ def _wal_lsn(db_url: str) -> int | None:
 @dataclass
 class Stats:
     report_ms: list[float] = field(default_factory=list)
+    report_at: list[float] = field(default_factory=list)  # when each of report_ms was sent (monotonic)
     errors: dict[str, int] = field(default_factory=dict)
     sent: dict[tuple[str, int], float] = field(default_factory=dict)  # (node, marker) -> when sent
     seen: dict[tuple[str, int], float] = field(default_factory=dict)  # (node, marker) -> when pushed
@@ -259,6 +261,7 @@ class Agent:
             return
         if measuring:
             stats.report_ms.append((time.monotonic() - t0) * 1000)
+            stats.report_at.append(t0)
 
     async def poll_forever(self, stats: Stats) -> None:
         after = 0
@@ -346,10 +349,18 @@ async def _run(args: argparse.Namespace, console: Console, cookie: str, db_url: 
     try:
         await _steps(args, console, cookie, db_url, counts, stats, state, tasks, agents, out)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
     return out
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the agents' tasks, again until they end: Python 3.11's asyncio.wait_for swallows a
+    cancellation that lands as its inner request completes (bpo-42130, fixed in 3.12), and that agent reported on."""
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
 
 
 async def _wait_healthy(port: int) -> None:
@@ -379,23 +390,24 @@ async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url
                for i in range(len(agents), n)]
         sem = asyncio.Semaphore(8)
 
-        async def enroll(a: Agent, sem: asyncio.Semaphore = sem) -> bool:
+        async def enroll(a: Agent, sem: asyncio.Semaphore = sem) -> None:
             async with sem:
-                return await a.enroll(stats)
-
-        enroll0 = time.monotonic()
-        ok = await asyncio.gather(*(enroll(a) for a in new))
-        enroll_s = time.monotonic() - enroll0
-        print(f"{len(new)} agents enrolled in {enroll_s:.1f} s; measuring in {args.interval_s:g} s", flush=True)
-        for a, good in zip(new, ok, strict=True):
-            if not good:
-                continue
+                if not await a.enroll(stats):
+                    return
+            # each agent polls as soon as it has registered, as agents.node does: polls started
+            # together once the whole step had enrolled were answered together every wait, a
+            # burst no fleet that joins over time makes
             agents.append(a)
             tasks.append(asyncio.ensure_future(a.poll_forever(stats)))
             tasks.append(asyncio.ensure_future(a.report_forever(stats, args.interval_s, args.changed_gpus,
                                                                 state)))
+
+        enroll0 = time.monotonic()
+        await asyncio.gather(*(enroll(a) for a in new))
+        enroll_s = time.monotonic() - enroll0
+        print(f"{len(new)} agents enrolled in {enroll_s:.1f} s; measuring in {args.interval_s:g} s", flush=True)
         await asyncio.sleep(args.interval_s)  # every agent has reported once: the step starts settled
-        for kept in (stats.report_ms, stats.sent, stats.seen, stats.errors):
+        for kept in (stats.report_ms, stats.report_at, stats.sent, stats.seen, stats.errors):
             kept.clear()
         stats.gearbox_messages = stats.gearbox_bytes = 0
         cpu0, wall0, wal0 = console.cpu_ticks(), time.monotonic(), _wal_lsn(db_url)
@@ -412,6 +424,7 @@ async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url
             "enroll_s": round(enroll_s, 2),  # the new agents' registrations, 8 at a time
             "report_p50_ms": _pct(stats.report_ms, 0.5), "report_p99_ms": _pct(stats.report_ms, 0.99),
             "report_mean_ms": statistics.fmean(stats.report_ms) if stats.report_ms else None,
+            "report_max_ms_by_second": _max_by_second(stats.report_ms, stats.report_at, wall0, args.step_s),
             "errors": sum(stats.errors.values()), "error_kinds": dict(stats.errors),
             "push_p99_ms": push_p99, "push_coverage": coverage,
             "gearbox_messages": stats.gearbox_messages, "gearbox_bytes": stats.gearbox_bytes,
@@ -421,6 +434,16 @@ async def _steps(args: argparse.Namespace, console: Console, cookie: str, db_url
         }
         out[str(n)] = step
         _print_step(step)
+
+
+def _max_by_second(ms: list[float], at: list[float], start: float, step_s: float) -> list[float]:
+    """The slowest report sent in each second of the step: a stall shows as a few seconds far above
+    the rest, a report cost that grows with the load as every second rising together."""
+    worst = [0.0] * max(1, int(step_s))
+    for latency, t in zip(ms, at, strict=True):
+        i = min(len(worst) - 1, max(0, int(t - start)))
+        worst[i] = max(worst[i], round(latency, 1))
+    return worst
 
 
 def _fmt(v: Any, spec: str) -> str:
