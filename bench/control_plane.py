@@ -30,7 +30,8 @@ is measured for --step-s. Per step:
     gearbox_messages / gearbox_bytes   what the Overview socket received in the step
     cpu                             each process's CPU over the step, as a fraction of one core
                                     (/proc/<pid>/stat; the bench's own agents included: they share
-                                    the machine's cores with the console)
+                                    the machine's cores with the console; postgres and redis-server:
+                                    every process of that name on the machine, together)
     wal_bytes_per_report            PostgreSQL WAL written per report accepted (pg_current_wal_lsn)
 
 No deployment is loaded: the agents run no plans, so commands stay empty and the gear ticks have
@@ -139,7 +140,23 @@ class Console:
     def cpu_ticks(self) -> dict[str, float]:
         out = {name: _proc_cpu_s(p.pid) for name, p in self.procs.items()}
         out["bench (agents)"] = _proc_cpu_s(os.getpid())
+        for server in ("postgres", "redis-server"):
+            out[server] = sum(_proc_cpu_s(pid) for pid in _pids_named(server))
         return out
+
+
+def _pids_named(comm: str) -> list[int]:
+    """This machine's processes called `comm` (/proc/<pid>/comm): the database's and Redis's share of
+    the cores. A backend that exits during the step takes its CPU with it: the pool's are kept."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == comm:
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
 
 
 def _proc_cpu_s(pid: int) -> float:

@@ -2,24 +2,24 @@
 
     python -m bench.gateway_flood [--streams 100] [--seconds 10] [--rounds 2] [--rate 5] [--pin] [--json PATH]
 
-Real processes, as `make run` starts them: the console (daphne console.asgi, FLEXPIPE_PROCESS=console)
-and the gateway (daphne console.gateway.asgi) against one database (DATABASE_URL: a PostgreSQL
+Real processes, as `make run` starts them: the console (daphne console.asgi, FLEXPIPE_PROCESS=console),
+the agent API (daphne console.agent_asgi) and the gateway (daphne console.gateway.asgi) against one database (DATABASE_URL: a PostgreSQL
 database the bench may migrate and write; `make test`'s PostgreSQL when it answers) and Redis; the
 plans are the simulated fleet's data plane (agents.sim.dataserver: FleetSim's timing, stepped at
 wall-clock pace on a thread of this process). Simulated agents (`--agents`, 8 GPUs each) report over
-HTTP to the console at `--rate` reports/s in all, each report timed.
+HTTP to the agent API's process at `--rate` reports/s in all, each report timed.
 
 Phases, `--seconds` each, repeated `--rounds` times in this order so drift hits both alike:
     quiet     reports only
     apart     reports, and --streams clients each streaming completions back to back from the
-              gateway's process (the architecture now)
-    together  the same flood sent to a console that serves /v1 itself (FLEXPIPE_PROCESS=all: every
-              process before issue 19), its reports timed the same way
+              gateway's process (the architecture now: the agents report to their own process)
+    together  the same flood sent to a console that serves /v1 itself (FLEXPIPE_PROCESS=all, and
+              the agents reporting to it: every process before issue 19), its reports timed the same way
 Printed: report p50/p99 per phase, and p99(apart)/p99(quiet) - the target is <= 1.2 - and
 p99(together)/p99(quiet) for comparison. The machine's cores are shared by every process here
 (the flood's clients and the simulator too): on a 2-core machine the gateway's CPU competes with
-the console's even in separate processes, which the ratio includes. `--pin` puts the console's
-process and the agents' threads on the first core and everything of the flood (the gateway's
+the console's even in separate processes, which the ratio includes. `--pin` puts the console's and
+the agent API's processes and the agents' threads on the first core and everything of the flood (the gateway's
 process, its clients, the simulator) on the others: the gateway on cores of its own, as on
 another host.
 
@@ -181,10 +181,11 @@ class Proc:
 
 
 class Stack:
-    """The console's and the gateway's processes, and the simulated engine, for one database and Redis."""
+    """The console's and the gateway's processes (and with `agent_process` the agent API's), and the
+    simulated engine, for one database and Redis."""
 
     def __init__(self, folder: Path, *, database_url: str, redis_url: str, extra_env: dict[str, str] | None = None,
-                 console_process: str = "console", speed: float = 1.0) -> None:
+                 console_process: str = "console", speed: float = 1.0, agent_process: bool = False) -> None:
         from agents.engines.torch.weights import write_tokenizer
 
         self.folder = folder
@@ -201,11 +202,21 @@ class Stack:
         self.console = Proc("console", "console.asgi:application",
                             {**base, "FLEXPIPE_PROCESS": console_process, "FLEXPIPE_GATEWAY_URL": self.gateway.url},
                             folder)
+        self.agents = Proc("agents", "console.agent_asgi:application", base, folder) if agent_process else None
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [p for p in (self.console, self.gateway, self.agents) if p is not None]
+
+    @property
+    def agent_url(self) -> str:
+        """Where the agents report: the agent API's own process, or the console's."""
+        return (self.agents or self.console).url
 
     def start(self) -> Stack:
-        # both at once: each takes a few seconds to import Django and the apps
-        with ThreadPoolExecutor(2) as pool:
-            started = [pool.submit(p.start) for p in (self.console, self.gateway)]
+        # all at once: each takes a few seconds to import Django and the apps
+        with ThreadPoolExecutor(3) as pool:
+            started = [pool.submit(p.start) for p in self.procs]
         try:
             for f in started:
                 f.result()
@@ -215,7 +226,7 @@ class Stack:
         return self
 
     def close(self) -> None:
-        for p in (self.console, self.gateway):
+        for p in self.procs:
             p.kill()
         self.engine.close()
 
@@ -224,7 +235,7 @@ class Stack:
 
 
 def seed(stack: Stack, agents: int = 1) -> tuple[str, list[Agent]]:
-    """A viewer's API token, `agents` nodes registered over the console's agent API (the first is the
+    """A viewer's API token, `agents` nodes registered over the agent API (Stack.agent_url) (the first is the
     plan's leader: its data address is the simulated engine's), and the deployment routed to the plan."""
     from django.contrib.auth import get_user_model
     from django.contrib.auth.models import Group
@@ -267,9 +278,9 @@ class Agent:
         req = RegisterRequest(node_id, f"{node_id}.sim", "bench", tuple(
             GpuInfo(u, i, "H100-SXM", 80 * 2**30, "nvl0") for i, u in enumerate(uuids)),
             rack="A", backends=("sim",), data_addr=data_addr or f"{node_id}.sim:7070")
-        with AgentClient(stack.console.url, stack.enroll_token) as client:
+        with AgentClient(stack.agent_url, stack.enroll_token) as client:
             resp = client.register(req)
-            return cls(stack.console.url, node_id, client.token, resp.epoch, uuids)
+            return cls(stack.agent_url, node_id, client.token, resp.epoch, uuids)
 
     def report_body(self) -> dict[str, Any]:
         from agents.protocol import GpuReport, Report
@@ -488,12 +499,15 @@ def main(argv: list[str] | None = None) -> int:
         for where in ("apart", "together"):
             _clear()
             stack = Stack(Path(tmp) / where, database_url=args.database_url, redis_url=args.redis_url,
-                          extra_env=env, console_process="console" if where == "apart" else "all")
+                          extra_env=env, console_process="console" if where == "apart" else "all",
+                          agent_process=where == "apart")
             try:
                 stack.start()
                 if args.pin:
                     assert stack.console.popen is not None and stack.gateway.popen is not None
                     pin("console", stack.console.popen.pid)
+                    if stack.agents is not None and stack.agents.popen is not None:
+                        pin("console", stack.agents.popen.pid)
                     pin("flood", stack.gateway.popen.pid)
                     for thread in (stack.engine._thread, stack.engine.server._thread):  # the data server's
                         if thread is not None and thread.native_id:                  # handlers inherit it

@@ -29,6 +29,7 @@ Close code 4404: no such deployment (after the role check: 4401 / 4403 as on eve
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -43,7 +44,7 @@ from console.gearbox.live import GEARBOX_GROUP, OPERATOR_EVENTS
 from console.gearbox.models import Deployment
 
 FLEET_PUSH_BUSY_SHARE = 0.25  # the Overview's fleet view takes at most this share of the process per socket
-# The Overview's fleet view, built once for every Overview socket of the process that needs one (coalesce.Shared)
+# The fleet view, built once for every Overview and deployment socket of the process that needs one (coalesce.Shared)
 FLEET_VIEW: Shared[present.FleetView] = Shared(database_sync_to_async(present.fleet_view))
 
 class _GearboxLive(LiveConsumer):
@@ -171,7 +172,7 @@ class DeploymentConsumer(_GearboxLive):
             return
         seq = ev.get("seq") if ev.get("kind") == "transition" else None
         decision = ev.get("decision") if ev.get("kind") == "decision" else None
-        await self.send_all(await database_sync_to_async(_updates)(self.name, seq=seq, decision=decision))
+        await self._send_read_after(time.monotonic(), seq=seq, decision=decision)
 
     _push: Coalescer | None = None
 
@@ -183,13 +184,19 @@ class DeploymentConsumer(_GearboxLive):
         self._push.poke()
 
     async def _send_updates(self) -> None:
-        await self.send_all(await database_sync_to_async(_updates)(self.name))
+        assert self._push is not None  # it runs this
+        await self._send_read_after(self._push.poked_at)
+
+    async def _send_read_after(self, event_at: float, *, seq: int | None = None, decision: int | None = None) -> None:
+        """The messages an event makes, on a fleet view built after it came (shared with the other sockets)."""
+        fleet = await FLEET_VIEW.get(newer_than=event_at)
+        await self.send_all(await database_sync_to_async(_updates)(self.name, fleet, seq=seq, decision=decision))
 
     async def audit_entry(self, event: dict[str, Any]) -> None:
         entry = event["entry"]
         if entry.get("deployment") != self.name or entry.get("event_type") not in OPERATOR_EVENTS:
             return
-        await self.send_all(await database_sync_to_async(_updates)(self.name, decision=entry.get("decision_id")))
+        await self._send_read_after(time.monotonic(), decision=entry.get("decision_id"))
 
 
 def _deployment_state(name: str) -> dict[str, Any] | None:
@@ -197,13 +204,13 @@ def _deployment_state(name: str) -> dict[str, Any] | None:
     return present.deployment_state(dep) if dep is not None else None
 
 
-def _updates(name: str, *, seq: int | None = None, decision: int | None = None) -> list[dict[str, Any]]:
+def _updates(name: str, fleet: present.FleetView, *, seq: int | None = None,
+             decision: int | None = None) -> list[dict[str, Any]]:
     """The messages one event makes: the transition or decision it names, then the deployment -
     all read on one view of the fleet."""
     dep = Deployment.objects.filter(name=name).first()
     if dep is None:
         return []
-    fleet = present.fleet_view()
     out: list[dict[str, Any]] = []
     if seq is not None:
         detail = present.transition_detail(name, seq, fleet)

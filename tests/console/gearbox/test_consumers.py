@@ -249,3 +249,30 @@ async def test_two_overview_sockets_share_one_fleet_view_per_report() -> None:
     finally:
         for comm in comms:
             await comm.disconnect()
+
+
+async def test_a_deployment_page_and_an_overview_share_one_fleet_view_per_report(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a deployment page read the whole fleet's view for itself on every delta that touched it; it
+    # now takes the same build as the Overview sockets of its process. The delta reaches the two
+    # sockets through two groups, a Redis round trip apart: a wide gather keeps a loaded machine's
+    # delay between them inside it
+    monkeypatch.setattr(consumers.FLEET_VIEW, "gather_s", 0.5)
+    world: World = await database_sync_to_async(running_deployment)()
+    vera = await database_sync_to_async(make_person)("vera", "viewer")
+    overview, page = communicator("/ws/gearbox/", vera.user), communicator("/ws/deployments/chat/", vera.user)
+    try:
+        for comm in (overview, page):
+            assert (await comm.connect())[0]
+            assert (await comm.receive_json_from(timeout=5))["type"] == "snapshot"
+        before = consumers.FLEET_VIEW.builds
+        world.reporter.gone = {"GPU-b1-5"}  # a GPU of chat's gear leaves its block
+        await database_sync_to_async(world.reporter.report)("b1")
+        fleet = await until(overview, lambda m: m["type"] == "fleet")
+        assert fleet["excluded"] == {"GPU-b1-5": "not schedulable"}
+        update = await until(page, lambda m: m["type"] == "deployment")
+        assert update["deployment"]["name"] == "chat"
+        assert consumers.FLEET_VIEW.builds - before == 1
+    finally:
+        for comm in (overview, page):
+            await comm.disconnect()
