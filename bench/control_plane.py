@@ -2,12 +2,14 @@
 
     python -m bench.control_plane [--agents 50,200,1000] [--gpus-per-agent 8] [--interval-s 15]
                                   [--step-s 45] [--changed-gpus 1] [--no-dashboard] [--one-process]
-                                  [--json OUT]
+                                  [--agent-processes 1] [--json OUT]
 
 It starts the console the way `make run` does - daphne for the console (console.asgi), daphne for
 the agent API (console.agent_asgi: the agents report there; --one-process sends them to the
-console's process instead, as before the agent API had its own), a Celery worker (threads) and beat, on PostgreSQL when one answers at 127.0.0.1:5432 (a fresh database,
-flexpipe_bench_cp or $FLEXPIPE_BENCH_DB, dropped first; SQLite otherwise) and Redis
+console's process instead, as before the agent API had its own; --agent-processes N runs N of them
+on one listening socket, the kernel spreading the connections), a Celery worker (threads) and
+beat, on PostgreSQL when one answers at 127.0.0.1:5432 (a fresh database, flexpipe_bench_cp or
+$FLEXPIPE_BENCH_DB, dropped first; SQLite otherwise) and Redis
 (scripts/services.py; FLEXPIPE_CHANNEL_PREFIX and FLEXPIPE_QUEUE keep two benches apart) - and drives
 simulated agents against it over HTTP from this process, as agent protocol v1 says
 (agents/protocol/): each agent enrolls with the join token, holds one long poll
@@ -104,6 +106,7 @@ class Console:
     port: int  # the console's process: pages, websockets
     agent_port: int | None  # the agent API's own process; None: the agents report to the console's
     env: dict[str, str]
+    agent_processes: int = 1  # more than one: they share one listening socket (the kernel spreads accepts)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -114,7 +117,7 @@ class Console:
         bin_ = Path(PY).parent
         cmds = {
             "web": [str(bin_ / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "console.asgi:application"],
-            **({} if self.agent_port is None else {
+            **({} if self.agent_port is None or self.agent_processes > 1 else {
                 "agents": [str(bin_ / "daphne"), "-b", "127.0.0.1", "-p", str(self.agent_port),
                            "console.agent_asgi:application"]}),
             "worker": [str(bin_ / "celery"), "-A", "console", "--quiet", "worker", "-P", "threads", "-c", "4",
@@ -122,10 +125,21 @@ class Console:
             "beat": [str(bin_ / "celery"), "-A", "console", "--quiet", "beat", "-l", "warning",
                      "-s", str(logdir / "celerybeat-schedule")],
         }
+        fds: tuple[int, ...] = ()
+        if self.agent_port is not None and self.agent_processes > 1:
+            import socket
+
+            listener = socket.create_server(("127.0.0.1", self.agent_port), backlog=1024)
+            fds = (listener.fileno(),)
+            for i in range(self.agent_processes):
+                cmds[f"agents-{i}"] = [str(bin_ / "daphne"), "--fd", str(fds[0]), "console.agent_asgi:application"]
         for name, cmd in cmds.items():
             log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115 - kept open for the process's life
             self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+                                                start_new_session=True, pass_fds=fds if name.startswith("agents-")
+                                                else ())
+        if fds:
+            listener.close()  # the agents' processes hold it now
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -484,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-s", type=float, default=45.0, help="measured time per step")
     ap.add_argument("--changed-gpus", type=int, default=1, help="GPUs whose state changes in each report")
     ap.add_argument("--no-dashboard", action="store_true", help="no websocket client subscribed")
+    ap.add_argument("--agent-processes", type=int, default=1,
+                    help="agent API processes sharing one listening socket (default 1)")
     ap.add_argument("--one-process", action="store_true",
                     help="the agents report to the console's process (no agent API process of its own)")
     ap.add_argument("--json", type=Path, help="write the figures here")
@@ -503,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     cookie = _session_cookie(env)
     logdir = Path(tempfile.mkdtemp(prefix="fp-cp-logs-"))
     port = _free_port(env)
-    console = Console(port=port, agent_port=None if args.one_process else _free_port(env, port + 1), env=env)
+    console = Console(port=port, agent_port=None if args.one_process else _free_port(env, port + 1), env=env,
+                      agent_processes=args.agent_processes)
     print(f"console on :{console.port}, agent API on :{console.agents_at}, database {db_url.rsplit('/', 1)[-1]}, redis {redis_url}; logs {logdir}",
           flush=True)
     console.start(logdir)

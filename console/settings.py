@@ -32,7 +32,7 @@ Everything a deployment changes comes from the environment, with embedded defaul
                                    agents - only /agent/v1, /healthz and /metrics (console.agent_asgi sets it:
                                    the agent API apart from the browsers' pages and sockets)
     FLEXPIPE_GATEWAY_URL           where clients reach the gateway process (the console's 421 names it)
-    FLEXPIPE_GC_THRESHOLDS         the web and gateway processes' garbage-collector thresholds (50000,20,100;
+    FLEXPIPE_GC_THRESHOLDS         the web, agents and gateway processes' garbage-collector thresholds (50000,20,100;
                                    python: Python's own): console/gctune.py says why
     FLEXPIPE_GC_FREEZE             freeze_s,sweep_s: freeze the tracked objects every freeze_s, collect all
                                    every sweep_s (1,300; off): console/gctune.py
@@ -137,7 +137,7 @@ FLEXPIPE_AGENT_MIDDLEWARE = [
     "console.agent_http.AgentWire",
 ]
 
-# Which process this is (module docstring): the gateway's own process routes only its own URLs.
+# Which process this is (module docstring): the gateway's and the agent API's own processes route only their own URLs.
 FLEXPIPE_PROCESS = os.environ.get("FLEXPIPE_PROCESS", "all").strip().lower()
 _URLCONFS = {"all": "console.urls", "console": "console.urls", "gateway": "console.gateway.urls",
              "agents": "console.agent_urls"}

@@ -70,6 +70,15 @@ def redis_client() -> redis_lib.Redis:
     return redis_lib.Redis.from_url(TEST_REDIS_URL)
 
 
+def database_url_for_processes() -> str:
+    """The test database as a URL, for the processes a test starts (daphne, against PostgreSQL)."""
+    from django.db import connection
+
+    s = connection.settings_dict
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s.get("PASSWORD") else "")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
 def purge_tasks() -> None:
     """Empty this test worker's Celery queue, and drop the pending-tick marks of the ticks that were
     in it (console.gearbox.coalesce): a mark whose tick is gone would hold back the next event's."""

@@ -33,17 +33,11 @@ from bench.gateway_flood import Proc
 from console.fleet import actions, doorbell
 from console.fleet.live import CLUSTER_GROUP
 from console.fleet.models import AgentCommand, Gpu, Node
-from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL, purge_tasks
+from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL, database_url_for_processes, purge_tasks
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 ENROLL = "fpj_agent-process-test"
 GIB = 2**30
-
-
-def database_url() -> str:
-    s = connection.settings_dict
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s.get("PASSWORD") else "")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +45,7 @@ def agents_proc(django_db_setup: None, django_db_blocker: Any, tmp_path_factory:
     with django_db_blocker.unblock():
         if connection.vendor != "postgresql":
             pytest.skip("two processes writing one SQLite file serialise on its lock; needs PostgreSQL")
-        url = database_url()
+        url = database_url_for_processes()
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings", "DATABASE_URL": url,
            "REDIS_URL": TEST_REDIS_URL, "FLEXPIPE_CHANNEL_PREFIX": TEST_NAMESPACE, "FLEXPIPE_QUEUE": TEST_NAMESPACE,
            "FLEXPIPE_ENROLL_TOKEN": ENROLL, "SECRET_KEY": "agent-process-test-" + os.urandom(16).hex(),

@@ -23,15 +23,9 @@ from django.db import connection
 
 from bench.gateway_flood import DEPLOYMENT, PROMPT, Agent, Stack, flood, report_loop, route, seed
 from console.gearbox.models import Deployment
-from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL, purge_tasks
+from tests.conftest import TEST_NAMESPACE, TEST_REDIS_URL, database_url_for_processes, purge_tasks
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
-
-
-def database_url() -> str:
-    s = connection.settings_dict
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s.get("PASSWORD") else "")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def stack(django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytes
     with django_db_blocker.unblock():
         if connection.vendor != "postgresql":
             pytest.skip("several processes writing one SQLite file serialise on its lock; needs PostgreSQL")
-        url = database_url()
+        url = database_url_for_processes()
     env = {"FLEXPIPE_CHANNEL_PREFIX": TEST_NAMESPACE, "FLEXPIPE_QUEUE": TEST_NAMESPACE,
            "FLEXPIPE_GATEWAY_FROZEN_WAIT_S": "0", "FLEXPIPE_GATEWAY_CPU_QUEUE": "128"}  # 100 arrive at once
     s = Stack(tmp_path_factory.mktemp("gwproc"), database_url=url, redis_url=TEST_REDIS_URL, extra_env=env,
