@@ -83,13 +83,17 @@ def _hook_server_shutdown() -> None:
     """Under daphne, learn that the server stops from Twisted's shutdown trigger (once), and start
     the garbage collector's freezer (console/gctune.py).
 
-    Only when daphne has installed its reactor already: importing Twisted's reactor here first
-    would install the wrong one, and other servers (tests' communicators) have none.
+    Only when daphne has installed its reactor already and runs it: importing Twisted's reactor here
+    first would install the wrong one, other servers (tests' communicators) have none, and a test
+    process that imported daphne's server has one installed that serves nothing (a freezer there
+    hid the garbage tests/console/test_agent_http.py counts).
     """
     if getattr(_hook_server_shutdown, "done", False) or "twisted.internet.reactor" not in sys.modules:
         return
     from twisted.internet import reactor
 
+    if not reactor.running:  # type: ignore[attr-defined]
+        return  # installed, not serving: a test process that imported daphne's server (it installs one)
     reactor.addSystemEventTrigger("before", "shutdown", _on_server_stopping)  # type: ignore[attr-defined]
     _hook_server_shutdown.done = True  # type: ignore[attr-defined]
     gctune.start_freezer()  # a server's process: freeze what survives (console/gctune.py)

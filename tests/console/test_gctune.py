@@ -88,3 +88,22 @@ def test_a_bad_freeze_value_stops_the_start_naming_the_setting(raw: str) -> None
     with override_settings(FLEXPIPE_GC_FREEZE=raw), pytest.raises(ImproperlyConfigured,
                                                                   match="FLEXPIPE_GC_FREEZE: must be"):
         gctune.apply()
+
+
+def test_a_process_whose_twisted_reactor_is_installed_but_not_running_starts_no_freezer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # importing daphne's server installs Twisted's reactor: a test process that ran a live server
+    # has it, and its requests through console.asgi must not start the freezer meant for daphne
+    import sys
+    import types
+
+    from console import asgi
+
+    freezer = gctune.Freezer(freeze_s=1.0, sweep_s=300.0)
+    monkeypatch.setattr(gctune, "_freezer", freezer)
+    monkeypatch.delattr(asgi._hook_server_shutdown, "done", raising=False)
+    if "twisted.internet.reactor" not in sys.modules:  # a reactor that is installed and not running
+        monkeypatch.setitem(sys.modules, "twisted.internet.reactor", types.SimpleNamespace(running=False))
+    asgi._hook_server_shutdown()
+    assert freezer._thread is None
+    assert not getattr(asgi._hook_server_shutdown, "done", False)
