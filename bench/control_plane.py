@@ -7,7 +7,7 @@
 It starts the console the way `make run` does - daphne for the console (console.asgi), daphne for
 the agent API (console.agent_asgi: the agents report there; --one-process sends them to the
 console's process instead, as before the agent API had its own; --agent-processes N runs N of them
-on one listening socket, the kernel spreading the connections), a Celery worker (threads) and
+on the one listening socket the bench binds, the kernel spreading the connections), a Celery worker (threads) and
 beat, on PostgreSQL when one answers at 127.0.0.1:5432 (a fresh database, flexpipe_bench_cp or
 $FLEXPIPE_BENCH_DB, dropped first; SQLite otherwise) and Redis
 (scripts/services.py; FLEXPIPE_CHANNEL_PREFIX and FLEXPIPE_QUEUE keep two benches apart) - and drives
@@ -50,6 +50,7 @@ import os
 import random
 import secrets
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -106,7 +107,7 @@ class Console:
     port: int  # the console's process: pages, websockets
     agent_port: int | None  # the agent API's own process; None: the agents report to the console's
     env: dict[str, str]
-    agent_processes: int = 1  # more than one: they share one listening socket (the kernel spreads accepts)
+    agent_processes: int = 1  # they share one listening socket (the kernel spreads the connections)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -117,28 +118,23 @@ class Console:
         bin_ = Path(PY).parent
         cmds = {
             "web": [str(bin_ / "daphne"), "-b", "127.0.0.1", "-p", str(self.port), "console.asgi:application"],
-            **({} if self.agent_port is None or self.agent_processes > 1 else {
-                "agents": [str(bin_ / "daphne"), "-b", "127.0.0.1", "-p", str(self.agent_port),
-                           "console.agent_asgi:application"]}),
             "worker": [str(bin_ / "celery"), "-A", "console", "--quiet", "worker", "-P", "threads", "-c", "4",
                        "-Q", self.env.get("FLEXPIPE_QUEUE", "flexpipe"), "-l", "warning"],
             "beat": [str(bin_ / "celery"), "-A", "console", "--quiet", "beat", "-l", "warning",
                      "-s", str(logdir / "celerybeat-schedule")],
         }
-        fds: tuple[int, ...] = ()
-        if self.agent_port is not None and self.agent_processes > 1:
-            import socket
-
+        listener = None
+        if self.agent_port is not None:
             listener = socket.create_server(("127.0.0.1", self.agent_port), backlog=1024)
-            fds = (listener.fileno(),)
-            for i in range(self.agent_processes):
-                cmds[f"agents-{i}"] = [str(bin_ / "daphne"), "--fd", str(fds[0]), "console.agent_asgi:application"]
+            names = ["agents"] if self.agent_processes == 1 else [f"agents-{i}" for i in range(self.agent_processes)]
+            for name in names:
+                cmds[name] = [str(bin_ / "daphne"), "--fd", str(listener.fileno()), "console.agent_asgi:application"]
         for name, cmd in cmds.items():
             log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115 - kept open for the process's life
+            fds = (listener.fileno(),) if listener is not None and name.startswith("agents") else ()
             self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True, pass_fds=fds if name.startswith("agents-")
-                                                else ())
-        if fds:
+                                                start_new_session=True, pass_fds=fds)
+        if listener is not None:
             listener.close()  # the agents' processes hold it now
 
     def stop(self) -> None:
@@ -506,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.changed_gpus <= args.gpus_per_agent:
         ap.error("--changed-gpus: must be between 1 and --gpus-per-agent")
+    if args.agent_processes < 1 or (args.one_process and args.agent_processes != 1):
+        ap.error("--agent-processes: must be 1 or more, and 1 with --one-process (no agent API process then)")
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings", "DEBUG": "0", "ALLOWED_HOSTS": "*",
            "SECRET_KEY": "bench-" + secrets.token_hex(24), "FLEXPIPE_ENROLL_TOKEN": "fpj_" + secrets.token_urlsafe(18),
            "FLEXPIPE_REPORT_INTERVAL_S": str(args.interval_s),
