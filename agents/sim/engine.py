@@ -16,7 +16,7 @@ engine's own `MAX_BATCHED_TOKENS` per micro-batch unless a global correction hin
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from agents.sim.events import (
     KIND_ARRIVAL,
@@ -37,10 +37,28 @@ from scheduler.plan import Plan
 if TYPE_CHECKING:
     from agents.sim.fleet import EngineHost
 
+BUSY_WINDOW_S = 5.0  # the window a co-tenant's busy fraction is measured over (`busy_fraction`)
+
+
+class BusySource(Protocol):
+    """What shares a GPU with an engine: another engine, or a job that holds it whole."""
+
+    def busy_fraction(self, t: float) -> float: ...
+
+
+class AlwaysBusy:
+    """A holder whose kernels never stop (a fine-tune job's training loop)."""
+
+    def busy_fraction(self, t: float) -> float:
+        return 1.0
+
+
+ALWAYS_BUSY = AlwaysBusy()
+
 EngineState = Literal["loading", "serving", "dead", "released"]
 
-__all__ = ["KIND_ARRIVAL", "KIND_BOUNDARY", "KIND_CLUSTER", "KIND_LAND", "KIND_READY", "KIND_TIMER", "MAX_RUN_ROUNDS",
-           "Event", "Pipe", "PlanEngine", "Request"]
+__all__ = ["ALWAYS_BUSY", "BUSY_WINDOW_S", "KIND_ARRIVAL", "KIND_BOUNDARY", "KIND_CLUSTER", "KIND_LAND", "KIND_READY", "KIND_TIMER", "MAX_RUN_ROUNDS",
+           "BusySource", "Event", "Pipe", "PlanEngine", "Request"]
 
 
 class PlanEngine:
@@ -59,10 +77,14 @@ class PlanEngine:
         self.accepting = False  # in the routing table
         self.weight = 1.0  # routing weight
         self.release_when_empty = False  # draining: released when its last sequence leaves
-        # plans on its busiest GPU (1: it has its GPUs to itself). Plans that share a GPU (two
-        # fit in its memory, or an old and a new plan overlap during a gear change) time-slice
-        # it; we charge each the whole share, as if the others were always busy (conservative).
+        # how much longer its rounds take than alone: 1 + the busy fractions of the other plans on
+        # its most contended GPU (`update_share`; 1: it has its GPUs to itself)
         self.share = 1.0
+        # for each of its GPUs that other plans hold too, those plans (FleetSim._reshare): two
+        # deployments that fit in its memory, or an old and a new plan of a gear change
+        self.co_tenants: tuple[tuple[BusySource, ...], ...] = ()
+        self._busy_mark = (0.0, 0.0)  # (t, busy seconds by then): where its busy window began
+        self._busy_fraction = 0.0  # the busy share of its last whole window
         self.started_s = 0.0  # when it began serving
         self.launched_s = 0.0  # when it began holding its GPUs (loading)
         kv_cap = plan.kv_reserve_tokens
@@ -91,6 +113,37 @@ class PlanEngine:
         self.rep_prompt: list[int] = []
         self.rep_output: list[int] = []
         self.rep_since_s = 0.0
+
+    # --- time-slicing a shared GPU ------------------------------------------------------------
+    def busy_s(self, t: float) -> float:
+        """Seconds it has run rounds by t (its busiest pipe), the round in flight counted so far."""
+        return max(p.busy_s + (max(0.0, t - p.t0) if p.busy else 0.0) for p in self.pipes)
+
+    def busy_fraction(self, t: float) -> float:
+        """The share of its last whole busy window it ran rounds in: from the last time it was
+        asked, by a co-tenant or by its own round starts (`update_share`), at least BUSY_WINDOW_S
+        before, to t. So an engine that was idle and starts working measures from then."""
+        t0, b0 = self._busy_mark
+        if t - t0 >= BUSY_WINDOW_S:
+            b = self.busy_s(t)
+            self._busy_fraction = min(1.0, max(0.0, (b - b0) / (t - t0)))
+            self._busy_mark = (t, b)
+        return self._busy_fraction
+
+    def update_share(self, t: float) -> None:
+        """Set `share` for a round starting at t (a round in flight keeps the share it began with).
+
+        CUDA time-slices a GPU among the contexts that have work queued: a context with no kernels
+        waiting takes no slice (NVIDIA GPU Operator docs, "Time-Slicing GPUs in Kubernetes": the
+        workloads on an oversubscribed GPU interleave with one another). So a round is slowed by
+        the plans that are busy beside it, not by every plan that holds memory there: by 1 + the
+        fraction of its recent time each other plan on that GPU spent running rounds, its expected
+        slowdown over the round (a mean-field figure: two plans busy 30% of the time slow each
+        other by 1.3x; two always busy, 2x, as N busy contexts each wait their turn). The
+        fractions are measured under the sharing itself, so they settle where both agree."""
+        self.busy_fraction(t)  # its own window restarts when it starts working after a pause
+        if self.co_tenants:
+            self.share = max(1.0 + sum(o.busy_fraction(t) for o in group) for group in self.co_tenants)
 
     def batch_tokens(self, t: float) -> int:
         """The batch-token threshold per micro-batch of a round starting at t (module docstring)."""

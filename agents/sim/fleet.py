@@ -63,9 +63,11 @@ from agents.sim.baselines import Baselines
 from agents.sim.churn import Churn
 from agents.sim.cluster import US, Change, SimCluster
 from agents.sim.engine import (
+    ALWAYS_BUSY,
     KIND_READY,
     KIND_TIMER,
     MAX_RUN_ROUNDS,
+    BusySource,
     Event,
     Pipe,
     PlanEngine,
@@ -516,17 +518,21 @@ class FleetSim(Gateway, Handover, Churn, Reports, Hinting, Jobs, Baselines):
             self.recorder.gear_timeline.append((t, dep.name, shape, gpus))
 
     def _reshare(self) -> None:
-        """Each engine's slowdown: how many engines hold memory on its busiest GPU. A round in
-        flight keeps its time; the next one uses the new share."""
-        holders: dict[str, int] = {}
-        for fp in self._footprint.values():
+        """Who time-slices each engine's GPUs (`PlanEngine.update_share`): for each of its GPUs
+        that others hold too (an engine, or a job that booked it whole), those others."""
+        holders: dict[str, list[BusySource]] = {}
+        for key, fp in self._footprint.items():
+            holder: BusySource = self.live.get(key) or ALWAYS_BUSY
             for u in fp:
-                holders[u] = holders.get(u, 0) + 1
+                holders.setdefault(u, []).append(holder)
         for engine in self.live.values():
-            share = float(max((holders.get(u, 1) for u in engine.plan.gpu_uuids), default=1))
-            if share > 1 and engine.share == 1.0:
+            groups = tuple(tuple(h for h in holders.get(u, ()) if h is not engine) for u in engine.plan.gpu_uuids)
+            groups = tuple(g for g in groups if g)
+            if groups and not engine.co_tenants:
                 self.shared_launches += 1
-            engine.share = share
+            engine.co_tenants = groups
+            if not groups:
+                engine.share = 1.0
 
     def _release(self, engine: PlanEngine, t: float) -> None:
         engine.state = "released"

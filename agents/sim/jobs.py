@@ -104,6 +104,7 @@ class Jobs:
         self._footprint[self._job_keys[state.name]] = dict(state.booked_bytes)
         self._job_holds.append((t, None, len(state.gpu_uuids), state.name))
         self._snapshot = None
+        self._reshare()  # plans on its GPUs now time-slice them with its training loop
         booked = self.booked_bytes()
         gpus = tuple((u, booked[u], self.gpu_mem_bytes(u)) for u in sorted(state.booked_bytes))
         for _, b, total in gpus:
@@ -114,6 +115,7 @@ class Jobs:
         """`old` held GPUs, `new` holds none: free its memory, close its hold, let others start."""
         self.jobs[new.name] = new
         self._footprint.pop(self._job_keys[new.name], None)
+        self._reshare()
         for i, (t0, t1, n, name) in enumerate(self._job_holds):
             if name == new.name and t1 is None:
                 self._job_holds[i] = (t0, t, n, name)

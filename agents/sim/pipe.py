@@ -385,6 +385,7 @@ class Pipe:
         if not chunks and not n:
             return out
         ctx = self.ctx_base + n * self.clock
+        self.engine.update_share(t)  # the plans busy beside it on a shared GPU slow this round
         if chunks:
             k = 1
             step = self._round_s(pre_tokens, len(chunks), pre_ctx, n, ctx) + restore_s
@@ -413,7 +414,7 @@ class Pipe:
         return self.clock + MAX_RUN_ROUNDS
 
     def _round_s(self, pre_tokens: int, pre_seqs: int, pre_ctx: int, dec: int, dec_ctx: int) -> float:
-        """A round's time by the cost model, slowed by `engine.share` when plans share a GPU."""
+        """A round's time by the cost model, slowed by `engine.share` when busy plans share its GPU."""
         pp = self.pp
         if pp == 1:
             return self.prof.latency_interval(pre_tokens, pre_seqs, pre_ctx, dec, dec_ctx)[0] * self.engine.share
