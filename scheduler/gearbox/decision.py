@@ -27,7 +27,7 @@ from dataclasses import replace
 from scheduler.backoff import Backoff
 from scheduler.booking import describe
 from scheduler.costmodel import DEFAULT_EFFICIENCY, Efficiency
-from scheduler.gearbox.measures import _flapping, _gear_order, _value
+from scheduler.gearbox.measures import _flapping, _gear_order
 from scheduler.gearbox.values import (
     DEFAULT_CONFIG,
     CandidateEval,
@@ -283,7 +283,7 @@ def _ranking(w: Weighing) -> Callable[[CandidateEval], tuple[object, ...]]:
     NOTE(ranking): standing candidates first. Within them the surplus over the threshold counts
     the rent even when the current gear's gain does not (the cheapest gear that meets the SLOs
     wins); the others rank by their surplus alone."""
-    cur_value = _value(w.cur.estimate, w.rent)
+    cur_value = w.value(w.current_gear, w.cur.estimate, w.rent)
     cur_standing, horizon_s = w.cur_standing, w.config.horizon_s
 
     def rank(e: CandidateEval) -> tuple[object, ...]:

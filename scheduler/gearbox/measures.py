@@ -231,10 +231,35 @@ def _evaluate_current(gear: Gear | None, model: ModelSpec, snapshot: Snapshot, w
     return _Current(gear, valid, reasons, est, profiles)
 
 
-def _value(est: Estimate | None, rent_tokens_s_per_gpu: float) -> float:
+def _value(est: Estimate | None, rent_tokens_s_per_gpu: float, shared_off: float = 0.0) -> float:
+    """Goodput minus the rent of the GPUs held; `shared_off`: the GPU-equivalents of them that
+    other deployments time-slice (`rent_off`), which this one is not charged for."""
     if est is None:
         return 0.0
-    return est.goodput_tokens_s - rent_tokens_s_per_gpu * est.gpus
+    return est.goodput_tokens_s - rent_tokens_s_per_gpu * (est.gpus - shared_off)
+
+
+def rent_off(gear: Gear | None, snapshot: Snapshot) -> float:
+    """How much less than its GPU count a gear pays rent for: on a GPU that other deployments hold
+    too, a plan gets `compute_share` of its time (scheduler.pool.sharing) and pays that share of
+    the rent, so sum(1 - compute_share) over the gear's GPUs (0.0 when it shares none).
+
+    NOTE(rent): the pool holds a shared GPU once, whoever holds it, so its rent is split among the
+    deployments time-slicing it, each charged its share - the one that joins and the one that was
+    there alike. Charging the joiner a whole GPU made a shared GPU never worth taking while a free
+    one remained (it runs at its share of the speed for the full rent), so no two models ever
+    shared one; charging it nothing would make every free GPU look dear. Splitting it the same way
+    for both sides keeps the one that was there from moving off to escape its co-tenant: its own
+    GPU costs it half, a free one the whole rent."""
+    if gear is None:
+        return 0.0
+    by_uuid = snapshot.gpu_by_uuid
+    off = 0.0
+    for u in set(gear.gpu_uuids):
+        g = by_uuid.get(u)
+        if g is not None and g.compute_share < 1.0:
+            off += 1.0 - g.compute_share
+    return off
 
 
 

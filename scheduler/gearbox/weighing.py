@@ -32,6 +32,7 @@ from scheduler.gearbox.measures import (
     margin_load,
     overloaded,
     planned_load,
+    rent_off,
     safe_rank,
     standing,
 )
@@ -127,6 +128,7 @@ class Weighing:
         self.left_out: list[str] = []  # the planner's exclusions (engine capabilities), for the candidate list
         self.unplaced: list[str] = []  # why the planner found no gear at all (weigh_all), for the reasons
         self.profiles_of: dict[Gear, Mapping[Plan, PlanProfile]] = {}  # candidates' profiles, by gear
+        self.rent_offs: dict[Gear, float] = {}  # GPU-equivalents others time-slice, by gear (`value`)
         self.output_p99 = workload.output_quantile(0.99)
         self.ignore_cooldown = False  # a staged switch could not go on: its first stage was never meant to stay
         self.direct_only = False  # ... and no new staged path from it (no loop of first stages)
@@ -170,7 +172,17 @@ class Weighing:
                         at_margin=self.at_load(gear, load, known))
 
     # --- gain against cost ---------------------------------------------------------------------
-    def gain(self, est: Estimate, cost: SwitchCost) -> float:
+    def value(self, gear: Gear | None, est: Estimate | None, rent: float) -> float:
+        """`gear`'s goodput less `rent` per GPU it pays for (`measures.rent_off`: a share of the
+        GPUs other deployments time-slice)."""
+        if gear is None or est is None:
+            return _value(est, rent)
+        off = self.rent_offs.get(gear)
+        if off is None:
+            off = self.rent_offs[gear] = rent_off(gear, self.snapshot)
+        return _value(est, rent, off)
+
+    def gain(self, gear: Gear, est: Estimate, cost: SwitchCost) -> float:
         """(value - current value) x the horizon left once the new gear carries the load; rent only
         trades GPUs against tokens once the SLOs are met (package docstring). Leaving an overloaded
         gear gains at least the throughput it leaves unserved that the new gear serves.
@@ -182,7 +194,7 @@ class Weighing:
         bigger gear does serve of that load is what leaving is worth at least."""
         charged = self.rent if self.cur_standing else 0.0
         cur = self.cur.estimate
-        per_s = _value(est, charged) - _value(cur, charged)
+        per_s = self.value(gear, est, charged) - self.value(self.current_gear, cur, charged)
         if cur is not None and cur.overloaded:
             per_s = max(per_s, est.throughput_tokens_s - cur.throughput_tokens_s)
         return per_s * max(0.0, self.config.horizon_s - cost.time_to_effect_s)
@@ -198,8 +210,8 @@ class Weighing:
         if cost is None:
             cost = switch_cost(self.current_gear, gear, self.spec, self.snapshot, self.workload,
                                current_estimate=cur.estimate, target_estimate=est, eff=self.eff, profiles=known)
-        value = _value(est, self.rent)
-        gain = self.gain(est, cost)
+        value = self.value(gear, est, self.rent)
+        gain = self.gain(gear, est, cost)
         threshold = cost.tokens * self.factor
         return make_frozen(CandidateEval, {"gear": gear, "estimate": est, "value_tokens_s": value, "gain_tokens": gain,
                                            "cost": cost, "threshold_tokens": threshold, "passes": gain > threshold,
@@ -207,7 +219,7 @@ class Weighing:
 
     def repriced(self, e: CandidateEval, cost: SwitchCost, path: SwitchPath) -> CandidateEval:
         """`e` weighed again with another cost (its path's): the estimate and standing are the gear's."""
-        gain = self.gain(e.estimate, cost)
+        gain = self.gain(e.gear, e.estimate, cost)
         threshold = cost.tokens * self.factor
         return replace(e, cost=cost, gain_tokens=gain, threshold_tokens=threshold, passes=gain > threshold, path=path)
 
@@ -357,7 +369,8 @@ class Weighing:
             factor=self.factor,
             current_gear_id=self.cur_id,
             current_valid=self.cur.valid,
-            current_value_tokens_s=value if value is not None else _value(self.cur.estimate, self.rent),
+            current_value_tokens_s=value if value is not None else self.value(self.current_gear, self.cur.estimate,
+                                                                              self.rent),
             current_estimate=self.cur.estimate,
             target=target,
             workload=self.planned.workload,

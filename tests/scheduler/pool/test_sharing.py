@@ -9,10 +9,13 @@ import pytest
 from scheduler.booking import plans_memory
 from scheduler.control import ControlLoop, FleetState, LoopConfig
 from scheduler.costmodel import decode_step_s
+from scheduler.gearbox import DEFAULT_CONFIG, decide
+from scheduler.gearbox.measures import _value, rent_off
 from scheduler.plan import MEM_FRACTION, validate_plan
 from scheduler.pool.sharing import MAX_MODELS_PER_GPU, shared_snapshot, sharing_conflicts
 from tests.scheduler.builders import one_plan_gear, tp_plan
-from tests.scheduler.control.test_loop import M70, NOW, fleet, state, tp8
+from tests.scheduler.control.test_loop import M70, NOW, fleet, state, tp8, window
+from tests.scheduler.test_gearbox import deployment
 
 A2 = tp8("a2")
 A2_GPUS = frozenset(A2.gpu_uuids)
@@ -102,3 +105,27 @@ def test_a_gpu_another_deployment_holds_is_priced_at_its_time_slice_of_compute()
     # a GPU nobody else holds keeps its full speed in the view
     other = next(g.uuid for g in base.gpus if g.uuid not in A2_GPUS)
     assert view.gpu_by_uuid[other].compute_share == 1.0
+
+
+def test_a_gpu_another_deployment_holds_is_rented_at_its_share_by_the_joiner_and_the_incumbent_alike() -> None:
+    booked = plans_memory(A2.plans, M70)
+    base = fleet()
+    joiner = shared_snapshot(base, "me", {"other": A2_GPUS}, {"other": booked})
+    incumbent = shared_snapshot(base, "other", {"other": A2_GPUS, "me": A2_GPUS}, {"other": booked, "me": booked},
+                                own_bytes=booked)
+    assert rent_off(A2, base) == 0.0  # nobody else there: it pays for all eight
+    assert rent_off(A2, joiner) == rent_off(A2, incumbent) == pytest.approx(4.0)  # half of each of the eight
+    # a gear on GPUs nobody else holds pays its whole rent in the same view
+    assert rent_off(tp8("a1"), joiner) == 0.0
+    assert _value(None, 100.0, 4.0) == 0.0
+
+
+def test_the_gearbox_charges_a_shared_gear_the_rent_of_its_share() -> None:
+    booked = plans_memory(A2.plans, M70)
+    view = shared_snapshot(fleet(), "other", {"other": A2_GPUS, "me": A2_GPUS}, {"other": booked, "me": booked},
+                           own_bytes=booked)
+    d = decide(deployment(), A2, view, window(3.0), NOW, model=M70)
+    est, w = d.current_estimate, d.workload
+    assert est is not None and w is not None and est.gpus == 8
+    rent = DEFAULT_CONFIG.gpu_rent * est.capacity_rps * w.output_tokens_mean / est.gpus
+    assert d.current_value_tokens_s == pytest.approx(est.goodput_tokens_s - rent * 4)  # eight GPUs, half of each
