@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import F
+from django.db import connection, transaction
 
 from agents.protocol import CommandKind, NodeCommandKind, RegisterRequest, Report, SchemaError, check_result
 from console.accounts.auth import hash_token
 from console.audit.chain import actor_of, record
 from console.fleet import doorbell, links, live, writes
-from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
+from console.fleet.models import AgentCommand, Gpu, Node
 
 
 class Rejected(Exception):
@@ -43,6 +42,10 @@ def enroll_token_matches(token: str) -> bool:
     return bool(expected) and hmac.compare_digest(token.encode(), expected.encode())
 
 
+def unknown_token() -> Rejected:
+    return Rejected(401, {"Authorization": "unknown agent token"})
+
+
 def node_for_token(token: str, *, only: tuple[str, ...] = ()) -> Node | None:
     """The node whose agent token this is. `only`: just these columns (the long poll needs its id
     alone; a field left out is read with a query of its own when touched)."""
@@ -51,6 +54,45 @@ def node_for_token(token: str, *, only: tuple[str, ...] = ()) -> Node | None:
     # No ORDER BY (first() would sort the one match by pk): every agent call starts here (issue 19)
     rows = Node.objects.filter(token_hash=hash_token(token)).order_by()
     return next(iter((rows.only(*only) if only else rows)[:1]), None)
+
+
+@dataclass(frozen=True)
+class AgentRef:
+    """The node an agent token was found to belong to: what a report is claimed with."""
+
+    pk: int
+    node_id: str
+    token_hash: str
+
+
+_agents: dict[str, AgentRef] = {}  # token hash -> AgentRef, this process's (agent_for_token)
+AGENTS_REMEMBERED = 20_000  # past this many tokens the memory starts again: a bound, not a policy
+
+
+def agent_for_token(token: str, *, remembered: bool = True) -> AgentRef | None:
+    """The node an agent token belongs to, remembered by this process: a fleet's reports skip the
+    query (issue 19). Only for a report: do_ingest_report reads the node's row, locked, and refuses
+    the report (401) when the hash is not the node's any more - rotated or revoked since, by any
+    process - so a remembered token never writes. The long poll and the ack read and write without
+    such a check: they use node_for_token."""
+    if not token:
+        return None
+    digest = hash_token(token)
+    if remembered and (ref := _agents.get(digest)) is not None:
+        return ref
+    row = next(iter(Node.objects.filter(token_hash=digest).order_by().values_list("pk", "node_id")[:1]), None)
+    if row is None:
+        _agents.pop(digest, None)
+        return None
+    if len(_agents) >= AGENTS_REMEMBERED:
+        _agents.clear()
+    ref = _agents[digest] = AgentRef(row[0], row[1], digest)
+    return ref
+
+
+def forget_agents() -> None:
+    """Forget every remembered token (tests; the memory is only ever an optimisation)."""
+    _agents.clear()
 
 
 @dataclass(frozen=True)
@@ -183,23 +225,23 @@ def _lost_on(node: Node, listed: Iterable[str], *, judged_after: datetime | None
     return {pid: node.epoch for pid in sorted(missing)}
 
 
-def _note_lost_plans(node: Node, report: Report, *, now: datetime) -> list[str]:
-    """A report that lists the plans its agent runs (after the claim, in its transaction): the
-    plans placed here that it does not run any more are noted lost, in the same place a
-    registration notes them (Node.lost_plans; the gearbox drops them). Returns those newly lost."""
+def _note_lost_plans(row: Node, report: Report, *, now: datetime) -> list[str]:
+    """A report that lists the plans its agent runs (after the claim, in its transaction; `row`:
+    the node as the report read it, locked, so before its claim): the plans placed here that it
+    does not run any more are noted lost, in the same place a registration notes them
+    (Node.lost_plans; the gearbox drops them). Returns those newly lost."""
     assert report.plans is not None  # noqa: S101 - the caller checks
-    row = Node.objects.only("pk", "node_id", "epoch", "registered_at", "prev_reported_at", "lost_plans").get(
-        pk=node.pk)
-    since = max(t for t in (row.prev_reported_at, row.registered_at) if t is not None)
+    # the previous report's time (the claim made it prev_reported_at), or the registration's
+    since = max(t for t in (row.reported_at, row.registered_at) if t is not None)
     lost = _lost_on(row, report.plans, judged_after=since)
     before = dict(row.lost_plans or {})
     if not lost and not before:
         return []
-    Node.objects.filter(pk=node.pk).update(lost_plans=lost, lost_at=now)
+    Node.objects.filter(pk=row.pk).update(lost_plans=lost, lost_at=now)
     new = [pid for pid in lost if pid not in before]
     if new:
-        record("fleet.plans_lost", actor=actor_of(agent=node.node_id), at=now,
-               summary=f"{node.node_id} reports it no longer runs {len(new)} plan(s) placed there: {', '.join(new)}",
+        record("fleet.plans_lost", actor=actor_of(agent=row.node_id), at=now,
+               summary=f"{row.node_id} reports it no longer runs {len(new)} plan(s) placed there: {', '.join(new)}",
                data={"epoch": row.epoch, "seq": report.seq, "plans": new, "listed": list(report.plans)})
     return new
 
@@ -208,8 +250,11 @@ def _plans_routed_to(node_id: str) -> set[str]:
     """Plans some deployment's routing table says run (partly) on this node."""
     from console.gearbox.models import Deployment  # the gearbox builds on the fleet, not the reverse
 
+    deployments = Deployment.objects.all()
+    if connection.vendor == "postgresql":  # jsonb @>: only the deployments with a route here leave the database
+        deployments = deployments.filter(routing__contains=[{"nodes": [node_id]}])
     out: set[str] = set()
-    for routing in Deployment.objects.values_list("routing", flat=True):
+    for routing in deployments.values_list("routing", flat=True):
         for route in routing or ():
             if isinstance(route, dict) and node_id in (route.get("nodes") or ()):
                 out.add(str(route.get("plan_id", "")))
@@ -218,39 +263,48 @@ def _plans_routed_to(node_id: str) -> set[str]:
 
 
 @transaction.atomic
-def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
-    """Store one report: latest GPU state, a history sample per GPU, links, engine metrics.
+def do_ingest_report(agent: Node | AgentRef, report: Report, *, now: datetime) -> int:
+    """Store one report of `agent` (the node its token was found to belong to, or the node itself):
+    latest GPU state, a history sample per changed GPU, links, engine metrics.
 
     Invariant: a report is applied entirely or not at all, and only if its (epoch, seq) is
-    newer than everything accepted before — the conditional update below claims the seq, and a
-    rejection raised after it rolls the claim back with the rest.
+    newer than everything accepted before and the token it came with is still its node's - the
+    conditional update below claims the seq, and a rejection raised after it rolls the claim back
+    with the rest.
     """
-    if report.node_id != node.node_id:
-        raise Rejected(403, {"node_id": f"this agent token belongs to node {node.node_id!r}"})
-    gpus = {g.uuid: g for g in Gpu.objects.filter(node=node, present=True).order_by()}  # (Meta.ordering joins node)
+    # The node's row locked (what it says holds until this commits), its GPUs, and on PostgreSQL an
+    # asynchronous commit (https://www.postgresql.org/docs/current/wal-async-commit.html): a WAL
+    # flush is a millisecond at best and tens behind another writer's, per report. What it risks: a
+    # crash of the database server itself may forget the reports committed in its last moments (at
+    # most 3 x wal_writer_delay, 600 ms by default), never part of one. The agent hears of the crash
+    # as a failed report and sends a full one next (agents/protocol/), which says again all that was
+    # forgotten, with a seq newer than any forgotten. Only reports: registrations, acks and
+    # operators' writes wait for the disk.
+    locked, rows = writes.node_with_gpus(agent.pk, commit_async=True)
+    gpus = {g.uuid: g for g in rows}
+    if locked is None or locked.token_hash != agent.token_hash:  # rotated or revoked since agent_for_token saw it
+        _agents.pop(agent.token_hash, None)
+        raise unknown_token()
+    if report.node_id != locked.node_id:
+        raise Rejected(403, {"node_id": f"this agent token belongs to node {locked.node_id!r}"})
     strangers = [g.uuid for g in report.gpus if g.uuid not in gpus]
     if strangers:
         owners = dict(Gpu.objects.filter(uuid__in=strangers, present=True).values_list("uuid", "node__node_id"))
-        others = {f"gpus[{i}].uuid": f"GPU {g.uuid!r} belongs to node {owners[g.uuid]!r}, not to {node.node_id}"
+        others = {f"gpus[{i}].uuid": f"GPU {g.uuid!r} belongs to node {owners[g.uuid]!r}, not to {locked.node_id}"
                   for i, g in enumerate(report.gpus) if g.uuid in owners}
         if others:
             raise Rejected(403, others)
-        raise Rejected(400, {f"gpus[{i}].uuid": f"GPU {g.uuid!r} is not registered on {node.node_id}; register again"
+        raise Rejected(400, {f"gpus[{i}].uuid": f"GPU {g.uuid!r} is not registered on {locked.node_id}; register again"
                              for i, g in enumerate(report.gpus) if g.uuid not in gpus})
     if report.links or report.collectives:
         strangers = links.unknown_peers(report, set(Node.objects.values_list("node_id", flat=True)))
         if strangers:
             raise Rejected(400, strangers)
 
-    claimed = Node.objects.filter(pk=node.pk, epoch=report.epoch, last_seq__lt=report.seq).update(
-        last_seq=report.seq,
-        last_seen_at=now,
-        prev_reported_at=F("reported_at"),
-        reported_at=now,
-        engines=[e.__dict__ for e in report.engines],
-    )
-    if claimed != 1:
-        current = Node.objects.values("epoch", "last_seq").get(pk=node.pk)
+    claimed = writes.claim_report(locked.pk, token_hash=locked.token_hash, epoch=report.epoch, seq=report.seq,
+                                  now=now, engines=[e.__dict__ for e in report.engines])
+    if not claimed:
+        current = Node.objects.values("epoch", "last_seq").get(pk=locked.pk)
         if report.epoch != current["epoch"]:
             raise Rejected(409, {"epoch": f"stale epoch {report.epoch}; the current one is {current['epoch']}"})
         raise Rejected(409, {"seq": f"stale seq {report.seq}; last accepted is {current['last_seq']}"})
@@ -258,10 +312,9 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
     # Only what changed is written (issue 19: a report's cost grows with its change, not with the node):
     # a GPU whose state the report repeats keeps its row and gets no history sample; the node's
     # reported_at says it was seen. A delta report (report.full is False) lists only changed GPUs anyway.
-    was_schedulable = node.schedulable
+    was_schedulable = locked.schedulable
     topology_changed = False
     changed: list[Gpu] = []
-    samples: list[GpuSample] = []
     for g in report.gpus:
         row = gpus[g.uuid]
         state = (g.mem_used_bytes, g.mem_total_bytes, g.sm_util, g.temperature_c, g.healthy, g.allocatable,
@@ -274,34 +327,29 @@ def do_ingest_report(node: Node, report: Report, *, now: datetime) -> int:
          row.xid_errors, row.ecc_errors) = state
         row.updated_at = now
         changed.append(row)
-        samples.append(GpuSample(gpu=row, at=now, mem_used_bytes=g.mem_used_bytes, sm_util=g.sm_util,
-                                 temperature_c=g.temperature_c, healthy=g.healthy, allocatable=g.allocatable))
-    if changed:
-        writes.update_gpu_states(changed, now=now)
-        GpuSample.objects.bulk_create(samples)  # bounded by the beat's fleet.prune_history (console/fleet/retention.py)
+    writes.update_gpu_states(changed, now=now)
+    writes.insert_samples(changed, now=now)
 
-    links.store_links(node, report, now=now)
+    links.store_links(locked, report, now=now)
     # Plans that died under the running agent: a topology event, as for an agent that came back without them
-    if report.plans is not None and _note_lost_plans(node, report, now=now):
+    if report.plans is not None and _note_lost_plans(locked, report, now=now):
         topology_changed = True
 
     # A node that speaks again after a heartbeat timeout is back in the pool.
     if not was_schedulable:
-        back = Node.objects.filter(pk=node.pk, schedulable=False).update(schedulable=True, unschedulable_reason="")
+        back = Node.objects.filter(pk=locked.pk, schedulable=False).update(schedulable=True, unschedulable_reason="")
         if back:
             topology_changed = True
-            record("fleet.node_schedulable", actor=actor_of(agent=node.node_id), at=now,
-                   summary=f"{node.node_id} reports again: schedulable")
+            record("fleet.node_schedulable", actor=actor_of(agent=locked.node_id), at=now,
+                   summary=f"{locked.node_id} reports again: schedulable")
     # The live delta from what is in memory - no reading back - sent by the process's pusher thread
     # (console/fleet/pusher.py) once this commits; the gearbox hears of a topology change at once.
-    node.last_seq, node.last_seen_at, node.reported_at = report.seq, now, now
-    node.engines = [e.__dict__ for e in report.engines]
+    locked.last_seq, locked.last_seen_at, locked.reported_at = report.seq, now, now
+    locked.engines = [e.__dict__ for e in report.engines]
     if not was_schedulable and topology_changed:
-        node.schedulable, node.unschedulable_reason = True, ""
-    for row in changed:
-        row.node = node
-    delta = {"nodes": [live.node_payload(node)], "gpus": [live.gpu_payload(row) for row in changed]}
-    transaction.on_commit(lambda: live.push_report(delta, node_id=node.node_id, topology_changed=topology_changed))
+        locked.schedulable, locked.unschedulable_reason = True, ""
+    delta = {"nodes": [live.node_payload(locked)], "gpus": [live.gpu_payload(row) for row in changed]}
+    transaction.on_commit(lambda: live.push_report(delta, node_id=locked.node_id, topology_changed=topology_changed))
     return report.seq
 
 
@@ -382,6 +430,7 @@ def do_ack_command(node: Node, command_id: int, *, status: str, detail: str, res
 
 
 __all__ = [
+    "AgentRef",
     "Rejected",
     "Registration",
     "do_ack_command",
@@ -390,8 +439,11 @@ __all__ = [
     "do_issue_command",
     "do_register_node",
     "do_sweep_heartbeats",
+    "agent_for_token",
+    "forget_agents",
     "hash_token",
     "mark_delivered",
     "node_for_token",
     "open_commands",
+    "unknown_token",
 ]

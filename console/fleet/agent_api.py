@@ -59,13 +59,17 @@ def _json_body(request: HttpRequest) -> Any:
     return body
 
 
-def _authenticated_node(request: HttpRequest, *, only: tuple[str, ...] = ()) -> Node:
+def _agent_token(request: HttpRequest) -> str:
     token = _bearer(request)
     if not token:
         raise actions.Rejected(401, {"Authorization": "missing; send 'Authorization: Bearer <agent token>'"})
-    node = actions.node_for_token(token, only=only)
+    return token
+
+
+def _authenticated_node(request: HttpRequest, *, only: tuple[str, ...] = ()) -> Node:
+    node = actions.node_for_token(_agent_token(request), only=only)
     if node is None:
-        raise actions.Rejected(401, {"Authorization": "unknown agent token"})
+        raise actions.unknown_token()
     return node
 
 
@@ -95,9 +99,18 @@ def register(request: HttpRequest) -> JsonResponse:
 @require_POST
 def report(request: HttpRequest) -> JsonResponse:
     try:
-        node = _authenticated_node(request)
+        token = _agent_token(request)
+        agent = actions.agent_for_token(token)  # remembered: the report's own claim checks the token
+        if agent is None:
+            raise actions.unknown_token()
         rep = parse_report(_json_body(request))
-        seq = actions.do_ingest_report(node, rep, now=timezone.now())
+        try:
+            seq = actions.do_ingest_report(agent, rep, now=timezone.now())
+        except actions.Rejected as exc:
+            # The token this process remembered is not that node's any more: the database says whose it is
+            if exc.status != 401 or (agent := actions.agent_for_token(token, remembered=False)) is None:
+                raise
+            seq = actions.do_ingest_report(agent, rep, now=timezone.now())
     except SchemaError as exc:
         return _error(400, exc.errors)
     except actions.Rejected as exc:

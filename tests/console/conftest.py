@@ -13,6 +13,14 @@ def _join_token(settings: Any) -> None:
     settings.FLEXPIPE_ENROLL_TOKEN = JOIN_TOKEN
 
 
+@pytest.fixture(autouse=True)
+def _no_remembered_tokens() -> None:
+    """Each test starts with a process that knows no agent token (actions.agent_for_token)."""
+    from console.fleet.actions import forget_agents
+
+    forget_agents()
+
+
 class AgentHTTP:
     """A registered agent talking to the console through Django's test client."""
 

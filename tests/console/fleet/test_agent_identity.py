@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from django.test import Client
 
+from console.accounts.auth import hash_token
 from console.audit.models import AuditEntry
 from console.fleet.models import AgentCommand, Gpu, Node
-from tests.builders import JOIN_TOKEN, gpu_info, register_body, report_body
+from tests.builders import GIB, JOIN_TOKEN, gpu_info, register_body, report_body
 from tests.console.conftest import AgentHTTP, enroll
 
 pytestmark = pytest.mark.django_db
@@ -112,3 +113,33 @@ def test_make_run_issues_a_token_to_an_enrolled_demo_node_whose_agent_kept_none(
     assert AuditEntry.objects.filter(event_type="fleet.agent_token_issued", actor="system:make run").count() == 1
     call_command("ensure_agent_tokens", str(scenario), str(tmp_path))  # kept: nothing issued again
     assert AuditEntry.objects.filter(event_type="fleet.agent_token_issued").count() == 1
+
+
+class TestARememberedToken:
+    """The agent API remembers which node a token is (actions.agent_for_token: a report skips that
+    query); the database still has the last word, in the report's own locked read."""
+
+    def test_stops_working_the_moment_it_is_rotated_and_the_report_changes_nothing(
+            self, victim: AgentHTTP) -> None:
+        assert victim.post("/agent/v1/report", report_body("b1", epoch=victim.epoch, seq=1, gpus=2)).status_code == 200
+        # rotated as another process would (the operator's API runs in the console's process): only the row changes
+        Node.objects.filter(node_id="b1").update(token_hash=hash_token("fpa_rotated"))
+        body = report_body("b1", epoch=victim.epoch, seq=2, gpus=2, used_gib=70)
+        resp = victim.post("/agent/v1/report", body)
+        assert resp.status_code == 401 and resp.json()["errors"] == {"Authorization": "unknown agent token"}
+        assert Node.objects.get(node_id="b1").last_seq == 1
+        assert set(Gpu.objects.filter(node__node_id="b1").values_list("mem_used_bytes", flat=True)) != {70 * GIB}
+        assert victim.post("/agent/v1/report", body, token="fpa_rotated").status_code == 200
+
+    def test_that_moved_to_another_row_is_looked_up_again_not_refused(self, client: Client, victim: AgentHTTP) -> None:
+        assert victim.post("/agent/v1/report", report_body("b1", epoch=victim.epoch, seq=1, gpus=2)).status_code == 200
+        other = enroll(client, "c1", gpus=2)
+        # the token is c1's now (as after a database restored under a running console): the row says so
+        Node.objects.filter(node_id="b1").update(token_hash=hash_token("fpa_elsewhere"))
+        Node.objects.filter(node_id="c1").update(token_hash=hash_token(victim.token))
+        resp = victim.post("/agent/v1/report", report_body("c1", epoch=other.epoch, seq=1, gpus=2))
+        assert resp.status_code == 200, resp.content
+        assert Node.objects.get(node_id="c1").last_seq == 1 and Node.objects.get(node_id="b1").last_seq == 1
+        # and it no longer speaks for b1
+        resp = victim.post("/agent/v1/report", report_body("b1", epoch=victim.epoch, seq=2, gpus=2))
+        assert resp.status_code == 403 and "belongs to node 'c1'" in resp.json()["errors"]["node_id"]

@@ -48,6 +48,25 @@ class TestWritesFollowTheChange:
         assert node.reported_at is not None and node.prev_reported_at is not None
         assert Gpu.objects.get(uuid="GPU-b1-3").mem_used_bytes == 33 * GIB
 
+    def test_a_report_from_a_token_the_process_knows_reads_its_node_once_with_its_gpus(
+            self, client: Client) -> None:
+        agent = enroll(client, "q1", gpus=8)
+        assert agent.post("/agent/v1/report", report_body("q1", seq=1, gpus=8)).status_code == 200
+        body = report_body("q1", seq=2, gpus=8)
+        body["gpus"][5]["sm_util"] = 0.9
+        body["plans"] = []
+        with CaptureQueriesContext(connection) as ctx:
+            assert agent.post("/agent/v1/report", body).status_code == 200
+        sql = [q["sql"] for q in ctx.captured_queries]
+        reads = [q for q in sql if q.lstrip().upper().startswith("SELECT")]
+        # the node's row rides on its GPUs' (no lookup by token), and the plans' check reads only the routing
+        assert len(reads) == 2, reads
+        assert '"fleet_gpu"' in reads[0] and '"fleet_node"' in reads[0] and '"token_hash"' in reads[0]
+        assert '"gearbox_deployment"' in reads[1]
+        if connection.vendor == "postgresql":
+            assert reads[0].endswith("FOR UPDATE OF n")  # what it read of the node holds until it commits
+            assert "set_config('synchronous_commit', 'off', true)" in reads[0]  # no waiting for the disk
+
     def test_each_changed_gpu_gets_its_own_values_in_every_field(self, client: Client) -> None:
         # console/fleet/writes.py writes the rows in plain SQL, one parameter set per row: a value
         # must land in its own row and column, and the rows the report repeats keep theirs
