@@ -324,6 +324,16 @@ class TestCommands:
         cmd.refresh_from_db()
         assert cmd.state == "pending"
 
+    def test_the_text_of_an_escape_is_not_a_nul_and_is_kept(self, agent: AgentHTTP) -> None:
+        # a backslash then "u0000": the body holds the six characters escaped, which the refusal's
+        # quick look (agent_api._json_body) sees; the walk over the values finds no NUL, so it is kept
+        cmd = self.issue()
+        resp = agent.post(f"/agent/v1/commands/{cmd.pk}/ack",
+                          {"protocol": 1, "status": "ok", "detail": "path C:\\u0000x", "result": {}})
+        assert resp.status_code == 200, resp.content
+        cmd.refresh_from_db()
+        assert cmd.detail == "path C:\\u0000x"
+
     def test_an_agent_cannot_ack_another_nodes_command(self, agent: AgentHTTP, client: Client) -> None:
         enroll(client, "b1")
         cmd = self.issue("b1", key="k-b1")
