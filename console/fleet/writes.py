@@ -9,6 +9,8 @@ bulk_update, for instance, writes each field as a CASE WHEN over the rows' ids. 
 statement is a fixed parameterised string - the same SQL on PostgreSQL and SQLite, names quoted
 from the models - and the values read go through the converters Django's compiler would apply,
 so they arrive as the ORM would give them. executemany is pipelined by psycopg: one round trip.
+Each statement is built once per kind of database (`_sql`), and a function looks the connection up
+once (django.db.connection is a proxy that finds the thread's connection at every attribute).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import connection, models
+from django.db import DEFAULT_DB_ALIAS, connections, models
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from console.fleet.models import Gpu, GpuSample, Node
 
@@ -39,33 +42,73 @@ GPU_READ = _in_model_order(Gpu, {"id", "node", "uuid", "index", "model", "nvlink
 SAMPLE_FIELDS = ("gpu", "at", "mem_used_bytes", "sm_util", "temperature_c", "healthy", "allocatable")
 
 
-def _q(name: str) -> str:
-    return connection.ops.quote_name(name)
+def _db() -> BaseDatabaseWrapper:
+    return connections[DEFAULT_DB_ALIAS]
 
 
-def _cols(model: type[models.Model], names: Sequence[str], alias: str = "") -> list[str]:
+def _cols(db: BaseDatabaseWrapper, model: type[models.Model], names: Sequence[str], alias: str = "") -> list[str]:
     prefix = f"{alias}." if alias else ""
-    return [prefix + _q(model._meta.get_field(n).column) for n in names]
+    return [prefix + db.ops.quote_name(model._meta.get_field(n).column) for n in names]
 
 
-def _loader(model: type[models.Model], names: Sequence[str]) -> list[tuple[Any, list[Any]]]:
-    """Per column, the expression and the converters Django's compiler applies to it (SQLCompiler.get_converters)."""
-    out = []
-    for name in names:
-        col = model._meta.get_field(name).get_col(model._meta.db_table)
-        out.append((col, connection.ops.get_db_converters(col) + col.get_db_converters(connection)))
-    return out
+def _table(db: BaseDatabaseWrapper, model: type[models.Model]) -> str:
+    return str(db.ops.quote_name(model._meta.db_table))
 
 
-def _instance(model: type[models.Model], names: Sequence[str], loader: list[tuple[Any, list[Any]]],
-              values: Sequence[Any]) -> Any:
-    converted = []
-    for (col, converters), value in zip(loader, values, strict=True):
-        for convert in converters:
-            value = convert(value, col, connection)
-        converted.append(value)
-    # as the ORM's rows: saved, from this database; a field not read is deferred (read if touched)
-    return model.from_db(connection.alias, [model._meta.get_field(n).attname for n in names], converted)
+_statements: dict[tuple[str, str], str] = {}  # (vendor, statement) -> SQL
+
+
+def _sql(db: BaseDatabaseWrapper, statement: str) -> str:
+    """The statement's SQL for this kind of database, built the first time it is asked for."""
+    key = (db.vendor, statement)
+    if key not in _statements:
+        _statements[key] = _build(db, statement)
+    return _statements[key]
+
+
+def _build(db: BaseDatabaseWrapper, statement: str) -> str:
+    if statement in ("read", "read+async"):
+        node_pk, gpu_node = _cols(db, Node, ("id",), "n")[0], _cols(db, Gpu, ("node",), "g")[0]
+        setting = "set_config('synchronous_commit', 'off', true), " if statement == "read+async" else ""
+        lock = " FOR UPDATE OF n" if db.features.has_select_for_update_of else ""
+        return (f"SELECT {setting}{', '.join(_cols(db, Node, NODE_READ, 'n') + _cols(db, Gpu, GPU_READ, 'g'))} "  # noqa: S608 - names from the models
+                f"FROM {_table(db, Node)} n LEFT JOIN {_table(db, Gpu)} g ON {gpu_node} = {node_pk} "
+                f"AND {_cols(db, Gpu, ('present',), 'g')[0]} = %s WHERE {node_pk} = %s{lock}")
+    if statement == "claim":
+        sets = ", ".join(f"{c} = %s" for c in _cols(db, Node, ("last_seq", "last_seen_at", "reported_at", "engines")))
+        prev, reported, pk, token, epoch, seq = _cols(
+            db, Node, ("prev_reported_at", "reported_at", "id", "token_hash", "epoch", "last_seq"))
+        return (f"UPDATE {_table(db, Node)} SET {prev} = {reported}, {sets} "  # noqa: S608 - names from the model
+                f"WHERE {pk} = %s AND {token} = %s AND {epoch} = %s AND {seq} < %s")
+    if statement == "gpu_states":
+        sets = ", ".join(f"{c} = %s" for c in _cols(db, Gpu, STATE_FIELDS))
+        return f"UPDATE {_table(db, Gpu)} SET {sets} WHERE {_cols(db, Gpu, ('id',))[0]} = %s"  # noqa: S608
+    if statement == "samples":
+        return (f"INSERT INTO {_table(db, GpuSample)} ({', '.join(_cols(db, GpuSample, SAMPLE_FIELDS))}) "  # noqa: S608
+                f"VALUES ({', '.join(['%s'] * len(SAMPLE_FIELDS))})")
+    raise ValueError(f"statement: unknown {statement!r}")
+
+
+class _Rows:
+    """Rows of one model read in plain SQL, made into instances as the ORM makes them."""
+
+    def __init__(self, db: BaseDatabaseWrapper, model: type[models.Model], names: Sequence[str]) -> None:
+        self.db, self.model = db, model
+        self.attnames = [model._meta.get_field(n).attname for n in names]
+        # per column, the expression and the converters Django's compiler applies (SQLCompiler.get_converters)
+        self.columns = []
+        for name in names:
+            col = model._meta.get_field(name).get_col(model._meta.db_table)
+            self.columns.append((col, db.ops.get_db_converters(col) + col.get_db_converters(db)))
+
+    def instance(self, values: Sequence[Any]) -> Any:
+        converted = []
+        for (col, converters), value in zip(self.columns, values, strict=True):
+            for convert in converters:
+                value = convert(value, col, self.db)
+            converted.append(value)
+        # saved, from this database; a field not read is deferred (read if touched)
+        return self.model.from_db(self.db.alias, self.attnames, converted)
 
 
 def node_with_gpus(pk: int, *, commit_async: bool = False) -> tuple[Node | None, list[Gpu]]:
@@ -73,28 +116,21 @@ def node_with_gpus(pk: int, *, commit_async: bool = False) -> tuple[Node | None,
     present GPUs, in one query; each GPU's `node` is that row. `commit_async`: on PostgreSQL the
     same query also tells this transaction not to wait for its WAL flush (set_config, is_local:
     SET LOCAL without a round trip of its own; the caller says why it may)."""
-    node_t, gpu_t = _q(Node._meta.db_table), _q(Gpu._meta.db_table)
-    gpu_node, gpu_present = _q(Gpu._meta.get_field("node").column), _q(Gpu._meta.get_field("present").column)
-    lock = " FOR UPDATE OF n" if connection.features.has_select_for_update_of else ""
-    setting = ("set_config('synchronous_commit', 'off', true), "
-               if commit_async and connection.vendor == "postgresql" else "")
-    first = 1 if setting else 0
-    sql = (f"SELECT {setting}{', '.join(_cols(Node, NODE_READ, 'n') + _cols(Gpu, GPU_READ, 'g'))} "  # noqa: S608 - names from the models
-           f"FROM {node_t} n LEFT JOIN {gpu_t} g ON g.{gpu_node} = n.{_q(Node._meta.pk.column)} AND g.{gpu_present} = %s "
-           f"WHERE n.{_q(Node._meta.pk.column)} = %s{lock}")
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [True, pk])
-        rows = [row[first:] for row in cursor.fetchall()]
+    db = _db()
+    setting = commit_async and db.vendor == "postgresql"
+    with db.cursor() as cursor:
+        cursor.execute(_sql(db, "read+async" if setting else "read"), [True, pk])
+        rows = [row[1:] if setting else row for row in cursor.fetchall()]
     if not rows:
         return None, []
     split = len(NODE_READ)
-    node = _instance(Node, NODE_READ, _loader(Node, NODE_READ), rows[0][:split])
-    gpu_loader = _loader(Gpu, GPU_READ)
+    node = _Rows(db, Node, NODE_READ).instance(rows[0][:split])
+    reader = _Rows(db, Gpu, GPU_READ)
     gpus = []
     for row in rows:
         if row[split] is None:  # the outer join's row of a node with no present GPU
             continue
-        gpu = _instance(Gpu, GPU_READ, gpu_loader, row[split:])
+        gpu = reader.instance(row[split:])
         gpu.node = node
         gpus.append(gpu)
     return node, gpus
@@ -103,16 +139,12 @@ def node_with_gpus(pk: int, *, commit_async: bool = False) -> tuple[Node | None,
 def claim_report(pk: int, *, token_hash: str, epoch: int, seq: int, now: datetime, engines: list[Any]) -> bool:
     """Accept report `seq` of this epoch for the node if it is newer than the last accepted and the
     token is still the node's: one conditional update (the claim). Whether it claimed."""
-    f = Node._meta.get_field
-    stamp = connection.ops.adapt_datetimefield_value(now)
-    sets = ", ".join(f"{c} = %s" for c in _cols(Node, ("last_seq", "last_seen_at", "reported_at", "engines")))
-    prev, reported = _cols(Node, ("prev_reported_at", "reported_at"))
-    pk_col, token_col, epoch_col, seq_col = _cols(Node, ("id", "token_hash", "epoch", "last_seq"))
-    sql = (f"UPDATE {_q(Node._meta.db_table)} SET {prev} = {reported}, {sets} "  # noqa: S608 - names from the model
-           f"WHERE {pk_col} = %s AND {token_col} = %s AND {epoch_col} = %s AND {seq_col} < %s")
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [seq, stamp, stamp, f("engines").get_db_prep_value(engines, connection),
-                             pk, token_hash, epoch, seq])
+    db = _db()
+    stamp = db.ops.adapt_datetimefield_value(now)
+    with db.cursor() as cursor:
+        cursor.execute(_sql(db, "claim"), [
+            seq, stamp, stamp, Node._meta.get_field("engines").get_db_prep_value(engines, db),
+            pk, token_hash, epoch, seq])
         return cursor.rowcount == 1
 
 
@@ -120,13 +152,12 @@ def update_gpu_states(rows: list[Gpu], *, now: datetime) -> None:
     """Write STATE_FIELDS of these rows (their in-memory values; updated_at = now)."""
     if not rows:
         return
-    stamp = connection.ops.adapt_datetimefield_value(now)
-    params = [(r.mem_used_bytes, r.mem_total_bytes, r.sm_util, r.temperature_c, r.healthy, r.allocatable,
-               r.xid_errors, r.ecc_errors, stamp, r.pk) for r in rows]
-    sets = ", ".join(f"{c} = %s" for c in _cols(Gpu, STATE_FIELDS))
-    sql = f"UPDATE {_q(Gpu._meta.db_table)} SET {sets} WHERE {_q(Gpu._meta.pk.column)} = %s"  # noqa: S608 - names from the model
-    with connection.cursor() as cursor:
-        cursor.executemany(sql, params)
+    db = _db()
+    stamp = db.ops.adapt_datetimefield_value(now)
+    with db.cursor() as cursor:
+        cursor.executemany(_sql(db, "gpu_states"), [
+            (r.mem_used_bytes, r.mem_total_bytes, r.sm_util, r.temperature_c, r.healthy, r.allocatable,
+             r.xid_errors, r.ecc_errors, stamp, r.pk) for r in rows])
 
 
 def insert_samples(rows: list[Gpu], *, now: datetime) -> None:
@@ -134,9 +165,8 @@ def insert_samples(rows: list[Gpu], *, now: datetime) -> None:
     fleet.prune_history, console/fleet/retention.py)."""
     if not rows:
         return
-    stamp = connection.ops.adapt_datetimefield_value(now)
-    sql = (f"INSERT INTO {_q(GpuSample._meta.db_table)} ({', '.join(_cols(GpuSample, SAMPLE_FIELDS))}) "  # noqa: S608
-           f"VALUES ({', '.join(['%s'] * len(SAMPLE_FIELDS))})")
-    with connection.cursor() as cursor:
-        cursor.executemany(sql, [(r.pk, stamp, r.mem_used_bytes, r.sm_util, r.temperature_c, r.healthy, r.allocatable)
-                                 for r in rows])
+    db = _db()
+    stamp = db.ops.adapt_datetimefield_value(now)
+    with db.cursor() as cursor:
+        cursor.executemany(_sql(db, "samples"), [
+            (r.pk, stamp, r.mem_used_bytes, r.sm_util, r.temperature_c, r.healthy, r.allocatable) for r in rows])
