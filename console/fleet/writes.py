@@ -6,8 +6,8 @@ with the machinery for deferred fields and related objects: for a report of one 
 was most of the agent API's CPU (bench.control_plane at 800 agents: one core saturated, a report
 ~15 ms of it; py-spy --gil: the compiler's as_sql and the joined read's model rows on top).
 bulk_update, for instance, writes each field as a CASE WHEN over the rows' ids. Here each
-statement is a fixed parameterised string - the same SQL on PostgreSQL and SQLite, names quoted
-from the models - and the values read go through the converters Django's compiler would apply,
+statement is a fixed parameterised string - the same SQL on PostgreSQL and SQLite but for the
+read's row lock and commit setting, names quoted from the models - and the values read go through the converters Django's compiler would apply,
 so they arrive as the ORM would give them. executemany is pipelined by psycopg: one round trip.
 Each statement is built once per kind of database (`_sql`), and a function looks the connection up
 once (django.db.connection is a proxy that finds the thread's connection at every attribute).
@@ -26,14 +26,16 @@ from console.fleet.models import Gpu, GpuSample, Node
 
 STATE_FIELDS = ("mem_used_bytes", "mem_total_bytes", "sm_util", "temperature_c", "healthy", "allocatable",
                 "xid_errors", "ecc_errors", "updated_at")
-# What a report reads: of its node, the live payload, the token check, whether it was schedulable,
-# what the lost-plans check judges by (not `engines`, which it replaces); of each GPU, its state and
-# the live payload (not custom_spec).
+
+
 def _in_model_order(model: type[models.Model], names: set[str]) -> tuple[str, ...]:
     # Model.from_db takes a subset of the fields in the model's own order
     return tuple(f.name for f in model._meta.concrete_fields if f.name in names)
 
 
+# What a report reads: of its node, the live payload, the token check, whether it was schedulable,
+# what the lost-plans check judges by (not `engines`, which it replaces); of each GPU, its state and
+# the live payload (not custom_spec).
 NODE_READ = _in_model_order(Node, {"id", "node_id", "hostname", "rack", "token_hash", "epoch", "registered_at",
                                    "reported_at", "schedulable", "unschedulable_reason", "lost_plans"})
 GPU_READ = _in_model_order(Gpu, {"id", "node", "uuid", "index", "model", "nvlink_group", "mem_total_bytes",
