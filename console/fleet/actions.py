@@ -327,8 +327,7 @@ def do_ingest_report(agent: Node | AgentRef, report: Report, *, now: datetime) -
          row.xid_errors, row.ecc_errors) = state
         row.updated_at = now
         changed.append(row)
-    writes.update_gpu_states(changed, now=now)
-    writes.insert_samples(changed, now=now)
+    writes.store_changed_gpus(changed, now=now)
 
     links.store_links(locked, report, now=now)
     # Plans that died under the running agent: a topology event, as for an agent that came back without them

@@ -150,8 +150,9 @@ def claim_report(pk: int, *, token_hash: str, epoch: int, seq: int, now: datetim
         return cursor.rowcount == 1
 
 
-def update_gpu_states(rows: list[Gpu], *, now: datetime) -> None:
-    """Write STATE_FIELDS of these rows (their in-memory values; updated_at = now)."""
+def store_changed_gpus(rows: list[Gpu], *, now: datetime) -> None:
+    """Write STATE_FIELDS of these rows (their in-memory values; updated_at = now) and a history
+    sample of each (bounded by the beat's fleet.prune_history, console/fleet/retention.py)."""
     if not rows:
         return
     db = _db()
@@ -160,15 +161,5 @@ def update_gpu_states(rows: list[Gpu], *, now: datetime) -> None:
         cursor.executemany(_sql(db, "gpu_states"), [
             (r.mem_used_bytes, r.mem_total_bytes, r.sm_util, r.temperature_c, r.healthy, r.allocatable,
              r.xid_errors, r.ecc_errors, stamp, r.pk) for r in rows])
-
-
-def insert_samples(rows: list[Gpu], *, now: datetime) -> None:
-    """A history sample of each of these rows' state at `now` (bounded by the beat's
-    fleet.prune_history, console/fleet/retention.py)."""
-    if not rows:
-        return
-    db = _db()
-    stamp = db.ops.adapt_datetimefield_value(now)
-    with db.cursor() as cursor:
         cursor.executemany(_sql(db, "samples"), [
             (r.pk, stamp, r.mem_used_bytes, r.sm_util, r.temperature_c, r.healthy, r.allocatable) for r in rows])
