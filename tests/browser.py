@@ -11,6 +11,10 @@ import pytest
 
 CHROMIUM = os.environ.get("FLEXPIPE_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+# How long a browser test waits for a condition (a selector, a value on the page) before it fails.
+# Only a hang waits this long: a wait returns as soon as its condition holds. It is generous because
+# CI runs the suite with every core busy, where a page that answers in 0.5 s alone took over 5 s.
+WAIT_MS = int(os.environ.get("FLEXPIPE_BROWSER_WAIT_MS", "60000"))
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",

@@ -13,7 +13,7 @@ from daphne.testing import DaphneProcess
 from django.db import connections
 from playwright.sync_api import sync_playwright
 
-from tests.browser import launch
+from tests.browser import WAIT_MS, launch
 from tests.console.people import PASSWORD
 
 T = TypeVar("T")
@@ -61,6 +61,7 @@ def chromium() -> Iterator[Any]:
 def log_in(browser: Any, base_url: str, username: str, path: str) -> Any:
     """A fresh browser context, logged in through the real login form, on `path`."""
     context = browser.new_context(viewport={"width": 1360, "height": 900})
+    context.set_default_timeout(WAIT_MS)  # clicks, fills and waits with no timeout of their own
     page = context.new_page()
     page.goto(base_url + path)
     assert "/login/" in page.url, page.url  # every page needs a login

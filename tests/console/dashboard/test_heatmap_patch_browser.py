@@ -8,6 +8,7 @@ import os
 import pytest
 from django.test import Client, override_settings
 
+from tests.browser import WAIT_MS
 from tests.builders import GIB, JOIN_TOKEN, report_body
 from tests.console.conftest import enroll
 from tests.console.pagetools import LivePageTestCase, chromium, elsewhere, log_in
@@ -46,9 +47,9 @@ class HeatmapCellsInTheBrowser(LivePageTestCase):
     def test_a_report_of_one_gpu_patches_its_cell_without_a_full_redraw(self) -> None:
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "oscar", "/")
-            page.wait_for_function("document.getElementById('heatmap').dataset.gpuCount === '8'", timeout=10_000)
+            page.wait_for_function("document.getElementById('heatmap').dataset.gpuCount === '8'", timeout=WAIT_MS)
             # the gearbox socket's blocks arrived: the heatmap is drawn by block, as it stays
-            page.wait_for_function("document.getElementById('heatmap').dataset.grouping === 'block'", timeout=10_000)
+            page.wait_for_function("document.getElementById('heatmap').dataset.grouping === 'block'", timeout=WAIT_MS)
             page.evaluate(COUNT_DRAWS)
             before = page.evaluate(Z)
             at = page.evaluate(CELL, "GPU-a1-0")
@@ -58,7 +59,7 @@ class HeatmapCellsInTheBrowser(LivePageTestCase):
             body["gpus"][0]["mem_used_bytes"] = 30 * GIB
             assert elsewhere(self.agents["a1"].post, "/agent/v1/report", body).status_code == 200
             page.wait_for_function(f"(at) => document.getElementById('heatmap').data[0].z[at[0]][at[1]] === {30 / 80}",
-                                   arg=at, timeout=10_000)
+                                   arg=at, timeout=WAIT_MS)
             after = page.evaluate(Z)
             changed = [(r, c) for r, row in enumerate(after) for c, v in enumerate(row) if before[r][c] != v]
             assert changed == [tuple(at)]

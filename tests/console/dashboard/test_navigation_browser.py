@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.browser import screenshot
+from tests.browser import WAIT_MS, screenshot
 from tests.console.pagetools import LivePageTestCase, chromium, log_in
 from tests.console.people import make_person
 
@@ -31,9 +31,9 @@ class NavigationInTheBrowser(LivePageTestCase):
                 page.wait_for_url(self.live_server_url + path)
                 assert page.get_attribute("nav.main-nav a.active", "data-nav") == key
                 if key == "overview":
-                    page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+                    page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
                 if shot:
                     screenshot(page, shot)
             page.click("nav.main-nav a[data-nav=api]")
-            page.wait_for_selector(".swagger-ui .opblock-tag", timeout=10_000)  # Swagger UI, all local
+            page.wait_for_selector(".swagger-ui .opblock-tag", timeout=WAIT_MS)  # Swagger UI, all local
             screenshot(page, "api-docs")

@@ -15,7 +15,7 @@ from playwright.sync_api import sync_playwright
 from agents.sim.cluster import TENANT
 from agents.sim.live import LiveFleet
 from agents.sim.scenario import load_scenario
-from tests.browser import launch, screenshot
+from tests.browser import WAIT_MS, launch, screenshot
 from tests.console.pagetools import LivePageTestCase
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API next to the ORM
@@ -44,6 +44,7 @@ class OverviewInTheBrowser(LivePageTestCase):
             browser = launch(pw)
             try:
                 page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.set_default_timeout(WAIT_MS)
                 requested: list[str] = []
                 page.on("request", lambda r: requested.append(r.url))
                 page.goto(self.live_server_url + "/")
@@ -51,9 +52,9 @@ class OverviewInTheBrowser(LivePageTestCase):
                 page.fill("input[name=username]", "operator")
                 page.fill("input[name=password]", "operator-pass-1")
                 page.click("button[type=submit]")
-                page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+                page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
                 page.wait_for_function(f"document.getElementById('heatmap').dataset.gpuCount === '{total}'",
-                                       timeout=10_000)
+                                       timeout=WAIT_MS)
                 cells = page.evaluate("""() => {
                     const d = document.getElementById('heatmap').data[0];
                     return d.customdata.flat().filter(c => c).map(c => c[0]); }""")
@@ -76,7 +77,7 @@ class OverviewInTheBrowser(LivePageTestCase):
                 marker = page.evaluate("() => window.FlexPipe.cluster.nodes['l40s-c'].last_seen_at")
                 self.fleet.step()
                 page.wait_for_function(
-                    f"() => window.FlexPipe.cluster.gpus['{gpu.uuid}'].allocatable === false", timeout=5_000)
+                    f"() => window.FlexPipe.cluster.gpus['{gpu.uuid}'].allocatable === false", timeout=WAIT_MS)
                 assert page.evaluate("() => window.FlexPipe.cluster.nodes['l40s-c'].last_seen_at") != marker
                 # rows are atomic blocks (then each node's GPUs in no block): find the GPU's cell by its uuid
                 cell = page.evaluate(f"""() => {{

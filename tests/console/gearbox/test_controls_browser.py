@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from console.gearbox import ticks
 from console.gearbox.models import Deployment, Transition
 from scheduler.plan import Gear
-from tests.browser import launch, screenshot
+from tests.browser import WAIT_MS, launch, screenshot
 from tests.console.gearbox.ops import BASELINE, MOVED, drive, running_deployment
 from tests.console.gearbox.test_emergency import heavy_load
 from tests.console.pagetools import LivePageTestCase, elsewhere, log_in
@@ -56,7 +56,7 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
         try:
             cls.browser = launch(cls._pw)
             cls.idle_page = log_in(cls.browser, f"http://{cls.host}:{cls._port}", "ida", "/registry/")
-            cls.idle_page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            cls.idle_page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             cls.idle_since = time.monotonic()
         except BaseException:
             cls._pw.stop()  # no tearDownClass after a failed setUpClass: leave no browser behind
@@ -81,7 +81,7 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
 
     def page(self, path: str = "/deployments/chat/") -> Any:
         page = log_in(self.browser, self.live_server_url, "oscar", path)
-        page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+        page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
         return page
 
     def press_emergency(self, page: Any, reason: str) -> None:
@@ -101,7 +101,7 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
         page = self.page()
         try:
             self.press_emergency(page, "latency alarm")
-            page.wait_for_selector("#emergency-error[data-state=blocked]", timeout=5_000)
+            page.wait_for_selector("#emergency-error[data-state=blocked]", timeout=WAIT_MS)
             assert page.is_visible("#emergency-dialog")  # it stays open: nothing was done
             text = page.inner_text("#emergency-error")
             assert "Blocked — nothing was changed." in text and "the baseline gear cannot run" in text
@@ -118,8 +118,8 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
 
             gear_id = offer.get_attribute("data-offer")
             offer.locator("button[data-accept-offer]").click()
-            page.wait_for_selector("#emergency-dialog", state="hidden", timeout=5_000)
-            page.wait_for_selector("#emergency-banner[data-state=pending]", timeout=5_000)
+            page.wait_for_selector("#emergency-dialog", state="hidden", timeout=WAIT_MS)
+            page.wait_for_selector("#emergency-banner[data-state=pending]", timeout=WAIT_MS)
             assert "not the baseline" in page.inner_text("#emergency-banner")
             assert Gear.from_dict(Deployment.objects.get(name="chat").pinned_gear).gear_id == gear_id
         finally:
@@ -129,18 +129,18 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
         page = self.page()
         try:
             self.press_emergency(page, "TTFT P95 above the SLO since the move")
-            page.wait_for_selector("#emergency-banner[data-state=pending]", timeout=5_000)
+            page.wait_for_selector("#emergency-banner[data-state=pending]", timeout=WAIT_MS)
             page.wait_for_selector("#mode[data-state=emergency]")
             assert page.is_disabled("#controls [data-mode=auto]") and page.is_disabled("#pin-button")
             assert elsewhere(ticks.tick, trigger="emergency", deployment="chat")["started"] == ["chat#3"]
             elsewhere(drive, self.world.agents)
             self.report_all()
-            page.wait_for_selector("#emergency-banner[data-state=holding]", timeout=5_000)
+            page.wait_for_selector("#emergency-banner[data-state=holding]", timeout=WAIT_MS)
             # a load the gearbox would shift up for, and ticks of every kind: the gear stays
             elsewhere(heavy_load, "chat", 120.0)
             for trigger in ("ended", "periodic", "topology", "periodic"):
                 assert elsewhere(ticks.tick, trigger=trigger)["started"] == [], trigger
-            page.wait_for_selector("#decisions tr[data-outcome=stay]", timeout=5_000)
+            page.wait_for_selector("#decisions tr[data-outcome=stay]", timeout=WAIT_MS)
             assert page.get_attribute("#timeline", "data-labels") == "#1 auto|#2 manual|#3 emergency"
             dep = Deployment.objects.get(name="chat")
             assert dep.current_gear == dep.baseline_gear and dep.mode == "emergency"
@@ -149,7 +149,7 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
             screenshot(page, "controls-emergency-holding")
 
             page.click("#emergency-banner [data-release=auto]")
-            page.wait_for_selector("#mode[data-state=auto]", timeout=5_000)
+            page.wait_for_selector("#mode[data-state=auto]", timeout=WAIT_MS)
             page.wait_for_selector("#emergency-banner", state="hidden")
             assert page.inner_text("#control-result") == "emergency released: mode auto"
             assert Deployment.objects.get(name="chat").mode == "auto"
@@ -160,7 +160,7 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
         page = self.page()
         try:
             page.click("#candidates-button")
-            page.wait_for_selector("#candidates[data-rows]:not([hidden]) tbody tr", timeout=10_000)
+            page.wait_for_selector("#candidates[data-rows]:not([hidden]) tbody tr", timeout=WAIT_MS)
             rows = page.locator("#candidates tbody tr")
             assert rows.count() >= 2
             first = rows.nth(1)
@@ -169,14 +169,14 @@ class OperatorControlsInTheBrowser(LivePageTestCase):
             assert "tok/s" in first.inner_text() and "req/s" in first.inner_text()  # with its estimates
             gear_id = first.get_attribute("data-gear")
             first.locator("button[data-override]").click()
-            page.wait_for_selector("#mode[data-state=pinned]", timeout=5_000)
+            page.wait_for_selector("#mode[data-state=pinned]", timeout=WAIT_MS)
             assert page.inner_text("#control-result").startswith("override: transition #3 to ")
             t = Transition.objects.get(deployment__name="chat", seq=3)
             assert t.kind == "manual" and Gear.from_dict(t.to_gear).gear_id == gear_id
             elsewhere(drive, self.world.agents)
             self.report_all()
             page.wait_for_function(f"document.getElementById('gear-current').dataset.gearId === '{gear_id}'",
-                                   timeout=5_000)
+                                   timeout=WAIT_MS)
             for trigger in ("ended", "periodic"):
                 assert elsewhere(ticks.tick, trigger=trigger)["started"] == []  # pinned: it holds
             assert Gear.from_dict(Deployment.objects.get(name="chat").current_gear).gear_id == gear_id != MOVED.gear_id

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from console.gearbox.models import Deployment
 from console.registry.models import ModelVersion
-from tests.browser import screenshot
+from tests.browser import WAIT_MS, screenshot
 from tests.console.gearbox.harness import enroll_fleet
 from tests.console.pagetools import LivePageTestCase, chromium, log_in
 from tests.console.people import make_person
@@ -41,7 +41,7 @@ class NewDeploymentInTheBrowser(LivePageTestCase):
             page.fill(f"{form} [name=min_replicas]", "3")
             page.fill(f"{form} [name=max_replicas]", "2")
             page.click(f"{form} button[type=submit]")
-            error = page.wait_for_selector(f"{form} .field-error[data-field=min_replicas]", timeout=10_000)
+            error = page.wait_for_selector(f"{form} .field-error[data-field=min_replicas]", timeout=WAIT_MS)
             assert "must be at most max_replicas (2)" in error.inner_text()
             assert page.inner_text("#new-deployment-result") == "refused (400)"
             screenshot(page, "new-deployment-refused")
@@ -51,15 +51,15 @@ class NewDeploymentInTheBrowser(LivePageTestCase):
             page.fill(f"{form} [name=min_replicas]", "1")
             page.fill(f"{form} [name=baseline_gear]", '{"plans": [{"stages": [{"gpus": ["z9/0"]}]}]}')
             page.click(f"{form} button[type=submit]")
-            error = page.wait_for_selector(f"{form} .field-error[data-field^=baseline_gear]", timeout=10_000)
+            error = page.wait_for_selector(f"{form} .field-error[data-field^=baseline_gear]", timeout=WAIT_MS)
             assert "no GPU 'z9/0' in the fleet" in error.inner_text()
             assert not Deployment.objects.filter(name="chat-new").exists()
 
             page.fill(f"{form} [name=baseline_gear]", "auto")
             page.click(f"{form} button[type=submit]")
-            page.wait_for_selector("#new-deployment-result.ok", timeout=10_000)
+            page.wait_for_selector("#new-deployment-result.ok", timeout=WAIT_MS)
             assert page.inner_text("#new-deployment-result").startswith("created chat-new (baseline TP")
-            page.wait_for_selector("#deployments tbody tr:has-text('chat-new')", timeout=10_000)
+            page.wait_for_selector("#deployments tbody tr:has-text('chat-new')", timeout=WAIT_MS)
             screenshot(page, "new-deployment-created")
             assert Deployment.objects.filter(name="chat-new", created_by__username="oscar").exists()
 

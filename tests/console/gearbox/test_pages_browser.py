@@ -21,7 +21,7 @@ from console.celery import app
 from console.gateway import learned
 from console.gearbox import ticks
 from console.gearbox.models import Decision, Deployment, Transition
-from tests.browser import screenshot
+from tests.browser import WAIT_MS, screenshot
 from tests.conftest import purge_tasks
 from tests.console.gearbox.ops import MOVED, engine_report, running_deployment
 from tests.console.pagetools import LivePageTestCase, chromium, elsewhere, log_in
@@ -61,7 +61,7 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
     def test_an_operator_pins_the_gear_then_the_emergency_shows_live_in_the_timeline(self) -> None:
         with celery_worker(), chromium() as browser:
             page = log_in(browser, self.live_server_url, "oscar", "/deployments/chat/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             assert page.get_attribute("#timeline", "data-labels") == "#1 auto|#2 manual"
             # no load sample in the gearbox's window yet: the chart says so, not an empty year-2000 axis
             assert "no load sample in the window yet" in page.inner_text("#chart-load")
@@ -71,11 +71,11 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
                 points = int(page.get_attribute("#chart-throughput", "data-points") or 0)
                 self.report(tokens_per_s=tokens, ttft_p95_ms=ttft)
                 page.wait_for_function(
-                    f"document.getElementById('chart-throughput').dataset.points === '{points + 1}'", timeout=5_000)
+                    f"document.getElementById('chart-throughput').dataset.points === '{points + 1}'", timeout=WAIT_MS)
             assert page.evaluate("window.FlexPipe.deployment.points.at(-1).tokens_per_s") == 1020.0
 
             page.click("#pin-button")
-            page.wait_for_selector("#mode[data-state=pinned]", timeout=5_000)
+            page.wait_for_selector("#mode[data-state=pinned]", timeout=WAIT_MS)
             dep = Deployment.objects.get(name="chat")
             assert dep.mode == "pinned" and dep.pinned_gear == MOVED.to_dict()
             assert AuditEntry.objects.get(event_type="gearbox.gear_pinned").actor == "user:oscar"
@@ -94,16 +94,16 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             # how fast it comes - ~1 s on an idle 2-core machine - is the machine's speed, not a test's)
             page.wait_for_function(
                 "() => (document.getElementById('timeline').dataset.labels || '').split('|').includes('#3 emergency')",
-                timeout=30_000)
+                timeout=WAIT_MS)
             assert page.is_hidden("#emergency-dialog")
-            page.wait_for_selector("#transitions tr[data-seq='3'][data-kind=emergency]", timeout=10_000)
+            page.wait_for_selector("#transitions tr[data-seq='3'][data-kind=emergency]", timeout=WAIT_MS)
 
             third = Transition.objects.get(deployment__name="chat", seq=3)
             assert third.kind == "emergency" and third.to_gear == Deployment.objects.get(name="chat").baseline_gear
             requested = AuditEntry.objects.get(event_type="gearbox.emergency_requested")
             assert requested.actor == "user:oscar" and "TTFT P95" in requested.summary
             assert Deployment.objects.get(name="chat").mode == "emergency"  # it works on a pinned gear, and holds
-            page.wait_for_selector("#gear-target:not([hidden])", timeout=5_000)
+            page.wait_for_selector("#gear-target:not([hidden])", timeout=WAIT_MS)
             screenshot(page, "deployment")
 
     def test_a_viewer_sees_no_control_and_the_api_refuses_the_emergency_anyway(self) -> None:
@@ -115,7 +115,7 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
         learned.keep("chat", [ROLLED_BACK])  # and of its learned weights' rollout
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "vera", "/deployments/chat/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             page.wait_for_selector("#timeline[data-rows='2']")
             row = page.locator(f"#route-samples tr[data-chosen='{sample['taken_by']}']")
             assert row.count() >= 1 and "priority 2" in row.first.inner_text()
@@ -146,26 +146,26 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
         assert stay is not None and stay.outcome == "stay" and stay.repeats == 3, (stay and stay.reasons)
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "vera", "/deployments/chat/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             row = page.locator(f"#decisions tr[data-decision='{stay.pk}'][data-repeats='3']")
-            row.wait_for(timeout=5_000)
+            row.wait_for(timeout=WAIT_MS)
             assert "×3, last" in row.inner_text()
             page.select_option("#decision-filter", "stay")  # the outcome filter still shows it
-            row.wait_for(timeout=5_000)
+            row.wait_for(timeout=WAIT_MS)
             elsewhere(ticks.tick)  # one more: the same row counts it, pushed live
-            page.locator(f"#decisions tr[data-decision='{stay.pk}'][data-repeats='4']").wait_for(timeout=5_000)
+            page.locator(f"#decisions tr[data-decision='{stay.pk}'][data-repeats='4']").wait_for(timeout=WAIT_MS)
             assert page.locator("#decisions tr[data-outcome=stay]").count() == 1
 
     def test_the_list_the_reviews_and_the_overview_show_the_gearbox_live(self) -> None:
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "oscar", "/deployments/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             page.wait_for_selector("#deployments tr[data-deployment=chat][data-health=ok]")
             assert page.get_attribute("#switch-timeline", "data-rows") == "2"
             screenshot(page, "deployments")
 
             page.goto(f"{self.live_server_url}/deployments/chat/transitions/2/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             phases = page.get_attribute("section.transition[data-seq='2'] .t-phases", "data-phases")
             assert phases == "prepare,switch,cleanup"
             assert page.locator("#decision[data-decision]").is_visible()
@@ -176,16 +176,16 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             screenshot(page, "transition")
 
             page.goto(f"{self.live_server_url}/")
-            page.wait_for_selector("#gearbox-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#gearbox-status[data-state=live]", timeout=WAIT_MS)
             page.wait_for_selector("#heatmap[data-grouping=block][data-rows='2']")
             page.wait_for_selector("#overview-deployments tr[data-deployment=chat][data-health=ok]")
             assert page.locator("#recent-switches tbody tr").count() == 2
             # another tenant takes a GPU of chat's gear: the heatmap moves it out of its block, chat degrades
             self.world.reporter.gone = {"GPU-b1-5"}
             self.report(tokens_per_s=640.0, ttft_p95_ms=420.0)
-            page.wait_for_selector("#heatmap[data-grouping=block][data-rows='3']", timeout=5_000)
+            page.wait_for_selector("#heatmap[data-grouping=block][data-rows='3']", timeout=WAIT_MS)
             page.wait_for_selector("#overview-deployments tr[data-deployment=chat][data-health=degraded]",
-                                   timeout=5_000)
+                                   timeout=WAIT_MS)
             out = page.evaluate("""() => {
                 const d = document.getElementById('heatmap').data[0];
                 const row = d.y.indexOf('b1 · out');  // its column is its GPU index
@@ -195,13 +195,13 @@ class GearboxPagesInTheBrowser(LivePageTestCase):
             # switch appears among the recent ones
             elsewhere(self.world.reporter.report, "a1")
             assert elsewhere(ticks.tick, trigger="topology")["started"] == ["chat#3"]
-            page.wait_for_selector("#recent-switches tr[data-seq='3'][data-kind=auto]", timeout=5_000)
+            page.wait_for_selector("#recent-switches tr[data-seq='3'][data-kind=auto]", timeout=WAIT_MS)
             screenshot(page, "overview")
 
             # that decision replayed: the candidates it weighed, side by side
             decision = Decision.objects.get(deployment__name="chat", trigger="topology", outcome="switch")
             page.goto(f"{self.live_server_url}/decisions/{decision.pk}/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             cards = page.locator("#candidates .candidate").count()
             assert cards == len(decision.candidates) >= 2
             assert page.locator(f"#candidates .candidate.chosen[data-gear='{decision.target_gear_id}']").count() == 1

@@ -24,7 +24,7 @@ from console.gearbox.models import Deployment, Transition
 from console.gearbox.rollout import do_rollout_version
 from console.registry.actions import VersionSpec, do_register_model_version
 from console.registry.models import ModelVersion
-from tests.browser import screenshot
+from tests.browser import WAIT_MS, screenshot
 from tests.console.gearbox.ops import drive, running_deployment
 from tests.console.pagetools import LivePageTestCase, chromium, elsewhere, log_in
 from tests.console.people import make_person
@@ -77,7 +77,7 @@ class RolloutInTheBrowser(LivePageTestCase):
         serving = (dep.current_gear, dep.routing)
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "oscar", "/registry/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             v1_row, v2_row = (f"#versions tr[data-id='{v.pk}']" for v in (self.v1, self.v2))
             assert page.inner_text(f"{v1_row} td.serving") == "chat"
             assert page.inner_text(f"{v2_row} td.serving") == "—"
@@ -85,7 +85,7 @@ class RolloutInTheBrowser(LivePageTestCase):
             page.select_option(f"{v2_row} select.rollout-target", "chat")
             page.click(f"{v2_row} button.rollout")
             # the answer, whichever it is (a refusal shows its reason here rather than as a timeout)
-            started = page.wait_for_selector(f"{v2_row} .result.ok[data-seq], {v2_row} .result.bad", timeout=20_000)
+            started = page.wait_for_selector(f"{v2_row} .result.ok[data-seq], {v2_row} .result.bad", timeout=WAIT_MS)
             assert "ok" in (started.get_attribute("class") or ""), started.inner_text()
             seq = int(started.get_attribute("data-seq") or 0)
             assert "rollout #" in started.inner_text() and "canary first" in started.inner_text()
@@ -96,13 +96,13 @@ class RolloutInTheBrowser(LivePageTestCase):
             assert rolled.phase == "rolled_back" and "tokenizer" in rolled.error
 
             started.query_selector("a").click()  # to the rollout's review page
-            page.wait_for_selector(f"section.transition[data-seq='{seq}']", timeout=10_000)
+            page.wait_for_selector(f"section.transition[data-seq='{seq}']", timeout=WAIT_MS)
             page.wait_for_function(f"""() => document.querySelector("section.transition[data-seq='{seq}'] .t-phase")
-                                       .textContent.includes("rolled_back")""", timeout=5_000)
+                                       .textContent.includes("rolled_back")""", timeout=WAIT_MS)
             assert "does not load" in page.inner_text(f"section.transition[data-seq='{seq}']")
 
             page.goto(f"{self.live_server_url}/deployments/chat/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             assert "Llama-3-8B @v1" in page.inner_text("#facts")
             page.wait_for_selector(f"#transitions tr[data-seq='{seq}'][data-kind=rollout][data-phase=rolled_back]")
             screenshot(page, "rollout-rolled-back")

@@ -15,7 +15,7 @@ from django.test import override_settings
 from agents.engines.torch.weights import write_tokenizer
 from console.registry import actions
 from console.registry.models import ModelVersion
-from tests.browser import screenshot
+from tests.browser import WAIT_MS, screenshot
 from tests.console.pagetools import LivePageTestCase, chromium, elsewhere, log_in
 from tests.console.people import make_person
 from tests.console.registry.conftest import OTHER_SHA256, model_body
@@ -60,13 +60,13 @@ class RegistryPageInTheBrowser(LivePageTestCase):
     def test_an_admin_registers_a_bad_digest_sees_it_quarantined_and_retires_a_version(self) -> None:
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "alice", "/registry/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             page.evaluate("window.__sameDocument = true")
 
             # An agent reports another digest for the remote version: the badge turns, live.
             elsewhere(actions.do_record_weights_check, self.remote, observed_sha256=OTHER_SHA256, node_id="a1")
             row = f"#versions tr[data-id='{self.remote.pk}']"
-            page.wait_for_selector(f"{row}[data-status=quarantined] .pill[data-status=quarantined]", timeout=5_000)
+            page.wait_for_selector(f"{row}[data-status=quarantined] .pill[data-status=quarantined]", timeout=WAIT_MS)
             assert f"observed {OTHER_SHA256[:12]}… ≠ registered {self.remote.sha256[:12]}… · agent:a1" in page.inner_text(row)
 
             # The register form: a refusal names the field, then a local file with a wrong digest.
@@ -80,13 +80,13 @@ class RegistryPageInTheBrowser(LivePageTestCase):
             page.fill(f"{form} [name=max_context]", "512")
             page.fill(f"{form} [name=min_gpu_mem_bytes]", str(2**30))
             page.click(f"{form} button[type=submit]")
-            error = page.wait_for_selector(".field-error[data-field=sha256]", timeout=5_000)
+            error = page.wait_for_selector(".field-error[data-field=sha256]", timeout=WAIT_MS)
             assert "64 lowercase hexadecimal" in error.inner_text()
             assert not ModelVersion.objects.filter(name="local-tiny").exists()
 
             page.fill(f"{form} [name=sha256]", OTHER_SHA256)
             page.click(f"{form} button[type=submit]")
-            page.wait_for_selector("#register-result.bad", timeout=5_000)
+            page.wait_for_selector("#register-result.bad", timeout=WAIT_MS)
             local = ModelVersion.objects.get(name="local-tiny")
             assert local.status == "quarantined"
             assert local.observed_sha256 == hashlib.sha256(self.weights.read_bytes()).hexdigest()
@@ -99,7 +99,7 @@ class RegistryPageInTheBrowser(LivePageTestCase):
             page.click(f"{retire_row} button.retire")
             page.fill(f"{retire_row} input.retire-reason", "bad upload")
             page.click(f"{retire_row} button.confirm-retire")
-            page.wait_for_selector(f"{retire_row}[data-status=retired]", timeout=5_000)
+            page.wait_for_selector(f"{retire_row}[data-status=retired]", timeout=WAIT_MS)
             local.refresh_from_db()
             assert local.status == "retired" and local.retired_by == "user:alice"
             assert page.evaluate("window.__sameDocument") is True
@@ -108,7 +108,7 @@ class RegistryPageInTheBrowser(LivePageTestCase):
         actions.do_record_weights_check(self.remote, observed_sha256=OTHER_SHA256, node_id="a1")
         with chromium() as browser:
             page = log_in(browser, self.live_server_url, "vera", "/registry/")
-            page.wait_for_selector("#live-status[data-state=live]", timeout=10_000)
+            page.wait_for_selector("#live-status[data-state=live]", timeout=WAIT_MS)
             page.wait_for_selector(f"#versions tr[data-id='{self.remote.pk}'] .pill[data-status=quarantined]")
             assert page.locator("#versions tbody tr").count() == 2
             assert page.locator("#register-form").count() == 0
