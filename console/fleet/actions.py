@@ -46,14 +46,12 @@ def unknown_token() -> Rejected:
     return Rejected(401, {"Authorization": "unknown agent token"})
 
 
-def node_for_token(token: str, *, only: tuple[str, ...] = ()) -> Node | None:
-    """The node whose agent token this is. `only`: just these columns (the long poll needs its id
-    alone; a field left out is read with a query of its own when touched)."""
+def node_for_token(token: str) -> Node | None:
+    """The node whose agent token this is."""
     if not token:
         return None
-    # No ORDER BY (first() would sort the one match by pk): every agent call starts here (issue 19)
-    rows = Node.objects.filter(token_hash=hash_token(token)).order_by()
-    return next(iter((rows.only(*only) if only else rows)[:1]), None)
+    # No ORDER BY (first() would sort the one match by pk): an ack starts here (issue 19)
+    return next(iter(Node.objects.filter(token_hash=hash_token(token)).order_by()[:1]), None)
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,8 @@ def agent_for_token(token: str, *, remembered: bool = True) -> AgentRef | None:
     query (issue 19). Only for a report: do_ingest_report reads the node's row, locked, and refuses
     the report (401) when the hash is not the node's any more - rotated or revoked since, by any
     process - so a remembered token never writes. The long poll and the ack read and write without
-    such a check: they use node_for_token."""
+    such a check: the poll reads its node with its commands (node_and_open_commands), the ack with
+    node_for_token."""
     if not token:
         return None
     digest = hash_token(token)
@@ -393,7 +392,14 @@ def do_issue_command(node: Node, *, key: str, kind: str, payload: dict[str, obje
 
 def open_commands(node: Node, after: int) -> list[AgentCommand]:
     return list(AgentCommand.objects.filter(node=node, id__gt=after, state__in=AgentCommand.OPEN_STATES)
-                .order_by("id")[:100])
+                .order_by("id")[:writes.POLL_LIMIT])
+
+
+def node_and_open_commands(token: str, after: int) -> tuple[Node | None, list[AgentCommand]]:
+    """A long poll's start: the token's node (its id and node_id) and open_commands, in one query."""
+    if not token:
+        return None, []
+    return writes.node_with_open_commands(hash_token(token), after)
 
 
 def mark_delivered(commands: list[AgentCommand], *, now: datetime) -> None:
@@ -443,6 +449,7 @@ __all__ = [
     "hash_token",
     "mark_delivered",
     "node_for_token",
+    "node_and_open_commands",
     "open_commands",
     "unknown_token",
 ]

@@ -1,5 +1,5 @@
-"""A report's hot path in plain SQL: reading its node with its GPUs, claiming it, writing what
-changed (issue 19).
+"""The agent API's hot paths in plain SQL: a report's read of its node with its GPUs, its claim
+and its write of what changed; a long poll's first read (issue 19).
 
 Django's ORM builds each query's SQL in Python for every call, and instantiates a model per row
 with the machinery for deferred fields and related objects: for a report of one changed GPU that
@@ -22,7 +22,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections, models
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from console.fleet.models import Gpu, GpuSample, Node
+from console.fleet.models import AgentCommand, Gpu, GpuSample, Node
 
 STATE_FIELDS = ("mem_used_bytes", "mem_total_bytes", "sm_util", "temperature_c", "healthy", "allocatable",
                 "xid_errors", "ecc_errors", "updated_at")
@@ -41,6 +41,10 @@ NODE_READ = _in_model_order(Node, {"id", "node_id", "hostname", "rack", "token_h
 GPU_READ = _in_model_order(Gpu, {"id", "node", "uuid", "index", "model", "nvlink_group", "mem_total_bytes",
                                  "mem_used_bytes", "sm_util", "temperature_c", "healthy", "allocatable",
                                  "xid_errors", "ecc_errors", "updated_at"})
+# What a long poll reads: its node's id and name (the doorbell is rung by name), the open commands
+POLL_NODE_READ = ("id", "node_id")
+COMMAND_READ = tuple(f.name for f in AgentCommand._meta.concrete_fields)
+POLL_LIMIT = 100  # commands handed out by one answer; the rest go in the next
 SAMPLE_FIELDS = ("gpu", "at", "mem_used_bytes", "sm_util", "temperature_c", "healthy", "allocatable")
 
 
@@ -76,6 +80,13 @@ def _build(db: BaseDatabaseWrapper, statement: str) -> str:
         return (f"SELECT {setting}{', '.join(_cols(db, Node, NODE_READ, 'n') + _cols(db, Gpu, GPU_READ, 'g'))} "  # noqa: S608 - names from the models
                 f"FROM {_table(db, Node)} n LEFT JOIN {_table(db, Gpu)} g ON {gpu_node} = {node_pk} "
                 f"AND {_cols(db, Gpu, ('present',), 'g')[0]} = %s WHERE {node_pk} = %s{lock}")
+    if statement == "poll":
+        node_pk, token = _cols(db, Node, ("id", "token_hash"), "n")
+        cmd_pk, cmd_node, state = _cols(db, AgentCommand, ("id", "node", "state"), "c")
+        return (f"SELECT {', '.join(_cols(db, Node, POLL_NODE_READ, 'n') + _cols(db, AgentCommand, COMMAND_READ, 'c'))} "  # noqa: S608 - names from the models
+                f"FROM {_table(db, Node)} n LEFT JOIN {_table(db, AgentCommand)} c ON {cmd_node} = {node_pk} "
+                f"AND {cmd_pk} > %s AND {state} IN ({', '.join(['%s'] * len(AgentCommand.OPEN_STATES))}) "
+                f"WHERE {token} = %s ORDER BY {node_pk}, {cmd_pk} LIMIT {POLL_LIMIT}")
     if statement == "claim":
         sets = ", ".join(f"{c} = %s" for c in _cols(db, Node, ("last_seq", "last_seen_at", "reported_at", "engines")))
         prev, reported, pk, token, epoch, seq = _cols(
@@ -136,6 +147,29 @@ def node_with_gpus(pk: int, *, commit_async: bool = False) -> tuple[Node | None,
         gpu.node = node
         gpus.append(gpu)
     return node, gpus
+
+
+def node_with_open_commands(token_hash: str, after: int) -> tuple[Node | None, list[AgentCommand]]:
+    """The node of this token hash (its id and node_id; other fields are deferred) and its open
+    commands past `after`, oldest first, at most POLL_LIMIT: one query, where a poll's start took
+    two (the node by its token, then its commands). None when no node has the hash."""
+    db = _db()
+    with db.cursor() as cursor:
+        cursor.execute(_sql(db, "poll"), [after, *AgentCommand.OPEN_STATES, token_hash])
+        rows = cursor.fetchall()
+    if not rows:
+        return None, []
+    split = len(POLL_NODE_READ)
+    node = _Rows(db, Node, POLL_NODE_READ).instance(rows[0][:split])
+    reader = _Rows(db, AgentCommand, COMMAND_READ)
+    commands = []
+    for row in rows:
+        if row[0] != node.pk or row[split] is None:  # another node of the same hash; no open command
+            continue
+        cmd = reader.instance(row[split:])
+        cmd.node = node
+        commands.append(cmd)
+    return node, commands
 
 
 def claim_report(pk: int, *, token_hash: str, epoch: int, seq: int, now: datetime, engines: list[Any]) -> bool:

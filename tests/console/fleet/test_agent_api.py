@@ -4,8 +4,9 @@ import threading
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connection, connections
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from console.fleet import actions
@@ -282,6 +283,29 @@ class TestCommands:
         self.issue("b1", key="t1:prepare:b1")
         assert agent.get("/agent/v1/commands", after=0, wait=0).json()["commands"] == []
         assert len(other.get("/agent/v1/commands", after=0, wait=0).json()["commands"]) == 1
+
+    def test_a_poll_starts_with_one_query_for_its_node_and_its_open_commands_oldest_first(
+            self, agent: AgentHTTP, client: Client) -> None:
+        enroll(client, "b1")
+        self.issue("b1", key="t1:prepare:b1")  # another node's
+        first, second, done = (self.issue(key=f"t1:prepare:a1:{i}") for i in range(3))
+        AgentCommand.objects.filter(pk=done.pk).update(state=AgentCommand.OK)
+        with CaptureQueriesContext(connection) as queries:
+            node, cmds = actions.node_and_open_commands(agent.token, 0)
+        assert len(queries) == 1
+        assert node is not None and node.node_id == "a1" and [c.pk for c in cmds] == [first.pk, second.pk]
+        assert cmds[1].payload == {"plan": "p"} and cmds[1].node.node_id == "a1"
+        assert [c.pk for c in actions.node_and_open_commands(agent.token, first.pk)[1]] == [second.pk]
+        with CaptureQueriesContext(connection) as queries:
+            node, cmds = actions.node_and_open_commands(agent.token, second.pk)
+        assert len(queries) == 1 and node is not None and node.node_id == "a1" and cmds == []
+        assert actions.node_and_open_commands("not-a-token", 0) == (None, [])
+        resp = agent.get("/agent/v1/commands", token="not-a-token", after=0, wait=0)
+        assert resp.status_code == 401
+        got = agent.get("/agent/v1/commands", after=0, wait=0).json()["commands"]
+        assert [c["id"] for c in got] == [first.pk, second.pk]
+        assert set(AgentCommand.objects.filter(pk__in=[first.pk, second.pk]).values_list("state", flat=True)) == {
+            AgentCommand.DELIVERED}
 
     def test_the_long_poll_wakes_when_a_command_arrives(self, agent: AgentHTTP, transactional_db: None) -> None:
         def issue_from_another_thread() -> None:
